@@ -1,0 +1,81 @@
+// Python bindings of the CPU selective scan (module vim_ds._scan_cpu). Interface: csrc/README.md.
+//
+// The Python wrapper validates and casts before calling; the checks here are a cheap second line of defence so
+// that a wrong call fails with a message instead of reading out of bounds.
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "selective_scan_cpu.h"
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+at::ScalarType acc_dtype(at::ScalarType in) { return in == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  TORCH_CHECK(t.defined(), "selective_scan (cpu): ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "selective_scan (cpu): ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "selective_scan (cpu): ", name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "selective_scan (cpu): ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "selective_scan (cpu): ", name, " must be contiguous");
+}
+
+void check_optional(const OptTensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  if (t.has_value() && t->defined()) check_tensor(*t, name, dtype, shape);
+}
+
+// Checks everything fwd and bwd share; returns nothing, throws on the first problem.
+void check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                  const at::Tensor& C, const OptTensor& D, const OptTensor& z, const OptTensor& delta_bias) {
+  TORCH_CHECK(u.defined() && u.dim() == 3, "selective_scan (cpu): u must be 3-D (batch, dim, seqlen)");
+  TORCH_CHECK(A.defined() && A.dim() == 2, "selective_scan (cpu): A must be 2-D (dim, d_state)");
+  const auto in = u.scalar_type();
+  TORCH_CHECK(in == at::kFloat || in == at::kDouble || in == at::kBFloat16,
+              "selective_scan (cpu): input dtype must be float32, float64 or bfloat16, got ", in);
+  const auto acc = acc_dtype(in);
+  const int64_t batch = u.size(0), dim = u.size(1), L = u.size(2), N = A.size(1);
+  TORCH_CHECK(L >= 1, "selective_scan (cpu): seqlen must be >= 1");
+  TORCH_CHECK(N >= 1 && N <= 256, "selective_scan (cpu): d_state must be in [1, 256], got ", N);
+  check_tensor(u, "u", in, {batch, dim, L});
+  check_tensor(delta, "delta", in, {batch, dim, L});
+  check_tensor(A, "A", acc, {dim, N});
+  check_tensor(B, "B", in, {batch, N, L});
+  check_tensor(C, "C", in, {batch, N, L});
+  check_optional(D, "D", acc, {dim});
+  check_optional(z, "z", in, {batch, dim, L});
+  check_optional(delta_bias, "delta_bias", acc, {dim});
+}
+
+std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                            const at::Tensor& C, const OptTensor& D, const OptTensor& z,
+                            const OptTensor& delta_bias, bool delta_softplus) {
+  check_inputs(u, delta, A, B, C, D, z, delta_bias);
+  return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+}
+
+std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                            const at::Tensor& C, const OptTensor& D, const OptTensor& z,
+                            const OptTensor& delta_bias, const at::Tensor& dout, const OptTensor& saved,
+                            bool delta_softplus) {
+  (void)saved;  // the CPU backward recomputes the states; fwd returns an empty `saved`
+  check_inputs(u, delta, A, B, C, D, z, delta_bias);
+  check_tensor(dout, "dout", u.scalar_type(), u.sizes());
+  return vim_ds::scan_cpu::selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Selective scan (Mamba SSM) forward/backward on CPU; see csrc/README.md";
+  m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
+        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"));
+  m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
+        py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"));
+}

@@ -1,0 +1,30 @@
+// CPU selective scan (see csrc/README.md for the operation and the interface).
+//
+// These two functions do the work behind `vim_ds._scan_cpu.fwd` / `.bwd`; bindings_cpu.cpp only checks the
+// arguments and forwards them. Inputs must already be validated (contiguous, CPU, consistent shapes/dtypes).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace vim_ds {
+namespace scan_cpu {
+
+// Returns {out, saved}. `saved` is an empty tensor: the backward recomputes the states per channel.
+std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
+                                           const at::Tensor& B, const at::Tensor& C,
+                                           const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+                                           const std::optional<at::Tensor>& delta_bias, bool delta_softplus);
+
+// Returns {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias}; dD / dz / ddelta_bias are undefined tensors (None in
+// Python) when D / z / delta_bias are not given.
+std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
+                                           const at::Tensor& B, const at::Tensor& C,
+                                           const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+                                           const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
+                                           bool delta_softplus);
+
+}  // namespace scan_cpu
+}  // namespace vim_ds

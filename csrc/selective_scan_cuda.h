@@ -1,0 +1,71 @@
+// Plain C++ interface between the torch binding (bindings_cuda.cpp) and the GPU launchers
+// (selective_scan_cuda.cu).
+//
+// This header deliberately includes neither torch nor the CUDA/HIP runtime: the binding only hands over raw
+// pointers, sizes and the stream (as an opaque void*), and the launchers never see a torch type. That keeps all
+// device code free of torch headers, so it compiles on its own with nvcc and, after hipify, with hipcc.
+#pragma once
+
+#include <cstdint>
+
+namespace vim_ds_scan {
+
+// Element type of u, delta, z, B, C (the "input dtype"). State and accumulation are float32, or float64 for
+// kFloat64 (the "accumulation dtype").
+enum class ScanDType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+// Everything one forward or backward call needs. Shapes (all tensors contiguous):
+//   u, delta, z, out, dout, du, ddelta, dz : (batch, dim, seqlen)           input dtype
+//   A                                      : (dim, dstate)                  accumulation dtype
+//   B, C                                   : (batch, dstate, seqlen)        input dtype
+//   D, delta_bias                          : (dim,)                         accumulation dtype
+//   saved                                  : (batch, dim, num_checkpoints, dstate)   accumulation dtype
+//   dA (dim, dstate), dB, dC (batch, dstate, seqlen), dD, ddelta_bias (dim,): accumulation dtype and
+//   ZERO-INITIALISED by the caller: the backward kernel atomically adds partial sums into them.
+// D, z, delta_bias may be null (then dD / dz / ddelta_bias must be null too). Pointers a call does not use
+// (e.g. the gradients in the forward) are ignored.
+struct ScanArgs {
+  int64_t batch = 0, dim = 0, seqlen = 0, dstate = 0;
+  ScanDType dtype = ScanDType::kFloat32;
+  bool delta_softplus = false;
+
+  const void* u = nullptr;
+  const void* delta = nullptr;
+  const void* A = nullptr;
+  const void* B = nullptr;
+  const void* C = nullptr;
+  const void* D = nullptr;
+  const void* z = nullptr;
+  const void* delta_bias = nullptr;
+
+  void* out = nullptr;          // forward output
+  void* saved = nullptr;        // written by the forward, read by the backward
+  const void* dout = nullptr;   // backward input
+
+  void* du = nullptr;
+  void* ddelta = nullptr;
+  void* dz = nullptr;
+  void* dA = nullptr;
+  void* dB = nullptr;
+  void* dC = nullptr;
+  void* dD = nullptr;
+  void* ddelta_bias = nullptr;
+};
+
+// Largest supported d_state.
+constexpr int64_t kScanMaxDState = 256;
+
+// Time steps between two stored states ("chunk length"); depends only on d_state and the dtype.
+int64_t scan_chunk_length(int64_t dstate, ScanDType dtype);
+
+// Number of stored states per (batch, channel): ceil(seqlen / chunk_length) - 1 (the state at the start of
+// every chunk but the first, which starts from zero). May be 0.
+int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype);
+
+// Launch the forward / backward on `stream` (a cudaStream_t, or hipStream_t after hipify, passed as void*).
+// Return nullptr on success, or a static error message (bad arguments, or the launch error reported by the
+// runtime).
+const char* scan_fwd(const ScanArgs& args, void* stream);
+const char* scan_bwd(const ScanArgs& args, void* stream);
+
+}  // namespace vim_ds_scan

@@ -1,0 +1,111 @@
+"""Build vim_ds and its selective-scan kernels.
+
+The CPU kernel (``vim_ds._scan_cpu``) is always built. The GPU kernel (``vim_ds._scan_cuda``) is built when the
+installed torch has a GPU backend and its compiler is present: CUDA (``torch.version.cuda`` and nvcc) or ROCm
+(``torch.version.hip`` and hipcc; ``CUDAExtension`` then hipifies the CUDA sources itself).
+
+Environment:
+  VIM_DS_BUILD_GPU=auto|0|1   auto (default): build the GPU kernel when possible; 0: never; 1: always (fail if
+                              it cannot be built).
+  VIM_DS_BUILD_CPU=1|0        0 skips the CPU kernel too (pure-Python install; the kernel is then JIT-built at
+                              first use, or the ``ref`` backend is used).
+  TORCH_CUDA_ARCH_LIST        GPU architectures, as for any torch extension (default here: "8.0;9.0" for CUDA).
+  PYTORCH_ROCM_ARCH           AMD architectures (default here: "gfx90a;gfx942").
+"""
+import importlib.util
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_build_config():
+    # Loaded by path: importing the vim_ds package itself would try to load the kernels being built.
+    spec = importlib.util.spec_from_file_location("build_config", os.path.join(ROOT, "vim_ds", "ops", "build_config.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_config = _load_build_config()
+
+
+def _flag(name, default):
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "auto"):
+        raise SystemExit(f"{name} must be 0, 1 or auto, not {value!r}")
+    return value
+
+
+def _gpu_toolchain(torch):
+    """Return (backend, reason): backend is 'cuda', 'hip' or None."""
+    from torch.utils import cpp_extension
+
+    if torch.version.hip:
+        if cpp_extension.ROCM_HOME and shutil.which("hipcc", path=os.path.join(cpp_extension.ROCM_HOME, "bin")):
+            return "hip", f"ROCm torch ({torch.version.hip}) and hipcc in {cpp_extension.ROCM_HOME}"
+        return None, "ROCm torch but no hipcc found (set ROCM_HOME)"
+    if torch.version.cuda:
+        if cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
+            return "cuda", f"CUDA torch ({torch.version.cuda}) and nvcc in {cpp_extension.CUDA_HOME}"
+        return None, "CUDA torch but no nvcc found (set CUDA_HOME)"
+    return None, "torch has no GPU backend"
+
+
+def extensions():
+    import torch
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    exts = []
+    if _flag("VIM_DS_BUILD_CPU", "1") != "0":
+        exts.append(CppExtension("vim_ds._scan_cpu", **build_config.cpu_extension_args(ROOT)))
+    want_gpu = _flag("VIM_DS_BUILD_GPU", "auto")
+    if want_gpu != "0":
+        backend, reason = _gpu_toolchain(torch)
+        if backend is None:
+            if want_gpu == "1":
+                raise SystemExit(f"VIM_DS_BUILD_GPU=1 but the GPU kernel cannot be built: {reason}")
+            print(f"vim_ds: not building the GPU kernel: {reason}")
+        else:
+            print(f"vim_ds: building the GPU kernel for {backend}: {reason}")
+            if backend == "cuda":
+                os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+            else:
+                os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx90a;gfx942")
+            exts.append(CUDAExtension("vim_ds._scan_cuda", **build_config.gpu_extension_args(ROOT)))
+    return exts
+
+
+class BuildPyWithSources(build_py):
+    """Ship csrc/ inside the package, so an installed vim_ds can JIT-build a kernel that failed to build here."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "vim_ds", "csrc")
+        shutil.copytree(os.path.join(ROOT, "csrc"), target, dirs_exist_ok=True)
+
+
+def cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {
+        "build_ext": BuildExtension.with_options(use_ninja=bool(shutil.which("ninja"))),
+        "build_py": BuildPyWithSources,
+    }
+
+
+setup(
+    name="vim_ds",
+    version="0.1.0",
+    description="Vision Mamba (Vim) training with DeepSpeed on AMD Instinct and NVIDIA GPUs, and on CPU",
+    packages=find_packages(include=["vim_ds", "vim_ds.*"]),
+    ext_modules=extensions(),
+    cmdclass=cmdclass(),
+    python_requires=">=3.9",
+    install_requires=["torch", "timm>=1.0", "deepspeed", "einops", "pyyaml", "numpy"],
+    extras_require={"test": ["pytest", "scikit-learn"]},
+    entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
+)

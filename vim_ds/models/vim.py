@@ -1,0 +1,370 @@
+"""Vision Mamba (Vim, Zhu et al. 2024): bidirectional Mamba blocks over patch tokens with a middle class token.
+
+Parameter names, shapes and initialisation follow the published implementation (hustvl/Vim, ``models_mamba.py``
+with ``bimamba_type="v2"``), so its checkpoints load with ``strict=True`` and give the same logits.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath, lecun_normal_, to_2tuple, trunc_normal_
+
+from ..ops import ssm_branch_fn
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for half types, unchanged for fp32/fp64 (the residual stream and norms never run in half precision)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (or wider), returned in the weight's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _at_least_fp32(x)
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * _at_least_fp32(self.weight)).to(self.weight.dtype)
+
+
+class PatchEmbed(nn.Module):
+    """Conv patchify; with stride < patch size the patches overlap (the stride-8 "fine granularity" variants)."""
+
+    def __init__(self, img_size=224, patch_size=16, stride=16, in_chans=3, embed_dim=192):
+        super().__init__()
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        self.stride = stride
+        self.grid_size = tuple((s - p) // stride + 1 for s, p in zip(self.img_size, self.patch_size))
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[-2:]) != self.img_size:
+            raise ValueError(f"input images are {tuple(x.shape[-2:])}, the model was built for {self.img_size} "
+                             f"(create it with img_size=...)")
+        return self.proj(x).flatten(2).transpose(1, 2)  # (batch, num_patches, embed_dim)
+
+
+class BiMambaMixer(nn.Module):
+    """Bidirectional Mamba ("v2"): one in_proj; a forward and a backward SSM branch with their own conv1d, x_proj,
+    dt_proj, A and D; the backward branch reads the sequence reversed; outputs averaged, then out_proj."""
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1,
+                 dt_init_floor=1e-4, conv_bias=True, bias=False, divide_out=True, n_layer=24):
+        super().__init__()
+        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
+        self.d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
+        self.divide_out = divide_out
+        d_inner = self.d_inner
+
+        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=bias)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1, bias=conv_bias)
+        self.x_proj = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, d_inner, bias=True)
+        self.A_log = nn.Parameter(self._s4d_real_log(d_inner, d_state))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.A_b_log = nn.Parameter(self._s4d_real_log(d_inner, d_state))
+        self.conv1d_b = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1, bias=conv_bias)
+        self.x_proj_b = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj_b = nn.Linear(self.dt_rank, d_inner, bias=True)
+        self.D_b = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, d_model, bias=bias)
+
+        # As published: dt_proj (forward branch) gets Mamba's dt init; the backward branch's dt_proj_b keeps the
+        # default Linear weight init and its bias is zeroed below, like every other Linear bias.
+        std = self.dt_rank ** -0.5
+        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_init_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus: softplus(bias) = dt
+            for linear in (self.in_proj, self.x_proj, self.dt_proj_b, self.x_proj_b, self.out_proj):
+                if linear.bias is not None:
+                    linear.bias.zero_()
+            # GPT-2 style: out_proj (the residual branch's last layer) scaled by 1/sqrt(depth).
+            nn.init.kaiming_uniform_(self.out_proj.weight, a=math.sqrt(5))
+            self.out_proj.weight /= math.sqrt(n_layer)
+        for p in (self.A_log, self.A_b_log, self.D, self.D_b):
+            p._no_weight_decay = True
+
+    @staticmethod
+    def _s4d_real_log(d_inner, d_state):
+        # S4D-real: A = -(1, 2, ..., N) for every channel; stored as log(-A).
+        return torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(d_inner, 1).contiguous()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (batch, L, d_model) -> (batch, L, d_model)."""
+        xz = F.linear(hidden, self.in_proj.weight, self.in_proj.bias).transpose(1, 2)  # (batch, 2*d_inner, L)
+        out_f = ssm_branch_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                              -torch.exp(_at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
+        out_b = ssm_branch_fn(xz.flip(-1), self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
+                              self.dt_proj_b.weight, -torch.exp(_at_least_fp32(self.A_b_log)), self.D_b,
+                              self.dt_proj_b.bias)
+        y = out_f + out_b.flip(-1)
+        if self.divide_out:
+            y = y / 2
+        return self.out_proj(y.transpose(1, 2))
+
+
+class Block(nn.Module):
+    """Add -> RMSNorm -> mixer, returning (mixer output, residual). The residual stream is kept in fp32."""
+
+    def __init__(self, dim, mixer: nn.Module, drop_path=0.0, norm_eps=1e-5):
+        super().__init__()
+        self.mixer = mixer
+        self.norm = RMSNorm(dim, eps=norm_eps)
+        # Applied to the previous block's mixer output as it joins the residual stream (published layout).
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, hidden, residual: Optional[torch.Tensor] = None):
+        residual = hidden if residual is None else residual + self.drop_path(hidden)
+        residual = _at_least_fp32(residual)
+        return self.mixer(self.norm(residual)), residual
+
+
+class VisionMamba(nn.Module):
+    """Vim classifier. Keyword names follow the published ``VisionMamba`` where they exist there."""
+
+    def __init__(self, img_size=224, patch_size=16, stride=16, depth=24, embed_dim=192, d_state=16, channels=3,
+                 in_chans=None, num_classes=1000, drop_rate=0.0, drop_path_rate=0.1, norm_epsilon=1e-5,
+                 drop_block_rate=None, ssm_cfg: Optional[dict] = None, divide_out=True, global_pool="token"):
+        super().__init__()
+        if drop_block_rate:
+            raise ValueError("drop_block_rate is not supported by Vim (it has no convolutional stages)")
+        if global_pool != "token":
+            raise ValueError(f"Vim pools its middle class token; global_pool={global_pool!r} is not supported")
+        in_chans = channels if in_chans is None else in_chans
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.depth = depth
+        self.global_pool = global_pool
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, stride, in_chans, embed_dim)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
+        self.pos_drop = nn.Dropout(p=drop_rate)
+
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]  # stochastic depth per mixer
+        ssm_cfg = dict(ssm_cfg or {})
+        self.layers = nn.ModuleList([
+            Block(embed_dim,
+                  BiMambaMixer(embed_dim, d_state=d_state, divide_out=divide_out, n_layer=depth, **ssm_cfg),
+                  drop_path=dpr[i - 1] if i > 0 else 0.0, norm_eps=norm_epsilon)
+            for i in range(depth)
+        ])
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()  # last mixer's output
+        self.norm_f = RMSNorm(embed_dim, eps=norm_epsilon)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self):
+        lecun_normal_(self.patch_embed.proj.weight)
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        trunc_normal_(self.pos_embed, std=0.02)
+        trunc_normal_(self.cls_token, std=0.02)
+        if isinstance(self.head, nn.Linear):
+            trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    @property
+    def token_position(self) -> int:
+        """Index of the class token: the middle of the patch sequence."""
+        return self.patch_embed.num_patches // 2
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        return {"pos_embed", "cls_token"}
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None):
+        if global_pool not in (None, "token"):
+            raise ValueError(f"Vim pools its middle class token; global_pool={global_pool!r} is not supported")
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        if isinstance(self.head, nn.Linear):
+            self.head.to(self.pos_embed.device, self.pos_embed.dtype)
+            trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the middle."""
+        x = self.patch_embed(x)
+        pos = self.token_position
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        x = torch.cat((x[:, :pos], cls, x[:, pos:]), dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        hidden, residual = x, None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual)
+        residual = residual + self.drop_path(hidden)
+        return self.norm_f(residual)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = x[:, self.token_position]
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading foreign weights
+# ---------------------------------------------------------------------------------------------------------------
+
+def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid) -> torch.Tensor:
+    """Bicubic resize of the patch position embeddings; the middle class token's embedding moves to the new middle."""
+    old_grid, new_grid = tuple(old_grid), tuple(new_grid)
+    if old_grid == new_grid:
+        return pos_embed
+    n_old = old_grid[0] * old_grid[1]
+    mid = n_old // 2
+    cls = pos_embed[:, mid:mid + 1]
+    patches = torch.cat((pos_embed[:, :mid], pos_embed[:, mid + 1:]), dim=1)
+    dim = patches.shape[-1]
+    grid = patches.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
+    grid = F.interpolate(_at_least_fp32(grid), size=new_grid, mode="bicubic", align_corners=False)
+    patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(pos_embed.dtype)
+    new_mid = new_grid[0] * new_grid[1] // 2
+    return torch.cat((patches[:, :new_mid], cls, patches[:, new_mid:]), dim=1)
+
+
+def _square_grid(num_tokens: int):
+    side = math.isqrt(num_tokens - 1)
+    if side * side != num_tokens - 1:
+        raise ValueError(f"cannot infer the patch grid of a pos_embed with {num_tokens} tokens "
+                         f"(expected a square grid plus one class token)")
+    return side, side
+
+
+def checkpoint_filter_fn(state_dict: dict, model: VisionMamba) -> dict:
+    """Adapt a published-format state dict to `model`: unwrap {"model": ...}, drop a DDP "module." prefix,
+    resample position embeddings to the model's patch grid, and drop the head when the class count differs
+    (it is then re-initialised by the loader, as timm does for finetuning)."""
+    if "model" in state_dict and isinstance(state_dict["model"], dict):
+        state_dict = state_dict["model"]
+    state_dict = {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+    out = dict(state_dict)
+    pos = out.get("pos_embed")
+    if pos is not None and pos.shape != model.pos_embed.shape:
+        out["pos_embed"] = resample_pos_embed(pos, _square_grid(pos.shape[1]), model.patch_embed.grid_size)
+    head_w = out.get("head.weight")
+    if head_w is not None and (not isinstance(model.head, nn.Linear) or head_w.shape[0] != model.num_classes):
+        out.pop("head.weight", None)
+        out.pop("head.bias", None)
+    return out
+
+
+def load_state_dict_into(model: VisionMamba, state_dict: dict, strict: bool = True):
+    """checkpoint_filter_fn + load_state_dict; a dropped head is re-initialised and allowed to be missing.
+
+    Mismatched keys or shapes raise ValueError listing them (what users need to see to fix a wrong --model).
+    """
+    filtered = checkpoint_filter_fn(state_dict, model)
+    expected = model.state_dict()
+    head_dropped = "head.weight" not in filtered and "head.weight" in expected
+    missing = sorted(k for k in expected if k not in filtered and not (head_dropped and k.startswith("head.")))
+    unexpected = sorted(k for k in filtered if k not in expected)
+    wrong_shape = sorted(f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
+                         for k, v in filtered.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape))
+    if strict and (missing or unexpected or wrong_shape):
+        problems = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong_shape)):
+            if keys:
+                shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+                problems.append(f"{label}: {shown}")
+        raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+    if head_dropped:
+        model.reset_classifier(model.num_classes)
+    filtered = {k: v for k, v in filtered.items() if k in expected and tuple(v.shape) == tuple(expected[k].shape)}
+    model.load_state_dict(filtered, strict=False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Published variants, registered in timm
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cfg(hf_hub_id="", hf_hub_filename="", top1=None, **kwargs):
+    return {
+        "hf_hub_id": hf_hub_id, "hf_hub_filename": hf_hub_filename, "num_classes": 1000,
+        "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.875, "interpolation": "bicubic",
+        "fixed_input_size": True, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225),
+        "first_conv": "patch_embed.proj", "classifier": "head", "paper_ids": "arXiv:2401.09417",
+        "paper_name": "Vision Mamba: Efficient Visual Representation Learning with Bidirectional State Space Model",
+        "origin_url": "https://github.com/hustvl/Vim", "license": "apache-2.0",
+        "notes": (f"ImageNet-1k top-1 {top1}",) if top1 else (), **kwargs,
+    }
+
+
+# name -> (architecture args, alias, default pretrained cfg). One table for every published variant.
+VARIANTS = {
+    "vim_tiny_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": (
+        dict(patch_size=16, stride=16, embed_dim=192, depth=24), "vim_tiny",
+        _cfg("hustvl/Vim-tiny-midclstok", "vim_t_midclstok_76p1acc.pth", top1=76.1)),
+    "vim_tiny_patch16_stride8_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": (
+        dict(patch_size=16, stride=8, embed_dim=192, depth=24), "vim_tiny_s8",
+        _cfg("hustvl/Vim-tiny-midclstok", "vim_t_midclstok_ft_78p3acc.pth", top1=78.3)),
+    "vim_small_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": (
+        dict(patch_size=16, stride=16, embed_dim=384, depth=24), "vim_small",
+        _cfg("hustvl/Vim-small-midclstok", "vim_s_midclstok_80p5acc.pth", top1=80.5)),
+    "vim_small_patch16_stride8_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": (
+        dict(patch_size=16, stride=8, embed_dim=384, depth=24), "vim_small_s8",
+        _cfg("hustvl/Vim-small-midclstok", "vim_s_midclstok_ft_81p6acc.pth", top1=81.6)),
+    "vim_base_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_middle_cls_token_div2": (
+        dict(patch_size=16, stride=16, embed_dim=768, depth=24), "vim_base",
+        _cfg("hustvl/Vim-base-midclstok", "vim_b_midclstok_81p9acc.pth", top1=81.9)),
+}
+ALIASES = {alias: name for name, (_, alias, _) in VARIANTS.items()}
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs) -> VisionMamba:
+    from timm.models import build_model_with_cfg
+
+    arch = dict(VARIANTS[ALIASES.get(variant, variant)][0])
+    arch.update(kwargs)  # depth=, embed_dim=, img_size=, ... override the published defaults
+    return build_model_with_cfg(VisionMamba, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                **arch)
+
+
+def _default_cfgs():
+    from timm.models import generate_default_cfgs
+
+    cfgs = {}
+    for name, (_, alias, cfg) in VARIANTS.items():
+        cfgs[name] = cfg
+        cfgs[alias] = cfg
+    return generate_default_cfgs(cfgs)
+
+
+# timm's register_model reads the module's `default_cfgs`, so it must exist before the factories are registered.
+default_cfgs = _default_cfgs()
+
+
+def _register_all():
+    from timm.models import register_model
+
+    for name in list(VARIANTS) + list(ALIASES):
+        def factory(pretrained=False, _name=name, **kwargs):
+            return _create(_name, pretrained=pretrained, **kwargs)
+
+        factory.__name__ = name
+        factory.__qualname__ = name
+        factory.__module__ = __name__
+        factory.__doc__ = f"Vision Mamba `{ALIASES.get(name, name)}` (published architecture)."
+        register_model(factory)
+
+
+_register_all()

@@ -1,0 +1,184 @@
+"""The three selective-scan backends behind one small interface, and the choice between them.
+
+Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> (out, saved)`` and
+``bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus) -> 8 gradients`` (see csrc/README.md).
+
+The compiled kernels come from the extensions that setup.py builds (``vim_ds._scan_cpu``, ``vim_ds._scan_cuda``).
+When one is missing (an install with the build skipped, a broken toolchain) it is JIT-compiled at first use from
+the shipped sources, as DeepSpeed does with its ops; if that fails too, the pure-PyTorch ``ref`` backend is used and
+says so once, with the reason.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import build_config
+from .selective_scan_ref import selective_scan_ref
+
+log = logging.getLogger("vim_ds")
+
+BACKENDS = ("ref", "cpu", "cuda")
+ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda: force a backend
+ENV_JIT = "VIM_DS_JIT"  # 0: never JIT-build a missing kernel
+
+
+class RefBackend:
+    """Pure PyTorch: the recurrence step by step, gradients by autograd (recomputed in bwd)."""
+
+    name = "ref"
+
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        with torch.no_grad():
+            return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus), None
+
+    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus):
+        args = [u, delta, A, B, C, D, z, delta_bias]
+        leaves = [None if a is None else a.detach().requires_grad_(True) for a in args]
+        with torch.enable_grad():
+            out = selective_scan_ref(*leaves, delta_softplus=delta_softplus)
+            present = [a for a in leaves if a is not None]
+            grads = iter(torch.autograd.grad(out, present, dout))
+        return [None if a is None else next(grads) for a in leaves]
+
+
+class ExtensionBackend:
+    """A compiled kernel module exporting fwd/bwd."""
+
+    def __init__(self, name, module):
+        self.name = name
+        self.module = module
+
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        out, saved = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        return out, saved
+
+    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus):
+        return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus))
+
+
+@dataclass
+class _Loaded:
+    backend: Optional[object] = None
+    how: str = ""  # "prebuilt", "jit"
+    reason: str = ""  # why it is unavailable
+
+
+@dataclass
+class _Registry:
+    loaded: dict = field(default_factory=dict)
+    announced: set = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_registry = _Registry()
+
+
+def _source_root():
+    """The folder holding csrc/: the repository checkout, or the copy shipped inside the package."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../vim_ds
+    for root in (os.path.dirname(here), here):
+        if os.path.isdir(os.path.join(root, "csrc")):
+            return root
+    return None
+
+
+def _jit_build(kind):
+    from torch.utils import cpp_extension
+
+    root = _source_root()
+    if root is None:
+        raise RuntimeError("the kernel sources (csrc/) are not installed")
+    args = build_config.cpu_extension_args(root) if kind == "cpu" else build_config.gpu_extension_args(root)
+    build_dir = os.path.join(
+        os.environ.get("VIM_DS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vim_ds")),
+        f"{kind}-torch{torch.__version__}",
+    )
+    os.makedirs(build_dir, exist_ok=True)
+    log.warning("vim_ds: JIT-compiling the %s selective-scan kernel into %s (once)", kind, build_dir)
+    return cpp_extension.load(name=f"vim_ds_scan_{kind}", build_directory=build_dir, verbose=False,
+                              **build_config.jit_flags(args))
+
+
+def _gpu_unavailable_reason():
+    if not (torch.version.cuda or torch.version.hip):
+        return "this torch build has no CUDA or ROCm support"
+    return None
+
+
+def _load(kind) -> _Loaded:
+    """Load the compiled kernel of `kind` ('cpu' or 'cuda'), JIT-building it if needed; never raises."""
+    if kind == "cuda":
+        reason = _gpu_unavailable_reason()
+        if reason:
+            return _Loaded(reason=reason)
+    try:
+        module = importlib.import_module(f"vim_ds._scan_{kind}")
+        return _Loaded(ExtensionBackend(kind, module), "prebuilt")
+    except ImportError as exc:
+        prebuilt_error = f"vim_ds._scan_{kind} not importable ({exc})"
+    if os.environ.get(ENV_JIT, "1") == "0":
+        return _Loaded(reason=f"{prebuilt_error}; JIT build disabled by {ENV_JIT}=0")
+    if kind == "cuda" and not torch.cuda.is_available():
+        return _Loaded(reason=f"{prebuilt_error}; no GPU here to JIT-build it for")
+    try:
+        return _Loaded(ExtensionBackend(kind, _jit_build(kind)), "jit")
+    except Exception as exc:  # a failed compiler run has many exception types
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _Loaded(reason=f"{prebuilt_error}; JIT build failed: {first_line}")
+
+
+def load(kind) -> _Loaded:
+    with _registry.lock:
+        if kind not in _registry.loaded:
+            _registry.loaded[kind] = _load(kind)
+        return _registry.loaded[kind]
+
+
+def _announce(key, message):
+    if key not in _registry.announced:
+        _registry.announced.add(key)
+        log.warning(message)
+
+
+def forced_backend() -> Optional[str]:
+    name = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if not name:
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}={name!r} is not a scan backend; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def get_backend(device: torch.device):
+    """The backend for tensors on `device`: VIM_DS_SCAN if set, else the compiled kernel, else ref."""
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    name = forced_backend()
+    if name == "ref":
+        return RefBackend()
+    if name is not None and name != kind:
+        raise ValueError(f"{ENV_BACKEND}={name} cannot run on {device.type} tensors; "
+                         f"use {ENV_BACKEND}={kind} or ref, or move the tensors")
+    loaded = load(kind)
+    if loaded.backend is not None:
+        return loaded.backend
+    if name is not None:
+        raise RuntimeError(f"{ENV_BACKEND}={name} but the {kind} kernel is unavailable: {loaded.reason}")
+    _announce(kind, f"vim_ds: the {kind} selective-scan kernel is unavailable ({loaded.reason}); "
+                    f"using the pure-PyTorch reference, which is much slower")
+    return RefBackend()
+
+
+def report() -> dict:
+    """What `vim-ds env` prints: every backend, whether it is available and how it was obtained."""
+    rows = {"ref": {"available": True, "how": "pure PyTorch", "reason": ""}}
+    for kind in ("cpu", "cuda"):
+        loaded = load(kind)
+        rows[kind] = {"available": loaded.backend is not None, "how": loaded.how, "reason": loaded.reason}
+    return rows

@@ -1,0 +1,55 @@
+"""Sources and compiler flags of the scan kernels, shared by setup.py and the JIT fallback.
+
+Imports nothing heavy: setup.py loads this file by path before vim_ds can be imported.
+"""
+import os
+import sys
+
+CPU_SOURCES = ["selective_scan_cpu.cpp", "bindings_cpu.cpp"]
+GPU_SOURCES = ["selective_scan_cuda.cu", "bindings_cuda.cpp"]
+
+
+def _cpu_flags():
+    if sys.platform == "darwin":
+        return ["-O3", "-std=c++17"], []
+    # -fopenmp: at::parallel_for is header code that only runs in parallel when the extension itself is
+    # compiled with OpenMP, like libtorch.
+    return ["-O3", "-std=c++17", "-fopenmp"], ["-fopenmp"]
+
+
+def cpu_extension_args(root):
+    cflags, ldflags = _cpu_flags()
+    return {
+        "sources": [os.path.join(root, "csrc", s) for s in CPU_SOURCES],
+        "include_dirs": [os.path.join(root, "csrc")],
+        "extra_compile_args": {"cxx": cflags},
+        "extra_link_args": ldflags,
+    }
+
+
+NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+HIPCC_FLAGS = ["-O3", "-std=c++17", "-ffast-math"]
+
+
+def gpu_extension_args(root, hip=None):
+    if hip is None:
+        import torch
+
+        hip = bool(torch.version.hip)
+    return {
+        "sources": [os.path.join(root, "csrc", s) for s in GPU_SOURCES],
+        "include_dirs": [os.path.join(root, "csrc")],
+        "extra_compile_args": {"cxx": ["-O3", "-std=c++17"], "nvcc": HIPCC_FLAGS if hip else NVCC_FLAGS},
+    }
+
+
+def jit_flags(args):
+    """cpp_extension.load() takes flat lists rather than a per-compiler dict."""
+    flags = args["extra_compile_args"]
+    return {
+        "sources": args["sources"],
+        "extra_include_paths": args["include_dirs"],
+        "extra_cflags": flags["cxx"],
+        "extra_cuda_cflags": flags.get("nvcc", []),
+        "extra_ldflags": args.get("extra_link_args", []),
+    }
