@@ -62,7 +62,8 @@ int64_t scan_chunk_length(int64_t dstate, ScanDType dtype);
 // every chunk but the first, which starts from zero). May be 0.
 int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype);
 
-// Launch the forward / backward on `stream` (a cudaStream_t, or hipStream_t after hipify, passed as void*).
+// Launch the forward / backward on `stream` (the runtime's stream handle, passed as void* so that this header
+// needs no runtime header).
 // Return nullptr on success, or a static error message (bad arguments, or the launch error reported by the
 // runtime).
 const char* scan_fwd(const ScanArgs& args, void* stream);

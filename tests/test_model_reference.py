@@ -7,8 +7,6 @@ mixer from the equations. CPU only; reduced depth and image size for everything 
 """
 from __future__ import annotations
 
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -225,6 +223,11 @@ FAMILIES = {
 }
 BACKENDS = [None, "ref", "cpu"]  # None: whatever vim_ds picks by default
 
+# float64 agreement is ~1e-15 in practice. The brief's bound was 1e-5, but at 1e-5 an RMSNorm eps of 1e-6 instead
+# of 1e-5 passes (it moves these logits by 8.5e-6), so float64 is held to 1e-10. float32: 1e-4 (seen: <1e-6).
+F64_TOL = 1e-10
+F32_TOL = 1e-4
+
 
 def _family_case(family, seed):
     alias, depth, img = FAMILIES[family]
@@ -260,10 +263,10 @@ def test_logits_match_published_oracle(timm_vim, monkeypatch, family, dtype, bac
     assert torch.isfinite(got).all()
     assert exact.std() > 0.1  # the comparison is not between near-zero logits
     if dtype == F64:
-        assert rel_err(got, want) <= 1e-5, f"float64 rel err {rel_err(got, want):.3e}"
+        assert rel_err(got, want) <= F64_TOL, f"float64 rel err {rel_err(got, want):.3e}"
     else:
-        assert rel_err(got, want) <= 1e-4, f"float32 rel err vs fp32 oracle {rel_err(got, want):.3e}"
-        assert rel_err(got, exact) <= 1e-4, f"float32 rel err vs fp64 oracle {rel_err(got, exact):.3e}"
+        assert rel_err(got, want) <= F32_TOL, f"float32 rel err vs fp32 oracle {rel_err(got, want):.3e}"
+        assert rel_err(got, exact) <= F32_TOL, f"float32 rel err vs fp64 oracle {rel_err(got, exact):.3e}"
 
 
 def test_logits_depend_on_every_block_and_position(timm_vim):
@@ -283,8 +286,8 @@ def test_logits_depend_on_every_block_and_position(timm_vim):
             want = pv.vim_forward(sd_i, x_i, cfg)
             assert rel_err(want, base) > 1e-6
             got = load_published(create(timm_vim, name, cfg), sd_i, F64)(x_i)
-            assert rel_err(got, want) <= 1e-5
-        assert rel_err(model(x), base) <= 1e-5
+            assert rel_err(got, want) <= F64_TOL
+        assert rel_err(model(x), base) <= F64_TOL
 
 
 # ================================================================================================================
@@ -303,7 +306,7 @@ def test_published_checkpoint_into_vim_ds(timm_vim, tmp_path):
     model = model.double().eval()
     x = images(cfg, batch=2, seed=41)
     with torch.no_grad():
-        assert rel_err(model(x), pv.vim_forward(ckpt["model"], x, cfg)) <= 1e-5
+        assert rel_err(model(x), pv.vim_forward(ckpt["model"], x, cfg)) <= F64_TOL
 
 
 def test_vim_ds_state_dict_runs_in_oracle(timm_vim, tmp_path):
@@ -321,7 +324,7 @@ def test_vim_ds_state_dict_runs_in_oracle(timm_vim, tmp_path):
     assert set(sd) == set(pv.published_shapes(cfg))
     x = images(cfg, batch=2, seed=51)
     with torch.no_grad():
-        assert rel_err(model(x), pv.vim_forward(sd, x, cfg)) <= 1e-5
+        assert rel_err(model(x), pv.vim_forward(sd, x, cfg)) <= F64_TOL
 
 
 # ================================================================================================================
@@ -339,4 +342,4 @@ def test_single_mixer_matches_equations(timm_vim, width):
         got = model.layers[0].mixer(x)
     want = pv.bimamba_v2_mixer(sd, "layers.0.mixer.", x, cfg.d_state)
     assert got.shape == want.shape == (2, 17, width)
-    assert rel_err(got, want) <= 1e-10, f"mixer rel err {rel_err(got, want):.3e}"
+    assert rel_err(got, want) <= F64_TOL, f"mixer rel err {rel_err(got, want):.3e}"

@@ -101,8 +101,9 @@ def _jit_build(kind):
         f"{kind}-torch{torch.__version__}",
     )
     os.makedirs(build_dir, exist_ok=True)
-    log.warning("vim_ds: JIT-compiling the %s selective-scan kernel into %s (once)", kind, build_dir)
-    return cpp_extension.load(name=f"vim_ds_scan_{kind}", build_directory=build_dir, verbose=False,
+    log.warning("vim_ds: vim_ds._scan_%s is not installed; JIT-building it into %s (compiled once, then reused)", kind, build_dir)
+    return cpp_extension.load(name=f"vim_ds_scan_{kind}", build_directory=build_dir,
+                              verbose=os.environ.get("VIM_DS_JIT_VERBOSE", "0") == "1",
                               **build_config.jit_flags(args))
 
 
@@ -130,8 +131,11 @@ def _load(kind) -> _Loaded:
     try:
         return _Loaded(ExtensionBackend(kind, _jit_build(kind)), "jit")
     except Exception as exc:  # a failed compiler run has many exception types
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _Loaded(reason=f"{prebuilt_error}; JIT build failed: {first_line}")
+        log.debug("JIT build of the %s kernel failed", kind, exc_info=True)
+        text = str(exc).strip()
+        first_line = text.split(":", 1)[0] if text.startswith("Error building extension") else text[:200]
+        return _Loaded(reason=f"{prebuilt_error}; JIT build failed: {first_line or type(exc).__name__} "
+                              f"(run with VIM_DS_JIT_VERBOSE=1 to see the compiler output)")
 
 
 def load(kind) -> _Loaded:

@@ -11,10 +11,10 @@ GPU_SOURCES = ["selective_scan_cuda.cu", "bindings_cuda.cpp"]
 
 def _cpu_flags():
     if sys.platform == "darwin":
-        return ["-O3", "-std=c++17"], []
+        return ["-O3"], []
     # -fopenmp: at::parallel_for is header code that only runs in parallel when the extension itself is
     # compiled with OpenMP, like libtorch.
-    return ["-O3", "-std=c++17", "-fopenmp"], ["-fopenmp"]
+    return ["-O3", "-fopenmp"], ["-fopenmp"]
 
 
 def cpu_extension_args(root):
@@ -27,8 +27,8 @@ def cpu_extension_args(root):
     }
 
 
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
-HIPCC_FLAGS = ["-O3", "-std=c++17", "-ffast-math"]
+NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
+HIPCC_FLAGS = ["-O3", "-ffast-math"]
 
 
 def gpu_extension_args(root, hip=None):
@@ -39,7 +39,7 @@ def gpu_extension_args(root, hip=None):
     return {
         "sources": [os.path.join(root, "csrc", s) for s in GPU_SOURCES],
         "include_dirs": [os.path.join(root, "csrc")],
-        "extra_compile_args": {"cxx": ["-O3", "-std=c++17"], "nvcc": HIPCC_FLAGS if hip else NVCC_FLAGS},
+        "extra_compile_args": {"cxx": ["-O3"], "nvcc": HIPCC_FLAGS if hip else NVCC_FLAGS},
     }
 
 

@@ -1,0 +1,182 @@
+// Python bindings of the GPU selective scan (module vim_ds._scan_cuda; CUDA, or HIP after PyTorch's hipify).
+// Interface: csrc/README.md.
+//
+// The only file of the GPU kernel that includes torch: it checks the arguments, allocates the outputs, takes the
+// current stream and calls the plain-C++ launchers of selective_scan_cuda.h. The Python wrapper validates and
+// casts before calling; the checks here are a cheap second line of defence so that a wrong call fails with a
+// message instead of reading out of bounds.
+
+#include <torch/extension.h>
+
+// Only the light c10 headers (they need just the CUDA runtime headers; ATen/cuda/CUDAContext.h would also need
+// the cuBLAS/cuSPARSE headers, which a minimal toolkit lacks). hipify maps them to c10/hip/*.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <optional>
+#include <vector>
+
+#include "selective_scan_cuda.h"
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+using vim_ds_scan::ScanArgs;
+using vim_ds_scan::ScanDType;
+
+at::ScalarType acc_dtype(at::ScalarType in) { return in == at::kDouble ? at::kDouble : at::kFloat; }
+
+ScanDType to_scan_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScanDType::kFloat32;
+    case at::kDouble: return ScanDType::kFloat64;
+    case at::kHalf: return ScanDType::kFloat16;
+    case at::kBFloat16: return ScanDType::kBFloat16;
+    default: break;
+  }
+  TORCH_CHECK(false, "selective_scan (gpu): input dtype must be float32, float64, float16 or bfloat16, got ", t);
+}
+
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+void check_tensor(const at::Tensor& t, const char* name, const at::Device& device, at::ScalarType dtype,
+                  at::IntArrayRef shape) {
+  TORCH_CHECK(t.defined(), "selective_scan (gpu): ", name, " is undefined");
+  TORCH_CHECK(t.is_cuda(), "selective_scan (gpu): ", name, " must be a GPU tensor, got ", t.device());
+  TORCH_CHECK(t.device() == device, "selective_scan (gpu): ", name, " is on ", t.device(), ", u on ", device);
+  TORCH_CHECK(t.scalar_type() == dtype, "selective_scan (gpu): ", name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "selective_scan (gpu): ", name, " must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "selective_scan (gpu): ", name, " must be contiguous");
+}
+
+void check_optional(const OptTensor& t, const char* name, const at::Device& device, at::ScalarType dtype,
+                    at::IntArrayRef shape) {
+  if (present(t)) check_tensor(*t, name, device, dtype, shape);
+}
+
+// Checks everything fwd and bwd share and fills the sizes and input pointers of `args`.
+ScanArgs check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                      const at::Tensor& C, const OptTensor& D, const OptTensor& z, const OptTensor& delta_bias,
+                      bool delta_softplus) {
+  TORCH_CHECK(u.defined() && u.dim() == 3, "selective_scan (gpu): u must be 3-D (batch, dim, seqlen)");
+  TORCH_CHECK(A.defined() && A.dim() == 2, "selective_scan (gpu): A must be 2-D (dim, d_state)");
+  TORCH_CHECK(u.is_cuda(), "selective_scan (gpu): u must be a GPU tensor, got ", u.device());
+  const auto in = u.scalar_type();
+  const auto acc = acc_dtype(in);
+  const int64_t batch = u.size(0), dim = u.size(1), L = u.size(2), N = A.size(1);
+  TORCH_CHECK(L >= 1, "selective_scan (gpu): seqlen must be >= 1");
+  TORCH_CHECK(N >= 1 && N <= vim_ds_scan::kScanMaxDState, "selective_scan (gpu): d_state must be in [1, ",
+              vim_ds_scan::kScanMaxDState, "], got ", N);
+  TORCH_CHECK(batch <= INT32_MAX && dim <= INT32_MAX && L <= INT32_MAX, "selective_scan (gpu): sizes too large");
+  const at::Device device = u.device();
+  check_tensor(u, "u", device, in, {batch, dim, L});
+  check_tensor(delta, "delta", device, in, {batch, dim, L});
+  check_tensor(A, "A", device, acc, {dim, N});
+  check_tensor(B, "B", device, in, {batch, N, L});
+  check_tensor(C, "C", device, in, {batch, N, L});
+  check_optional(D, "D", device, acc, {dim});
+  check_optional(z, "z", device, in, {batch, dim, L});
+  check_optional(delta_bias, "delta_bias", device, acc, {dim});
+
+  ScanArgs args;
+  args.batch = batch;
+  args.dim = dim;
+  args.seqlen = L;
+  args.dstate = N;
+  args.dtype = to_scan_dtype(in);
+  args.delta_softplus = delta_softplus;
+  args.u = u.data_ptr();
+  args.delta = delta.data_ptr();
+  args.A = A.data_ptr();
+  args.B = B.data_ptr();
+  args.C = C.data_ptr();
+  args.D = present(D) ? D->data_ptr() : nullptr;
+  args.z = present(z) ? z->data_ptr() : nullptr;
+  args.delta_bias = present(delta_bias) ? delta_bias->data_ptr() : nullptr;
+  return args;
+}
+
+void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()); }
+
+std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                            const at::Tensor& C, const OptTensor& D, const OptTensor& z,
+                            const OptTensor& delta_bias, bool delta_softplus) {
+  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+  const c10::cuda::CUDAGuard device_guard(u.device());
+
+  at::Tensor out = at::empty_like(u);
+  const int64_t n_ckpt = vim_ds_scan::scan_num_checkpoints(args.seqlen, args.dstate, args.dtype);
+  at::Tensor saved =
+      at::empty({args.batch, args.dim, n_ckpt, args.dstate}, u.options().dtype(acc_dtype(u.scalar_type())));
+  args.out = out.data_ptr();
+  args.saved = n_ckpt > 0 ? saved.data_ptr() : nullptr;
+
+  const char* err = vim_ds_scan::scan_fwd(args, current_stream());
+  TORCH_CHECK(err == nullptr, "selective_scan (gpu) forward failed: ", err);
+  return {out, saved};
+}
+
+std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                            const at::Tensor& C, const OptTensor& D, const OptTensor& z,
+                            const OptTensor& delta_bias, const at::Tensor& dout, const at::Tensor& saved,
+                            bool delta_softplus) {
+  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+  const at::Device device = u.device();
+  const auto in = u.scalar_type();
+  const auto acc = acc_dtype(in);
+  check_tensor(dout, "dout", device, in, {args.batch, args.dim, args.seqlen});
+  const int64_t n_ckpt = vim_ds_scan::scan_num_checkpoints(args.seqlen, args.dstate, args.dtype);
+  check_tensor(saved, "saved", device, acc, {args.batch, args.dim, n_ckpt, args.dstate});
+  const c10::cuda::CUDAGuard device_guard(device);
+
+  at::Tensor du = at::empty_like(u);
+  at::Tensor ddelta = at::empty_like(delta);
+  at::Tensor dz = present(z) ? at::empty_like(*z) : at::Tensor();
+  // Everything the kernel sums with atomics starts at zero and is accumulated in the accumulation dtype.
+  const auto acc_opts = u.options().dtype(acc);
+  at::Tensor dA = at::zeros_like(A);
+  at::Tensor dB_acc = at::zeros({args.batch, args.dstate, args.seqlen}, acc_opts);
+  at::Tensor dC_acc = at::zeros({args.batch, args.dstate, args.seqlen}, acc_opts);
+  at::Tensor dD = present(D) ? at::zeros_like(*D) : at::Tensor();
+  at::Tensor ddelta_bias = present(delta_bias) ? at::zeros_like(*delta_bias) : at::Tensor();
+
+  args.dout = dout.data_ptr();
+  args.saved = n_ckpt > 0 ? saved.data_ptr() : nullptr;
+  args.du = du.data_ptr();
+  args.ddelta = ddelta.data_ptr();
+  args.dz = dz.defined() ? dz.data_ptr() : nullptr;
+  args.dA = dA.data_ptr();
+  args.dB = dB_acc.data_ptr();
+  args.dC = dC_acc.data_ptr();
+  args.dD = dD.defined() ? dD.data_ptr() : nullptr;
+  args.ddelta_bias = ddelta_bias.defined() ? ddelta_bias.data_ptr() : nullptr;
+
+  const char* err = vim_ds_scan::scan_bwd(args, current_stream());
+  TORCH_CHECK(err == nullptr, "selective_scan (gpu) backward failed: ", err);
+
+  // dB, dC in the input dtype (a no-op for float32 / float64).
+  at::Tensor dB = dB_acc.to(in);
+  at::Tensor dC = dC_acc.to(in);
+  // Undefined tensors become None in Python.
+  return {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Selective scan (Mamba SSM) forward/backward on CUDA / ROCm GPUs; see csrc/README.md";
+  m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
+        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"));
+  m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
+        py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"));
+  m.def(
+      "chunk_length",
+      [](int64_t dstate, bool float64) {
+        return vim_ds_scan::scan_chunk_length(dstate, float64 ? ScanDType::kFloat64 : ScanDType::kFloat32);
+      },
+      "time steps between the states the forward stores in `saved` (same for float32, float16 and bfloat16)",
+      py::arg("d_state"), py::arg("float64"));
+}

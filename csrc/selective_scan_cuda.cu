@@ -1,0 +1,147 @@
+// Launchers of the selective-scan kernels: plain C++ entry points (declared in selective_scan_cuda.h) that pick
+// the work layout, the template instance and the launch configuration. No torch headers here (see the header).
+#include "selective_scan_cuda.h"
+#include "selective_scan_kernel.cuh"
+
+#include <stdint.h>
+
+namespace vim_ds_scan {
+namespace {
+
+using ssk::KernelParams;
+
+// Work layout for one d_state (see the comment at the top of selective_scan_kernel.cuh).
+struct Layout {
+  int group;  // lanes per channel: next power of two >= d_state, at most ssk::kSeg
+  int npl;    // states per lane, rounded up to a power of two (the template parameter kNPL)
+  int chunk;  // time steps per chunk
+};
+
+int acc_size(ScanDType dtype) { return dtype == ScanDType::kFloat64 ? 8 : 4; }
+
+Layout make_layout(int64_t dstate, ScanDType dtype) {
+  Layout lay;
+  lay.group = 1;
+  while (lay.group < dstate && lay.group < ssk::kSeg) lay.group *= 2;
+  const int64_t need = (dstate + lay.group - 1) / lay.group;  // 1 .. 8 for dstate <= 256
+  lay.npl = 1;
+  while (lay.npl < need) lay.npl *= 2;
+  // The backward needs the most shared memory (it grows with the chunk); take the longest power-of-two chunk
+  // that fits the budget. Forward and backward must agree on it, since it fixes where states are stored.
+  lay.chunk = ssk::kMaxChunk;
+  while (lay.chunk > 1 &&
+         ssk::bwd_smem_elems(lay.chunk, int(dstate), lay.group, lay.npl) * acc_size(dtype) > ssk::kSmemBudget) {
+    lay.chunk /= 2;
+  }
+  return lay;
+}
+
+const char* check_args(const ScanArgs& a) {
+  if (a.dstate < 1 || a.dstate > kScanMaxDState) return "selective_scan: d_state must be in [1, 256]";
+  if (a.seqlen < 1) return "selective_scan: seqlen must be >= 1";
+  if (a.batch < 0 || a.dim < 0) return "selective_scan: negative batch or dim";
+  const int64_t kIntMax = 2147483647;
+  if (a.batch > kIntMax || a.dim > kIntMax || a.seqlen > kIntMax) return "selective_scan: size too large";
+  return nullptr;
+}
+
+KernelParams make_params(const ScanArgs& a, const Layout& lay) {
+  KernelParams p;
+  p.batch = int(a.batch);
+  p.dim = int(a.dim);
+  p.seqlen = int(a.seqlen);
+  p.dstate = int(a.dstate);
+  p.group = lay.group;
+  p.chunk = lay.chunk;
+  p.n_chunks = int((a.seqlen + lay.chunk - 1) / lay.chunk);
+  const int cpb = ssk::kThreads / lay.group;
+  p.blocks_per_batch = int((a.dim + cpb - 1) / cpb);
+  p.softplus = a.delta_softplus;
+  p.u = a.u;
+  p.delta = a.delta;
+  p.A = a.A;
+  p.B = a.B;
+  p.C = a.C;
+  p.D = a.D;
+  p.z = a.z;
+  p.delta_bias = a.delta_bias;
+  p.out = a.out;
+  p.saved = a.saved;
+  p.dout = a.dout;
+  p.du = a.du;
+  p.ddelta = a.ddelta;
+  p.dz = a.dz;
+  p.dA = a.dA;
+  p.dB = a.dB;
+  p.dC = a.dC;
+  p.dD = a.dD;
+  p.ddelta_bias = a.ddelta_bias;
+  return p;
+}
+
+const char* last_error() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <typename input_t, int kNPL>
+const char* launch(const KernelParams& p, bool backward, int acc_bytes, cudaStream_t stream) {
+  const int64_t blocks = int64_t(p.batch) * p.blocks_per_batch;
+  if (blocks > 2147483647) return "selective_scan: too many blocks";
+  const dim3 grid(static_cast<unsigned int>(blocks));
+  const dim3 block(ssk::kThreads);
+  if (backward) {
+    const size_t smem = size_t(ssk::bwd_smem_elems(p.chunk, p.dstate, p.group, kNPL)) * acc_bytes;
+    ssk::scan_bwd_kernel<input_t, kNPL><<<grid, block, smem, stream>>>(p);
+  } else {
+    const size_t smem = size_t(ssk::fwd_smem_elems(p.chunk, p.dstate, p.group)) * acc_bytes;
+    ssk::scan_fwd_kernel<input_t, kNPL><<<grid, block, smem, stream>>>(p);
+  }
+  return last_error();
+}
+
+template <typename input_t>
+const char* dispatch_npl(const KernelParams& p, int npl, bool backward, int acc_bytes, cudaStream_t stream) {
+  switch (npl) {
+    case 1: return launch<input_t, 1>(p, backward, acc_bytes, stream);
+    case 2: return launch<input_t, 2>(p, backward, acc_bytes, stream);
+    case 4: return launch<input_t, 4>(p, backward, acc_bytes, stream);
+    case 8: return launch<input_t, 8>(p, backward, acc_bytes, stream);
+    default: return "selective_scan: unsupported d_state";
+  }
+}
+
+const char* run(const ScanArgs& a, void* stream_ptr, bool backward) {
+  if (const char* err = check_args(a)) return err;
+  if (a.batch == 0 || a.dim == 0) return nullptr;  // nothing to do (a grid of 0 blocks is invalid)
+  const Layout lay = make_layout(a.dstate, a.dtype);
+  const KernelParams p = make_params(a, lay);
+  const int acc_bytes = acc_size(a.dtype);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (a.dtype) {
+    case ScanDType::kFloat32: return dispatch_npl<float>(p, lay.npl, backward, acc_bytes, stream);
+    case ScanDType::kFloat64: return dispatch_npl<double>(p, lay.npl, backward, acc_bytes, stream);
+    case ScanDType::kFloat16: return dispatch_npl<ssk::half_t>(p, lay.npl, backward, acc_bytes, stream);
+    case ScanDType::kBFloat16: return dispatch_npl<ssk::bf16_t>(p, lay.npl, backward, acc_bytes, stream);
+  }
+  return "selective_scan: unsupported dtype";
+}
+
+}  // namespace
+
+int64_t scan_chunk_length(int64_t dstate, ScanDType dtype) {
+  if (dstate < 1 || dstate > kScanMaxDState) return 0;
+  return make_layout(dstate, dtype).chunk;
+}
+
+int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype) {
+  const int64_t chunk = scan_chunk_length(dstate, dtype);
+  if (chunk <= 0 || seqlen < 1) return 0;
+  return (seqlen + chunk - 1) / chunk - 1;
+}
+
+const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stream, false); }
+
+const char* scan_bwd(const ScanArgs& args, void* stream) { return run(args, stream, true); }
+
+}  // namespace vim_ds_scan

@@ -1,0 +1,33 @@
+"""The `vim-ds` console script: one entry point, one subcommand per module (`vim-ds X` = `python -m vim_ds.X`)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
+    "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
+    "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+    return f"usage: vim-ds <command> [options]\n\ncommands:\n{rows}\n\n'vim-ds <command> --help' for options"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"vim-ds: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
