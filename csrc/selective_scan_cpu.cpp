@@ -2,12 +2,16 @@
 //
 // Layout of the work
 //   * One (batch b, channel d) pair is one independent scan over time with a state vector of d_state (N)
-//     floats. The per-channel routines `scan_channel_fwd` / `scan_channel_bwd` hold all of the math; everything
-//     else is plumbing (dtype conversion, threading, reductions over channels/batch).
-//   * The inner loop runs over the state index n, so it is vectorised (N = 16 in Vision Mamba); B and C are
-//     transposed once to (batch, L, N) in the accumulation type so that this loop reads contiguous memory.
-//   * The backward recomputes the forward states of its channel into a thread-local L x N buffer (cheap next to
-//     the reverse pass) instead of saving anything from the forward, so `saved` is an empty tensor.
+//     values. The per-channel routines (`ssm_forward` / `ssm_backward` for the recurrence, `scan_channel_fwd` /
+//     `scan_channel_bwd` around them for softplus, D and the silu gate) hold all of the math; everything else
+//     is plumbing (dtype conversion, threading, reductions over channels and batch).
+//   * The inner loop runs over the state index n, written with GCC/Clang vector extensions: one 32-byte vector
+//     (8 floats / 4 doubles) per step, so it does not depend on the auto-vectoriser. The state dimension is
+//     zero-padded to a multiple of the vector width (NP >= N): padded lanes have A = B = C = 0, so their state
+//     stays 0 and they contribute nothing. B and C are transposed once to (batch, L, NP) in the accumulation
+//     type so that this loop reads contiguous memory.
+//   * The backward recomputes the forward states of its channel into a thread-local L x NP buffer (cheap next
+//     to the reverse pass) instead of saving anything from the forward, so `saved` is an empty tensor.
 //   * Threads split the (batch, channel) pairs with at::parallel_for (so torch.set_num_threads applies).
 //     Quantities that sum over channels (dB, dC) or over the batch (dA, dD, ddelta_bias) go into partial buffers
 //     that belong to a fixed work item, never to a thread, and are summed in a fixed order at the end: results
@@ -15,9 +19,11 @@
 //   * On x86-64 the hot code is compiled twice, for baseline x86-64 and for AVX2+FMA, and picked at run time
 //     (the binary must not require AVX2). Elsewhere (aarch64) the compiler's baseline vector ISA is used.
 //
-// Precision: state and accumulation in float32 (float64 for float64 input). float32/bfloat16 use a polynomial
-// exp / log1p (a few ulp, written to be vectorisable); float64 uses std::exp / std::log1p so it can be checked
-// against the reference to ~1e-12.
+// Precision: state and accumulation in float32 (float64 for float64 input). float32/bfloat16 use polynomial
+// exp / log1p (1-2 ulp, branch-free so they vectorise); float64 uses std::exp / std::log1p so that it can be
+// checked against the reference to ~1e-14.
+//
+// Needs GCC or Clang (vector extensions, target attributes).
 
 #include "selective_scan_cpu.h"
 
@@ -30,20 +36,17 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__GNUC__) || defined(__clang__)
-#define SCAN_INLINE inline __attribute__((always_inline))
-#define SCAN_PRAGMA(x) _Pragma(#x)
-#else
-#define SCAN_INLINE inline
-#define SCAN_PRAGMA(x)
+#if !defined(__GNUC__) && !defined(__clang__)
+#error "selective_scan_cpu.cpp needs GCC or Clang (vector extensions)"
 #endif
 
-// `omp simd` lets the compiler vectorise the loops over the state index, including the sums over n (which it
-// would otherwise refuse to reorder). It only needs -fopenmp or -fopenmp-simd; without either it is ignored.
-#define SCAN_SIMD SCAN_PRAGMA(omp simd)
-#define SCAN_SIMD_SUM(...) SCAN_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
+// Passing 32-byte vectors between functions compiled for different ISAs triggers a GCC ABI note; every function
+// taking vectors here is force-inlined into its caller, so no such call exists.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SCAN_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__)
 #define SCAN_X86_DISPATCH 1
 #define SCAN_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #else
@@ -55,53 +58,132 @@ namespace scan_cpu {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
-// Scalar math. Overloaded on the accumulation type: float gets branch-free polynomial versions that vectorise
-// inside the n-loops (std::exp would be a scalar libm call per element); double keeps the libm functions.
+// Vector types: 32 bytes of the accumulation type (8 floats / 4 doubles), and the integer vector that a
+// comparison of two of them yields. Every loop that matters is written on these, explicitly, rather than left to
+// the auto-vectoriser (which, without -ffast-math-like flags, refuses loops with selects of float expressions).
 // ---------------------------------------------------------------------------------------------------------------
 
-SCAN_INLINE float bits_to_float(int32_t i) {
-  float f;
-  std::memcpy(&f, &i, sizeof f);
-  return f;
+template <typename acc_t>
+struct Simd;
+template <>
+struct Simd<float> {
+  typedef float V __attribute__((vector_size(32)));
+  typedef int32_t M __attribute__((vector_size(32)));
+  static constexpr int64_t W = 8;
+};
+template <>
+struct Simd<double> {
+  typedef double V __attribute__((vector_size(32)));
+  typedef int64_t M __attribute__((vector_size(32)));
+  static constexpr int64_t W = 4;
+};
+using vf8 = Simd<float>::V;
+using vi8 = Simd<float>::M;
+using vu8 = uint32_t __attribute__((vector_size(32)));
+using vd4 = Simd<double>::V;
+
+// The scans walk the state in blocks of kBlock vectors (16 floats / 8 doubles): one pass over time per block,
+// with the block's state and gradient accumulators held in registers. The state dimension is zero-padded to a
+// multiple of the block (NP), so N = 16 in float is exactly one block.
+constexpr int64_t kBlock = 2;
+template <typename acc_t>
+constexpr int64_t block_lanes() {
+  return kBlock * Simd<acc_t>::W;
 }
 
-// exp(x) for float: x = k ln2 + r with |r| <= ln2/2, exp(r) by a degree-7 polynomial (Cephes coefficients),
-// 2^k built in the exponent bits. Max error ~1-2 ulp. Below about -87.3 the result would be subnormal; we return
-// 0 there (the decay exp(delta * A) only multiplies the state, so this is harmless). NaN propagates.
-SCAN_INLINE float exp_f32(float x) {
-  constexpr float kLo = -87.3f, kHi = 88.3f;
-  float xc = x < kLo ? kLo : x;
-  xc = xc > kHi ? kHi : xc;
-  // Round x / ln2 to the nearest integer with the 1.5 * 2^23 trick (exact for |k| < 2^22; vectorises without
-  // needing SSE4.1 round instructions).
-  constexpr float kMagic = 12582912.0f;
-  float k = xc * 1.44269504088896341f + kMagic;
-  k -= kMagic;
+// Unaligned load / store (memcpy compiles to one vmovups; scratch buffers are only 16-byte aligned).
+template <typename V, typename T>
+SCAN_INLINE V vload(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V, typename T>
+SCAN_INLINE void vstore(T* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+// Every lane = x (brace-initialised so that it compiles to one broadcast).
+template <typename V>
+SCAN_INLINE V splat(double x);
+template <>
+SCAN_INLINE vf8 splat<vf8>(double x) {
+  const float f = static_cast<float>(x);
+  return vf8{f, f, f, f, f, f, f, f};
+}
+template <>
+SCAN_INLINE vd4 splat<vd4>(double x) {
+  return vd4{x, x, x, x};
+}
+template <typename V>
+SCAN_INLINE auto hsum(V v) {  // pairwise tree: shorter dependency chain than a running sum
+  constexpr int W = sizeof(V) / sizeof(v[0]);
+  for (int w = W / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] += v[i + w];
+  return v[0];
+}
+// Lane-wise m ? a : b, where each lane of m is all ones or all zeros (a comparison result).
+template <typename M, typename V>
+SCAN_INLINE V select(M m, V a, V b) {
+  return (V)((m & (M)a) | (~m & (M)b));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Elementary functions on vectors. float: branch-free polynomials (Cephes coefficients), 1-2 ulp; double: libm
+// per lane, so the float64 path is as exact as the reference.
+// ---------------------------------------------------------------------------------------------------------------
+
+// exp(x) = 2^k exp(r), k = round(x / ln2), |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (minimax for relative
+// error, 2e-9, far below float rounding): within 1-2 ulp on [kExpLo, kExpHi]. Outside, the argument is clamped:
+// exp(x < -87.3) returns a value below 1.2e-38 instead of a subnormal or 0 (irrelevant for a decay factor or a
+// sigmoid), and exp(x > 88.3) saturates at ~2e38. NaN propagates.
+//
+// lo / hi must be splat(kExpLo) / splat(kExpHi). The state loops pass them in as values that are only known at
+// run time (ScanArgs::exp_lo / exp_hi): with compile-time constants GCC compiles each clamp to compare + blend,
+// with run-time ones to a single max / min, and this function is most of the work of the scan.
+constexpr float kExpLo = -87.3f, kExpHi = 88.3f;
+SCAN_INLINE vf8 vexp(vf8 x, vf8 lo, vf8 hi) {
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round x / ln2 to an integer k with the 1.5 * 2^23 trick: after the addition, k sits in the low mantissa
+  // bits of `shifted` (needs no SSE4.1 rounding, nor a float -> int conversion).
+  const vf8 magic = splat<vf8>(12582912.0);
+  const vf8 shifted = x * 1.44269504088896341f + magic;
+  const vf8 k = shifted - magic;
   // Cody-Waite: ln2 split into a part exact in float and a small correction, so r keeps full precision.
-  float r = xc - k * 0.693359375f;
+  vf8 r = x - k * 0.693359375f;
   r = r - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const float scale = bits_to_float((static_cast<int32_t>(k) + 127) << 23);  // 2^k, k in [-126, 127]
-  const float res = p * scale;
-  return x < kLo ? 0.0f : res;
+  vf8 p = splat<vf8>(1.384365042e-3);
+  p = p * r + 8.374155439e-3f;
+  p = p * r + 4.166800210e-2f;
+  p = p * r + 1.666643126e-1f;
+  p = p * r + 4.999999421e-1f;
+  p = p * r + 1.000000032f;
+  p = p * r + 1.0f;
+  // Times 2^k: add k to the exponent field of p (p is in [0.7, 1.42], k in [-126, 127] after the clamp). The shift
+  // by 23 keeps exactly k's two's-complement bits out of `shifted` and drops the magic's.
+  return (vf8)((vu8)p + ((vu8)shifted << 23));
+}
+SCAN_INLINE vd4 vexp(vd4 x, vd4, vd4) {
+  for (int i = 0; i < 4; ++i) x[i] = std::exp(x[i]);
+  return x;
+}
+template <typename V>
+SCAN_INLINE V vexp(V x) {
+  return vexp(x, splat<V>(kExpLo), splat<V>(kExpHi));
 }
 
-// log1p(e) for float, e in [0, 1] (all softplus needs). log(w) for w = 1 + e by the Cephes logf polynomial, plus
-// the classic correction (e - (w - 1)) / w for the rounding of 1 + e, which keeps tiny e accurate.
-SCAN_INLINE float log1p_unit_f32(float e) {
-  const float w = 1.0f + e;
-  const bool hi = w > 1.41421356f;  // bring the argument to [sqrt(1/2), sqrt(2)): log(w) = k ln2 + log(m)
-  const float m = hi ? 0.5f * w : w;
-  const float k = hi ? 1.0f : 0.0f;
-  const float f = m - 1.0f;  // exact
-  const float f2 = f * f;
-  float p = 7.0376836292e-2f;
+// log1p(e) for e in [0, 1] (all that softplus needs). log(w) for w = 1 + e with the Cephes logf polynomial,
+// plus the classic correction (e - (w - 1)) / w for the rounding of 1 + e, which keeps tiny e exact.
+SCAN_INLINE vf8 log1p_unit(vf8 e) {
+  const vf8 one = splat<vf8>(1.0);
+  const vf8 w = one + e;
+  // Bring the argument to [sqrt(1/2), sqrt(2)): log(w) = k ln2 + log(m), with m = w or w / 2.
+  const vi8 hi = w > splat<vf8>(1.41421356);
+  const vf8 m = select(hi, w * 0.5f, w);
+  const vf8 k = select(hi, one, vf8{});
+  const vf8 f = m - one;  // exact
+  const vf8 f2 = f * f;
+  vf8 p = splat<vf8>(7.0376836292e-2);
   p = p * f - 1.1514610310e-1f;
   p = p * f + 1.1676998740e-1f;
   p = p * f - 1.2420140846e-1f;
@@ -110,27 +192,35 @@ SCAN_INLINE float log1p_unit_f32(float e) {
   p = p * f + 2.0000714765e-1f;
   p = p * f - 2.4999993993e-1f;
   p = p * f + 3.3333331174e-1f;
-  float y = f * f2 * p + k * -2.12194440e-4f;
+  vf8 y = f * f2 * p + k * -2.12194440e-4f;
   y = y - 0.5f * f2;
-  const float logw = f + y + k * 0.693359375f;
-  return logw + (e - (w - 1.0f)) / w;
+  const vf8 logw = f + y + k * 0.693359375f;
+  return logw + (e - (w - one)) / w;
 }
 
-// torch's F.softplus (beta 1, threshold 20): x above 20 passes through unchanged.
-SCAN_INLINE float softplus_acc(float x) {
+// torch's F.softplus (beta 1, threshold 20): above 20 the input passes through unchanged.
+SCAN_INLINE vf8 softplus(vf8 x) {
   // log(1 + e^x) = max(x, 0) + log1p(e^-|x|), which never overflows.
-  const float ax = x < 0.0f ? -x : x;
-  const float sp = (x > 0.0f ? x : 0.0f) + log1p_unit_f32(exp_f32(-ax));
-  return x > 20.0f ? x : sp;
+  const vf8 zero{};
+  const vf8 ax = select(x < zero, -x, x);
+  const vf8 sp = select(x > zero, x, zero) + log1p_unit(vexp(-ax));
+  return select(x > splat<vf8>(20.0), x, sp);
 }
-SCAN_INLINE double softplus_acc(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
+SCAN_INLINE vd4 softplus(vd4 x) {
+  for (int i = 0; i < 4; ++i) x[i] = x[i] > 20.0 ? x[i] : std::log1p(std::exp(x[i]));
+  return x;
+}
 
-SCAN_INLINE float exp_acc(float x) { return exp_f32(x); }
-SCAN_INLINE double exp_acc(double x) { return std::exp(x); }
+template <typename V>
+SCAN_INLINE V sigmoid(V x) {
+  const V one = splat<V>(1.0);
+  return one / (one + vexp(-x));
+}
 
-template <typename acc_t>
-SCAN_INLINE acc_t sigmoid_acc(acc_t x) {
-  return acc_t(1) / (acc_t(1) + exp_acc(-x));
+// d softplus(x) / dx, with the same threshold as torch.
+template <typename V>
+SCAN_INLINE V softplus_grad(V x) {
+  return select(x > splat<V>(20.0), splat<V>(1.0), sigmoid(x));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -140,15 +230,17 @@ SCAN_INLINE acc_t sigmoid_acc(acc_t x) {
 template <typename in_t, typename acc_t>
 struct ScanArgs {
   int64_t batch = 0, dim = 0, L = 0, N = 0;
+  int64_t NP = 0;  // N rounded up to the vector width
   bool softplus = false;
+  acc_t exp_lo = 0, exp_hi = 0;  // kExpLo, kExpHi, set at run time (see vexp)
   const in_t* u = nullptr;      // (batch, dim, L)
   const in_t* delta = nullptr;  // (batch, dim, L)
   const in_t* z = nullptr;      // (batch, dim, L) or null
-  const acc_t* A = nullptr;     // (dim, N)
+  const acc_t* A = nullptr;     // (dim, NP), zero-padded
   const acc_t* D = nullptr;     // (dim) or null
   const acc_t* bias = nullptr;  // (dim) or null
-  const acc_t* Bt = nullptr;    // (batch, L, N): B transposed, in acc_t
-  const acc_t* Ct = nullptr;    // (batch, L, N)
+  const acc_t* Bt = nullptr;    // (batch, L, NP): B transposed, zero-padded, in acc_t
+  const acc_t* Ct = nullptr;    // (batch, L, NP)
   // forward output
   in_t* out = nullptr;  // (batch, dim, L)
   // backward
@@ -158,243 +250,268 @@ struct ScanArgs {
   in_t* dz = nullptr;          // (batch, dim, L) or null
   // Backward work items: item i = (b = i / chunks, channel block i % chunks of `chunk_dim` channels).
   int64_t chunks = 1, chunk_dim = 0;
-  acc_t* dB_part = nullptr;     // (items, L, N): sum over the item's channels
-  acc_t* dC_part = nullptr;     // (items, L, N)
-  acc_t* dA_part = nullptr;     // (batch, dim, N): sum over time
+  acc_t* dB_part = nullptr;     // (items, L, NP): sum over the item's channels, zero-initialised
+  acc_t* dC_part = nullptr;     // (items, L, NP)
+  acc_t* dA_part = nullptr;     // (batch, dim, NP): sum over time
   acc_t* dD_part = nullptr;     // (batch, dim) or null
   acc_t* dbias_part = nullptr;  // (batch, dim) or null
 };
 
+// Per-thread scratch. Rows over time have LP = L rounded up to the vector width, so the elementwise loops run in
+// whole vectors; the padding lanes start at zero, and whatever they compute is never written out or summed.
 template <typename acc_t>
 struct Workspace {
-  std::vector<acc_t> u, dt, dsp, y, dy, ddt, du, h, zeros, H, Aexp;
-  Workspace(int64_t L, int64_t N, bool backward)
-      : u(L), dt(L), y(L), h(N), zeros(N, acc_t(0)) {
+  int64_t LP;
+  std::vector<acc_t> u, x, dt, dsp, z, go, y, dy, ddt, du, tmp;  // LP each
+  std::vector<acc_t> zeros;                                      // NP
+  std::vector<acc_t> H, Aexp;                                    // L x NP each (backward only)
+  Workspace(int64_t L, int64_t NP, bool backward)
+      : LP((L + Simd<acc_t>::W - 1) / Simd<acc_t>::W * Simd<acc_t>::W),
+        u(LP), x(LP), dt(LP), z(LP), y(LP), tmp(LP), zeros(NP) {
     if (backward) {
-      dsp.resize(L);
-      dy.resize(L);
-      ddt.resize(L);
-      du.resize(L);
-      H.resize(L * N);
-      Aexp.resize(L * N);
+      for (auto* v : {&dsp, &go, &dy, &ddt, &du}) v->assign(LP, acc_t(0));
+      H.resize(L * NP);
+      Aexp.resize(L * NP);
     }
   }
 };
 
-// A row of the input dtype as acc_t: no copy when the types agree.
 template <typename in_t, typename acc_t>
-SCAN_INLINE const acc_t* row_as_acc(const in_t* src, int64_t L, acc_t* buf) {
-  if constexpr (std::is_same<in_t, acc_t>::value) {
-    return src;
-  } else {
-    for (int64_t t = 0; t < L; ++t) buf[t] = static_cast<acc_t>(src[t]);
-    return buf;
-  }
+SCAN_INLINE void load_row(const in_t* __restrict src, int64_t L, acc_t* __restrict dst) {
+  for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[t]);
+}
+template <typename in_t, typename acc_t>
+SCAN_INLINE void store_row(const acc_t* __restrict src, int64_t L, in_t* __restrict dst) {
+  for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<in_t>(src[t]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The math, one (batch, channel) pair at a time.
 // ---------------------------------------------------------------------------------------------------------------
 
-// delta' = softplus(delta + bias) (or delta + bias), and, if dsp is given, d delta' / d delta.
-template <typename in_t, typename acc_t>
-SCAN_INLINE void prepare_delta(const in_t* __restrict delta, acc_t bias, bool softplus, int64_t L,
+// dt = softplus(x + bias) (or x + bias), and, if dsp is given, d dt / d x.
+template <typename acc_t>
+SCAN_INLINE void prepare_delta(const acc_t* __restrict x, acc_t bias, bool use_softplus, int64_t LP,
                                acc_t* __restrict dt, acc_t* __restrict dsp) {
-  if (softplus) {
-    SCAN_SIMD
-    for (int64_t t = 0; t < L; ++t) dt[t] = softplus_acc(static_cast<acc_t>(delta[t]) + bias);
-    if (dsp) {
-      SCAN_SIMD
-      for (int64_t t = 0; t < L; ++t) {
-        const acc_t x = static_cast<acc_t>(delta[t]) + bias;
-        dsp[t] = x > acc_t(20) ? acc_t(1) : sigmoid_acc(x);
-      }
+  using V = typename Simd<acc_t>::V;
+  constexpr int64_t W = Simd<acc_t>::W;
+  const V vb = splat<V>(bias);
+  if (use_softplus) {
+    for (int64_t t = 0; t < LP; t += W) {
+      const V xt = vload<V>(x + t) + vb;
+      vstore(dt + t, softplus(xt));
+      if (dsp) vstore(dsp + t, softplus_grad(xt));
     }
   } else {
-    for (int64_t t = 0; t < L; ++t) dt[t] = static_cast<acc_t>(delta[t]) + bias;
-    if (dsp) std::fill(dsp, dsp + L, acc_t(1));
+    for (int64_t t = 0; t < LP; t += W) vstore(dt + t, vload<V>(x + t) + vb);
+    if (dsp) std::fill(dsp, dsp + LP, acc_t(1));
   }
 }
 
 // The recurrence of one channel:
 //   h_t[n] = a_t[n] h_{t-1}[n] + dt_t u_t B_t[n],  a_t[n] = exp(dt_t A[n]);   y[t] = sum_n h_t[n] C_t[n]
-// (no D term, no gate). With kStore it also keeps every h_t and a_t (L x N each) for the reverse pass.
+// (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (L x NP each) and adds this
+// channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels).
 template <typename acc_t, bool kStore>
-SCAN_INLINE void ssm_forward(int64_t L, int64_t N, const acc_t* __restrict A, const acc_t* __restrict u,
+SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const acc_t* __restrict A, const acc_t* __restrict u,
                              const acc_t* __restrict dt, const acc_t* __restrict Bt, const acc_t* __restrict Ct,
-                             acc_t* __restrict h, acc_t* __restrict y, acc_t* __restrict H,
-                             acc_t* __restrict Aexp) {
-  std::fill(h, h + N, acc_t(0));
-  for (int64_t t = 0; t < L; ++t) {
-    const acc_t d = dt[t];
-    const acc_t du = d * u[t];
-    const acc_t* __restrict b = Bt + t * N;
-    const acc_t* __restrict c = Ct + t * N;
-    acc_t s = 0;
-    SCAN_SIMD_SUM(s)
-    for (int64_t n = 0; n < N; ++n) {
-      const acc_t a = exp_acc(d * A[n]);
-      const acc_t hn = a * h[n] + du * b[n];
-      h[n] = hn;
-      s += hn * c[n];
-      if (kStore) {
-        H[t * N + n] = hn;
-        Aexp[t * N + n] = a;
-      }
+                             acc_t* __restrict y, acc_t* __restrict H, acc_t* __restrict Aexp,
+                             const acc_t* __restrict dy, acc_t* __restrict dC, acc_t exp_lo, acc_t exp_hi) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int64_t W = Simd<acc_t>::W;
+  const V lo = splat<V>(exp_lo), hi = splat<V>(exp_hi);
+  std::fill(y, y + L, acc_t(0));
+  for (int64_t n0 = 0; n0 < NP; n0 += kBlock * W) {
+    V Ab[kBlock], h[kBlock];
+    for (int j = 0; j < kBlock; ++j) {
+      Ab[j] = vload<V>(A + n0 + j * W);
+      h[j] = V{};
     }
-    y[t] = s;
+    for (int64_t t = 0; t < L; ++t) {
+      // Scalars times vectors below: GCC emits one broadcast for these (better than for a splat helper).
+      const acc_t d = dt[t], du = dt[t] * u[t];
+      V s{};
+      for (int j = 0; j < kBlock; ++j) {
+        const int64_t at = t * NP + n0 + j * W;
+        const V a = vexp(Ab[j] * d, lo, hi);
+        h[j] = a * h[j] + du * vload<V>(Bt + at);
+        s += h[j] * vload<V>(Ct + at);
+        if (kStore) {
+          vstore(H + at, h[j]);
+          vstore(Aexp + at, a);
+          vstore(dC + at, vload<V>(dC + at) + dy[t] * h[j]);
+        }
+      }
+      y[t] += hsum(s);
+    }
   }
 }
 
 // Reverse pass of one channel, given dy = dL/dy (before the D term) and the stored h_t, a_t.
 // g_t = dL/dh_t = dy_t C_t + a_{t+1} g_{t+1}; then with x_t[n] = dt_t A[n] and ga = g_t h_{t-1} a_t = dL/dx_t:
-//   dA[n] += ga dt_t,  ddt_t = sum_n ga A[n] + u_t sum_n g_t B_t,  du_t += dt_t sum_n g_t B_t,
-//   dB_t[n] += g_t dt_t u_t,  dC_t[n] += dy_t h_t[n]   (the last two summed over channels by the caller).
+//   dA[n] = sum_t ga dt_t,  ddt_t = sum_n ga A[n] + u_t sum_n g_t B_t,  du_t += dt_t sum_n g_t B_t,
+//   dB_t[n] += g_t dt_t u_t   (dB is the caller's sum over channels).
 template <typename acc_t>
-SCAN_INLINE void ssm_backward(int64_t L, int64_t N, const acc_t* __restrict A, const acc_t* __restrict u,
+SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const acc_t* __restrict A, const acc_t* __restrict u,
                               const acc_t* __restrict dt, const acc_t* __restrict Bt,
                               const acc_t* __restrict Ct, const acc_t* __restrict H,
                               const acc_t* __restrict Aexp, const acc_t* __restrict zeros,
-                              const acc_t* __restrict dy, acc_t* __restrict g, acc_t* __restrict dB,
-                              acc_t* __restrict dC, acc_t* __restrict dA, acc_t* __restrict ddt,
-                              acc_t* __restrict du) {
-  std::fill(g, g + N, acc_t(0));  // holds a_{t+1} g_{t+1} on entry to step t
-  for (int64_t t = L - 1; t >= 0; --t) {
-    const acc_t d = dt[t], ut = u[t], dyt = dy[t];
-    const acc_t dut = d * ut;
-    const acc_t* __restrict b = Bt + t * N;
-    const acc_t* __restrict c = Ct + t * N;
-    const acc_t* __restrict ht = H + t * N;
-    const acc_t* __restrict hprev = t > 0 ? H + (t - 1) * N : zeros;
-    const acc_t* __restrict at = Aexp + t * N;
-    acc_t* __restrict dBt = dB + t * N;
-    acc_t* __restrict dCt = dC + t * N;
-    acc_t s_ga = 0, s_gb = 0;
-    SCAN_SIMD_SUM(s_ga, s_gb)
-    for (int64_t n = 0; n < N; ++n) {
-      const acc_t gn = g[n] + dyt * c[n];
-      const acc_t ga = gn * hprev[n] * at[n];
-      dA[n] += ga * d;
-      s_ga += ga * A[n];
-      s_gb += gn * b[n];
-      dBt[n] += gn * dut;
-      dCt[n] += dyt * ht[n];
-      g[n] = gn * at[n];
+                              const acc_t* __restrict dy, acc_t* __restrict dB, acc_t* __restrict dA,
+                              acc_t* __restrict ddt, acc_t* __restrict du) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int64_t W = Simd<acc_t>::W;
+  std::fill(ddt, ddt + L, acc_t(0));
+  for (int64_t n0 = 0; n0 < NP; n0 += kBlock * W) {
+    V Ab[kBlock], g[kBlock], dAb[kBlock];
+    for (int j = 0; j < kBlock; ++j) {
+      Ab[j] = vload<V>(A + n0 + j * W);
+      g[j] = V{};  // holds a_{t+1} g_{t+1} on entry to step t
+      dAb[j] = V{};
     }
-    ddt[t] = s_ga + ut * s_gb;
-    du[t] += d * s_gb;
+    for (int64_t t = L - 1; t >= 0; --t) {
+      const acc_t dtt = dt[t], ut = u[t], dyt = dy[t], dut = dtt * ut;
+      const acc_t* __restrict hprev = (t > 0 ? H + (t - 1) * NP : zeros) + n0;
+      V s_ga{}, s_gb{};
+      for (int j = 0; j < kBlock; ++j) {
+        const int64_t at = t * NP + n0 + j * W;
+        const V a = vload<V>(Aexp + at);
+        const V gn = g[j] + dyt * vload<V>(Ct + at);
+        const V ga = gn * vload<V>(hprev + j * W) * a;
+        dAb[j] += ga * dtt;
+        s_ga += ga * Ab[j];
+        s_gb += gn * vload<V>(Bt + at);
+        vstore(dB + at, vload<V>(dB + at) + gn * dut);
+        g[j] = gn * a;
+      }
+      const acc_t gb = hsum(s_gb);
+      ddt[t] += hsum(s_ga) + ut * gb;
+      du[t] += dtt * gb;
+    }
+    for (int j = 0; j < kBlock; ++j) vstore(dA + n0 + j * W, dAb[j]);
   }
 }
 
 template <typename in_t, typename acc_t>
 SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, acc_t>& p, int64_t b, int64_t d, Workspace<acc_t>& ws) {
-  const int64_t L = p.L, N = p.N;
+  using V = typename Simd<acc_t>::V;
+  constexpr int64_t W = Simd<acc_t>::W;
+  const int64_t L = p.L, LP = ws.LP, NP = p.NP;
   const int64_t row = (b * p.dim + d) * L;
-  const acc_t* u = row_as_acc(p.u + row, L, ws.u.data());
-  acc_t* dt = ws.dt.data();
-  acc_t* y = ws.y.data();
-  prepare_delta(p.delta + row, p.bias ? p.bias[d] : acc_t(0), p.softplus, L, dt, static_cast<acc_t*>(nullptr));
-  ssm_forward<acc_t, false>(L, N, p.A + d * N, u, dt, p.Bt + b * L * N, p.Ct + b * L * N, ws.h.data(), y,
-                            nullptr, nullptr);
-  const acc_t Dd = p.D ? p.D[d] : acc_t(0);
-  in_t* __restrict out = p.out + row;
+  acc_t* __restrict u = ws.u.data();
+  acc_t* __restrict dt = ws.dt.data();
+  acc_t* __restrict y = ws.y.data();
+  acc_t* __restrict o = ws.tmp.data();
+  load_row(p.u + row, L, u);
+  load_row(p.delta + row, L, ws.x.data());
+  prepare_delta(ws.x.data(), p.bias ? p.bias[d] : acc_t(0), p.softplus, LP, dt, static_cast<acc_t*>(nullptr));
+  ssm_forward<acc_t, false>(L, NP, p.A + d * NP, u, dt, p.Bt + b * L * NP, p.Ct + b * L * NP, y, nullptr,
+                            nullptr, nullptr, nullptr, p.exp_lo, p.exp_hi);
+  // out = (y + D u) silu(z)
+  const V Dd = splat<V>(p.D ? p.D[d] : acc_t(0));
   if (p.z) {
-    const in_t* __restrict z = p.z + row;
-    SCAN_SIMD
-    for (int64_t t = 0; t < L; ++t) {
-      const acc_t zt = static_cast<acc_t>(z[t]);
-      out[t] = static_cast<in_t>((y[t] + Dd * u[t]) * zt * sigmoid_acc(zt));
+    acc_t* __restrict z = ws.z.data();
+    load_row(p.z + row, L, z);
+    for (int64_t t = 0; t < LP; t += W) {
+      const V zt = vload<V>(z + t);
+      vstore(o + t, (vload<V>(y + t) + Dd * vload<V>(u + t)) * zt * sigmoid(zt));
     }
   } else {
-    for (int64_t t = 0; t < L; ++t) out[t] = static_cast<in_t>(y[t] + Dd * u[t]);
+    for (int64_t t = 0; t < LP; t += W) vstore(o + t, vload<V>(y + t) + Dd * vload<V>(u + t));
   }
+  store_row(o, L, p.out + row);
 }
 
-// dB / dC of this channel are added into the work item's (L, N) buffers dB, dC; dA / dD / ddelta_bias go into
+// dB / dC of this channel are added into the work item's (L, NP) buffers dB, dC; dA / dD / ddelta_bias go into
 // this (b, d)'s own slots of the partial buffers.
 template <typename in_t, typename acc_t>
 SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, acc_t>& p, int64_t b, int64_t d, Workspace<acc_t>& ws,
                                   acc_t* dB, acc_t* dC) {
-  const int64_t L = p.L, N = p.N;
+  using V = typename Simd<acc_t>::V;
+  constexpr int64_t W = Simd<acc_t>::W;
+  const int64_t L = p.L, LP = ws.LP, NP = p.NP;
   const int64_t row = (b * p.dim + d) * L;
-  const acc_t* __restrict u = row_as_acc(p.u + row, L, ws.u.data());
+  acc_t* __restrict u = ws.u.data();
   acc_t* __restrict dt = ws.dt.data();
   acc_t* __restrict dsp = ws.dsp.data();
   acc_t* __restrict y = ws.y.data();
+  acc_t* __restrict go = ws.go.data();
   acc_t* __restrict dy = ws.dy.data();
   acc_t* __restrict du = ws.du.data();
   acc_t* __restrict ddt = ws.ddt.data();
-  const acc_t* A = p.A + d * N;
-  const acc_t* Bt = p.Bt + b * L * N;
-  const acc_t* Ct = p.Ct + b * L * N;
+  acc_t* __restrict tmp = ws.tmp.data();
+  const acc_t* A = p.A + d * NP;
+  const acc_t* Bt = p.Bt + b * L * NP;
+  const acc_t* Ct = p.Ct + b * L * NP;
 
-  // 1. Recompute the forward of this channel, keeping the states.
-  prepare_delta(p.delta + row, p.bias ? p.bias[d] : acc_t(0), p.softplus, L, dt, dsp);
-  ssm_forward<acc_t, true>(L, N, A, u, dt, Bt, Ct, ws.h.data(), y, ws.H.data(), ws.Aexp.data());
-
-  // 2. Through the gate and the skip term: out = (y + D u) silu(z).
+  // 1. Through the gate: dy = dout silu(z) does not depend on y, so it is known before the scan.
   const acc_t Dd = p.D ? p.D[d] : acc_t(0);
-  const in_t* __restrict dout = p.dout + row;
+  const V vD = splat<V>(Dd), one = splat<V>(1.0);
+  acc_t* __restrict z = ws.z.data();
+  load_row(p.dout + row, L, go);
   if (p.z) {
-    const in_t* __restrict z = p.z + row;
-    in_t* __restrict dz = p.dz + row;
-    SCAN_SIMD
-    for (int64_t t = 0; t < L; ++t) {
-      const acc_t zt = static_cast<acc_t>(z[t]), go = static_cast<acc_t>(dout[t]);
-      const acc_t sg = sigmoid_acc(zt);
-      const acc_t yt = y[t] + Dd * u[t];
-      dz[t] = static_cast<in_t>(go * yt * sg * (acc_t(1) + zt * (acc_t(1) - sg)));  // silu' = s (1 + z (1 - s))
-      dy[t] = go * zt * sg;
+    load_row(p.z + row, L, z);
+    for (int64_t t = 0; t < LP; t += W) {
+      const V zt = vload<V>(z + t);
+      vstore(dy + t, vload<V>(go + t) * zt * sigmoid(zt));
     }
   } else {
-    for (int64_t t = 0; t < L; ++t) dy[t] = static_cast<acc_t>(dout[t]);
+    std::copy(go, go + LP, dy);
   }
+
+  // 2. Recompute the forward of this channel, keeping the states (and adding its dC).
+  load_row(p.u + row, L, u);
+  load_row(p.delta + row, L, ws.x.data());
+  prepare_delta(ws.x.data(), p.bias ? p.bias[d] : acc_t(0), p.softplus, LP, dt, dsp);
+  ssm_forward<acc_t, true>(L, NP, A, u, dt, Bt, Ct, y, ws.H.data(), ws.Aexp.data(), dy, dC, p.exp_lo, p.exp_hi);
+
+  // 3. dz = dout y silu'(z), silu'(z) = s (1 + z (1 - s)) with y the full output before the gate; the skip term.
+  if (p.z) {
+    for (int64_t t = 0; t < LP; t += W) {
+      const V zt = vload<V>(z + t);
+      const V sg = sigmoid(zt);
+      const V yt = vload<V>(y + t) + vD * vload<V>(u + t);
+      vstore(tmp + t, vload<V>(go + t) * yt * sg * (one + zt * (one - sg)));
+    }
+    store_row(tmp, L, p.dz + row);
+  }
+  for (int64_t t = 0; t < LP; t += W) vstore(du + t, vload<V>(dy + t) * vD);
   acc_t dD = 0;
-  SCAN_SIMD_SUM(dD)
-  for (int64_t t = 0; t < L; ++t) {
-    dD += dy[t] * u[t];
-    du[t] = dy[t] * Dd;
-  }
+  for (int64_t t = 0; t < L; ++t) dD += dy[t] * u[t];
 
-  // 3. The reverse recurrence.
-  ssm_backward(L, N, A, u, dt, Bt, Ct, ws.H.data(), ws.Aexp.data(), ws.zeros.data(), dy, ws.h.data(), dB, dC,
-               p.dA_part + (b * p.dim + d) * N, ddt, du);
+  // 4. The reverse recurrence.
+  ssm_backward(L, NP, A, u, dt, Bt, Ct, ws.H.data(), ws.Aexp.data(), ws.zeros.data(), dy, dB,
+               p.dA_part + (b * p.dim + d) * NP, ddt, du);
 
-  // 4. Back through softplus(delta + bias).
-  in_t* __restrict ddelta = p.ddelta + row;
-  in_t* __restrict du_out = p.du + row;
+  // 5. Back through softplus(delta + bias).
+  for (int64_t t = 0; t < LP; t += W) vstore(tmp + t, vload<V>(ddt + t) * vload<V>(dsp + t));
   acc_t dbias = 0;
-  SCAN_SIMD_SUM(dbias)
-  for (int64_t t = 0; t < L; ++t) {
-    const acc_t g = ddt[t] * dsp[t];
-    dbias += g;
-    ddelta[t] = static_cast<in_t>(g);
-    du_out[t] = static_cast<in_t>(du[t]);
-  }
+  for (int64_t t = 0; t < L; ++t) dbias += tmp[t];
+  store_row(tmp, L, p.ddelta + row);
+  store_row(du, L, p.du + row);
   if (p.dD_part) p.dD_part[b * p.dim + d] = dD;
   if (p.dbias_part) p.dbias_part[b * p.dim + d] = dbias;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Ranges of work, compiled per instruction set. The *_impl bodies are force-inlined into each variant so that
-// all of the math above is generated with that variant's vector instructions.
+// all of the math above is generated with that variant's instructions.
 // ---------------------------------------------------------------------------------------------------------------
 
 template <typename in_t, typename acc_t>
 SCAN_INLINE void fwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  Workspace<acc_t> ws(p.L, p.N, /*backward=*/false);
+  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
   for (int64_t i = begin; i < end; ++i) scan_channel_fwd(p, i / p.dim, i % p.dim, ws);
 }
 
 template <typename in_t, typename acc_t>
 SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  Workspace<acc_t> ws(p.L, p.N, /*backward=*/true);
+  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/true);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.chunks;
     const int64_t d0 = (item % p.chunks) * p.chunk_dim;
     const int64_t d1 = std::min(p.dim, d0 + p.chunk_dim);
-    acc_t* dB = p.dB_part + item * p.L * p.N;  // zero-initialised by the caller
-    acc_t* dC = p.dC_part + item * p.L * p.N;
+    acc_t* dB = p.dB_part + item * p.L * p.NP;
+    acc_t* dC = p.dC_part + item * p.L * p.NP;
     for (int64_t d = d0; d < d1; ++d) scan_channel_bwd(p, b, d, ws, dB, dC);
   }
 }
@@ -453,58 +570,87 @@ constexpr int64_t kMinStepsPerChunk = 1 << 15;
 // It depends on the shape only, so the summation order (and the result) does not depend on the thread count.
 constexpr int64_t kTargetBackwardItems = 32;
 
-template <typename acc_t>
-const acc_t* opt_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->data_ptr<acc_t>() : nullptr;
-}
-
 bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// B or C (batch, N, L) -> (batch, L, N) in the accumulation type.
-at::Tensor to_time_major(const at::Tensor& x, at::ScalarType acc) {
-  return x.to(acc).transpose(1, 2).contiguous();
+template <typename acc_t>
+const acc_t* opt_ptr(const std::optional<at::Tensor>& t) {
+  return has(t) ? t->data_ptr<acc_t>() : nullptr;
+}
+
+int64_t padded_state(int64_t N, at::ScalarType acc) {
+  const int64_t W = acc == at::kDouble ? block_lanes<double>() : block_lanes<float>();
+  return (N + W - 1) / W * W;
+}
+
+// B or C (batch, N, L) -> (batch, L, NP) in the accumulation type, zero in the padding.
+at::Tensor to_time_major(const at::Tensor& x, at::ScalarType acc, int64_t NP) {
+  at::Tensor out = at::zeros({x.size(0), x.size(2), NP}, x.options().dtype(acc));
+  out.narrow(2, 0, x.size(1)).copy_(x.transpose(1, 2));
+  return out;
+}
+
+// A (dim, N) -> (dim, NP), zero in the padding.
+at::Tensor pad_state(const at::Tensor& A, int64_t NP) {
+  if (A.size(1) == NP) return A;
+  at::Tensor out = at::zeros({A.size(0), NP}, A.options());
+  out.narrow(1, 0, A.size(1)).copy_(A);
+  return out;
+}
+
+// Everything the forward and backward share; the tensors it points into must outlive the returned struct.
+struct Prepared {
+  at::Tensor A, Bt, Ct;
+  int64_t NP;
+};
+
+Prepared prepare(const at::Tensor& u, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+  const auto acc = u.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t NP = padded_state(A.size(1), acc);
+  return {pad_state(A, NP), to_time_major(B, acc, NP), to_time_major(C, acc, NP), NP};
 }
 
 template <typename in_t, typename acc_t>
-ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
-                                  const at::Tensor& Bt, const at::Tensor& Ct, const std::optional<at::Tensor>& D,
-                                  const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& delta_bias,
-                                  bool softplus) {
+ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
+                                  const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+                                  const std::optional<at::Tensor>& delta_bias, bool softplus) {
   ScanArgs<in_t, acc_t> p;
   p.batch = u.size(0);
   p.dim = u.size(1);
   p.L = u.size(2);
-  p.N = A.size(1);
+  p.N = N;
+  p.NP = pr.NP;
   p.softplus = softplus;
+  p.exp_lo = kExpLo;
+  p.exp_hi = kExpHi;
   p.u = u.data_ptr<in_t>();
   p.delta = delta.data_ptr<in_t>();
   p.z = has(z) ? z->data_ptr<in_t>() : nullptr;
-  p.A = A.data_ptr<acc_t>();
+  p.A = pr.A.data_ptr<acc_t>();
   p.D = opt_ptr<acc_t>(D);
   p.bias = opt_ptr<acc_t>(delta_bias);
-  p.Bt = Bt.data_ptr<acc_t>();
-  p.Ct = Ct.data_ptr<acc_t>();
+  p.Bt = pr.Bt.data_ptr<acc_t>();
+  p.Ct = pr.Ct.data_ptr<acc_t>();
   return p;
 }
 
 template <typename in_t, typename acc_t>
-void run_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& Bt,
-             const at::Tensor& Ct, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+void run_fwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
+             const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
              const std::optional<at::Tensor>& delta_bias, bool softplus, at::Tensor& out) {
-  auto p = common_args<in_t, acc_t>(u, delta, A, Bt, Ct, D, z, delta_bias, softplus);
+  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus);
   p.out = out.data_ptr<in_t>();
-  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / std::max<int64_t>(1, p.L * p.N));
+  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.L * p.NP));
   at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { fwd_range(p, begin, end); });
 }
 
 template <typename in_t, typename acc_t>
-void run_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& Bt,
-             const at::Tensor& Ct, const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
+void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
+             const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
              const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout, bool softplus, at::Tensor& du,
              at::Tensor& ddelta, at::Tensor& dA, at::Tensor& dB, at::Tensor& dC, at::Tensor& dD, at::Tensor& dz,
              at::Tensor& dbias) {
-  auto p = common_args<in_t, acc_t>(u, delta, A, Bt, Ct, D, z, delta_bias, softplus);
-  const int64_t batch = p.batch, dim = p.dim, L = p.L, N = p.N;
+  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus);
+  const int64_t batch = p.batch, dim = p.dim, L = p.L, NP = p.NP;
   p.dout = dout.data_ptr<in_t>();
   p.du = du.data_ptr<in_t>();
   p.ddelta = ddelta.data_ptr<in_t>();
@@ -515,10 +661,10 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, 
   p.chunk_dim = (dim + chunks - 1) / chunks;
   p.chunks = chunks = (dim + p.chunk_dim - 1) / p.chunk_dim;
   const int64_t items = batch * chunks;
-  const auto acc_opts = A.options();
-  at::Tensor dB_part = at::zeros({items, L, N}, acc_opts);
-  at::Tensor dC_part = at::zeros({items, L, N}, acc_opts);
-  at::Tensor dA_part = at::zeros({batch, dim, N}, acc_opts);
+  const auto acc_opts = pr.A.options();
+  at::Tensor dB_part = at::zeros({items, L, NP}, acc_opts);
+  at::Tensor dC_part = at::zeros({items, L, NP}, acc_opts);
+  at::Tensor dA_part = at::empty({batch, dim, NP}, acc_opts);
   at::Tensor dD_part = dD.defined() ? at::zeros({batch, dim}, acc_opts) : at::Tensor();
   at::Tensor dbias_part = dbias.defined() ? at::zeros({batch, dim}, acc_opts) : at::Tensor();
   p.dB_part = dB_part.data_ptr<acc_t>();
@@ -527,7 +673,7 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, 
   p.dD_part = dD_part.defined() ? dD_part.data_ptr<acc_t>() : nullptr;
   p.dbias_part = dbias_part.defined() ? dbias_part.data_ptr<acc_t>() : nullptr;
 
-  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / std::max<int64_t>(1, p.chunk_dim * L * N));
+  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.chunk_dim * L * NP));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) { bwd_range(p, begin, end); });
 
   // Fixed-order reductions of the partials.
@@ -536,16 +682,16 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, 
   in_t* dC_out = dC.data_ptr<in_t>();
   const acc_t* dBp = p.dB_part;
   const acc_t* dCp = p.dC_part;
-  at::parallel_for(0, batch * N, std::max<int64_t>(1, kMinStepsPerChunk / std::max<int64_t>(1, chunks * L)),
+  at::parallel_for(0, batch * N, std::max<int64_t>(1, kMinStepsPerChunk / (chunks * L)),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t bn = begin; bn < end; ++bn) {
                        const int64_t b = bn / N, n = bn % N;
                        for (int64_t t = 0; t < L; ++t) {
                          acc_t sb = 0, sc = 0;
                          for (int64_t k = 0; k < chunks; ++k) {
-                           const int64_t at_ = ((b * chunks + k) * L + t) * N + n;
-                           sb += dBp[at_];
-                           sc += dCp[at_];
+                           const int64_t i = ((b * chunks + k) * L + t) * NP + n;
+                           sb += dBp[i];
+                           sc += dCp[i];
                          }
                          dB_out[bn * L + t] = static_cast<in_t>(sb);
                          dC_out[bn * L + t] = static_cast<in_t>(sc);
@@ -553,20 +699,24 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, 
                      }
                    });
   //   dA, dD, ddelta_bias: sum over the batch.
-  auto sum_over_batch = [batch](const acc_t* part, int64_t inner, acc_t* result) {
-    for (int64_t i = 0; i < inner; ++i) {
+  const acc_t* dAp = p.dA_part;
+  acc_t* dA_out = dA.data_ptr<acc_t>();
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t n = 0; n < N; ++n) {
       acc_t s = 0;
-      for (int64_t b = 0; b < batch; ++b) s += part[b * inner + i];
-      result[i] = s;
+      for (int64_t b = 0; b < batch; ++b) s += dAp[(b * dim + d) * NP + n];
+      dA_out[d * N + n] = s;
+    }
+  }
+  auto sum_over_batch = [batch, dim](const acc_t* part, acc_t* result) {
+    for (int64_t d = 0; d < dim; ++d) {
+      acc_t s = 0;
+      for (int64_t b = 0; b < batch; ++b) s += part[b * dim + d];
+      result[d] = s;
     }
   };
-  sum_over_batch(p.dA_part, dim * N, dA.data_ptr<acc_t>());
-  if (dD.defined()) sum_over_batch(p.dD_part, dim, dD.data_ptr<acc_t>());
-  if (dbias.defined()) sum_over_batch(p.dbias_part, dim, dbias.data_ptr<acc_t>());
-}
-
-at::ScalarType acc_type_of(at::ScalarType in) {
-  return in == at::kDouble ? at::kDouble : at::kFloat;
+  if (dD.defined()) sum_over_batch(p.dD_part, dD.data_ptr<acc_t>());
+  if (dbias.defined()) sum_over_batch(p.dbias_part, dbias.data_ptr<acc_t>());
 }
 
 }  // namespace
@@ -575,18 +725,18 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, bool delta_softplus) {
-  const auto acc = acc_type_of(u.scalar_type());
-  const at::Tensor Bt = to_time_major(B, acc), Ct = to_time_major(C, acc);
+  const Prepared pr = prepare(u, A, B, C);
+  const int64_t N = A.size(1);
   at::Tensor out = at::empty_like(u);
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_fwd<float, float>(u, delta, A, Bt, Ct, D, z, delta_bias, delta_softplus, out);
+      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
       break;
     case at::kDouble:
-      run_fwd<double, double>(u, delta, A, Bt, Ct, D, z, delta_bias, delta_softplus, out);
+      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
       break;
     case at::kBFloat16:
-      run_fwd<c10::BFloat16, float>(u, delta, A, Bt, Ct, D, z, delta_bias, delta_softplus, out);
+      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),
@@ -600,8 +750,8 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
                                            bool delta_softplus) {
-  const auto acc = acc_type_of(u.scalar_type());
-  const at::Tensor Bt = to_time_major(B, acc), Ct = to_time_major(C, acc);
+  const Prepared pr = prepare(u, A, B, C);
+  const int64_t N = A.size(1);
   at::Tensor du = at::empty_like(u);
   at::Tensor ddelta = at::empty_like(delta);
   at::Tensor dA = at::empty_like(A);
@@ -612,16 +762,16 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
   at::Tensor dbias = has(delta_bias) ? at::empty_like(*delta_bias) : at::Tensor();
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_bwd<float, float>(u, delta, A, Bt, Ct, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB, dC,
-                            dD, dz, dbias);
+      run_bwd<float, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB, dC, dD,
+                            dz, dbias);
       break;
     case at::kDouble:
-      run_bwd<double, double>(u, delta, A, Bt, Ct, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB,
-                              dC, dD, dz, dbias);
+      run_bwd<double, double>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB, dC,
+                              dD, dz, dbias);
       break;
     case at::kBFloat16:
-      run_bwd<c10::BFloat16, float>(u, delta, A, Bt, Ct, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA,
-                                    dB, dC, dD, dz, dbias);
+      run_bwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB,
+                                    dC, dD, dz, dbias);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),

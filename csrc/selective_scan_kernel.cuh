@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
     const int t0 = c * T;
     const int len = min(T, L - t0);
 
-    __syncthreads();  // the previous chunk's epilogue is done with y_s and everybody with u_s .. C_s
+    __syncthreads();  // everybody is done with the previous chunk (cheap: once per chunk)
 
     // Stage the chunk. Consecutive threads take consecutive time steps: coalesced global loads.
     for (int i = tid; i < cpb * T; i += kThreads) {
@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
     const int t0 = c * T;
     const int len = min(T, L - t0);
 
-    __syncthreads();  // the previous (later) chunk's epilogue is done with the shared arrays
+    // The previous (later) chunk's epilogue must be done with the shared arrays before they are restaged. (Today
+    // each thread would only overwrite dB_s / dC_s entries it read itself, but the phases stay independent.)
+    __syncthreads();
 
     // ---- 1. stage the chunk (zeros outside the sequence and for channels past dim)
     for (int i = tid; i < cpb * T; i += kThreads) {
@@ -457,9 +459,8 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
     }
     __syncthreads();
 
-    // ---- 2. recompute the chunk's states from the stored start state; the same operations as the forward,
-    // so the states are bit-identical to the forward's. Each thread only touches its own history slots, so
-    // no barrier is needed between this and step 3.
+    // ---- 2. recompute the chunk's states from the stored start state, with the same operations as the
+    // forward. Each thread only touches its own history slots, so no barrier is needed before step 3.
     {
       acc_t h[kNPL];
 #pragma unroll

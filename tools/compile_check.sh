@@ -87,7 +87,7 @@ else
   for arch in $cuda_archs; do
     gencode+=(-gencode "arch=compute_${arch},code=sm_${arch}")
   done
-  echo "$("$nvcc" --version | tail -n 1)"
+  "$nvcc" --version | tail -n 1
   # No torch include paths on purpose: the device code must not need them.
   if "$nvcc" -c -std=c++17 -O3 "${gencode[@]}" "${torch_nvcc_flags[@]}" -Xcompiler -Wall \
     "$csrc/selective_scan_cuda.cu" -o "$work/selective_scan_cuda.o"; then
@@ -112,7 +112,7 @@ else
   cp -r "$csrc" "$hipdir/csrc"
   # The same call torch.utils.cpp_extension.CUDAExtension makes on a ROCm torch (sources hipified in place into
   # *_hip.* / *.hip files, headers they include hipified alongside).
-  if ! hipified=$("$python" - "$hipdir" <<'PY'
+  if ! hipified=$("$python" - "$hipdir" 2> "$work/hipify.log" <<'PY'
 import os
 import sys
 
@@ -134,6 +134,7 @@ result = hipify_python.hipify(
 print(result[sources[0]].hipified_path)
 PY
   ); then
+    cat "$work/hipify.log"
     fail "hipify"
   else
     hipified=$(echo "$hipified" | tail -n 1)
@@ -142,7 +143,7 @@ PY
     for arch in $hip_archs; do
       offload+=("--offload-arch=$arch")
     done
-    echo "$(HIP_PLATFORM=amd "$hipcc" --version 2> /dev/null | grep -m 1 -i 'HIP version')"
+    HIP_PLATFORM=amd "$hipcc" --version 2> /dev/null | grep -m 1 -i 'HIP version' || true
     if HIP_PLATFORM=amd "$hipcc" -x hip -c -std=c++17 -O3 "${offload[@]}" "${torch_hip_flags[@]}" -Wall \
       "$hipified" -o "$work/selective_scan_hip.o"; then
       echo "OK: hipcc (${hip_archs// /, })"

@@ -1,0 +1,51 @@
+"""The console entry points, run as a user runs them: in a fresh process."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_env_reports_versions_and_backends():
+    out = run("-m", "vim_ds.env", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    import deepspeed
+    import timm
+    import torch
+
+    assert info["torch"] == torch.__version__ and info["deepspeed"] == deepspeed.__version__
+    assert info["timm"] == timm.__version__
+    assert info["scan_backends"]["ref"]["available"]
+    assert info["scan_backends"]["cpu"]["available"], info["scan_backends"]["cpu"]["reason"]
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert list(info["scan_backend_in_use"].values()) == [expected]
+
+
+def test_console_script_dispatches_and_rejects_unknown_commands():
+    out = run("-m", "vim_ds.cli", "env")
+    assert out.returncode == 0 and "selective-scan backends:" in out.stdout
+    assert "in use on cpu: cpu" in out.stdout or "in use on cuda" in out.stdout
+    bad = run("-m", "vim_ds.cli", "frobnicate")
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+
+
+def test_demo_runs_a_published_model():
+    out = run("-m", "vim_ds.demo", "--model", "vim_tiny", "--batch-size", "1", "--input-size", "64")
+    assert out.returncode == 0, out.stderr
+    assert "kernel vs float64 reference: max relative error" in out.stdout
+    assert "7.1M parameters, 24 blocks, class token at position 8" in out.stdout
+
+
+def test_bench_scan_prints_kernel_and_reference_side_by_side(tmp_path):
+    out = run("-m", "vim_ds.bench", "scan", "--batch", "1", "--dim", "8", "--seqlen", "33", "--repeat", "1",
+              "--json", str(tmp_path / "scan.json"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "scan.json").read_text())
+    cpu = [r for r in rows if r["device"] == "cpu"]
+    assert cpu and cpu[0]["kernel_fwd_ms"] > 0 and cpu[0]["ref_fwd_bwd_ms"] > 0
+    assert "speedup fwd" in out.stdout

@@ -1,0 +1,108 @@
+// C entry points (for ctypes) around the *real* launchers and kernels, compiled for the CPU with the shim headers.
+// gen/ holds copies of csrc/selective_scan_{kernel.cuh,cuda.cu,cuda.h} with two mechanical rewrites (like hipify):
+// kernel<<<g, b, smem, stream>>>(p) -> emu::launch(kernel, g, b, smem, stream, p), and the extern __shared__
+// declaration -> a pointer the emulator points at a guarded buffer.
+#include "selective_scan_cuda.cu"
+
+namespace ssk {
+double* ss_smem_raw = nullptr;
+}
+
+using vim_ds_scan::ScanArgs;
+using vim_ds_scan::ScanDType;
+
+namespace {
+
+size_t in_size(ScanDType t) { return t == ScanDType::kFloat64 ? 8 : t == ScanDType::kFloat32 ? 4 : 2; }
+size_t acc_size(ScanDType t) { return t == ScanDType::kFloat64 ? 8 : 4; }
+
+struct Buf {
+  emu::Guarded g;
+  void* host = nullptr;
+  size_t bytes = 0;
+};
+
+// Copy a host array (or nothing) into a guarded buffer.
+void* put(std::vector<Buf>& bufs, const void* host, size_t bytes, bool copy_back, int fill) {
+  if (host == nullptr) return nullptr;
+  bufs.emplace_back();
+  Buf& b = bufs.back();
+  b.g = emu::Guarded(bytes);
+  b.bytes = bytes;
+  b.host = copy_back ? const_cast<void*>(host) : nullptr;
+  if (fill >= 0)
+    std::memset(b.g.ptr, fill, bytes);
+  else
+    std::memcpy(b.g.ptr, host, bytes);
+  return b.g.ptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+void emu_config(int order_mode, unsigned seed, int guard_front) {
+  emu::config().order_mode = order_mode;
+  emu::config().seed = seed;
+  emu::config().guard_front = guard_front;
+  emu::sched().smem_slot = &ssk::ss_smem_raw;
+}
+
+long long emu_num_checkpoints(long long L, long long N, int dtype) {
+  return vim_ds_scan::scan_num_checkpoints(L, N, ScanDType(dtype));
+}
+long long emu_chunk_length(long long N, int dtype) { return vim_ds_scan::scan_chunk_length(N, ScanDType(dtype)); }
+long long emu_sync_points() { return emu::sched().sync_points; }
+
+// Pointers are host arrays of exactly the documented sizes; null for absent optionals. Outputs are pre-filled
+// with 0xff bytes (NaN) where the kernel must write every element, with zeros where it accumulates.
+// Returns nullptr or the launcher's error.
+const char* emu_run(int backward, int dtype_i, long long batch, long long dim, long long L, long long N,
+                    int softplus, const void* u, const void* delta, const void* A, const void* B, const void* C,
+                    const void* D, const void* z, const void* bias, void* out, void* saved, const void* dout,
+                    void* du, void* ddelta, void* dz, void* dA, void* dB, void* dC, void* dD, void* dbias) {
+  emu::sched().smem_slot = &ssk::ss_smem_raw;
+  const ScanDType dt = ScanDType(dtype_i);
+  const size_t is = in_size(dt), as = acc_size(dt);
+  const size_t x = size_t(batch * dim * L), bc = size_t(batch * N * L);
+  const size_t nck = size_t(vim_ds_scan::scan_num_checkpoints(L, N, dt));
+  const size_t sv = size_t(batch * dim) * nck * size_t(N);
+  std::vector<Buf> bufs;
+  bufs.reserve(32);
+  ScanArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = L;
+  a.dstate = N;
+  a.dtype = dt;
+  a.delta_softplus = softplus != 0;
+  a.u = put(bufs, u, x * is, false, -1);
+  a.delta = put(bufs, delta, x * is, false, -1);
+  a.A = put(bufs, A, size_t(dim * N) * as, false, -1);
+  a.B = put(bufs, B, bc * is, false, -1);
+  a.C = put(bufs, C, bc * is, false, -1);
+  a.D = put(bufs, D, size_t(dim) * as, false, -1);
+  a.z = put(bufs, z, x * is, false, -1);
+  a.delta_bias = put(bufs, bias, size_t(dim) * as, false, -1);
+  if (!backward) {
+    a.out = put(bufs, out, x * is, true, 0xff);
+    a.saved = sv ? put(bufs, saved, sv * as, true, 0xff) : nullptr;
+  } else {
+    a.saved = sv ? put(bufs, saved, sv * as, false, -1) : nullptr;
+    a.dout = put(bufs, dout, x * is, false, -1);
+    a.du = put(bufs, du, x * is, true, 0xff);
+    a.ddelta = put(bufs, ddelta, x * is, true, 0xff);
+    a.dz = put(bufs, dz, x * is, true, 0xff);
+    a.dA = put(bufs, dA, size_t(dim * N) * as, true, 0);
+    a.dB = put(bufs, dB, bc * as, true, 0);
+    a.dC = put(bufs, dC, bc * as, true, 0);
+    a.dD = put(bufs, dD, size_t(dim) * as, true, 0);
+    a.ddelta_bias = put(bufs, dbias, size_t(dim) * as, true, 0);
+  }
+  const char* err = backward ? vim_ds_scan::scan_bwd(a, nullptr) : vim_ds_scan::scan_fwd(a, nullptr);
+  for (Buf& b : bufs)
+    if (b.host) std::memcpy(b.host, b.g.ptr, b.bytes);
+  return err;
+}
+
+}  // extern "C"

@@ -1,0 +1,175 @@
+"""Run the GPU selective-scan kernels of csrc/ on the CPU (libscan_emu.so, see build.sh) and compare them with
+autograd on the pure-PyTorch reference.
+
+What the emulation checks beyond the maths: every output element is written (outputs start as NaN); no shared
+memory is read before it is written in the same block (it starts as NaN); no buffer is accessed out of bounds
+(each sits next to a guard page: SIGSEGV); every thread of a block reaches the same __syncthreads and shuffles
+(else the emulator aborts with "divergent synchronisation"); and the results do not depend on the order in which
+threads and blocks run (bitwise, except for the atomically summed gradients).
+
+usage: run_emu.py [--quick | --full]     (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so)"""
+import ctypes
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from vim_ds.ops.selective_scan_ref import selective_scan_ref  # noqa: E402
+
+lib = ctypes.CDLL(os.environ.get("SCAN_EMU_LIB", os.path.join(HERE, "build", "libscan_emu.so")))
+lib.emu_run.restype = ctypes.c_char_p
+lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 19
+lib.emu_num_checkpoints.restype = ctypes.c_longlong
+lib.emu_num_checkpoints.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
+lib.emu_chunk_length.restype = ctypes.c_longlong
+lib.emu_chunk_length.argtypes = [ctypes.c_longlong, ctypes.c_int]
+lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
+
+DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def emu_fwd(u, delta, A, B, C, D, z, bias, sp):
+    batch, dim, L = u.shape
+    N = A.shape[1]
+    dt = DT[u.dtype]
+    out = torch.empty_like(u)
+    saved = torch.empty(batch, dim, lib.emu_num_checkpoints(L, N, dt), N, dtype=A.dtype)
+    err = lib.emu_run(0, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
+                      ptr(bias), ptr(out), ptr(saved), *([None] * 10))
+    assert err is None, err
+    return out, saved
+
+
+def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp):
+    batch, dim, L = u.shape
+    N = A.shape[1]
+    dt = DT[u.dtype]
+    acc = A.dtype
+    du, ddelta = torch.empty_like(u), torch.empty_like(u)
+    dz = torch.empty_like(u) if z is not None else None
+    dA = torch.empty_like(A)
+    dB = torch.empty(batch, N, L, dtype=acc)
+    dC = torch.empty(batch, N, L, dtype=acc)
+    dD = torch.empty_like(D) if D is not None else None
+    dbias = torch.empty_like(bias) if bias is not None else None
+    err = lib.emu_run(1, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
+                      ptr(bias), None, ptr(saved), ptr(dout), ptr(du), ptr(ddelta), ptr(dz), ptr(dA), ptr(dB),
+                      ptr(dC), ptr(dD), ptr(dbias))
+    assert err is None, err
+    return du, ddelta, dA, dB.to(u.dtype), dC.to(u.dtype), dD, dz, dbias
+
+
+TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 3e-2}
+NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
+
+
+def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0):
+    lib.emu_config(order, seed, guard_front)
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    u, B, C, z, dout = r(batch, dim, L), r(batch, N, L), r(batch, N, L), r(batch, dim, L), r(batch, dim, L)
+    delta = 0.5 * r(batch, dim, L)
+    if not sp:
+        delta = delta.abs() * 0.5
+    delta[0, 0, 0] = 25.0 if sp else delta[0, 0, 0]   # softplus pass-through branch
+    A = -(torch.rand(dim, N, generator=g, dtype=torch.float64) * 2 + 0.1)
+    D, bias = r(dim), 0.3 * r(dim)
+    if not sp:
+        bias = bias.abs()  # keep delta + bias > 0, else the state grows without bound over long sequences
+    # inputs in the kernel's dtypes; the reference sees exactly the same (rounded) values in float64
+    ins = [t.to(dtype) for t in (u, delta, B, C, z, dout)]
+    u_, delta_, B_, C_, z_, dout_ = ins
+    A_, D_, bias_ = A.to(acc), D.to(acc), bias.to(acc)
+    Dk, zk, bk = (D_ if has_D else None), (z_ if has_z else None), (bias_ if has_bias else None)
+    out, saved = emu_fwd(u_, delta_, A_, B_, C_, Dk, zk, bk, sp)
+    grads = emu_bwd(u_, delta_, A_, B_, C_, Dk, zk, bk, dout_, saved, sp)
+
+    ref_in = [t.double().clone().requires_grad_() for t in (u_, delta_, A_, B_, C_, D_, z_, bias_)]
+    tu, tdl, tA, tB, tC, tD, tz, tb = ref_in
+    ref_out = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
+                                 tb if has_bias else None, delta_softplus=sp)
+    ref_out.backward(dout_.double())
+    refs = [tu.grad, tdl.grad, tA.grad, tB.grad, tC.grad, tD.grad if has_D else None, tz.grad if has_z else None,
+            tb.grad if has_bias else None]
+    tol = TOL[dtype]
+    res = {}
+
+    def cmp(name, mine, ref):
+        if ref is None:
+            assert mine is None, name
+            return
+        mine = mine.double()
+        assert torch.isfinite(mine).all(), f"{name}: non-finite values (unwritten or poisoned)"
+        err = ((mine - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        res[name] = err
+        assert err < tol, f"{name}: rel err {err:.3g} > {tol}"
+
+    cmp("out", out, ref_out.detach())
+    for name, mine, ref in zip(NAMES, grads, refs):
+        cmp(name, mine, ref)
+    return out, grads, res
+
+
+def main():
+    quick = "--quick" in sys.argv
+    t_start = time.time()
+    n = 0
+    worst = {}
+    # shape sweep in float64 (tight tolerance: exact algorithm) and float32
+    Ls = [1, 7, 31, 33, 64, 65, 130] if not quick else [1, 33, 65]
+    Ns = [1, 3, 16, 17, 32, 33, 64, 100, 256] if not quick else [1, 17, 33, 100]
+    for dtype in (torch.float64, torch.float32):
+        for L, N in itertools.product(Ls, Ns):
+            G = 1
+            while G < N and G < 32:
+                G *= 2
+            cpb = 128 // G
+            dim = cpb + 3 if cpb > 1 else 3  # the last block of channels is partly empty
+            flags = [(n + k) % 2 == 0 for k in range(4)]
+            _, _, res = case(dtype, 2, dim, L, N, *flags, seed=n, order=n % 3, guard_front=n % 2)
+            for k, v in res.items():
+                worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
+            n += 1
+    # all flag combinations, and the low-precision dtypes
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for flags in itertools.product([False, True], repeat=4):
+            if quick and dtype in (torch.float32, torch.float64) and sum(flags) not in (0, 4):
+                continue
+            _, _, res = case(dtype, 2, 11, 70, 16, *flags, seed=1000 + n, order=n % 3)
+            for k, v in res.items():
+                worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
+            n += 1
+    # Vision Mamba-like lengths, and long sequences
+    for L in ([197, 729, 1025] if not quick else [197]):
+        case(torch.float32, 1, 9, L, 16, True, True, True, True, seed=2000 + L)
+        n += 1
+    if not quick:
+        case(torch.float64, 1, 3, 4100, 5, True, True, True, True, seed=5000)
+        case(torch.bfloat16, 1, 3, 4100, 16, True, True, True, True, seed=5001)
+        n += 2
+    # the result must not depend on thread/block order (bitwise, except atomically summed dA/dB/dC/dD/dbias)
+    base = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=0)
+    for order in (1, 2):
+        other = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=order)
+        assert torch.equal(base[0], other[0]), "out depends on scheduling order"
+        for name, a, b in zip(NAMES, base[1], other[1]):
+            if name in ("du", "ddelta", "dz"):
+                assert torch.equal(a, b), f"{name} depends on scheduling order"
+        n += 1
+    print(f"emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors:")
+    for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        print(f"  {str(dtype):15s} {k:12s} {v:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+// CPU stand-in for the CUDA runtime, just enough to run the selective-scan kernels on the host: every GPU thread
+// of a block is a ucontext coroutine; __syncthreads() and warp shuffles are the only switch points. Blocks run one
+// after another. Used only by tools/kernel_emu (never by a real build).
+#pragma once
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+typedef struct CUstream_st* cudaStream_t;
+enum cudaError_t { cudaSuccess = 0, cudaErrorLaunchFailure = 4, cudaErrorInvalidConfiguration = 9 };
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+namespace emu {
+
+struct Config {
+  int order_mode = 0;        // 0: threads ascending, 1: descending, 2: random order every round
+  unsigned seed = 1;
+  int guard_front = 0;       // 0: guard page after each buffer (catches overruns), 1: before (underruns)
+  size_t smem_limit = 48 * 1024;
+  int warp = 32;
+};
+inline Config& config() { static Config c; return c; }
+
+struct Error {
+  cudaError_t code = cudaSuccess;
+  std::string msg;
+};
+inline Error& error() { static Error e; return e; }
+[[noreturn]] inline void fatal(const std::string& m) {
+  std::fprintf(stderr, "EMU FATAL: %s\n", m.c_str());
+  std::abort();
+}
+
+// Buffer with a PROT_NONE page right after its end (or right before its start): out-of-bounds access segfaults.
+struct Guarded {
+  void* base = nullptr;
+  size_t total = 0;
+  void* ptr = nullptr;
+  Guarded() = default;
+  explicit Guarded(size_t bytes) {
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    const size_t data_pages = (bytes + page - 1) / page + 1;
+    total = (data_pages + 1) * page;
+    base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) fatal("mmap");
+    char* b = static_cast<char*>(base);
+    if (config().guard_front) {
+      mprotect(b, page, PROT_NONE);
+      ptr = b + page;
+    } else {
+      mprotect(b + data_pages * page, page, PROT_NONE);
+      ptr = b + data_pages * page - bytes;
+    }
+  }
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+  Guarded(Guarded&& o) noexcept { *this = std::move(o); }
+  Guarded& operator=(Guarded&& o) noexcept {
+    std::swap(base, o.base);
+    std::swap(total, o.total);
+    std::swap(ptr, o.ptr);
+    return *this;
+  }
+  ~Guarded() {
+    if (base) munmap(base, total);
+  }
+};
+
+enum State { RUNNING, AT_SYNC, AT_SHFL, DONE };
+struct Thread {
+  ucontext_t ctx;
+  int tid = 0;
+  State state = RUNNING;
+  double val = 0, res = 0;
+  int lanemask = 0;
+  std::vector<char> stack;
+};
+struct Sched {
+  ucontext_t main_ctx;
+  Thread* cur = nullptr;
+  dim3 block_idx, block_dim, grid_dim;
+  std::function<void()> body;
+  double** smem_slot = nullptr;  // where the kernel's dynamic shared memory pointer lives
+  long long sync_points = 0;
+};
+inline Sched& sched() { static Sched s; return s; }
+
+inline void yield(State st) {
+  Thread* t = sched().cur;
+  t->state = st;
+  swapcontext(&t->ctx, &sched().main_ctx);
+}
+
+inline void trampoline() {
+  sched().body();
+  sched().cur->state = DONE;
+  swapcontext(&sched().cur->ctx, &sched().main_ctx);
+  fatal("resumed a finished thread");
+}
+
+inline void run_block(int nthreads) {
+  Sched& s = sched();
+  std::vector<Thread> th(nthreads);
+  for (int i = 0; i < nthreads; ++i) {
+    th[i].tid = i;
+    th[i].stack.resize(256 * 1024);
+    getcontext(&th[i].ctx);
+    th[i].ctx.uc_stack.ss_sp = th[i].stack.data();
+    th[i].ctx.uc_stack.ss_size = th[i].stack.size();
+    th[i].ctx.uc_link = nullptr;
+    makecontext(&th[i].ctx, trampoline, 0);
+  }
+  std::vector<int> order(nthreads);
+  for (int i = 0; i < nthreads; ++i) order[i] = config().order_mode == 1 ? nthreads - 1 - i : i;
+  std::mt19937 rng(config().seed + 7919u * s.block_idx.x);
+  const int W = config().warp;
+  for (;;) {
+    if (config().order_mode == 2) std::shuffle(order.begin(), order.end(), rng);
+    for (int i : order) {
+      if (th[i].state != RUNNING) continue;
+      s.cur = &th[i];
+      swapcontext(&s.main_ctx, &th[i].ctx);
+    }
+    s.cur = nullptr;
+    int n_done = 0, n_sync = 0, n_shfl = 0;
+    for (auto& t : th) {
+      n_done += t.state == DONE;
+      n_sync += t.state == AT_SYNC;
+      n_shfl += t.state == AT_SHFL;
+    }
+    if (n_done == nthreads) break;
+    ++s.sync_points;
+    if (n_sync == nthreads) {
+      for (auto& t : th) t.state = RUNNING;
+      continue;
+    }
+    if (n_shfl == nthreads) {
+      for (int w = 0; w < nthreads / W; ++w) {
+        for (int l = 0; l < W; ++l) {
+          const Thread& me = th[w * W + l];
+          if (me.lanemask != th[w * W].lanemask) fatal("lanes of a warp shuffle with different offsets");
+          const int partner = l ^ me.lanemask;
+          if (partner >= W) fatal("shuffle partner outside the warp");
+        }
+        for (int l = 0; l < W; ++l) th[w * W + l].res = th[w * W + (l ^ th[w * W + l].lanemask)].val;
+      }
+      for (auto& t : th) t.state = RUNNING;
+      continue;
+    }
+    fatal("divergent synchronisation: done=" + std::to_string(n_done) + " syncthreads=" + std::to_string(n_sync) +
+          " shuffle=" + std::to_string(n_shfl) + " of " + std::to_string(nthreads));
+  }
+}
+
+template <typename Kernel, typename Params>
+void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, const Params& params) {
+  Sched& s = sched();
+  if (grid.x == 0 || block.x == 0 || block.x % config().warp != 0 || smem > config().smem_limit) {
+    error().code = cudaErrorInvalidConfiguration;
+    error().msg = "invalid configuration (grid " + std::to_string(grid.x) + ", block " + std::to_string(block.x) +
+                  ", smem " + std::to_string(smem) + ")";
+    return;
+  }
+  if (s.smem_slot == nullptr) fatal("smem slot not registered");
+  Guarded sm(smem);
+  s.grid_dim = grid;
+  s.block_dim = block;
+  const Params p = params;
+  s.body = [&]() { kernel(p); };
+  std::vector<unsigned> blocks(grid.x);
+  for (unsigned b = 0; b < grid.x; ++b) blocks[b] = b;
+  if (config().order_mode == 1) std::reverse(blocks.begin(), blocks.end());
+  if (config().order_mode == 2) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(config().seed));
+  for (unsigned b : blocks) {
+    std::memset(sm.ptr, 0xff, smem);  // NaN for float and double: reading shared memory never written shows
+    *s.smem_slot = static_cast<double*>(sm.ptr);
+    s.block_idx = dim3(b);
+    run_block(int(block.x));
+  }
+}
+
+}  // namespace emu
+
+#define threadIdx (::dim3(unsigned(emu::sched().cur->tid)))
+#define blockIdx (emu::sched().block_idx)
+#define blockDim (emu::sched().block_dim)
+#define gridDim (emu::sched().grid_dim)
+
+inline void __syncthreads() { emu::yield(emu::AT_SYNC); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lanemask, int width = 32) {
+  if (mask != 0xffffffffu || width != 32) emu::fatal("unexpected shuffle mask/width");
+  emu::Thread* t = emu::sched().cur;
+  t->val = double(v);
+  t->lanemask = lanemask;
+  emu::yield(emu::AT_SHFL);
+  return T(t->res);
+}
+
+// One OS thread runs everything, so plain read-modify-write is atomic here.
+inline float atomicAdd(float* p, float v) {
+  const float o = *p;
+  *p = o + v;
+  return o;
+}
+inline double atomicAdd(double* p, double v) {
+  const double o = *p;
+  *p = o + v;
+  return o;
+}
+
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::error().code;
+  emu::error().code = cudaSuccess;
+  return e;
+}
+inline const char* cudaGetErrorString(cudaError_t) { return emu::error().msg.c_str(); }
