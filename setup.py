@@ -49,9 +49,12 @@ def _gpu_toolchain(torch):
             return "hip", f"ROCm torch ({torch.version.hip}) and hipcc in {cpp_extension.ROCM_HOME}"
         return None, "ROCm torch but no hipcc found (set ROCM_HOME)"
     if torch.version.cuda:
-        if cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
-            return "cuda", f"CUDA torch ({torch.version.cuda}) and nvcc in {cpp_extension.CUDA_HOME}"
-        return None, "CUDA torch but no nvcc found (set CUDA_HOME)"
+        home = cpp_extension.CUDA_HOME
+        if not (home and os.path.exists(os.path.join(home, "bin", "nvcc"))):
+            return None, "CUDA torch but no nvcc found (set CUDA_HOME)"
+        if not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return None, f"nvcc found in {home}/bin but not the CUDA headers in {home}/include (set CUDA_HOME)"
+        return "cuda", f"CUDA torch ({torch.version.cuda}) and nvcc in {home}"
     return None, "torch has no GPU backend"
 
 

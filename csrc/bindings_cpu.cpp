@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "causal_conv1d_cpu.h"
 #include "selective_scan_cpu.h"
 
 namespace {
@@ -73,9 +74,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CPU; see csrc/README.md";
+  // The kernels touch no Python object, so other Python threads may run meanwhile.
   m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
-        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"));
+        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
-        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"));
+        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("conv_fwd", &causal_conv1d_fwd, "depthwise causal conv1d (+ SiLU) forward", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("silu"), py::call_guard<py::gil_scoped_release>());
+  m.def("conv_bwd", &causal_conv1d_bwd, "depthwise causal conv1d (+ SiLU) backward -> [dx, dweight, dbias]",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("silu"),
+        py::call_guard<py::gil_scoped_release>());
 }

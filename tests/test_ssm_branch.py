@@ -9,7 +9,9 @@ from vim_ds.ops.ssm_branch import branch_inputs
 
 def unfused(xz, conv_w, conv_b, xproj_w, dtproj_w, A, D, delta_bias):
     """The same computation with every intermediate kept by autograd, on the pure-PyTorch reference scan."""
-    u, delta, B, C, z = branch_inputs(xz, conv_w, conv_b, xproj_w, dtproj_w, A.shape[1])
+    d_inner = xz.shape[1] // 2
+    u, delta, B, C = branch_inputs(xz[:, :d_inner], conv_w, conv_b, xproj_w, dtproj_w, A.shape[1])
+    z = xz[:, d_inner:]
     return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
 
@@ -56,3 +58,23 @@ def test_fused_branch_keeps_only_its_input_for_backward(monkeypatch):
 def test_bad_xz_shape():
     with pytest.raises(ValueError, match=r"xz must be \(batch, 2\*d_inner, seqlen\)"):
         ssm_branch_fn(torch.randn(2, 15, 5), *weights(dtype=torch.float32))
+
+
+@pytest.mark.parametrize("seqlen", [1, 3, 4, 50])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cpu_conv_silu_kernel_matches_torch_conv1d(seqlen, with_bias, seed):
+    from vim_ds.ops import backends
+    from vim_ds.ops.ssm_branch import conv1d_silu
+
+    cpu = backends.load("cpu").backend
+    assert cpu is not None
+    # x as the model passes it: the first half of a wider xz tensor (rows contiguous, batch strided)
+    xz = torch.randn(2, 12, seqlen, dtype=torch.float64)
+    x = xz[:, :6].detach().requires_grad_(True)
+    w = torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True) if with_bias else None
+    args = (x, w, b) if with_bias else (x, w)
+    kernel = (lambda x, w, b: conv1d_silu(x, w, b, cpu)) if with_bias else (lambda x, w: conv1d_silu(x, w, None, cpu))
+    torch.autograd.gradcheck(kernel, args)
+    want = F.silu(F.conv1d(x, w, b, padding=3, groups=6)[..., :seqlen])
+    torch.testing.assert_close(kernel(*args), want, rtol=1e-12, atol=1e-12)

@@ -18,8 +18,17 @@ def accelerator() -> str:
     return f"CPU ({torch.get_num_threads()} threads; torch is a {build} build, no GPU visible)"
 
 
+def _version(dist: str) -> str:
+    # From package metadata: importing deepspeed just for its version would print its accelerator banner.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def collect() -> dict:
-    import deepspeed
     import timm
     import torch
 
@@ -39,7 +48,7 @@ def collect() -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_hip": torch.version.hip,
-        "deepspeed": deepspeed.__version__,
+        "deepspeed": _version("deepspeed"),
         "timm": timm.__version__,
         "accelerator": accelerator(),
         "scan_backends": scan,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, lecun_normal_, to_2tuple, trunc_normal_
 
 from ..ops import ssm_branch_fn
+from ..ops.ssm_branch import project
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,10 @@ class BiMambaMixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (batch, L, d_model) -> (batch, L, d_model)."""
-        xz = F.linear(hidden, self.in_proj.weight, self.in_proj.bias).transpose(1, 2)  # (batch, 2*d_inner, L)
+        # W @ x^T gives xz directly in the scan's (batch, channels, L) layout, without a transposed copy.
+        xz = project(self.in_proj.weight, hidden.transpose(1, 2))  # (batch, 2*d_inner, L)
+        if self.in_proj.bias is not None:
+            xz = xz + self.in_proj.bias[:, None]
         out_f = ssm_branch_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                               -torch.exp(_at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
         out_b = ssm_branch_fn(xz.flip(-1), self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
@@ -113,7 +117,8 @@ class BiMambaMixer(nn.Module):
         y = out_f + out_b.flip(-1)
         if self.divide_out:
             y = y / 2
-        return self.out_proj(y.transpose(1, 2))
+        out = project(self.out_proj.weight, y).transpose(1, 2)  # (batch, L, d_model)
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
 class Block(nn.Module):

@@ -5,7 +5,7 @@ Imports nothing heavy: setup.py loads this file by path before vim_ds can be imp
 import os
 import sys
 
-CPU_SOURCES = ["selective_scan_cpu.cpp", "bindings_cpu.cpp"]
+CPU_SOURCES = ["selective_scan_cpu.cpp", "causal_conv1d_cpu.cpp", "bindings_cpu.cpp"]
 GPU_SOURCES = ["selective_scan_cuda.cu", "bindings_cuda.cpp"]
 
 

@@ -14,25 +14,70 @@ import torch.nn.functional as F
 from .backends import get_backend
 
 
-def branch_inputs(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state):
-    """From xz (batch, 2*d_inner, L) to the scan's u, delta, B, C, z (all contiguous, dtype of xz)."""
-    seqlen = xz.shape[-1]
-    d_inner = xz.shape[1] // 2
+class ConvSiluCpuFn(torch.autograd.Function):
+    """silu(depthwise causal conv1d) with the CPU kernel (csrc/causal_conv1d_cpu.cpp), forward and backward.
+
+    The generic depthwise F.conv1d is slow on CPU for Mamba's kernel size 4, and so is its backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.module = module
+        ctx.save_for_backward(x, weight, bias)
+        return module.conv_fwd(x, weight, bias, True)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias = ctx.saved_tensors
+        dx, dweight, dbias = ctx.module.conv_bwd(x, weight, bias, dout.contiguous(), True)
+        return dx, dweight, dbias, None
+
+
+def conv1d_silu(x, weight, bias, backend=None):
+    """u = silu(causal depthwise conv1d(x)): x (batch, d, L), weight (d, 1, K), bias (d,) or None.
+
+    The CPU kernel when the scan runs on the `cpu` backend, else PyTorch's conv (cuDNN/MIOpen on GPUs).
+    """
+    if getattr(backend, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        k = weight.shape[-1]
+        return ConvSiluCpuFn.apply(x, weight.reshape(-1, k).to(wide), None if bias is None else bias.to(wide),
+                                   backend.module)
+    seqlen = x.shape[-1]
+    y = F.conv1d(x, weight, bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., :seqlen]
+    return F.silu(y)
+
+
+def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weight (out, in) @ x (batch, in, L) -> (batch, out, L): a linear layer in the channels-first layout.
+
+    bmm over a stride-0 expanded weight: torch.matmul would first copy x into an (in, batch, L) layout.
+    """
+    return torch.bmm(weight.expand(x.shape[0], -1, -1), x)
+
+
+def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, backend=None):
+    """From x (batch, d_inner, L), the first half of in_proj's output, to the scan's u, delta, B, C (contiguous).
+
+    Everything stays in the (batch, channels, L) layout the scan wants: projections are W @ u, not linear layers
+    over transposed copies.
+    """
     dt_rank = dt_proj_weight.shape[1]
-    x, z = xz.chunk(2, dim=1)
-    # Causal depthwise conv: pad k-1 on both sides, keep the first L outputs (each sees only the past).
-    x = F.conv1d(x, conv_weight, conv_bias, padding=conv_weight.shape[-1] - 1, groups=d_inner)[..., :seqlen]
-    u = F.silu(x).contiguous()
-    x_dbl = F.linear(u.transpose(1, 2), x_proj_weight)  # (batch, L, dt_rank + 2 * d_state)
-    dt, B, C = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
-    delta = F.linear(dt, dt_proj_weight).transpose(1, 2).contiguous()  # dt_proj bias is added inside the scan
-    return u, delta, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(), z.contiguous()
+    u = conv1d_silu(x, conv_weight, conv_bias, backend)
+    x_dbl = project(x_proj_weight, u)  # (batch, dt_rank + 2 * d_state, L)
+    delta = project(dt_proj_weight, x_dbl[:, :dt_rank])  # dt_proj's bias is added inside the scan
+    B = x_dbl[:, dt_rank:dt_rank + d_state]
+    C = x_dbl[:, dt_rank + d_state:]
+    return u.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
 
 
 class SSMBranchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, backend):
-        u, delta, B, C, z = branch_inputs(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1])
+        d_inner = xz.shape[1] // 2
+        u, delta, B, C = branch_inputs(xz[:, :d_inner], conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                       A.shape[1], backend)
+        z = xz[:, d_inner:].contiguous()
         out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, True)
         ctx.backend = backend
         ctx.has_conv_bias = conv_bias is not None
@@ -48,16 +93,19 @@ class SSMBranchFn(torch.autograd.Function):
         xz, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias, *rest = ctx.saved_tensors
         conv_bias = rest.pop(0) if ctx.has_conv_bias else None
         saved = rest.pop(0) if ctx.has_saved else None
+        d_inner = xz.shape[1] // 2
+        # Leaves for the recompute: the x half of xz (z feeds the scan directly) and the weights.
         leaves = [t.detach().requires_grad_(True) if t is not None else None
-                  for t in (xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
+                  for t in (xz[:, :d_inner], conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
         with torch.enable_grad():
-            u, delta, B, C, z = branch_inputs(*leaves, A.shape[1])
+            u, delta, B, C = branch_inputs(leaves[0], *leaves[1:], A.shape[1], ctx.backend)
+        z = xz[:, d_inner:].contiguous()
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.backend.bwd(
-            u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z.detach(), delta_bias,
-            dout.contiguous(), saved, True)
+            u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z, delta_bias, dout.contiguous(), saved, True)
         # Chain the scan's input gradients through the recomputed conv and projections.
-        torch.autograd.backward([u, delta, B, C, z], [du, ddelta, dB, dC, dz])
-        dxz, dconv_w, dconv_b, dxproj_w, ddtproj_w = (t.grad if t is not None else None for t in leaves)
+        torch.autograd.backward([u, delta, B, C], [du, ddelta, dB, dC])
+        dx, dconv_w, dconv_b, dxproj_w, ddtproj_w = (t.grad if t is not None else None for t in leaves)
+        dxz = torch.cat((dx, dz), dim=1)
         return dxz, dconv_w, dconv_b, dxproj_w, ddtproj_w, dA, dD, ddelta_bias, None
 
 
