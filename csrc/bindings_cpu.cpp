@@ -82,9 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("conv_fwd", &causal_conv1d_fwd, "depthwise causal conv1d (+ SiLU) forward", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("silu"), py::call_guard<py::gil_scoped_release>());
-  m.def("conv_bwd", &causal_conv1d_bwd, "depthwise causal conv1d (+ SiLU) backward -> [dx, dweight, dbias]",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("silu"),
-        py::call_guard<py::gil_scoped_release>());
+  m.def("conv_fwd", &causal_conv1d_fwd, "depthwise causal conv1d forward", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("conv_bwd", &causal_conv1d_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("dout"), py::call_guard<py::gil_scoped_release>());
 }

@@ -1,11 +1,10 @@
-// Depthwise causal conv1d + SiLU on the CPU, forward and backward: the first op of every Mamba branch.
+// Depthwise causal conv1d on the CPU, forward and backward: the first op of every Mamba branch.
 //
-//   pre[b,d,t] = bias[d] + sum_k w[d,k] * x[b,d,t-(K-1)+k]      (x = 0 before t = 0)
-//   u[b,d,t]   = silu(pre[b,d,t])
+//   y[b,d,t] = bias[d] + sum_k w[d,k] * x[b,d,t-(K-1)+k]      (x = 0 before t = 0)
 //
-// The generic depthwise F.conv1d path is slow on CPU for K = 4 and its autograd backward allocates zero-filled
-// gradients per shifted slice; here one pass over each (batch, channel) row does it all. Parallel over channels,
-// so the weight gradient (a sum over batch and time) needs no atomics and is deterministic.
+// The generic depthwise F.conv1d (oneDNN) is slow on CPU for K = 4, and slower still in backward; here each
+// (batch, channel) row is K vectorised shifted multiply-adds. The backward is parallel over channels, so the
+// weight and bias gradients (sums over batch and time) need no atomics and are deterministic.
 #include "causal_conv1d_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -16,23 +15,24 @@
 
 namespace {
 
-template <typename acc_t>
-inline acc_t sigmoid(acc_t v) { return acc_t(1) / (acc_t(1) + std::exp(-v)); }
-
-// Pre-activation of one row at time t.
+// One row: out[t] = bias + sum_k w[k] * x[t - (K-1) + k], as K shifted saxpy loops over t that the compiler
+// vectorises (no branch inside them).
 template <typename scalar_t, typename acc_t>
-inline acc_t conv_at(const scalar_t* x, const acc_t* w, acc_t bias, int64_t K, int64_t t) {
-  acc_t s = bias;
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t src = t - (K - 1) + k;
-    if (src >= 0) s += w[k] * static_cast<acc_t>(x[src]);
+void conv_row(const scalar_t* x, const acc_t* w, acc_t bias, int64_t K, int64_t L, acc_t* xrow, acc_t* out) {
+  for (int64_t t = 0; t < L; ++t) {
+    xrow[t] = static_cast<acc_t>(x[t]);
+    out[t] = bias;
   }
-  return s;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t shift = (K - 1) - k;  // tap k reads `shift` steps back
+    const acc_t wk = w[k];
+#pragma omp simd
+    for (int64_t t = shift; t < L; ++t) out[t] += wk * xrow[t - shift];
+  }
 }
 
 template <typename scalar_t, typename acc_t>
-void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool silu,
-                  at::Tensor& out) {
+void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
   const int64_t B = x.size(0), D = x.size(1), L = x.size(2), K = w.size(-1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const acc_t* wp = w.data_ptr<acc_t>();
@@ -40,71 +40,60 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t sb = x.stride(0);  // x may be a channel slice of a wider tensor (the x half of xz)
   at::parallel_for(0, B * D, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> xrow(L), orow(L);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t d = row % D;
-      const scalar_t* xr = xp + (row / D) * sb + d * L;
-      scalar_t* orow = op + row * L;
-      const acc_t* wd = wp + d * K;
-      const acc_t bd = bp ? bp[d] : acc_t(0);
-      for (int64_t t = 0; t < L; ++t) {
-        const acc_t pre = conv_at(xr, wd, bd, K, t);
-        orow[t] = static_cast<scalar_t>(silu ? pre * sigmoid(pre) : pre);
-      }
+      conv_row(xp + (row / D) * sb + d * L, wp + d * K, bp ? bp[d] : acc_t(0), K, L, xrow.data(), orow.data());
+      scalar_t* o = op + row * L;
+      for (int64_t t = 0; t < L; ++t) o[t] = static_cast<scalar_t>(orow[t]);
     }
   });
 }
 
+// dx[t] = sum_k w[k] * dy[t + (K-1) - k];  dw[k] = sum_{b,t} dy[t] * x[t - (K-1) + k];  dbias = sum_{b,t} dy.
 template <typename scalar_t, typename acc_t>
-void backward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                   const at::Tensor& dout, bool silu, at::Tensor& dx, at::Tensor& dw, at::Tensor& db) {
+void backward_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dout, at::Tensor& dx, at::Tensor& dw,
+                   at::Tensor& db) {
   const int64_t B = x.size(0), D = x.size(1), L = x.size(2), K = w.size(-1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* gp = dout.data_ptr<scalar_t>();
   const acc_t* wp = w.data_ptr<acc_t>();
-  const acc_t* bp = bias.has_value() ? bias->data_ptr<acc_t>() : nullptr;
   scalar_t* dxp = dx.data_ptr<scalar_t>();
   acc_t* dwp = dw.data_ptr<acc_t>();
   acc_t* dbp = db.defined() ? db.data_ptr<acc_t>() : nullptr;
   const int64_t sb = x.stride(0);
+  // Parallel over channels: the sums over batch and time for dw and dbias stay inside one work item.
   at::parallel_for(0, D, 4, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> dpre(L);
+    std::vector<acc_t> xrow(L), grow(L), dxrow(L);
     for (int64_t d = begin; d < end; ++d) {
       const acc_t* wd = wp + d * K;
-      const acc_t bd = bp ? bp[d] : acc_t(0);
       std::vector<acc_t> dwd(K, acc_t(0));
       acc_t dbd = 0;
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t row = b * D + d;
         const scalar_t* xr = xp + b * sb + d * L;
-        const scalar_t* gr = gp + row * L;
-        scalar_t* dxr = dxp + row * L;
-        // d(pre) through SiLU: silu'(p) = s(p) * (1 + p * (1 - s(p))), pre recomputed.
+        const scalar_t* gr = gp + (b * D + d) * L;
         for (int64_t t = 0; t < L; ++t) {
-          const acc_t g = static_cast<acc_t>(gr[t]);
-          if (silu) {
-            const acc_t pre = conv_at(xr, wd, bd, K, t);
-            const acc_t s = sigmoid(pre);
-            dpre[t] = g * s * (acc_t(1) + pre * (acc_t(1) - s));
-          } else {
-            dpre[t] = g;
-          }
-          dbd += dpre[t];
+          xrow[t] = static_cast<acc_t>(xr[t]);
+          grow[t] = static_cast<acc_t>(gr[t]);
+          dxrow[t] = 0;
         }
-        // dx[t] = sum_k w[k] * dpre[t + (K-1) - k];  dw[k] += sum_t dpre[t] * x[t - (K-1) + k]
-        for (int64_t t = 0; t < L; ++t) {
-          acc_t s = 0;
-          for (int64_t k = 0; k < K; ++k) {
-            const int64_t dst = t + (K - 1) - k;
-            if (dst < L) s += wd[k] * dpre[dst];
-          }
-          dxr[t] = static_cast<scalar_t>(s);
-        }
+        acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t t = 0; t < L; ++t) s += grow[t];
+        dbd += s;
         for (int64_t k = 0; k < K; ++k) {
           const int64_t shift = (K - 1) - k;
-          acc_t s = 0;
-          for (int64_t t = shift; t < L; ++t) s += dpre[t] * static_cast<acc_t>(xr[t - shift]);
-          dwd[k] += s;
+          const acc_t wk = wd[k];
+          acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t t = shift; t < L; ++t) {
+            dxrow[t - shift] += wk * grow[t];
+            dot += grow[t] * xrow[t - shift];
+          }
+          dwd[k] += dot;
         }
+        scalar_t* dxr = dxp + (b * D + d) * L;
+        for (int64_t t = 0; t < L; ++t) dxr[t] = static_cast<scalar_t>(dxrow[t]);
       }
       for (int64_t k = 0; k < K; ++k) dwp[d * K + k] = dwd[k];
       if (dbp) dbp[d] = dbd;
@@ -128,22 +117,20 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 }  // namespace
 
-at::Tensor causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                             bool silu) {
+at::Tensor causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_inputs(x, weight, bias);
   auto out = at::empty(x.sizes(), x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: forward_impl<float, float>(x, weight, bias, silu, out); break;
-    case at::kDouble: forward_impl<double, double>(x, weight, bias, silu, out); break;
-    case at::kBFloat16: forward_impl<c10::BFloat16, float>(x, weight, bias, silu, out); break;
+    case at::kFloat: forward_impl<float, float>(x, weight, bias, out); break;
+    case at::kDouble: forward_impl<double, double>(x, weight, bias, out); break;
+    case at::kBFloat16: forward_impl<c10::BFloat16, float>(x, weight, bias, out); break;
     default: TORCH_CHECK(false, "causal_conv1d: unsupported dtype ", x.scalar_type());
   }
   return out;
 }
 
 std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x, const at::Tensor& weight,
-                                          const std::optional<at::Tensor>& bias, const at::Tensor& dout,
-                                          bool silu) {
+                                          const std::optional<at::Tensor>& bias, const at::Tensor& dout) {
   check_inputs(x, weight, bias);
   TORCH_CHECK(dout.sizes() == x.sizes() && dout.scalar_type() == x.scalar_type() && dout.is_contiguous(),
               "causal_conv1d: dout must be contiguous with x's shape and dtype");
@@ -151,9 +138,9 @@ std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x, const at::Tensor&
   auto dw = at::empty_like(weight);
   at::Tensor db = bias.has_value() ? at::empty_like(*bias) : at::Tensor();
   switch (x.scalar_type()) {
-    case at::kFloat: backward_impl<float, float>(x, weight, bias, dout, silu, dx, dw, db); break;
-    case at::kDouble: backward_impl<double, double>(x, weight, bias, dout, silu, dx, dw, db); break;
-    case at::kBFloat16: backward_impl<c10::BFloat16, float>(x, weight, bias, dout, silu, dx, dw, db); break;
+    case at::kFloat: backward_impl<float, float>(x, weight, dout, dx, dw, db); break;
+    case at::kDouble: backward_impl<double, double>(x, weight, dout, dx, dw, db); break;
+    case at::kBFloat16: backward_impl<c10::BFloat16, float>(x, weight, dout, dx, dw, db); break;
     default: TORCH_CHECK(false, "causal_conv1d: unsupported dtype ", x.scalar_type());
   }
   return {dx, dw, db};

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from .backends import get_backend
 
 
-class ConvSiluCpuFn(torch.autograd.Function):
-    """silu(depthwise causal conv1d) with the CPU kernel (csrc/causal_conv1d_cpu.cpp), forward and backward.
+class CausalConv1dCpuFn(torch.autograd.Function):
+    """Depthwise causal conv1d with the CPU kernel (csrc/causal_conv1d_cpu.cpp), forward and backward.
 
     The generic depthwise F.conv1d is slow on CPU for Mamba's kernel size 4, and so is its backward.
     """
@@ -24,12 +24,12 @@ class ConvSiluCpuFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module):
         ctx.module = module
         ctx.save_for_backward(x, weight, bias)
-        return module.conv_fwd(x, weight, bias, True)
+        return module.conv_fwd(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias = ctx.saved_tensors
-        dx, dweight, dbias = ctx.module.conv_bwd(x, weight, bias, dout.contiguous(), True)
+        dx, dweight, dbias = ctx.module.conv_bwd(x, weight, bias, dout.contiguous())
         return dx, dweight, dbias, None
 
 
@@ -41,8 +41,8 @@ def conv1d_silu(x, weight, bias, backend=None):
     if getattr(backend, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16):
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         k = weight.shape[-1]
-        return ConvSiluCpuFn.apply(x, weight.reshape(-1, k).to(wide), None if bias is None else bias.to(wide),
-                                   backend.module)
+        return F.silu(CausalConv1dCpuFn.apply(x, weight.reshape(-1, k).to(wide),
+                                              None if bias is None else bias.to(wide), backend.module))
     seqlen = x.shape[-1]
     y = F.conv1d(x, weight, bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., :seqlen]
     return F.silu(y)
