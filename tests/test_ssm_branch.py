@@ -7,11 +7,9 @@ from vim_ds.ops import selective_scan_ref, ssm_branch_fn
 from vim_ds.ops.ssm_branch import branch_inputs
 
 
-def unfused(xz, conv_w, conv_b, xproj_w, dtproj_w, A, D, delta_bias):
+def unfused(x, z, conv_w, conv_b, xproj_w, dtproj_w, A, D, delta_bias):
     """The same computation with every intermediate kept by autograd, on the pure-PyTorch reference scan."""
-    d_inner = xz.shape[1] // 2
-    u, delta, B, C = branch_inputs(xz[:, :d_inner], conv_w, conv_b, xproj_w, dtproj_w, A.shape[1])
-    z = xz[:, d_inner:]
+    u, delta, B, C = branch_inputs(x, conv_w, conv_b, xproj_w, dtproj_w, A.shape[1])
     return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
 
 
@@ -29,8 +27,8 @@ def weights(d_inner=8, dt_rank=3, d_state=16, d_conv=4, dtype=torch.float64):
 @pytest.mark.parametrize("seqlen", [1, 5, 65])
 def test_fused_branch_matches_unfused_float64(backend, seqlen, monkeypatch, seed):
     monkeypatch.setenv("VIM_DS_SCAN", backend)
-    xz = torch.randn(2, 16, seqlen, dtype=torch.float64)
-    args = [xz] + weights()
+    x, z = torch.randn(2, 8, seqlen, dtype=torch.float64), torch.randn(2, 8, seqlen, dtype=torch.float64)
+    args = [x, z] + weights()
     leaves_a = [a.clone().requires_grad_(True) for a in args]
     leaves_b = [a.clone().requires_grad_(True) for a in args]
     dout = torch.randn(2, 8, seqlen, dtype=torch.float64)
@@ -39,25 +37,24 @@ def test_fused_branch_matches_unfused_float64(backend, seqlen, monkeypatch, seed
     out_b = unfused(*leaves_b)
     out_b.backward(dout)
     torch.testing.assert_close(out_a, out_b, rtol=1e-10, atol=1e-12)
-    names = ["xz", "conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight", "A", "D", "delta_bias"]
+    names = ["x", "z", "conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight", "A", "D", "delta_bias"]
     for name, a, b in zip(names, leaves_a, leaves_b):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-11, msg=lambda m: f"d{name}: {m}")
 
 
-def test_fused_branch_keeps_only_its_input_for_backward(monkeypatch):
-    """Memory: the autograd graph holds xz and the weights, not the conv/projection intermediates."""
+def test_fused_branch_keeps_only_its_inputs_for_backward(monkeypatch):
+    """Memory: the autograd graph holds x, z and the weights, not the conv/projection intermediates."""
     monkeypatch.setenv("VIM_DS_SCAN", "cpu")
-    xz = torch.randn(2, 16, 50, requires_grad=True)
-    args = [xz] + [w.float().requires_grad_(True) for w in weights()]
-    out = ssm_branch_fn(*args)
+    x, z = torch.randn(2, 8, 50, requires_grad=True), torch.randn(2, 8, 50, requires_grad=True)
+    out = ssm_branch_fn(x, z, *[w.float().requires_grad_(True) for w in weights()])
     saved = out.grad_fn.saved_tensors
-    big = [t for t in saved if t.numel() >= xz.numel() // 2]
-    assert len(big) == 1 and big[0].data_ptr() == xz.data_ptr()
+    big = sorted(t.data_ptr() for t in saved if t.numel() >= x.numel())
+    assert big == sorted([x.data_ptr(), z.data_ptr()])
 
 
-def test_bad_xz_shape():
-    with pytest.raises(ValueError, match=r"xz must be \(batch, 2\*d_inner, seqlen\)"):
-        ssm_branch_fn(torch.randn(2, 15, 5), *weights(dtype=torch.float32))
+def test_bad_branch_input_shapes():
+    with pytest.raises(ValueError, match=r"x and z must both be \(batch, d_inner, seqlen\)"):
+        ssm_branch_fn(torch.randn(2, 8, 5), torch.randn(2, 8, 4), *weights(dtype=torch.float32))
 
 
 @pytest.mark.parametrize("seqlen", [1, 3, 4, 50])

@@ -105,13 +105,17 @@ class BiMambaMixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (batch, L, d_model) -> (batch, L, d_model)."""
-        # W @ x^T gives xz directly in the scan's (batch, channels, L) layout, without a transposed copy.
-        xz = project(self.in_proj.weight, hidden.transpose(1, 2))  # (batch, 2*d_inner, L)
+        # W @ hidden^T gives x and z directly in the scan's (batch, channels, L) layout, without transposed copies;
+        # two half-projections instead of one xz tensor, so that their gradients need no concatenation.
+        hidden_t = hidden.transpose(1, 2)
+        w_x, w_z = self.in_proj.weight.chunk(2, dim=0)
+        x, z = project(w_x, hidden_t), project(w_z, hidden_t)  # (batch, d_inner, L) each
         if self.in_proj.bias is not None:
-            xz = xz + self.in_proj.bias[:, None]
-        out_f = ssm_branch_fn(xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+            b_x, b_z = self.in_proj.bias.chunk(2)
+            x, z = x + b_x[:, None], z + b_z[:, None]
+        out_f = ssm_branch_fn(x, z, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                               -torch.exp(_at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
-        out_b = ssm_branch_fn(xz.flip(-1), self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
+        out_b = ssm_branch_fn(x.flip(-1), z.flip(-1), self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
                               self.dt_proj_b.weight, -torch.exp(_at_least_fp32(self.A_b_log)), self.D_b,
                               self.dt_proj_b.bias)
         y = out_f + out_b.flip(-1)

@@ -1,7 +1,7 @@
 """The fused SSM branch of a Mamba mixer: causal conv1d + SiLU -> x_proj -> dt_proj -> selective scan -> SiLU(z) gate.
 
-This is how the model calls the scan on every backend. Only the branch input ``xz`` and the weights are kept for
-backward; the cheap intermediates (conv output, projections: several times the size of ``xz``) are recomputed there,
+This is how the model calls the scan on every backend. Only the branch inputs ``x``, ``z`` and the weights are kept
+for backward; the cheap intermediates (conv output, projections: several times the size of ``xz``) are recomputed there,
 which is what keeps Vim's activation memory close to a transformer's of the same width.
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ def conv1d_silu(x, weight, bias, backend=None):
     if getattr(backend, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16):
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
         k = weight.shape[-1]
+        if x.stride(-1) != 1 or x.stride(1) != x.shape[-1]:  # the kernel reads whole rows
+            x = x.contiguous()
         return F.silu(CausalConv1dCpuFn.apply(x, weight.reshape(-1, k).to(wide),
                                               None if bias is None else bias.to(wide), backend.module))
     seqlen = x.shape[-1]
@@ -73,16 +75,13 @@ def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_st
 
 class SSMBranchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, backend):
-        d_inner = xz.shape[1] // 2
-        u, delta, B, C = branch_inputs(xz[:, :d_inner], conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                       A.shape[1], backend)
-        z = xz[:, d_inner:].contiguous()
+    def forward(ctx, x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, backend):
+        u, delta, B, C = branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1], backend)
         out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, True)
         ctx.backend = backend
         ctx.has_conv_bias = conv_bias is not None
         ctx.has_saved = saved is not None
-        tensors = [xz, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias]
+        tensors = [x, z, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias]
         tensors += [conv_bias] if conv_bias is not None else []
         tensors += [saved] if saved is not None else []
         ctx.save_for_backward(*tensors)
@@ -90,27 +89,24 @@ class SSMBranchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        xz, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias, *rest = ctx.saved_tensors
+        x, z, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias, *rest = ctx.saved_tensors
         conv_bias = rest.pop(0) if ctx.has_conv_bias else None
         saved = rest.pop(0) if ctx.has_saved else None
-        d_inner = xz.shape[1] // 2
-        # Leaves for the recompute: the x half of xz (z feeds the scan directly) and the weights.
         leaves = [t.detach().requires_grad_(True) if t is not None else None
-                  for t in (xz[:, :d_inner], conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
+                  for t in (x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
         with torch.enable_grad():
-            u, delta, B, C = branch_inputs(leaves[0], *leaves[1:], A.shape[1], ctx.backend)
-        z = xz[:, d_inner:].contiguous()
+            u, delta, B, C = branch_inputs(*leaves, A.shape[1], ctx.backend)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.backend.bwd(
             u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z, delta_bias, dout.contiguous(), saved, True)
         # Chain the scan's input gradients through the recomputed conv and projections.
         torch.autograd.backward([u, delta, B, C], [du, ddelta, dB, dC])
         dx, dconv_w, dconv_b, dxproj_w, ddtproj_w = (t.grad if t is not None else None for t in leaves)
-        dxz = torch.cat((dx, dz), dim=1)
-        return dxz, dconv_w, dconv_b, dxproj_w, ddtproj_w, dA, dD, ddelta_bias, None
+        return dx, dz, dconv_w, dconv_b, dxproj_w, ddtproj_w, dA, dD, ddelta_bias, None
 
 
 def ssm_branch_fn(
-    xz: torch.Tensor,
+    x: torch.Tensor,
+    z: torch.Tensor,
     conv_weight: torch.Tensor,
     conv_bias: Optional[torch.Tensor],
     x_proj_weight: torch.Tensor,
@@ -119,9 +115,14 @@ def ssm_branch_fn(
     D: torch.Tensor,
     delta_bias: torch.Tensor,
 ) -> torch.Tensor:
-    """Gated SSM output (batch, d_inner, L) for xz (batch, 2*d_inner, L); A, D, delta_bias in fp32 (fp64)."""
-    if xz.dim() != 3 or xz.shape[1] % 2:
-        raise ValueError(f"ssm_branch_fn: xz must be (batch, 2*d_inner, seqlen), got shape {tuple(xz.shape)}")
-    wide = torch.float64 if xz.dtype == torch.float64 else torch.float32
-    return SSMBranchFn.apply(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                             A.to(wide), D.to(wide), delta_bias.to(wide), get_backend(xz.device))
+    """Gated SSM output (batch, d_inner, L) from the two halves of in_proj's output, x and z (batch, d_inner, L).
+
+    A, D and delta_bias are used in fp32 (fp64 for fp64 input). x and z come separately (not as one xz tensor as
+    in mamba_ssm) so that their gradients need no concatenation.
+    """
+    if x.dim() != 3 or z.shape != x.shape:
+        raise ValueError(f"ssm_branch_fn: x and z must both be (batch, d_inner, seqlen), got shapes "
+                         f"{tuple(x.shape)} and {tuple(z.shape)}")
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return SSMBranchFn.apply(x, z.contiguous(), conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                             A.to(wide), D.to(wide), delta_bias.to(wide), get_backend(x.device))
