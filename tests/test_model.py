@@ -165,3 +165,16 @@ def test_resample_pos_embed_is_identity_on_same_grid_and_smooth_otherwise():
     # a constant embedding stays constant under bicubic resampling
     const = torch.ones(1, 17, 8)
     torch.testing.assert_close(resample_pos_embed(const, (4, 4), (6, 6)), torch.ones(1, 37, 8))
+
+
+def test_safetensors_file_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    src = small().eval()
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "vim.safetensors"))
+    dst = load_model_weights(small().eval(), tmp_path / "vim.safetensors")
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_model_weights(small(), tmp_path / "bad.safetensors")
