@@ -65,7 +65,7 @@ def test_cpu_conv_silu_kernel_matches_torch_conv1d(seqlen, with_bias, seed):
 
     cpu = backends.load("cpu").backend
     assert cpu is not None
-    # x as the model passes it: the first half of a wider xz tensor (rows contiguous, batch strided)
+    # x as a channel slice of a wider tensor (rows contiguous, batch strided): the kernel reads it without a copy
     xz = torch.randn(2, 12, seqlen, dtype=torch.float64)
     x = xz[:, :6].detach().requires_grad_(True)
     w = torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True)

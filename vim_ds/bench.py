@@ -177,7 +177,7 @@ def measure(spec: dict) -> dict:
 
 
 def measure_pair(a: dict, b: dict, rounds: int):
-    """Measure two configurations alternately, `rounds` times each, keeping each one's fastest round.
+    """Measure two configurations alternately, `rounds` times each: each one's fastest time and highest peak.
 
     Alternating and taking the minimum keeps the ratio meaningful on a machine whose speed drifts (shared hosts).
     """
@@ -188,8 +188,9 @@ def measure_pair(a: dict, b: dict, rounds: int):
             old = best.get(key)
             if old is None or "error" in r:
                 best[key] = r
-            elif "error" not in old and r["seconds"] < old["seconds"]:
-                best[key] = {**r, "peak_mem_bytes": max(r["peak_mem_bytes"], old["peak_mem_bytes"])}
+            elif "error" not in old:  # fastest time, highest peak memory over the rounds
+                faster = r if r["seconds"] < old["seconds"] else old
+                best[key] = {**faster, "peak_mem_bytes": max(r["peak_mem_bytes"], old["peak_mem_bytes"])}
     return best[a["model"]], best[b["model"]]
 
 

@@ -1,8 +1,8 @@
 """The fused SSM branch of a Mamba mixer: causal conv1d + SiLU -> x_proj -> dt_proj -> selective scan -> SiLU(z) gate.
 
 This is how the model calls the scan on every backend. Only the branch inputs ``x``, ``z`` and the weights are kept
-for backward; the cheap intermediates (conv output, projections: several times the size of ``xz``) are recomputed there,
-which is what keeps Vim's activation memory close to a transformer's of the same width.
+for backward; the cheap intermediates (conv output, projections: several times the size of ``x``) are recomputed
+there, which is what keeps Vim's activation memory close to a transformer's of the same width.
 """
 from __future__ import annotations
 
