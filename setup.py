@@ -108,7 +108,7 @@ setup(
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     python_requires=">=3.9",
-    install_requires=["torch", "timm>=1.0", "deepspeed", "einops", "pyyaml", "numpy"],
+    install_requires=["torch", "timm>=1.0", "deepspeed", "einops", "pyyaml", "numpy", "scikit-learn"],
     extras_require={"test": ["pytest", "scikit-learn"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
 )

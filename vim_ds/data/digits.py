@@ -1,0 +1,95 @@
+"""`vim-ds data digits`: scikit-learn's bundled handwritten digits as an ImageNet-layout folder.
+
+1,797 real 8x8 grayscale images of 10 classes ship inside scikit-learn, so a real image-classification run
+(decode, augment, train, evaluate) works on a machine with no network and no ImageNet.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _val_counts(class_sizes: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Validation images per class: val_fraction of each class, rounded by largest remainder so the total is
+    ceil(val_fraction × N) (scikit-learn's convention), and at least one image of each class in each split."""
+    exact = class_sizes * val_fraction
+    counts = np.floor(exact).astype(int)
+    short = math.ceil(class_sizes.sum() * val_fraction - 1e-9) - counts.sum()
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    return np.clip(counts, 1, class_sizes - 1)
+
+
+def write_digits(out_dir, val_fraction: float = 0.2, seed: int = 0) -> dict:
+    """Write `out_dir/{train,val}/<digit>/<n>.png` (n: the image's index in `load_digits()`); return the counts.
+
+    Pixel values 0..16 are scaled to 0..255. The split is stratified and deterministic: per class, a permutation
+    seeded by (seed, class) picks the validation images.
+    """
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    digits = load_digits()
+    images = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    labels = np.asarray(digits.target)
+    num_classes = int(labels.max()) + 1
+    n_val = _val_counts(np.bincount(labels, minlength=num_classes), val_fraction)
+    counts = {"train": 0, "val": 0, "classes": num_classes}
+    for cls in range(num_classes):
+        members = np.flatnonzero(labels == cls)
+        members = members[np.random.default_rng([seed, cls]).permutation(len(members))]
+        for split, chosen in (("val", members[: n_val[cls]]), ("train", members[n_val[cls]:])):
+            folder = Path(out_dir) / split / str(cls)
+            folder.mkdir(parents=True, exist_ok=True)
+            for n in sorted(chosen):
+                Image.fromarray(images[n]).save(folder / f"{n:04d}.png")
+            counts[split] += len(chosen)
+    return counts
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vim-ds data digits",
+        description="Write scikit-learn's 1,797 handwritten 8x8 digit images as PNG files in the ImageNet layout "
+                    "(DIR/train/<digit>/*.png, DIR/val/<digit>/*.png), ready for "
+                    "`--data-set folder --data-path DIR`.")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (must be empty or new)")
+    parser.add_argument("--val-fraction", type=_fraction, default=0.2, metavar="F",
+                        help="fraction of each class written to val/ (default 0.2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"vim-ds data digits: {out} exists and is not a folder", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()):
+        if not args.force:
+            print(f"vim-ds data digits: {out} exists and is not empty; pass --force to replace its train/ and val/",
+                  file=sys.stderr)
+            return 2
+        for split in ("train", "val"):
+            shutil.rmtree(out / split, ignore_errors=True)
+    counts = write_digits(out, val_fraction=args.val_fraction, seed=args.seed)
+    print(f"wrote {counts['train']} training and {counts['val']} validation images of {counts['classes']} classes "
+          f"to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
