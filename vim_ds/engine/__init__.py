@@ -1,0 +1,1 @@
+"""The training engine: DeepSpeed config, optimizer, EMA, checkpoints, metrics, trainer."""
