@@ -5,9 +5,12 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
+    "train": ("vim_ds.train", "train Vim with DeepSpeed (ZeRO 0-3, bf16/fp16/fp32, offload)"),
+    "eval": ("vim_ds.eval", "evaluate a checkpoint directory or weights file on a validation set"),
     "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
     "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
+    "data": ("vim_ds.data", "datasets: write the digits ImageFolder (vim-ds data digits --out DIR)"),
 }
 
 

@@ -1,0 +1,66 @@
+"""Running real training jobs from tests: real launchers (torchrun, deepspeed), real processes, real files."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "ds_configs")
+
+# A Vim small enough for 2 CPU cores: 32x32 digits, 8x8 patches of 4 pixels.
+TINY = ["--model", "vim_tiny", "--input-size", "32", "--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4",
+        "stride=4"]
+QUIET_AUG = ["--drop-path", "0", "--mixup", "0", "--cutmix", "0", "--reprob", "0"]
+
+
+def config(name: str) -> str:
+    return os.path.join(CONFIGS, f"{name}.json")
+
+
+def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "vim_ds.train", timeout: int = 600,
+              check: bool = True, env=None) -> subprocess.CompletedProcess:
+    if nproc == 1 and launcher == "torchrun":
+        cmd = [sys.executable, "-m", module]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               module]
+    else:
+        cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=ROOT)
+    if check and proc.returncode != 0:
+        pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def records(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_losses(output_dir) -> dict[int, float]:
+    """step -> loss; a resumed run's later lines overwrite nothing (steps are unique)."""
+    return {r["step"]: r["loss"] for r in records(output_dir) if "loss" in r and "summary" not in r}
+
+
+def evals(output_dir) -> list[dict]:
+    return [r for r in records(output_dir) if "eval_acc1" in r]
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The trainer's one-line error (rank 0's, or any rank's)."""
+    lines = [line for line in proc.stderr.splitlines() if "error" in line and line.startswith("vim-ds")]
+    return lines[0] if lines else ""

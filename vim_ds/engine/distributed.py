@@ -1,0 +1,97 @@
+"""Process-group set-up and the few collectives the trainer needs, the same on CUDA, ROCm and CPU (gloo).
+
+The deepspeed launcher, torchrun and SLURM wrappers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a plain
+`python -m vim_ds.train` exports nothing and runs as a world of one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(local_rank_arg: int = -1) -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (nccl/rccl on GPUs, gloo on CPU) and pick this rank's device."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import logger as ds_logger
+
+    # DeepSpeed logs every engine detail at INFO on every rank; we report what matters ourselves.
+    ds_logger.setLevel(logging.WARNING)
+    # DeepSpeed 0.19 still calls torch.distributed collectives that torch 2.14 deprecates, once per call site.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if "RANK" not in os.environ:  # a single process started by hand
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(max(local_rank_arg, 0)), LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank_arg, 0)))
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
+                                   verbose=False)
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    device = torch.device(accelerator.device_name(local_rank)) if accelerator.device_name() != "cpu" \
+        else torch.device("cpu")
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one host share its cores; oversubscribing them makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+    return DistInfo(dist.get_rank(), world, local_rank, local_world, device)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few scalars over all ranks in one collective (float64, so counts and sums stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""The Vim/DeiT optimisation recipe: AdamW parameter groups, batch-scaled learning rate, per-step warmup + cosine.
+
+DeepSpeed builds the optimizer from the JSON's "optimizer" section (so offload picks its CPU Adam); we hand it the
+parameter groups and a scheduler, which it steps once per optimizer step and saves in its checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: weight decay for matrices, none for biases, norms, 1-D parameters, the position embedding,
+    the class token, and the SSM's A_log/A_b_log and D/D_b (marked `_no_weight_decay` by the mixer)."""
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name.endswith(".bias") or name in skip or getattr(p, "_no_weight_decay", False):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def scaled_lr(base_lr: float, global_batch: int, unscale: bool = False) -> float:
+    """DeiT's linear scaling rule: the lr given on the command line is for a global batch of 512."""
+    return base_lr if unscale else base_lr * global_batch / 512.0
+
+
+class PerStepScheduler:
+    """timm's cosine schedule with linear warmup (the one DeiT and Vim use), advanced once per optimizer step.
+
+    DeepSpeed calls `step()` after every optimizer step and saves `state_dict()` with its checkpoints; timm's
+    scheduler is driven by `step_update(num_updates)`. This adapter connects the two.
+    """
+
+    def __init__(self, optimizer, *, total_steps: int, warmup_steps: int, warmup_lr: float, min_lr: float):
+        from timm.scheduler import CosineLRScheduler
+
+        self.optimizer = optimizer
+        self.num_updates = 0
+        self.schedule = CosineLRScheduler(optimizer, t_initial=max(total_steps, 1), lr_min=min_lr,
+                                          warmup_t=warmup_steps, warmup_lr_init=warmup_lr, t_in_epochs=False)
+        self.schedule.step_update(0)
+
+    def step(self, **_):
+        self.num_updates += 1
+        self.schedule.step_update(self.num_updates)
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict):
+        self.num_updates = int(state["num_updates"])
+        self.schedule.step_update(self.num_updates)

@@ -1,0 +1,427 @@
+"""The training loop: a short class holding its parts (data, DeepSpeed engine, loss, EMA, checkpoints, metrics).
+
+Determinism contract: which images form optimizer step s depends only on (seed, epoch) (see
+`vim_ds/data/sampler.py`), each image's augmentation only on its sample seed, and the randomness of the step
+itself (Mixup, drop path) only on (seed, step, micro step, rank). A resumed run therefore continues exactly as if
+it had never stopped, and any rank count or accumulation split of one global batch trains on the same images.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from . import distributed
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BAD_IMAGE_LIMIT = 0.01  # a run fails when more than 1 % of the images it has read do not decode
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (the loss diverged, too many unreadable images, ...)."""
+
+
+def derived_seed(*parts) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory allocated by this process, or on CPU its peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def build_model(args, num_classes: int):
+    import timm
+
+    from .. import models  # noqa: F401  (registers the Vim variants)
+    from ..checkpoint import load_model_weights
+
+    try:
+        model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, img_size=args.input_size,
+                                  drop_rate=args.drop, drop_path_rate=args.drop_path, **args.model_kwargs)
+    except RuntimeError as exc:
+        if "Unknown model" in str(exc):
+            raise ValueError(f"unknown model {args.model!r} (try vim_tiny, vim_small, vim_base, vim_small_s8)") from exc
+        raise
+    except TypeError as exc:
+        raise ValueError(f"--model-kwargs: {exc}") from exc
+    if args.finetune:
+        load_model_weights(model, args.finetune)
+    return model
+
+
+class Trainer:
+    def __init__(self, args, dist_info: distributed.DistInfo):
+        from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
+        from .ds_config import prepare_ds_config
+        from .ema import ShardedEMA
+        from .checkpointing import Checkpointer
+        from .optim import PerStepScheduler, param_groups, scaled_lr
+
+        self.args, self.dist = args, dist_info
+        self.device = dist_info.device
+
+        # data: which images go into which optimizer step is fixed here, before the engine exists
+        self.train_set, num_classes = build_dataset(args, is_train=True)
+        self.val_set, _ = build_dataset(args, is_train=False)
+        self.num_classes = num_classes
+
+        def auto_values(batch):
+            self.lr = scaled_lr(args.lr, batch.global_, args.unscale_lr)
+            return {"optimizer.params.lr": self.lr, "optimizer.params.weight_decay": args.weight_decay,
+                    "optimizer.params.betas": list(args.opt_betas), "optimizer.params.eps": args.opt_eps,
+                    "gradient_clipping": args.clip_grad or 0.0}
+
+        if not args.deepspeed_config:
+            raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
+        self.ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
+                                    device_type=self.device.type, micro_batch=args.batch_size,
+                                    accum_steps=args.accum_steps, precision=args.precision, auto_values=auto_values)
+        self.batch = self.ds.batch
+        # a number written in the JSON wins over the command line; the optimizer starts from what is there
+        self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
+        self.dtype = PRECISION_DTYPES[self.ds.precision]
+        self.mixup = self._build_mixup()
+
+        self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
+                                          accum_steps=self.batch.accum, rank=dist_info.rank,
+                                          world_size=dist_info.world_size, seed=args.seed,
+                                          repeats=3 if args.repeated_aug else 1)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
+        self.total_steps = args.epochs * self.steps_per_epoch
+        if args.max_steps:
+            self.total_steps = min(self.total_steps, args.max_steps)
+        self.train_loader = self._loader(self.train_set, self.sampler)
+        eval_batch = max(1, int(1.5 * self.batch.micro))
+        self.val_loader = self._loader(self.val_set, ShardedEvalSampler(
+            len(self.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size))
+
+        # model and engine
+        seed_everything(args.seed)  # identical initial weights on every rank
+        model = build_model(args, num_classes)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
+
+        def scheduler(optimizer):
+            return PerStepScheduler(optimizer, total_steps=args.epochs * self.steps_per_epoch,
+                                    warmup_steps=warmup_steps, warmup_lr=args.warmup_lr, min_lr=args.min_lr)
+
+        import deepspeed
+
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
+            lr_scheduler=scheduler)
+        self.criterion = self._build_criterion()
+        self.ema = ShardedEMA(self.engine.module, args.model_ema_decay) if args.model_ema else None
+        self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
+                                         args.keep_checkpoints) if args.output_dir else None
+
+        # position in the run
+        self.epoch = 0
+        self.step = 0            # optimizer steps done
+        self.step_in_epoch = 0
+        self.images_seen = self.images_bad = 0.0
+        self.best_acc1 = 0.0
+        self.last_checkpoint = None
+        self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
+
+    # -- construction helpers -----------------------------------------------------------------------------------
+
+    def _loader(self, dataset, batch_sampler):
+        workers = self.args.num_workers
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=self.args.pin_mem and
+            self.device.type != "cpu", persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+
+    def _build_mixup(self):
+        args = self.args
+        if not (args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None):
+            return None
+        if self.batch.micro % 2:
+            raise ValueError(f"Mixup/CutMix mix pairs within a micro batch, which must be even (it is "
+                             f"{self.batch.micro}); change --batch-size or pass --mixup 0 --cutmix 0")
+        from timm.data import Mixup
+
+        return Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+                     prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
+                     label_smoothing=args.smoothing, num_classes=self.num_classes)
+
+    def _build_criterion(self):
+        from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+        if self.mixup is not None:
+            return SoftTargetCrossEntropy()  # Mixup already smooths the targets
+        if self.args.smoothing > 0:
+            return LabelSmoothingCrossEntropy(smoothing=self.args.smoothing)
+        return torch.nn.CrossEntropyLoss()
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+
+    def client_state(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
+                "images_seen": self.images_seen, "images_bad": self.images_bad, "best_acc1": self.best_acc1,
+                "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
+                "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
+                "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args)}
+
+    def save(self):
+        if self.checkpointer is None:
+            return
+        self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
+                                                      summary={"model": self.args.model})
+
+    def resume(self, path: str):
+        from ..checkpoint.files import CheckpointError
+
+        state = self.checkpointer_for(path).load(path, self.ema)
+        if state.get("batch") and state["batch"]["micro"] * state["batch"]["accum"] * state["batch"]["world"] \
+                != self.batch.global_:
+            raise CheckpointError(f"{path} was trained with a global batch of "
+                                  f"{state['batch']['micro'] * state['batch']['accum'] * state['batch']['world']}, "
+                                  f"this run has {self.batch.global_}; the data order would not continue")
+        self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+        self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
+        self.best_acc1 = state.get("best_acc1", 0.0)
+        if self.dist.is_main:
+            print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
+
+    def checkpointer_for(self, path):
+        from .checkpointing import Checkpointer
+
+        return self.checkpointer or Checkpointer(self.engine, os.path.dirname(path), self.dist.rank, 0)
+
+    # -- one optimizer step -------------------------------------------------------------------------------------
+
+    def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
+        seed_everything(derived_seed(self.args.seed, self.step, micro, self.dist.rank))  # Mixup, drop path
+        images = images.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        logits = self.engine(images.to(self.dtype))
+        loss = self.criterion(logits.float(), targets)
+        self.engine.backward(loss)
+        self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
+        return loss.detach()
+
+    def train_epoch(self, metrics) -> bool:
+        """Train from the current position to the end of the epoch; False when --max-steps stopped it early.
+
+        Each step's time is split into waiting for data, the engine's forward/backward/step ("compute"), and the
+        loop's own bookkeeping ("other": loss all-reduce, checks, EMA, metrics, checkpoints), so the summary can
+        say what the loop itself costs.
+        """
+        self.sampler.set_epoch(self.epoch, self.step_in_epoch)
+        self.engine.train()
+        accum = self.batch.accum
+        loss_sum, bad, seen = 0.0, 0.0, 0.0
+        spent = {"data": 0.0, "compute": 0.0, "other": 0.0}
+        t_step = t_mark = time.perf_counter()
+        for i, (images, targets, ok) in enumerate(self.train_loader):
+            t_data = time.perf_counter()
+            spent["data"] += t_data - t_mark
+            micro = i % accum
+            if micro == 0:
+                lr = self.engine.get_lr()[0]
+            loss_sum = loss_sum + self._micro_step(images, targets, micro)  # stays on the device until the step ends
+            bad += float((ok == 0).sum())
+            seen += float(ok.numel())
+            t_mark = time.perf_counter()
+            spent["compute"] += t_mark - t_data
+            if micro < accum - 1:
+                continue
+            loss_total, bad, seen = distributed.all_reduce_sum([float(loss_sum), bad, seen], self.device)
+            loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
+            self.step += 1
+            self.step_in_epoch += 1
+            self._check(loss, bad, seen)
+            if self.ema is not None:
+                self.ema.update()
+            grad_norm = self.engine.get_global_grad_norm()
+            now = time.perf_counter()
+            spent["other"] += now - t_mark
+            metrics.step({"step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
+                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "samples_per_sec": self.batch.global_ / max(now - t_step, 1e-9),
+                          "step_time": now - t_step, "data_time": spent["data"], "compute_time": spent["compute"],
+                          "other_time": spent["other"], "bad_images": int(self.images_bad)})
+            self._add_timing(spent)
+            loss_sum, bad, seen = 0.0, 0.0, 0.0
+            done = self.step >= self.total_steps
+            at_epoch_end = self.step_in_epoch == self.steps_per_epoch
+            if self.args.save_interval and self.step % self.args.save_interval == 0 and not (done or at_epoch_end):
+                self.save()
+            t_step = t_mark = time.perf_counter()
+            spent = {"data": 0.0, "compute": 0.0, "other": t_mark - now}  # metrics and saving: this loop's cost
+            if done and not at_epoch_end:
+                return False
+        return True
+
+    def _add_timing(self, spent: dict):
+        """Run totals for the summary, leaving out each process's first step (worker start-up, first-step setup)."""
+        self.timing["seen_steps"] += 1
+        if self.timing["seen_steps"] == 1:
+            return
+        for key, value in spent.items():
+            self.timing[key] += value
+        self.timing["steps"] += 1
+
+    def _check(self, loss: float, bad: float, seen: float):
+        self.images_bad += bad
+        self.images_seen += seen
+        if not math.isfinite(loss):
+            where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
+                "no checkpoint was saved"
+            raise TrainingError(f"loss is {loss} at step {self.step} (epoch {self.epoch}); stopping, {where}")
+        floor = min(len(self.train_set), 1000)
+        if self.images_bad > BAD_IMAGE_LIMIT * self.images_seen and self.images_seen >= floor:
+            raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
+                                f"did not decode (more than {BAD_IMAGE_LIMIT:.0%}); check the dataset")
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+
+    def _ema_replica(self) -> torch.nn.Module:
+        """A plain copy of the model holding the EMA weights, for evaluation (built anew, freed after use)."""
+        from ..models.vim import load_state_dict_into
+
+        state = self.ema.full_state_dict()  # a collective under ZeRO-3
+        with torch.random.fork_rng(devices=[]):
+            replica = build_model(argparse.Namespace(**{**vars(self.args), "finetune": ""}), self.num_classes)
+        load_state_dict_into(replica, state, strict=True)
+        return replica.to(self.device, self.dtype).eval()
+
+    def evaluate(self, metrics, epoch: int) -> dict:
+        from .evaluate import evaluate
+
+        shape = (3, self.args.input_size, self.args.input_size)
+        self.engine.eval()
+        record = {"step": self.step, "epoch": epoch}
+        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape)
+        record.update({f"eval_{k}": v for k, v in result.items()})
+        if self.ema is not None:
+            ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape)
+            record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
+        self.engine.train()
+        if result["bad_images"] > BAD_IMAGE_LIMIT * (result["images"] + result["bad_images"]):
+            raise TrainingError(f"{result['bad_images']} validation images did not decode (more than "
+                                f"{BAD_IMAGE_LIMIT:.0%}); check the dataset")
+        self.best_acc1 = max(self.best_acc1, result["acc1"])
+        metrics.evaluation(record)
+        return record
+
+    # -- the run ------------------------------------------------------------------------------------------------
+
+    def run_summary(self) -> dict:
+        """Where the time went (engine compute vs the loop's own data wait and bookkeeping) and peak memory per
+        rank; `vim-ds bench train` and `vim-ds zero-compare` read it from metrics.jsonl."""
+        t = self.timing
+        total = t["data"] + t["compute"] + t["other"]
+        peaks = [0.0] * self.dist.world_size
+        peaks[self.dist.rank] = peak_memory_mb(self.device)
+        peaks = distributed.all_reduce_sum(peaks, self.device)
+        return {"summary": True, "step": self.step, "steps_timed": t["steps"], "world_size": self.dist.world_size,
+                "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "global_batch": self.batch.global_,
+                "data_time": t["data"], "compute_time": t["compute"], "other_time": t["other"],
+                "loop_overhead": (t["data"] + t["other"]) / total if total else None,
+                "peak_memory_mb_per_rank": peaks, "device": self.device.type}
+
+    def fit(self) -> dict | None:
+        from .metrics import MetricsLog
+
+        args = self.args
+        metrics = MetricsLog(args.output_dir, self.dist.is_main, self.total_steps, self.step, args.log_interval,
+                             args.tensorboard)
+        if self.dist.is_main:
+            print(f"training {args.model} ({self.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} images, "
+                  f"{self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "
+                  f"{self.ds.precision}, global batch {self.batch.global_} = {self.batch.micro} x {self.batch.accum} "
+                  f"accumulation x {self.dist.world_size} ranks, {self.steps_per_epoch} steps/epoch, lr {self.lr:.3e}",
+                  flush=True)
+        record = None
+        try:
+            while self.epoch < args.epochs and self.step < self.total_steps:
+                epoch = self.epoch
+                if self.train_epoch(metrics):
+                    self.epoch += 1
+                    self.step_in_epoch = 0
+                record = self.evaluate(metrics, epoch)
+                self.save()
+            if record is None and self.dist.is_main:
+                print(f"nothing to train: the run is already at step {self.step} of {self.total_steps}", flush=True)
+            metrics.summary(self.run_summary())
+        finally:
+            metrics.close()
+        return record
+
+
+def run(args, prog: str = "vim-ds train") -> int:
+    """Entry point shared by `vim-ds train` and `vim-ds eval`: one-line errors, non-zero exit codes."""
+    from ..checkpoint.files import CheckpointError
+
+    try:
+        dist_info = distributed.setup(args.local_rank)
+    except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
+        print(f"{prog}: error: cannot initialise the process group: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.eval:
+            from ..eval import evaluate_weights
+
+            evaluate_weights(args, dist_info)
+            return 0
+        trainer = Trainer(args, dist_info)
+        if args.resume:
+            path = args.resume
+            if path == "auto":
+                path = _auto_resume_path(args)
+            elif path.endswith((".pth", ".pt", ".bin", ".safetensors")):
+                raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
+                                      f"--finetune {path} to start from it (or --eval to evaluate it)")
+            if path:
+                trainer.resume(path)
+        record = trainer.fit()
+        if record and dist_info.is_main:
+            ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
+            print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
+                  f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+        return 0
+    except (ValueError, CheckpointError, TrainingError, FileNotFoundError, RuntimeError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if os.environ.get("VIM_DS_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
+        return 1 if isinstance(exc, TrainingError) else 2
+    finally:
+        distributed.teardown()
+
+
+def _auto_resume_path(args) -> str:
+    from ..checkpoint import deepspeed_dir
+
+    if not args.output_dir:
+        raise ValueError("--resume auto looks in --output_dir; none was given")
+    save_dir = os.path.join(args.output_dir, "checkpoints")
+    if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
+        return save_dir
+    return ""  # nothing saved yet: start from scratch

@@ -1,0 +1,123 @@
+"""`vim-ds train` = `python -m vim_ds.train`: train (or, with --eval, evaluate) Vim with DeepSpeed.
+
+Launch it with the deepspeed launcher, torchrun, a SLURM wrapper, or as one plain process:
+
+    deepspeed --num_gpus 8 --module vim_ds.train --deepspeed_config ds_configs/zero2.json \\
+        --model vim_small --data-path /data/imagenet --output_dir runs/vim_small
+
+Option names follow the published Vim/DeiT `main.py`; `--batch-size` is the per-rank micro batch.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+
+
+def _key_value(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        pass  # a bare string such as a name
+    return key, value
+
+
+def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
+    import deepspeed
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="vim_tiny", help="a registered Vim name or alias (vim_tiny, vim_small_s8, ...)")
+    g.add_argument("--input-size", type=int, default=224)
+    g.add_argument("--model-kwargs", nargs="*", type=_key_value, default=[], metavar="K=V",
+                   help="extra model constructor arguments, e.g. depth=4 embed_dim=64 patch_size=4")
+    g.add_argument("--drop", type=float, default=0.0, help="dropout rate")
+    g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
+    g.add_argument("--model-ema", action="store_true", default=True)
+    g.add_argument("--no-model-ema", action="store_false", dest="model_ema")
+    g.add_argument("--model-ema-decay", type=float, default=0.99996)
+    g.add_argument("--finetune", default="", help="start from a published or converted checkpoint file")
+
+    g = p.add_argument_group("optimisation (AdamW, cosine schedule with warmup, per optimizer step)")
+    g.add_argument("--batch-size", type=int, default=None, help="per-rank micro batch [64, or the JSON's]")
+    g.add_argument("--accum-steps", type=int, default=None, help="gradient accumulation steps [1, or the JSON's]")
+    g.add_argument("--epochs", type=int, default=300)
+    g.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    g.add_argument("--lr", type=float, default=5e-4, help="learning rate for a global batch of 512 (scaled)")
+    g.add_argument("--unscale-lr", action="store_true", help="use --lr as it is, without batch scaling")
+    g.add_argument("--min-lr", type=float, default=1e-5)
+    g.add_argument("--warmup-lr", type=float, default=1e-6)
+    g.add_argument("--warmup-epochs", type=float, default=5)
+    g.add_argument("--weight-decay", type=float, default=0.05)
+    g.add_argument("--clip-grad", type=float, default=None, help="gradient norm clipping (off by default)")
+    g.add_argument("--opt-eps", type=float, default=1e-8)
+    g.add_argument("--opt-betas", type=float, nargs=2, default=(0.9, 0.999))
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="overrides the precision sections of the DeepSpeed config")
+
+    g = p.add_argument_group("augmentation and regularisation (timm)")
+    g.add_argument("--color-jitter", type=float, default=0.3)
+    g.add_argument("--aa", default="rand-m9-mstd0.5-inc1", help="timm auto-augment policy, or 'none'")
+    g.add_argument("--train-interpolation", default="bicubic")
+    g.add_argument("--scale", type=float, nargs=2, default=(0.08, 1.0), help="random-resized-crop area range")
+    g.add_argument("--ratio", type=float, nargs=2, default=(3 / 4, 4 / 3), help="random-resized-crop aspect range")
+    g.add_argument("--hflip", type=float, default=0.5, help="horizontal flip probability")
+    g.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
+    g.add_argument("--remode", default="pixel")
+    g.add_argument("--recount", type=int, default=1)
+    g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
+    g.add_argument("--mixup", type=float, default=0.8)
+    g.add_argument("--cutmix", type=float, default=1.0)
+    g.add_argument("--cutmix-minmax", type=float, nargs=2, default=None)
+    g.add_argument("--mixup-prob", type=float, default=1.0)
+    g.add_argument("--mixup-switch-prob", type=float, default=0.5)
+    g.add_argument("--mixup-mode", default="batch", choices=["batch", "pair", "elem"])
+    g.add_argument("--repeated-aug", action="store_true", default=True)
+    g.add_argument("--no-repeated-aug", action="store_false", dest="repeated_aug")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="", help="ImageNet-style root with train/ and val/ class folders")
+    g.add_argument("--data-set", default="IMNET", choices=["IMNET", "folder", "synthetic"])
+    g.add_argument("--nb-classes", type=int, default=1000, help="classes of --data-set synthetic")
+    g.add_argument("--synthetic-size", type=int, default=12800, help="training images of --data-set synthetic")
+    g.add_argument("--eval-crop-ratio", type=float, default=0.875)
+    g.add_argument("--num_workers", "--num-workers", type=int, default=10, dest="num_workers")
+    g.add_argument("--pin-mem", action="store_true", default=True)
+    g.add_argument("--no-pin-mem", action="store_false", dest="pin_mem")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--output_dir", "--output-dir", default="", dest="output_dir",
+                   help="checkpoints, metrics.jsonl, tensorboard/ (nothing is saved without it)")
+    g.add_argument("--resume", default="", help="checkpoint directory, 'auto' (latest in --output_dir), or a .pth "
+                   "with --eval")
+    g.add_argument("--eval", action="store_true", help="only evaluate (--resume or --finetune gives the weights)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-interval", type=int, default=0, help="also checkpoint every N optimizer steps")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (0 = all)")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between log lines (without a terminal)")
+    g.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars to OUTPUT_DIR/tensorboard")
+    g.add_argument("--local_rank", "--local-rank", type=int, default=-1, dest="local_rank",
+                   help="set by the deepspeed launcher")
+    deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
+    return p
+
+
+def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    args.model_kwargs = dict(args.model_kwargs)
+    args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
+    return args
+
+
+def main(argv=None, prog: str = "vim-ds train") -> int:
+    from .engine.trainer import run
+
+    return run(parse_args(argv, prog), prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
