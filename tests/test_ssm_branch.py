@@ -75,3 +75,28 @@ def test_cpu_conv_silu_kernel_matches_torch_conv1d(seqlen, with_bias, seed):
     torch.autograd.gradcheck(kernel, args)
     want = F.silu(F.conv1d(x, w, b, padding=3, groups=6)[..., :seqlen])
     torch.testing.assert_close(kernel(*args), want, rtol=1e-12, atol=1e-12)
+
+
+def test_training_under_autocast_recomputes_with_the_same_casts():
+    """backward runs outside the caller's autocast region; the recompute must still cast like forward did
+    (found on an H100: `Input type (BFloat16) and bias type (float)` under torch.autocast)."""
+    import timm
+
+    import vim_ds  # noqa: F401
+
+    torch.manual_seed(0)
+    model = timm.create_model("vim_tiny", num_classes=10, img_size=32, depth=2, embed_dim=32, patch_size=4,
+                              stride=4, drop_path_rate=0.0)
+    x = torch.randn(4, 3, 32, 32)
+
+    def grads(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    low, full = grads(True), grads(False)
+    for name, g in full.items():
+        assert torch.isfinite(low[name]).all(), name
+        assert (low[name] - g).norm() <= 0.05 * g.norm() + 1e-6, name

@@ -79,6 +79,9 @@ class SSMBranchFn(torch.autograd.Function):
         u, delta, B, C = branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1], backend)
         out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, True)
         ctx.backend = backend
+        # backward runs outside the caller's autocast region; the recompute must see the same casts as forward
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.has_conv_bias = conv_bias is not None
         ctx.has_saved = saved is not None
         tensors = [x, z, conv_weight, x_proj_weight, dt_proj_weight, A, D, delta_bias]
@@ -94,7 +97,8 @@ class SSMBranchFn(torch.autograd.Function):
         saved = rest.pop(0) if ctx.has_saved else None
         leaves = [t.detach().requires_grad_(True) if t is not None else None
                   for t in (x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
-        with torch.enable_grad():
+        device, autocast_on, autocast_dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
             u, delta, B, C = branch_inputs(*leaves, A.shape[1], ctx.backend)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.backend.bwd(
             u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z, delta_bias, dout.contiguous(), saved, True)
