@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from train_utils import QUIET_AUG, ROOT, TINY, config, evals, run_train, step_losses
+from train_utils import QUIET_AUG, ROOT, TINY, config, evals, records, run_train, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +66,12 @@ def test_zero_stages_and_accumulation_give_the_same_losses(stage_runs):
         assert rel_diff(reference, losses) <= tolerance, (name, reference, losses)
     # the runs really learn something in 10 steps (so agreement is not agreement on a constant)
     assert reference[10] < reference[1]
+    # every stage reports the gradient norm (DeepSpeed's own for ZeRO 1-3, the trainer's for ZeRO-0), and they agree
+    norms = {name: [r["grad_norm"] for r in records(out) if "loss" in r] for name, out in runs.items()}
+    for name, values in norms.items():
+        assert len(values) == 10 and all(v is not None and v > 0 for v in values), (name, values)
+        worst = max(abs(a - b) / b for a, b in zip(values, norms["zero0"]))
+        assert worst <= (1e-4 if precision == "fp32" else 5e-2), (name, values, norms["zero0"])
 
 
 def test_ema_under_zero3_equals_ema_under_zero0(stage_runs):
@@ -126,6 +132,19 @@ def test_resume_continues_exactly_and_skips_an_interrupted_save(digits, tmp_path
     ema_b = torch.load(os.path.join(split, "checkpoints", "global_step24", "ema.pt"), weights_only=True)
     for name in ema_a:
         torch.testing.assert_close(ema_b[name], ema_a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # `vim-ds eval` on one process scores the 2-rank ZeRO-3 checkpoint (reassembled by zero_to_fp32) exactly as the
+    # training run scored it at its end, EMA included.
+    scored = str(tmp_path / "scored")
+    run_train(["--data-set", "folder", "--data-path", digits, "--output_dir", scored, "--num_workers", "0", *TINY,
+               "--precision", "fp32", "--batch-size", "32", "--resume", os.path.join(straight, "checkpoints")],
+              module="vim_ds.eval")
+    trained, evaluated = evals(straight)[-1], evals(scored)[-1]
+    assert trained["step"] == 24 and evaluated["eval_images"] == trained["eval_images"] == 360
+    for key in ("eval_acc1", "eval_acc5", "ema_eval_acc1"):
+        assert evaluated[key] == trained[key], key
+    for key in ("eval_loss", "ema_eval_loss"):
+        assert evaluated[key] == pytest.approx(trained[key], rel=1e-5), key
 
     # A save that was interrupted (no completion marker) is never resumed, even though `latest` names it.
     save_dir = os.path.join(straight, "checkpoints")

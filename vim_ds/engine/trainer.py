@@ -131,6 +131,8 @@ class Trainer:
             model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
             lr_scheduler=scheduler)
         self.criterion = self._build_criterion()
+        self._own_grad_norm = self.ds.zero_stage == 0  # DeepSpeed reports no norm without ZeRO
+        self._grad_norm = None
         self.ema = ShardedEMA(self.engine.module, args.model_ema_decay) if args.model_ema else None
         self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
                                          args.keep_checkpoints) if args.output_dir else None
@@ -220,8 +222,17 @@ class Trainer:
         logits = self.engine(images.to(self.dtype))
         loss = self.criterion(logits.float(), targets)
         self.engine.backward(loss)
+        if self._own_grad_norm and micro == self.batch.accum - 1:
+            self._grad_norm = self._full_grad_norm()
         self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
         return loss.detach()
+
+    @torch.no_grad()
+    def _full_grad_norm(self) -> float:
+        """The gradient norm where DeepSpeed reports none (ZeRO-0): the gradients are whole and already averaged
+        over ranks when the last micro step's backward returns (before clipping, like DeepSpeed's)."""
+        norms = [p.grad.float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
 
     def train_epoch(self, metrics) -> bool:
         """Train from the current position to the end of the epoch; False when --max-steps stopped it early.
@@ -256,7 +267,7 @@ class Trainer:
             self._check(loss, bad, seen)
             if self.ema is not None:
                 self.ema.update()
-            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = self._grad_norm if self._own_grad_norm else self.engine.get_global_grad_norm()
             now = time.perf_counter()
             spent["other"] += now - t_mark
             metrics.step({"step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
