@@ -2,7 +2,10 @@
 
 ZeRO 1/2/3 (and bf16) checkpoints keep the fp32 master weights partitioned over the optimizer files; DeepSpeed's
 own `zero_to_fp32` reassembles them for any rank count. A checkpoint without ZeRO partitions (stage 0 in fp32)
-holds the full module in `mp_rank_00_model_states.pt`.
+holds the full module in `mp_rank_00_model_states.pt`. Stage 0 in bf16/fp16 runs DeepSpeed's FP16_Optimizer, which
+keeps the fp32 masters (`fp32_groups`, in optimizer parameter-group order) inside `mp_rank_00_model_states.pt`
+next to the half-precision module: those masters are what is returned, matched to parameter names by rebuilding
+the model's parameter groups (vim_ds.engine.optim.param_groups).
 """
 from __future__ import annotations
 
@@ -24,7 +27,42 @@ def _module_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     module = state.get("module")
     if not module:
         raise CheckpointError(f"{path} holds no module weights")
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("fp32_groups"):  # half-precision stage 0: fp32 masters
+        return _fp32_masters(path, state, optimizer["fp32_groups"])
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+
+
+def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor]:
+    """Name FP16_Optimizer's fp32 master groups (per-parameter tensors or one flat tensor per group)."""
+    import argparse
+
+    from ..engine.optim import param_groups
+    from ..engine.trainer import build_model
+
+    args = argparse.Namespace(model=state.get("model"), model_kwargs=state.get("model_kwargs") or {},
+                              input_size=state.get("input_size"), drop=0.0, drop_path=0.0, finetune="")
+    if not args.model or not state.get("num_classes"):
+        raise CheckpointError(f"{path} has fp32 master weights but no model description to name them")
+    model = build_model(args, state["num_classes"])  # on CPU: the Vim constructor cannot run on the meta device
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[(names[id(p)], p.shape) for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
+    masters = [g if isinstance(g, (list, tuple)) else [g] for g in fp32_groups]
+    masters = [g for g in masters if len(g) and sum(t.numel() for t in g)]
+    if len(groups) != len(masters):
+        raise CheckpointError(f"{path}: {len(masters)} fp32 master groups, the model has {len(groups)}")
+    out = {}
+    for named, tensors in zip(groups, masters):
+        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+        numels = [shape.numel() for _, shape in named]
+        if flat.numel() != sum(numels):
+            raise CheckpointError(f"{path}: fp32 masters ({flat.numel()} values) do not fit the model "
+                                  f"({sum(numels)} parameters in that group)")
+        for (name, shape), chunk in zip(named, flat.split(numels)):
+            out[name] = chunk.reshape(shape).clone()
+    # in the module's order; buffers and anything not in the optimizer (frozen parameters) come from the module
+    return {name: out[name] if name in out else (value.float() if value.is_floating_point() else value)
+            for name, value in state["module"].items()}
 
 
 def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,34 @@
+"""Test helper, launched like training (torchrun, any rank count): build the DeepSpeed engine through
+vim_ds.engine.trainer.Trainer, restore a checkpoint with DeepSpeed's own load_checkpoint (--resume), and write the
+logits of a fixed batch (torch.manual_seed(0), 4 random 3 x input_size^2 images) to $LOGITS_OUT from rank 0.
+
+usage: torchrun ... tests/engine_logits.py <vim-ds train arguments, with --resume CKPT_DIR>"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main(argv):
+    from vim_ds.engine import distributed
+    from vim_ds.engine.trainer import Trainer
+    from vim_ds.train import parse_args
+
+    args = parse_args(argv)
+    dist_info = distributed.setup(args.local_rank)
+    trainer = Trainer(args, dist_info)
+    trainer.resume(args.resume)
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, args.input_size, args.input_size)
+    trainer.engine.module.eval()
+    with torch.no_grad():
+        logits = trainer.engine(x.to(dist_info.device)).float().cpu()  # every rank: ZeRO-3 gathers collectively
+    if dist_info.is_main:
+        torch.save(logits, os.environ["LOGITS_OUT"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,263 @@
+"""`vim-ds convert` and `vim-ds predict`: real 2-rank training runs (ZeRO-0 and ZeRO-3, fp32 and bf16) converted
+to one weights file, loaded strictly into a fresh timm model, evaluated and used for predictions."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from train_utils import QUIET_AUG, ROOT, TINY, config, evals, run_train
+
+TINY_KWARGS = dict(num_classes=10, img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4)
+
+
+def cli(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"vim-ds {args[0]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if "error" in line]
+
+
+def tiny_model():
+    import timm
+
+    import vim_ds.models  # noqa: F401
+
+    return timm.create_model("vim_tiny", **TINY_KWARGS)
+
+
+# -- no training needed ---------------------------------------------------------------------------------------
+
+def test_convert_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    proc = cli("convert", tmp_path, tmp_path / "out.pth", check=False)
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("vim-ds convert: error: "), proc.stderr
+    assert str(tmp_path) in lines[0]
+    assert not (tmp_path / "out.pth").exists()
+
+
+def test_convert_and_predict_are_subcommands():
+    from vim_ds.cli import SUBCOMMANDS
+
+    assert SUBCOMMANDS["convert"][0] == "vim_ds.convert" and SUBCOMMANDS["predict"][0] == "vim_ds.predict"
+
+
+# -- real training runs ---------------------------------------------------------------------------------------
+
+RUNS = {"zero0_fp32": ("zero0", "fp32"), "zero3_fp32": ("zero3", "fp32"), "zero0_bf16": ("zero0", "bf16"),
+        "zero2_bf16": ("zero2", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from vim_ds.data.digits import write_digits
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(root)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def runs(digits, tmp_path_factory):
+    out = {}
+    for name, (cfg, precision) in RUNS.items():
+        d = str(tmp_path_factory.mktemp(name))
+        run_train(["--data-set", "folder", "--data-path", digits, "--output_dir", d, "--num_workers", "0",
+                   "--seed", "3", *TINY, *QUIET_AUG, "--deepspeed_config", config(cfg), "--precision", precision,
+                   "--batch-size", 8, "--max-steps", 3, "--lr", "2e-3", "--warmup-epochs", "0",
+                   "--model-ema-decay", "0.8"], nproc=2)
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(runs, tmp_path_factory):
+    d = tmp_path_factory.mktemp("converted")
+    from vim_ds.checkpoint.convert import convert
+
+    files = {}
+    for name, run in runs.items():
+        files[name] = str(d / f"{name}.pth")
+        if name == "zero3_fp32":  # through the CLI once; in-process for the others (one DeepSpeed import)
+            proc = cli("convert", os.path.join(run, "checkpoints"), files[name])
+            assert proc.stdout.startswith("wrote ") and len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+        else:
+            assert convert(os.path.join(run, "checkpoints"), files[name])["step"] == 3
+    return files
+
+
+def tag_dir(run):
+    return os.path.join(run, "checkpoints", "global_step3")
+
+
+@pytest.mark.slow
+def test_converted_files_load_strictly_into_a_fresh_timm_model(converted):
+    for name, path in converted.items():
+        obj = torch.load(path, map_location="cpu", weights_only=True)  # plain types only
+        assert set(obj) == {"model", "model_ema", "vim_ds"}, name
+        meta = obj["vim_ds"]
+        assert meta["model"] == "vim_tiny" and meta["num_classes"] == 10 and meta["input_size"] == 32
+        assert meta["model_kwargs"] == {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
+        assert meta["step"] == 3 and f"zero{meta['zero_stage']}" == RUNS[name][0]
+        assert meta["precision"] == RUNS[name][1]
+        assert all(v.dtype == torch.float32 for v in obj["model"].values())
+        model = tiny_model()
+        model.load_state_dict(obj["model"], strict=True)
+        model.load_state_dict(obj["model_ema"], strict=True)
+
+
+@pytest.mark.slow
+def test_zero0_and_zero3_give_the_same_weights(converted):
+    a = torch.load(converted["zero0_fp32"], weights_only=True)["model"]
+    b = torch.load(converted["zero3_fp32"], weights_only=True)["model"]
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.slow
+def test_bf16_zero0_conversion_keeps_the_fp32_masters(runs, converted):
+    module = torch.load(os.path.join(tag_dir(runs["zero0_bf16"]), "mp_rank_00_model_states.pt"),
+                        weights_only=False)["module"]
+    masters = torch.load(converted["zero0_bf16"], weights_only=True)["model"]
+    assert module.keys() == masters.keys()
+    assert all(module[k].dtype == torch.bfloat16 for k in module)
+    # the masters round to the bf16 module weights, and carry more precision than them
+    assert all(torch.equal(masters[k].bfloat16(), module[k]) for k in module)
+    assert any(not torch.equal(masters[k], module[k].float()) for k in module)
+
+
+@pytest.mark.slow
+def test_bf16_zero2_conversion_reads_the_partitioned_fp32_masters(runs, converted):
+    tag = tag_dir(runs["zero2_bf16"])
+    assert len(glob.glob(os.path.join(tag, "bf16_zero_pp_rank_*_optim_states.pt"))) == 2
+    module = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)["module"]
+    masters = torch.load(converted["zero2_bf16"], weights_only=True)["model"]
+    assert module.keys() == masters.keys() and all(v.dtype == torch.float32 for v in masters.values())
+    assert all(torch.equal(masters[k].bfloat16(), module[k].bfloat16()) for k in module)
+    assert any(not torch.equal(masters[k], module[k].float()) for k in module)
+    # the same training as ZeRO-0 bf16, up to bf16 rounding of the gradients
+    ref = torch.load(converted["zero0_bf16"], weights_only=True)["model"]
+    assert max((ref[k] - masters[k]).abs().max().item() for k in ref) < 2e-2
+
+
+@pytest.mark.slow
+def test_ema_flag_and_safetensors_round_trip(runs, converted, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    run = runs["zero3_fp32"]
+    ema = torch.load(os.path.join(tag_dir(run), "ema.pt"), weights_only=True)
+    ema_pth = tmp_path / "ema.pth"
+    cli("convert", os.path.join(run, "checkpoints"), ema_pth, "--ema", "--tag", "global_step3")
+    obj = torch.load(ema_pth, weights_only=True)
+    assert "model_ema" not in obj and obj["vim_ds"]["weights"] == "ema"
+    assert all(torch.equal(obj["model"][k], ema[k].float()) for k in ema) and obj["model"].keys() == ema.keys()
+
+    from vim_ds.checkpoint.convert import convert
+
+    st = tmp_path / "model.safetensors"
+    summary = convert(os.path.join(run, "checkpoints"), st)
+    assert summary["format"] == "safetensors" and summary["tensors"] == len(ema)
+    weights = load_file(str(st))
+    ref = torch.load(converted["zero3_fp32"], weights_only=True)["model"]
+    assert weights.keys() == ref.keys() and all(torch.equal(weights[k], ref[k]) for k in ref)
+    with safe_open(str(st), framework="pt") as f:
+        md = f.metadata()
+    import json
+
+    assert md["format"] == "vim_ds" and md["model"] == "vim_tiny"
+    assert json.loads(md["config"]) == {"model_kwargs": {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4},
+                                        "num_classes": 10, "input_size": 32}
+    tiny_model().load_state_dict(weights, strict=True)
+
+    st_ema = tmp_path / "ema.bin"
+    convert(os.path.join(run, "checkpoints"), st_ema, ema=True, safetensors=True)
+    assert all(torch.equal(load_file(str(st_ema))[k], ema[k].float()) for k in ema)
+
+
+@pytest.mark.slow
+def test_errors_missing_rank_file_and_missing_ema(runs, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(runs["zero3_fp32"], "checkpoints"), copy)
+    victim = glob.glob(str(copy / "global_step3" / "*zero_pp_rank_1_*optim_states.pt"))
+    assert len(victim) == 1
+    os.remove(victim[0])
+    proc = cli("convert", copy, tmp_path / "out.pth", check=False)
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("vim-ds convert: error: incomplete checkpoint")
+    assert os.path.basename(victim[0]) in lines[0]
+    assert not (tmp_path / "out.pth").exists()
+
+    no_ema = tmp_path / "no_ema"
+    shutil.copytree(os.path.join(runs["zero0_fp32"], "checkpoints"), no_ema)
+    os.remove(no_ema / "global_step3" / "ema.pt")
+    proc = cli("convert", no_ema, tmp_path / "out.pth", "--ema", check=False)
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1 and "no EMA weights" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_of_the_converted_file_matches_the_training_runs_final_eval(runs, converted, digits, tmp_path):
+    run = runs["zero3_fp32"]
+    final = evals(run)[-1]
+    out = str(tmp_path / "eval")
+    run_train(["--data-set", "folder", "--data-path", digits, "--output_dir", out, "--num_workers", "0", *TINY,
+               "--precision", "fp32", "--resume", converted["zero3_fp32"]], nproc=1, module="vim_ds.eval")
+    record = evals(out)[-1]
+    assert record["eval_acc1"] == pytest.approx(final["eval_acc1"], abs=1e-9)
+    assert record["eval_loss"] == pytest.approx(final["eval_loss"], rel=1e-4)
+    assert record["ema_eval_acc1"] == pytest.approx(final["ema_eval_acc1"], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_predict_prints_five_class_names_per_image(converted, digits):
+    images = [sorted(glob.glob(os.path.join(digits, "val", c, "*.png")))[0] for c in ("3", "7")]
+    proc = cli("predict", "--weights", converted["zero0_fp32"], "--classes", os.path.join(digits, "train"), *images)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    classes = set(os.listdir(os.path.join(digits, "train")))
+    for image, line in zip(images, lines):
+        path, top = line.split(": ", 1)
+        assert path == image
+        entries = [e.rsplit(" ", 1) for e in top.split(", ")]
+        assert len(entries) == 5 and all(name in classes for name, _ in entries), line
+        probs = [float(p) for _, p in entries]
+        assert probs == sorted(probs, reverse=True) and all(0 <= p <= 1 for p in probs)
+
+
+@pytest.mark.slow
+def test_converted_model_gives_the_logits_of_the_deepspeed_engine(runs, converted, digits, tmp_path):
+    """The 2-rank ZeRO-3 engine restored by DeepSpeed's load_checkpoint and the converted file agree."""
+    out = tmp_path / "logits.pt"
+    args = ["--data-set", "folder", "--data-path", digits, "--num_workers", "0", "--seed", "3", *TINY, *QUIET_AUG,
+            "--deepspeed_config", config("zero3"), "--precision", "fp32", "--batch-size", 8, "--max-steps", 3,
+            "--lr", "2e-3", "--warmup-epochs", "0", "--model-ema-decay", "0.8",
+            "--resume", os.path.join(runs["zero3_fp32"], "checkpoints")]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "tests", "engine_logits.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "LOGITS_OUT": str(out), "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    engine_logits = torch.load(out, weights_only=True)
+    model = tiny_model().eval()
+    model.load_state_dict(torch.load(converted["zero3_fp32"], weights_only=True)["model"], strict=True)
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.shape == engine_logits.shape == (4, 10)
+    torch.testing.assert_close(logits, engine_logits, rtol=1e-5, atol=1e-6)

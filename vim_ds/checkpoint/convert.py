@@ -1,0 +1,145 @@
+"""A `vim-ds train` checkpoint directory -> one portable weights file.
+
+The fp32 master weights are consolidated from any ZeRO stage and rank count (consolidate.fp32_state_dict) and
+written in the published Vim format, `{"model": state_dict, "model_ema": ema_state_dict, "vim_ds": {...}}`, with
+nothing but tensors and plain Python values so it loads with `torch.load(weights_only=True)`; or as a
+`.safetensors` file holding the "model" weights only (the EMA ones with `ema=True`), the model description in its
+metadata ({"model": name, "config": JSON of model_kwargs/num_classes/input_size, "format": "vim_ds"}).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import torch
+
+from . import deepspeed_dir
+from .consolidate import fp32_state_dict
+from .files import CheckpointError
+
+_PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
+META_KEYS = ("model", "model_kwargs", "num_classes", "input_size", "step", "epoch", "zero_stage", "precision")
+
+
+def _client_state(tag_dir: str) -> dict:
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        path = os.path.join(tag_dir, name)
+        if os.path.isfile(path):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=False)  # our own training output
+            except Exception as exc:
+                raise CheckpointError(f"{path} is not readable: {exc}") from exc
+    files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
+    if files:
+        raise CheckpointError(f"incomplete checkpoint {tag_dir}: rank 0's model states are missing "
+                              f"(found {', '.join(os.path.basename(f) for f in files)})")
+    raise CheckpointError(f"{tag_dir} is not a vim-ds checkpoint (no *model_states.pt)")
+
+
+def check_complete(tag_dir: str, state: dict):
+    """Every rank's ZeRO partition files are there (the marker alone does not prove a copied directory whole)."""
+    world = state.get("world_size") or state.get("dp_world_size")
+    if not world:
+        return
+    for kind in ("optim", "model"):
+        files = [os.path.basename(f) for f in glob.glob(os.path.join(tag_dir, f"*zero_pp_rank_*_{kind}_states.pt"))]
+        parts = [m.groups() for m in map(_PARTITION.match, files) if m]
+        if not parts:
+            if kind == "optim" and int(state.get("zero_stage") or 0) > 0:
+                raise CheckpointError(f"incomplete checkpoint {tag_dir}: no *optim_states.pt partitions for "
+                                      f"ZeRO-{state['zero_stage']} ({world} ranks)")
+            continue
+        prefix, _, suffix = parts[0]
+        present = {int(rank) for _, rank, _ in parts}
+        missing = [f"{prefix}{r}{suffix}" for r in range(world) if r not in present]
+        if missing:
+            raise CheckpointError(f"incomplete checkpoint {tag_dir}: missing {', '.join(missing)} "
+                                  f"({len(present)} of {world} ranks' {kind} states)")
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool = False,
+            safetensors: bool | None = None) -> dict:
+    """Write the consolidated weights of a checkpoint directory to `out_path`; returns a summary dict."""
+    ckpt_path = os.fspath(ckpt_path)
+    if tag:
+        save_dir = os.path.normpath(ckpt_path)
+        if not os.path.isdir(os.path.join(save_dir, tag)):
+            raise CheckpointError(f"no checkpoint {tag!r} in {save_dir}")
+    else:
+        if os.path.isdir(ckpt_path) and not deepspeed_dir.is_tag_dir(ckpt_path) \
+                and os.path.isdir(os.path.join(ckpt_path, "checkpoints")):
+            ckpt_path = os.path.join(ckpt_path, "checkpoints")  # a training --output_dir
+        save_dir, tag = deepspeed_dir.resolve(ckpt_path)
+    tag_dir = os.path.join(save_dir, tag)
+    if not deepspeed_dir.is_tag_dir(tag_dir):
+        raise CheckpointError(f"{tag_dir} is not a vim-ds checkpoint (no *model_states.pt)")
+    state = _client_state(tag_dir)
+    check_complete(tag_dir, state)
+    ema_path = os.path.join(tag_dir, deepspeed_dir.EMA_FILE)
+    if ema and not os.path.isfile(ema_path):
+        raise CheckpointError(f"{tag_dir} has no EMA weights ({deepspeed_dir.EMA_FILE}); train with EMA or drop --ema")
+    model_sd = fp32_state_dict(save_dir, tag)
+    ema_sd = torch.load(ema_path, map_location="cpu", weights_only=True) if os.path.isfile(ema_path) else None
+    if ema_sd is not None:
+        ema_sd = {k: v.float() if v.is_floating_point() else v for k, v in ema_sd.items()}
+    marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
+    meta = {k: _plain(state.get(k, marker.get(k))) for k in META_KEYS}
+    meta["tag"] = tag
+
+    out_path = os.fspath(out_path)
+    if safetensors is None:
+        safetensors = out_path.endswith(".safetensors")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    weights = ema_sd if ema else model_sd
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    if safetensors:
+        from safetensors.torch import save_file
+
+        config = {"model_kwargs": meta["model_kwargs"], "num_classes": meta["num_classes"],
+                  "input_size": meta["input_size"]}
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                  metadata={"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
+                            "weights": "ema" if ema else "model"})
+    else:
+        obj = {"model": weights, "vim_ds": {**meta, "weights": "ema" if ema else "model"}}
+        if ema_sd is not None and not ema:
+            obj["model_ema"] = ema_sd
+        torch.save(obj, tmp)
+    os.replace(tmp, out_path)
+    return {"source": tag_dir, "out": out_path, "format": "safetensors" if safetensors else "torch",
+            "weights": "ema" if ema else "model", "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()), "has_ema": ema_sd is not None, **meta}
+
+
+def read_vim_ds_meta(obj_or_path) -> dict | None:
+    """The model description of a converted file (.pth "vim_ds" entry or safetensors metadata), else None."""
+    if isinstance(obj_or_path, dict):
+        meta = obj_or_path.get("vim_ds")
+        return meta if isinstance(meta, dict) else None
+    path = os.fspath(obj_or_path)
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                md = f.metadata() or {}
+        except Exception as exc:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if md.get("format") != "vim_ds":
+            return None
+        return {"model": md.get("model"), **json.loads(md.get("config") or "{}")}
+    from .files import load_weights_file
+
+    return read_vim_ds_meta(load_weights_file(path))

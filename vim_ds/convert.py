@@ -1,0 +1,44 @@
+"""`vim-ds convert CKPT_DIR OUT` = `python -m vim_ds.convert`: a training checkpoint directory (any ZeRO stage,
+any rank count) -> one .pth in the published Vim format ({"model": ..., "model_ema": ..., "vim_ds": {...}}) or a
+.safetensors file. See vim_ds.checkpoint.convert."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="vim-ds convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", metavar="CKPT_DIR", help="save directory (newest complete checkpoint), "
+                   "tag directory (checkpoints/global_stepN) or training --output_dir")
+    p.add_argument("out", metavar="OUT", help="output file (.pth, or .safetensors)")
+    p.add_argument("--tag", default=None, help="which checkpoint of the save directory (e.g. global_step1200)")
+    p.add_argument("--ema", action="store_true", help="write the EMA weights as the 'model' weights")
+    p.add_argument("--safetensors", action="store_true", default=None,
+                   help="write safetensors (default: when OUT ends in .safetensors)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger (bound to stdout at import) -> stderr,
+        import deepspeed.utils.zero_to_fp32  # noqa: F401  so that stdout is the one-line summary
+    from .checkpoint.convert import convert
+    from .checkpoint.files import CheckpointError
+
+    try:
+        s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors)
+    except (CheckpointError, OSError) as exc:
+        message = " ".join(str(exc).split())
+        print(f"vim-ds convert: error: {message}", file=sys.stderr)
+        return 2
+    ema = "" if args.ema or not s["has_ema"] else " + EMA"
+    print(f"wrote {s['out']} ({s['format']}): {s['model']} {s['weights']} weights{ema}, {s['tensors']} tensors, "
+          f"{s['parameters']:,} parameters, {s['num_classes']} classes, step {s['step']} "
+          f"(ZeRO-{s['zero_stage']} {s['precision']}) from {s['source']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

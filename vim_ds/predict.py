@@ -1,0 +1,136 @@
+"""`vim-ds predict --weights FILE IMAGE...` = `python -m vim_ds.predict`: the top-5 classes of each image.
+
+The model comes from `--model`/`--model-kwargs`/`--input-size`, or from the description a `vim-ds convert` file
+carries (its "vim_ds" entry, or the safetensors metadata), so a converted file needs nothing else. Class names:
+the folder names of an ImageFolder root given with `--classes` (or a text file, one name per line), ImageNet's
+(timm's ImageNetInfo) when the head has 1000 classes, else class indices. Images go through the evaluation
+transform (resize to input_size / eval_crop_ratio, centre crop).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _key_value(text: str):
+    from .train import _key_value as kv
+
+    return kv(text)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="vim-ds predict", description=__doc__.split("\n\n")[0])
+    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--weights", required=True, help="a .pth/.safetensors file (vim-ds convert output or published)")
+    p.add_argument("--model", default=None, help="model name (default: from the converted file)")
+    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
+    p.add_argument("--input-size", type=int, default=None)
+    p.add_argument("--num-classes", type=int, default=None)
+    p.add_argument("--eval-crop-ratio", type=float, default=0.875)
+    p.add_argument("--classes", default=None, help="ImageFolder root (class folder names) or a file of names")
+    p.add_argument("--ema", action="store_true", help="use the file's 'model_ema' weights")
+    p.add_argument("--topk", type=int, default=5)
+    return p.parse_args(argv)
+
+
+def class_names(spec: str | None, num_classes: int) -> list[str] | None:
+    if spec:
+        if os.path.isdir(spec):
+            names = sorted(e.name for e in os.scandir(spec) if e.is_dir())
+        elif os.path.isfile(spec):
+            with open(spec) as f:
+                names = [line.strip() for line in f if line.strip()]
+        else:
+            raise ValueError(f"--classes: not found: {spec}")
+        if len(names) != num_classes:
+            raise ValueError(f"--classes: {len(names)} names in {spec}, the model has {num_classes} classes")
+        return names
+    if num_classes == 1000:
+        from timm.data import ImageNetInfo
+
+        info = ImageNetInfo()
+        return [info.index_to_description(i) for i in range(1000)]
+    return None
+
+
+def build(args):
+    import timm
+    import torch
+
+    from . import models  # noqa: F401  (registers the Vim variants)
+    from .checkpoint.convert import read_vim_ds_meta
+    from .checkpoint.files import CheckpointError, load_weights_file
+    from .models.vim import load_state_dict_into
+
+    obj = load_weights_file(args.weights)
+    meta = read_vim_ds_meta(args.weights if args.weights.endswith(".safetensors") else obj) or {}
+    if args.ema:
+        if not isinstance(obj.get("model_ema"), dict):
+            raise CheckpointError(f"{args.weights} has no 'model_ema' entry")
+        state = obj["model_ema"]
+    elif isinstance(obj.get("model"), dict):
+        state = obj["model"]
+    else:
+        state = obj
+    name = args.model or meta.get("model")
+    if not name:
+        raise ValueError(f"{args.weights} does not name its model: give --model")
+    kwargs = dict(args.model_kwargs) if args.model_kwargs is not None else dict(meta.get("model_kwargs") or {})
+    input_size = args.input_size or meta.get("input_size") or 224
+    num_classes = args.num_classes or meta.get("num_classes")
+    if num_classes is None and isinstance(state.get("head.weight"), torch.Tensor):
+        num_classes = state["head.weight"].shape[0]
+    try:
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes or 1000, img_size=input_size,
+                                  **kwargs)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown model {name!r}") from exc
+    except TypeError as exc:
+        raise ValueError(f"--model-kwargs: {exc}") from exc
+    try:
+        load_state_dict_into(model, state, strict=True)
+    except ValueError as exc:
+        raise CheckpointError(f"{args.weights}: {exc}") from exc
+    return model.eval(), input_size, model.num_classes
+
+
+def predict(args) -> list[tuple[str, list[tuple[str, float]]]]:
+    import torch
+    from PIL import Image
+
+    from .data.transforms import build_transform
+
+    model, input_size, num_classes = build(args)
+    names = class_names(args.classes, num_classes)
+    transform = build_transform(argparse.Namespace(input_size=input_size, eval_crop_ratio=args.eval_crop_ratio),
+                                is_train=False)
+    results = []
+    for path in args.images:
+        try:
+            with Image.open(path) as img:
+                x = transform(img.convert("RGB")).unsqueeze(0)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read image {path}: {exc}") from exc
+        with torch.no_grad():
+            probs = model(x).float().softmax(-1)[0]
+        top = probs.topk(min(args.topk, num_classes))
+        results.append((path, [(names[i] if names else str(i), p) for p, i in
+                               zip(top.values.tolist(), top.indices.tolist())]))
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    try:
+        results = predict(args)
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        print(f"vim-ds predict: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    for path, top in results:
+        print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
