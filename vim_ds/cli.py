@@ -7,8 +7,11 @@ import sys
 SUBCOMMANDS = {
     "train": ("vim_ds.train", "train Vim with DeepSpeed (ZeRO 0-3, bf16/fp16/fp32, offload)"),
     "eval": ("vim_ds.eval", "evaluate a checkpoint directory or weights file on a validation set"),
+    "convert": ("vim_ds.convert", "a checkpoint directory -> one .pth/.safetensors weights file (fp32 masters)"),
+    "predict": ("vim_ds.predict", "top-5 classes of images with a weights file"),
     "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
     "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
+    "zero-compare": ("vim_ds.zero_compare", "ZeRO stages side by side: model-state bytes per rank vs theory"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
     "data": ("vim_ds.data", "datasets: write the digits ImageFolder (vim-ds data digits --out DIR)"),
 }

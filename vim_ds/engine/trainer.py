@@ -341,19 +341,32 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------------------------
 
+    def _per_rank(self, values: list[float]) -> list[list[float]]:
+        """For each of this rank's values, the list of every rank's value (one collective)."""
+        world, rank = self.dist.world_size, self.dist.rank
+        slots = [0.0] * (len(values) * world)
+        for i, v in enumerate(values):
+            slots[i * world + rank] = v
+        slots = distributed.all_reduce_sum(slots, self.device)
+        return [slots[i * world:(i + 1) * world] for i in range(len(values))]
+
     def run_summary(self) -> dict:
         """Where the time went (engine compute vs the loop's own data wait and bookkeeping) and peak memory per
         rank; `vim-ds bench train` and `vim-ds zero-compare` read it from metrics.jsonl."""
+        from .memory import state_bytes  # grads: see its docstring (measured after the last step)
+
         t = self.timing
         total = t["data"] + t["compute"] + t["other"]
-        peaks = [0.0] * self.dist.world_size
-        peaks[self.dist.rank] = peak_memory_mb(self.device)
-        peaks = distributed.all_reduce_sum(peaks, self.device)
+        held = state_bytes(self.engine)
+        kinds = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
+        per_rank = self._per_rank([peak_memory_mb(self.device)] + [float(held[k]) for k in kinds])
+        peaks = per_rank[0]
+        state = {f"{kind}_per_rank": [int(v) for v in values] for kind, values in zip(kinds, per_rank[1:])}
         return {"summary": True, "step": self.step, "steps_timed": t["steps"], "world_size": self.dist.world_size,
                 "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "global_batch": self.batch.global_,
                 "data_time": t["data"], "compute_time": t["compute"], "other_time": t["other"],
                 "loop_overhead": (t["data"] + t["other"]) / total if total else None,
-                "peak_memory_mb_per_rank": peaks, "device": self.device.type}
+                "peak_memory_mb_per_rank": peaks, "device": self.device.type, **state}
 
     def fit(self) -> dict | None:
         from .metrics import MetricsLog

@@ -1,0 +1,356 @@
+"""`vim-ds zero-compare`: ZeRO stages side by side, measured model-state bytes per rank beside the theory.
+
+Each configuration (ds_configs/zeroN.json, with --offload also zero2_offload / zero3_offload) is one real launch
+of the trainer on synthetic data (`vim_ds.bench.run_train_config`); its metrics.jsonl summary carries the bytes of
+parameters, gradients and optimizer states that rank held (`vim_ds.engine.memory.state_bytes`, see its docstring
+for what each number includes), peak memory, throughput and the per-step losses. Written to --out:
+
+report.csv  one row per configuration
+report.md   the table, the ZeRO paper's arithmetic and DeepSpeed's own estimators beside it, loss agreement
+report.png  memory per rank by configuration, stacked by kind, with throughput on a second axis
+
+A configuration that fails is a row with its one-line error; the others still run. Exit status 0 if all ran.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import sys
+
+KINDS = ("param", "grad", "optim")
+CSV_COLUMNS = ("config", "stage", "offload", "precision", "ranks", "param_bytes_per_rank", "grad_bytes_per_rank",
+               "optim_bytes_per_rank", "master_bytes_per_rank", "model_state_bytes_per_rank",
+               "expected_model_state_bytes_per_rank", "peak_mem_bytes", "samples_per_sec", "final_loss",
+               "max_rel_loss_diff_vs_stage0", "loss_flag", "error")
+LOSS_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
+
+
+# -- the theory -------------------------------------------------------------------------------------------------
+
+def expected_bytes(stage: int, psi: int, ranks: int, precision: str) -> dict:
+    """The ZeRO paper's model-state bytes per rank for psi parameters on `ranks` data-parallel ranks.
+
+    Mixed precision (bf16/fp16, K = 12): 2 psi parameters + 2 psi gradients + 12 psi optimizer states (fp32 master,
+    Adam's two moments); stage 1 partitions the optimizer states, 2 also the gradients, 3 also the parameters.
+    fp32: 4 psi parameters + 4 psi gradients + 8 psi Adam moments (the parameters are the masters)."""
+    if precision == "fp32":
+        p, g, o = 4 * psi, 4 * psi, 8 * psi
+    else:
+        p, g, o = 2 * psi, 2 * psi, 12 * psi
+    n = max(1, ranks)
+    if stage >= 1:
+        o /= n
+    if stage >= 2:
+        g /= n
+    if stage >= 3:
+        p /= n
+    return {"param": p, "grad": g, "optim": o, "total": p + g + o}
+
+
+def deepspeed_estimates(psi: int, largest_layer: int, ranks: int) -> dict:
+    """DeepSpeed's own "all cold" estimators (printed tables) and the per-GPU bytes they compute without offload
+    (these include DeepSpeed's additional_buffer_factor 1.5 on the CPU side only)."""
+    out = {}
+    try:
+        from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
+                                                   estimate_zero3_model_states_mem_needs_all_cold)
+        from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
+                                                          estimate_zero2_model_states_mem_needs_all_cold)
+    except Exception as exc:  # noqa: BLE001 (an estimator is an extra, not the report)
+        return {"error": f"DeepSpeed estimators unavailable: {exc}"}
+    for name, cold, call in (
+            ("zero2", lambda: estimate_zero2_model_states_mem_needs_all_cold(psi, num_gpus_per_node=ranks,
+                                                                            num_nodes=1),
+             lambda: estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=ranks, num_nodes=1,
+                                                           cpu_offload=False)[1]),
+            ("zero3", lambda: estimate_zero3_model_states_mem_needs_all_cold(psi, largest_layer,
+                                                                            num_gpus_per_node=ranks, num_nodes=1),
+             lambda: estimate_zero3_model_states_mem_needs(psi, largest_layer, num_gpus_per_node=ranks,
+                                                           num_nodes=1, cpu_offload=False, cpu_offload_params=False,
+                                                           zero_init=True)[1])):
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                cold()
+            out[name] = {"printed": buf.getvalue().rstrip(), "gpu_bytes_no_offload": int(call())}
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"printed": f"estimator failed: {exc}", "gpu_bytes_no_offload": None}
+    return out
+
+
+def model_size(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int]:
+    """(parameters, largest layer's own parameters) of the model as the trainer builds it."""
+    import timm
+
+    from . import models  # noqa: F401  (registers the Vim variants)
+
+    net = timm.create_model(model, pretrained=False, num_classes=nb_classes, img_size=input_size, **model_kwargs)
+    total = sum(p.numel() for p in net.parameters())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()), default=0)
+    return total, largest
+
+
+# -- the runs ---------------------------------------------------------------------------------------------------
+
+def read_run(out_dir: str) -> tuple[dict | None, dict[int, float]]:
+    """(summary record, step -> loss) from a run's metrics.jsonl."""
+    summary, losses = None, {}
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None, losses
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("summary"):
+                summary = r
+            elif "loss" in r and "eval_acc1" not in r:
+                try:
+                    losses[int(r["step"])] = float(r["loss"])
+                except (TypeError, ValueError):
+                    pass
+    return summary, losses
+
+
+def configurations(stages, offload: bool) -> list[tuple[str, int, str]]:
+    out = [(f"zero{s}", s, "-") for s in stages]
+    if offload:
+        out += [(f"zero{s}_offload", s, "optimizer" if s == 2 else "optimizer+param") for s in stages if s in (2, 3)]
+    return out
+
+
+def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float | None:
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in common)
+
+
+def finish_rows(rows: list[dict], losses: dict[str, dict[int, float]], psi: int | None) -> None:
+    """Fill the derived columns: totals, expectations, loss agreement with stage 0 (same precision)."""
+    base = next((r for r in rows if r.get("stage") == 0 and r.get("offload") == "-" and not r.get("error")), None)
+    for r in rows:
+        if psi:
+            r["expected_model_state_bytes_per_rank"] = int(expected_bytes(r["stage"], psi, r["ranks"],
+                                                                          r["precision"])["total"])
+        if r.get("error"):
+            continue
+        per_rank = [r.get(f"{k}_bytes_per_rank") for k in KINDS]
+        if all(isinstance(v, list) and v for v in per_rank):
+            r["model_state_bytes_per_rank"] = max(sum(vals) for vals in zip(*per_rank))
+        if base is not None and r is not base:
+            diff = max_rel_diff(losses.get(r["config"], {}), losses.get(base["config"], {}))
+            r["max_rel_loss_diff_vs_stage0"] = diff
+            tol = LOSS_TOLERANCE.get(r["precision"], 2e-2)
+            r["loss_flag"] = bool(diff is None or diff > tol)
+        elif r is base:
+            r["max_rel_loss_diff_vs_stage0"], r["loss_flag"] = 0.0, False
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+
+def _cell(value):
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return "" if value is None else value
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _cell(r.get(k)) for k in CSV_COLUMNS})
+
+
+def _mib(v):
+    if isinstance(v, list):
+        v = max(v) if v else None
+    return "-" if v is None else f"{v / 2**20:.2f}"
+
+
+def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> str:
+    lines = ["# ZeRO comparison", "",
+             f"{settings['model']} {settings['kwargs']} at {settings['input_size']}^2, {settings['ranks']} rank(s) "
+             f"via {settings['launcher']}, batch {settings['batch_size']} per rank, {settings['steps']} steps, "
+             f"{settings['precision']}." + (f" Ψ = {psi:,} parameters." if psi else ""), "",
+             "Measured bytes are per rank (the largest rank), MiB; model states read from the engine at the end of "
+             "the run (`vim_ds.engine.memory.state_bytes`: parameters as held, ZeRO-3 partitions only; optimizer = "
+             "Adam moments + fp32 masters; gradients = the buffers between backward and step, sized from the "
+             "engine's layout where step() already freed them). Peak = the process's peak memory (CPU: max RSS).", "",
+             "| config | stage | offload | params | grads | optim (of which master) | model states | expected "
+             "(paper) | peak | samples/s | final loss | max rel loss diff vs stage 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    failed = []
+    for r in rows:
+        exp = _mib(r.get("expected_model_state_bytes_per_rank"))
+        if r.get("error"):
+            failed.append(r)
+            lines.append(f"| {r['config']} | {r['stage']} | {r['offload']} | FAILED | | | | {exp} | | | | |")
+            continue
+        diff = r.get("max_rel_loss_diff_vs_stage0")
+        flag = " **DISAGREES**" if r.get("loss_flag") else ""
+        sps = r.get("samples_per_sec")
+        loss = r.get("final_loss")
+        lines.append(
+            f"| {r['config']} | {r['stage']} | {r['offload']} | {_mib(r.get('param_bytes_per_rank'))} | "
+            f"{_mib(r.get('grad_bytes_per_rank'))} | {_mib(r.get('optim_bytes_per_rank'))} "
+            f"({_mib(r.get('master_bytes_per_rank'))}) | {_mib(r.get('model_state_bytes_per_rank'))} | {exp} | "
+            f"{_mib(r.get('peak_mem_bytes'))} | {'-' if sps is None else f'{sps:.2f}'} | "
+            f"{'-' if loss is None else f'{loss:.5f}'} | {'-' if diff is None else f'{diff:.2e}'}{flag} |")
+    if failed:
+        lines += ["", "Failed:"] + [f"- {r['config']}: {r['error']}" for r in failed]
+    if psi:
+        n = settings["ranks"]
+        lines += ["", f"## Expectations (ZeRO paper, Ψ = {psi:,}, N = {n}, {settings['precision']})", "",
+                  "| stage | params | grads | optim | total |", "|---|---|---|---|---|"]
+        for s in (0, 1, 2, 3):
+            e = expected_bytes(s, psi, n, settings["precision"])
+            lines.append(f"| {s} | {_mib(e['param'])} | {_mib(e['grad'])} | {_mib(e['optim'])} | "
+                         f"{_mib(e['total'])} |")
+        lines += ["", "Mixed precision: 2Ψ params + 2Ψ grads + 12Ψ optimizer (fp32 master + 2 Adam moments); stage 1 "
+                  "divides the optimizer by N, stage 2 also the grads, stage 3 everything. fp32: 4Ψ + 4Ψ + 8Ψ (no "
+                  "master). Known departure: DeepSpeed 0.19.8 ZeRO 1-3 keep an fp32 master partition (a clone, "
+                  "in parentheses) even in fp32: 4Ψ/N more optimizer bytes than the paper's fp32 arithmetic. "
+                  "Offload configs keep the same bytes, on the CPU (on a CPU-only machine everything is CPU memory)."]
+    if estimates:
+        lines += ["", "## DeepSpeed's estimators (all cold, per node of N GPUs)", ""]
+        if "error" in estimates:
+            lines.append(estimates["error"])
+        for name in ("zero2", "zero3"):
+            if name in estimates:
+                e = estimates[name]
+                lines += [f"`{name}` (per GPU, no offload: {_mib(e['gpu_bytes_no_offload'])} MiB):", "", "```",
+                          e["printed"], "```", ""]
+    lines += ["", "## Loss agreement", ""]
+    tol = LOSS_TOLERANCE.get(settings["precision"], 2e-2)
+    flagged = [r["config"] for r in rows if r.get("loss_flag")]
+    lines.append(f"Per-step losses vs stage 0, tolerance {tol:g} relative ({settings['precision']}): "
+                 + (f"DISAGREE: {', '.join(flagged)}" if flagged else "all agree" if any(
+                     "max_rel_loss_diff_vs_stage0" in r for r in rows) else "no stage 0 run to compare with"))
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error")]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows) + 2), 4.5))
+    labels = [r["config"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for kind, color in zip(KINDS, ("#4c72b0", "#dd8452", "#55a868")):
+        vals = []
+        for r in rows:
+            v = r.get(f"{kind}_bytes_per_rank")
+            vals.append((max(v) if isinstance(v, list) and v else 0) / 2**20)
+        ax.bar(labels, vals, bottom=bottom, label={"param": "params", "grad": "grads", "optim": "optimizer"}[kind],
+               color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        if r.get("error"):
+            ax.text(i, 0, "failed", ha="center", va="bottom", color="red")
+    ax.set_ylabel("model-state memory per rank (MiB)")
+    ax.set_xlabel("configuration")
+    ax2 = ax.twinx()
+    xs = [i for i, r in enumerate(rows) if not r.get("error") and r.get("samples_per_sec")]
+    ax2.plot(xs, [rows[i]["samples_per_sec"] for i in xs], "ko-", label="samples/s")
+    ax2.set_ylabel("throughput (samples/s)")
+    ax2.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
+    ax.set_title(f"ZeRO stages: memory per rank and throughput ({len(ok)}/{len(rows)} ran)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dict | None) -> None:
+    os.makedirs(out, exist_ok=True)
+    write_csv(rows, os.path.join(out, "report.csv"))
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(markdown(rows, settings, psi, estimates))
+    plot(rows, os.path.join(out, "report.png"))
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="vim-ds zero-compare", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
+    p.add_argument("--offload", action="store_true", help="also zero2_offload and zero3_offload")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--input-size", type=int, default=224)
+    p.add_argument("--nb-classes", type=int, default=1000)
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per configuration")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from .bench import _key_value, run_train_config
+
+    args = parse_args(argv)
+    model_kwargs = dict(_key_value(kv) for kv in args.model_kwargs)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        psi, largest = model_size(args.model, model_kwargs, args.input_size, args.nb_classes)
+    except Exception as exc:  # noqa: BLE001 (the runs report the same error; the report says why no theory)
+        print(f"vim-ds zero-compare: cannot build {args.model} to count its parameters: {exc}", file=sys.stderr)
+        psi, largest = None, 0
+    warmup = 1 if args.steps > 1 else 0
+    rows, losses = [], {}
+    for name, stage, offload in configurations(args.stages, args.offload):
+        run_dir = os.path.join(args.out, "runs", name)
+        if os.path.isdir(run_dir):
+            shutil.rmtree(run_dir)  # metrics.jsonl is appended to
+        print(f"[{name}] training ...", flush=True)
+        res = run_train_config(name, nproc=args.ranks, launcher=args.launcher, model=args.model,
+                               model_kwargs=model_kwargs, input_size=args.input_size, batch_size=args.batch_size,
+                               steps=args.steps - warmup, warmup=warmup, precision=args.precision,
+                               workers=args.num_workers, out_dir=run_dir, nb_classes=args.nb_classes,
+                               timeout=args.timeout)
+        row = {"config": name, "stage": stage, "offload": offload, "precision": args.precision,
+               "ranks": args.ranks, "error": res.get("error")}
+        summary, step_losses = read_run(run_dir)
+        if not row["error"]:
+            if summary is None or "param_bytes_per_rank" not in summary:
+                row["error"] = "the run's summary has no model-state bytes"
+            else:
+                for k in ("param", "grad", "optim", "master"):
+                    row[f"{k}_bytes_per_rank"] = summary.get(f"{k}_bytes_per_rank")
+                peaks = summary.get("peak_memory_mb_per_rank") or []
+                row["peak_mem_bytes"] = int(max(peaks) * 2**20) if peaks else None
+                row["samples_per_sec"] = res.get("images_per_sec")
+                row["final_loss"] = res.get("final_loss")
+                losses[name] = step_losses
+        print(f"[{name}] " + (f"FAILED: {row['error']}" if row["error"] else "done"), flush=True)
+        rows.append(row)
+    finish_rows(rows, losses, psi)
+    estimates = deepspeed_estimates(psi, largest, args.ranks) if psi else None
+    settings = dict(model=args.model, kwargs=" ".join(args.model_kwargs), input_size=args.input_size,
+                    ranks=args.ranks, launcher=args.launcher, batch_size=args.batch_size, steps=args.steps,
+                    precision=args.precision)
+    write_report(rows, args.out, settings, psi, estimates)
+    print(open(os.path.join(args.out, "report.md")).read())
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
