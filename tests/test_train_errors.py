@@ -102,3 +102,19 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(digits,
     assert (save_dir / latest / "vim_ds_complete.json").is_file()
     assert not (save_dir / f"global_step{bad_step}").exists()
     assert str(save_dir / latest) in error_line(proc)
+
+
+def test_eval_refuses_weights_for_another_class_count(digits, tmp_path):
+    """Loading would reset the head (right for --finetune); for --eval it would score a random classifier."""
+    import timm
+    import torch
+
+    import vim_ds  # noqa: F401
+
+    model = timm.create_model("vim_tiny", num_classes=1000, img_size=32, depth=2, embed_dim=32, patch_size=4,
+                              stride=4)
+    path = tmp_path / "imagenet_head.pth"
+    torch.save({"model": model.state_dict()}, path)
+    proc = run_train(["--data-set", "folder", "--data-path", digits, "--num_workers", "0", *TINY,
+                      "--resume", str(path)], module="vim_ds.eval", check=False)
+    assert_one_line_error(proc, "1000 classes", "10")

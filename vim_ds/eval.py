@@ -31,8 +31,14 @@ def load_eval_weights(args, model) -> dict | None:
             raise CheckpointError(f"{source}: {exc}") from exc
         ema_path = os.path.join(save_dir, tag, deepspeed_dir.EMA_FILE)
         return torch.load(ema_path, map_location="cpu", weights_only=True) if os.path.isfile(ema_path) else None
-    load_model_weights(model, source)
     obj = load_weights_file(source)
+    weights = obj["model"] if isinstance(obj.get("model"), dict) else obj
+    head = weights.get("head.weight")
+    if torch.is_tensor(head) and head.shape[0] != model.num_classes:
+        # loading would re-initialise the head (right for --finetune) and score a random classifier
+        raise CheckpointError(f"{source} classifies {head.shape[0]} classes, the validation set has "
+                              f"{model.num_classes}")
+    load_model_weights(model, source)
     return obj.get("model_ema") if isinstance(obj.get("model_ema"), dict) else None
 
 
