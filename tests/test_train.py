@@ -182,3 +182,20 @@ def test_finetune_from_a_published_format_checkpoint(digits, tmp_path):
     source = published.state_dict()
     for name in ("layers.1.mixer.in_proj.weight", "layers.0.mixer.A_b_log", "patch_embed.proj.weight", "norm_f.weight"):
         torch.testing.assert_close(trained[name], source[name], rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_resume_on_another_rank_count_through_a_universal_checkpoint(digits, tmp_path, stage):
+    """Saved by 2 ranks, resumed by 1 rank with accumulation 2 (the same global batch): DeepSpeed's universal
+    checkpoint re-partitions the optimizer states, the rank-independent sample order does the rest."""
+    recipe = ["--deepspeed_config", config(stage), "--precision", "fp32", "--epochs", "2", "--lr", "2e-3",
+              "--warmup-epochs", "1", "--model-ema-decay", "0.9", *QUIET_AUG]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    run_train(common(digits, straight, *recipe, "--batch-size", "16", "--max-steps", "8"), nproc=2)
+    run_train(common(digits, split, *recipe, "--batch-size", "16", "--max-steps", "4"), nproc=2)
+    proc = run_train(common(digits, split, *recipe, "--batch-size", "16", "--accum-steps", "2", "--max-steps", "8",
+                            "--resume", "auto"), nproc=1)
+    assert "universal checkpoint" in proc.stdout and "at epoch 0, step 4" in proc.stdout
+    a, b = step_losses(straight), step_losses(split)
+    assert sorted(b) == list(range(1, 9))
+    assert rel_diff(a, b) <= 1e-5, (a, b)

@@ -93,3 +93,26 @@ class Checkpointer:
         if os.path.isfile(rng_path):
             set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=False))
         return client_state
+
+
+def universal_copy(save_dir: str, tag: str) -> str:
+    """Re-partition a ZeRO-1/2/3 checkpoint for any rank count with DeepSpeed's `ds_to_universal` (once; run on one
+    rank), next to the original as `<tag>_universal`; returns the new tag. The EMA and the completion marker are
+    copied last, so a conversion that was interrupted is done again rather than resumed."""
+    import subprocess
+    import sys
+
+    universal = f"{tag}_universal"
+    src, dst = os.path.join(save_dir, tag), os.path.join(save_dir, universal)
+    if layout.is_complete(dst):
+        return universal
+    shutil.rmtree(dst, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+                           "--output_folder", dst], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(f"cannot convert {src} to a universal checkpoint: {last}")
+    if os.path.isfile(os.path.join(src, layout.EMA_FILE)):
+        shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
+    shutil.copy2(os.path.join(src, layout.MARKER), os.path.join(dst, layout.MARKER))
+    return universal

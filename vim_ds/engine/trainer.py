@@ -96,6 +96,7 @@ class Trainer:
         self.ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
                                     device_type=self.device.type, micro_batch=args.batch_size,
                                     accum_steps=args.accum_steps, precision=args.precision, auto_values=auto_values)
+        self.resume_path = self._plan_resume(args)
         self.batch = self.ds.batch
         # a number written in the JSON wins over the command line; the optimizer starts from what is there
         self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
@@ -183,13 +184,17 @@ class Trainer:
                 "images_seen": self.images_seen, "images_bad": self.images_bad, "best_acc1": self.best_acc1,
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
                 "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
-                "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args)}
+                "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args),
+                # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
+                # (pure data parallelism: no tensor-parallel patterns to declare)
+                "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 
     def save(self):
         if self.checkpointer is None:
             return
         self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
-                                                      summary={"model": self.args.model})
+                                                      summary={"model": self.args.model, "world_size": self.dist.world_size,
+                                                               "zero_stage": self.ds.zero_stage})
 
     def resume(self, path: str):
         from ..checkpoint.files import CheckpointError
@@ -205,6 +210,40 @@ class Trainer:
         self.best_acc1 = state.get("best_acc1", 0.0)
         if self.dist.is_main:
             print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
+
+    def _plan_resume(self, args) -> str:
+        """The checkpoint directory to resume ('' for none), decided before the engine exists: a ZeRO-1/2/3
+        checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
+        conversion, and the engine is configured to load it so."""
+        from ..checkpoint import deepspeed_dir
+        from ..checkpoint.files import CheckpointError
+        from .checkpointing import universal_copy
+
+        path = args.resume
+        if not path or args.eval:
+            return ""
+        if path == "auto":
+            path = _auto_resume_path(args)
+        elif path.endswith((".pth", ".pt", ".bin", ".safetensors")):
+            raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
+                                  f"--finetune {path} to start from it (or --eval to evaluate it)")
+        if not path:
+            return ""
+        save_dir, tag = deepspeed_dir.resolve(path)
+        marker = deepspeed_dir.read_marker(os.path.join(save_dir, tag)) \
+            if deepspeed_dir.is_complete(os.path.join(save_dir, tag)) else {}
+        saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
+        if saved_world in (None, self.dist.world_size) or not saved_stage:
+            return os.path.join(save_dir, tag)
+        if self.dist.is_main:
+            print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
+                  f"converting it to a universal checkpoint for {self.dist.world_size}", flush=True)
+            universal = universal_copy(save_dir, tag)
+        else:
+            universal = None
+        universal = distributed.broadcast_object(universal)
+        self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
+        return os.path.join(save_dir, universal)
 
     def checkpointer_for(self, path):
         from .checkpointing import Checkpointer
@@ -413,15 +452,8 @@ def run(args, prog: str = "vim-ds train") -> int:
             evaluate_weights(args, dist_info)
             return 0
         trainer = Trainer(args, dist_info)
-        if args.resume:
-            path = args.resume
-            if path == "auto":
-                path = _auto_resume_path(args)
-            elif path.endswith((".pth", ".pt", ".bin", ".safetensors")):
-                raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
-                                      f"--finetune {path} to start from it (or --eval to evaluate it)")
-            if path:
-                trainer.resume(path)
+        if trainer.resume_path:
+            trainer.resume(trainer.resume_path)
         record = trainer.fit()
         if record and dist_info.is_main:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
