@@ -199,3 +199,18 @@ def test_resume_on_another_rank_count_through_a_universal_checkpoint(digits, tmp
     a, b = step_losses(straight), step_losses(split)
     assert sorted(b) == list(range(1, 9))
     assert rel_diff(a, b) <= 1e-5, (a, b)
+
+    # the same by hand: `vim-ds convert --universal`, then resume the universal tag on 1 rank
+    import subprocess
+    import sys
+
+    converted = str(tmp_path / "converted")
+    run_train(common(digits, converted, *recipe, "--batch-size", "16", "--max-steps", "4"), nproc=2)
+    proc = subprocess.run([sys.executable, "-m", "vim_ds.convert", "--universal",
+                           os.path.join(converted, "checkpoints")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    universal = os.path.join(converted, "checkpoints", "global_step4_universal")
+    assert universal in proc.stdout and os.path.isdir(os.path.join(universal, "zero"))
+    run_train(common(digits, converted, *recipe, "--batch-size", "32", "--max-steps", "8", "--resume", universal),
+              nproc=1)
+    assert rel_diff(a, step_losses(converted)) <= 1e-5

@@ -12,12 +12,18 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="vim-ds convert", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", metavar="CKPT_DIR", help="save directory (newest complete checkpoint), "
                    "tag directory (checkpoints/global_stepN) or training --output_dir")
-    p.add_argument("out", metavar="OUT", help="output file (.pth, or .safetensors)")
+    p.add_argument("out", metavar="OUT", nargs="?", help="output file (.pth, or .safetensors)")
     p.add_argument("--tag", default=None, help="which checkpoint of the save directory (e.g. global_step1200)")
     p.add_argument("--ema", action="store_true", help="write the EMA weights as the 'model' weights")
     p.add_argument("--safetensors", action="store_true", default=None,
                    help="write safetensors (default: when OUT ends in .safetensors)")
-    return p.parse_args(argv)
+    p.add_argument("--universal", action="store_true",
+                   help="instead: write DeepSpeed's universal checkpoint next to it (<tag>_universal), which any "
+                        "rank count can resume (vim-ds train does this by itself when the rank count changes)")
+    args = p.parse_args(argv)
+    if not args.universal and not args.out:
+        p.error("OUT is required (or --universal)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -28,6 +34,8 @@ def main(argv=None) -> int:
     from .checkpoint.files import CheckpointError
 
     try:
+        if args.universal:
+            return _universal(args)
         s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors)
     except (CheckpointError, OSError) as exc:
         message = " ".join(str(exc).split())
@@ -37,6 +45,19 @@ def main(argv=None) -> int:
     print(f"wrote {s['out']} ({s['format']}): {s['model']} {s['weights']} weights{ema}, {s['tensors']} tensors, "
           f"{s['parameters']:,} parameters, {s['num_classes']} classes, step {s['step']} "
           f"(ZeRO-{s['zero_stage']} {s['precision']}) from {s['source']}")
+    return 0
+
+
+def _universal(args) -> int:
+    import os
+
+    from .checkpoint import deepspeed_dir
+    from .engine.checkpointing import universal_copy
+
+    save_dir, tag = deepspeed_dir.resolve(os.path.join(args.checkpoint, args.tag) if args.tag else args.checkpoint)
+    universal = universal_copy(save_dir, tag)
+    print(f"wrote {os.path.join(save_dir, universal)} (DeepSpeed universal checkpoint): resume it with "
+          f"--resume {os.path.join(save_dir, universal)} on any number of ranks")
     return 0
 
 

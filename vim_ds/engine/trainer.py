@@ -230,6 +230,9 @@ class Trainer:
         if not path:
             return ""
         save_dir, tag = deepspeed_dir.resolve(path)
+        if os.path.isdir(os.path.join(save_dir, tag, "zero")):  # already universal (`vim-ds convert --universal`)
+            self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
+            return os.path.join(save_dir, tag)
         marker = deepspeed_dir.read_marker(os.path.join(save_dir, tag)) \
             if deepspeed_dir.is_complete(os.path.join(save_dir, tag)) else {}
         saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
