@@ -110,3 +110,29 @@ def test_zero_compare_tiny_two_ranks_fp32(tmp_path):
     assert abs(moments1 - kind("zero0", "optim") / 2) <= 0.05 * kind("zero0", "optim") / 2
     # ZeRO-2 gradients per rank about half
     assert abs(kind("zero2", "grad") - kind("zero0", "grad") / 2) <= 0.05 * kind("zero0", "grad") / 2
+
+
+@pytest.mark.slow
+def test_zero_compare_tiny_two_ranks_bf16_meets_the_zero_paper(tmp_path):
+    """Mixed precision, where the paper's arithmetic applies as written (2Ψ + 2Ψ + 12Ψ, the 12Ψ including the fp32
+    masters): ZeRO-3 model states per rank <= 0.55 x ZeRO-0's; ZeRO-1 optimizer states within 5 % of half."""
+    out = tmp_path / "cmp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vim_ds.zero_compare", "--model", "vim_tiny", "--model-kwargs", "depth=2",
+         "embed_dim=32", "patch_size=4", "stride=4", "--input-size", "32", "--batch-size", "4", "--steps", "4",
+         "--ranks", "2", "--stages", "0", "1", "2", "3", "--precision", "bf16", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "report.csv") as f:
+        rows = {r["config"]: r for r in csv.DictReader(f)}
+    assert all(not r["error"] for r in rows.values()) and "all agree" in (out / "report.md").read_text()
+
+    def states(config):
+        kinds = [_ints(rows[config][f"{k}_bytes_per_rank"]) for k in ("param", "grad", "optim")]
+        return max(sum(v) for v in zip(*kinds))
+
+    def optim(config):
+        return max(_ints(rows[config]["optim_bytes_per_rank"]))
+
+    assert states("zero3") <= 0.55 * states("zero0")
+    assert abs(optim("zero1") - optim("zero0") / 2) <= 0.05 * optim("zero0") / 2
