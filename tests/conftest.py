@@ -32,3 +32,13 @@ def seed():
     print(f"random seed: {s}")
     torch.manual_seed(s)
     return s
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """scikit-learn's digits written once as an ImageFolder (train/, val/); tests that change it copy it first."""
+    from vim_ds.data.digits import write_digits
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(root)
+    return str(root)

@@ -60,13 +60,6 @@ RUNS = {"zero0_fp32": ("zero0", "fp32"), "zero3_fp32": ("zero3", "fp32"), "zero0
         "zero2_bf16": ("zero2", "bf16")}
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from vim_ds.data.digits import write_digits
-
-    root = tmp_path_factory.mktemp("digits")
-    write_digits(root)
-    return str(root)
 
 
 @pytest.fixture(scope="module")

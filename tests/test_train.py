@@ -15,13 +15,6 @@ from train_utils import QUIET_AUG, ROOT, TINY, config, evals, records, run_train
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def digits(tmp_path_factory):
-    from vim_ds.data.digits import write_digits
-
-    root = tmp_path_factory.mktemp("digits")
-    write_digits(root)
-    return str(root)
 
 
 def common(digits, out, *extra):

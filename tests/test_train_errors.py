@@ -13,13 +13,6 @@ from train_utils import QUIET_AUG, TINY, config, error_line, records, run_train
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from vim_ds.data.digits import write_digits
-
-    root = tmp_path_factory.mktemp("digits")
-    write_digits(root)
-    return str(root)
 
 
 def train(data, out, *extra, check=False, cfg="zero0"):
