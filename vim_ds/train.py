@@ -86,6 +86,9 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--synthetic-size", type=int, default=12800, help="training images of --data-set synthetic")
     g.add_argument("--eval-crop-ratio", type=float, default=0.875)
     g.add_argument("--num_workers", "--num-workers", type=int, default=10, dest="num_workers")
+    g.add_argument("--max-bad-images", type=float, default=0.01, metavar="FRACTION",
+                   help="stop when more than this fraction of the images read so far did not decode (each one is "
+                        "skipped and logged with its path)")
     g.add_argument("--pin-mem", action="store_true", default=True)
     g.add_argument("--no-pin-mem", action="store_false", dest="pin_mem")
 
@@ -98,6 +101,12 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-interval", type=int, default=0, help="also checkpoint every N optimizer steps")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (0 = all)")
+    g.add_argument("--max-bad-steps", type=int, default=1, metavar="N",
+                   help="bf16/fp32: stop after N consecutive steps whose loss is NaN/inf (the step is not applied; "
+                        "fp16's loss scaler skips overflowing steps by itself)")
+    g.add_argument("--dist-timeout", type=float, default=600, metavar="SECONDS",
+                   help="process-group timeout: a collective waiting longer than this for a dead or stuck rank "
+                        "fails the job instead of hanging it")
     g.add_argument("--log-interval", type=int, default=10, help="steps between log lines (without a terminal)")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars to OUTPUT_DIR/tensorboard")
     g.add_argument("--local_rank", "--local-rank", type=int, default=-1, dest="local_rank",

@@ -22,7 +22,6 @@ import torch
 from . import distributed
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BAD_IMAGE_LIMIT = 0.01  # a run fails when more than 1 % of the images it has read do not decode
 
 
 class TrainingError(RuntimeError):
@@ -346,9 +345,11 @@ class Trainer:
                 "no checkpoint was saved"
             raise TrainingError(f"loss is {loss} at step {self.step} (epoch {self.epoch}); stopping, {where}")
         floor = min(len(self.train_set), 1000)
-        if self.images_bad > BAD_IMAGE_LIMIT * self.images_seen and self.images_seen >= floor:
+        limit = self.args.max_bad_images
+        if self.images_bad > limit * self.images_seen and self.images_seen >= floor:
             raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
-                                f"did not decode (more than {BAD_IMAGE_LIMIT:.0%}); check the dataset")
+                                f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
+                                f"bad file is named in the log)")
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
@@ -374,9 +375,9 @@ class Trainer:
             ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
-        if result["bad_images"] > BAD_IMAGE_LIMIT * (result["images"] + result["bad_images"]):
+        if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
             raise TrainingError(f"{result['bad_images']} validation images did not decode (more than "
-                                f"{BAD_IMAGE_LIMIT:.0%}); check the dataset")
+                                f"--max-bad-images {self.args.max_bad_images:g}); check the dataset")
         self.best_acc1 = max(self.best_acc1, result["acc1"])
         metrics.evaluation(record)
         return record
