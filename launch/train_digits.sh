@@ -5,6 +5,7 @@
 #
 #   bash launch/train_digits.sh [extra vim-ds train options]
 #   DATA=data/digits OUT=runs/digits CONFIG=ds_configs/zero3.json bash launch/train_digits.sh --epochs 5
+#   NPROC=1 bash launch/train_digits.sh          # ranks (default: all GPUs, or 2 CPU processes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,15 +15,11 @@ CONFIG=${CONFIG:-ds_configs/zero2.json}
 
 [ -d "$DATA/train" ] || vim-ds data digits --out "$DATA"
 
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-NPROC=${NPROC:-$([ "$NGPU" -gt 0 ] && echo "$NGPU" || echo 2)}
-PORT=${MASTER_PORT:-$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")}
-
 # depth 6, width 96, 4-pixel patches on 32x32 inputs: 0.5M parameters, about 97 % top-1 after 20 epochs.
 # Digits are not photos: no flips, milder crops, no RandAugment/Mixup/erasing.
-exec deepspeed --num_gpus "$NPROC" --master_port "$PORT" --module vim_ds.train \
-    --deepspeed_config "$CONFIG" --data-set folder --data-path "$DATA" --output_dir "$OUT" \
-    --model vim_tiny --input-size 32 --model-kwargs depth=6 embed_dim=96 patch_size=4 stride=4 \
+# launch/single_node.sh: all GPUs, or NPROC (default 2) CPU processes; a free MASTER_PORT unless one is set.
+exec bash launch/single_node.sh --deepspeed_config "$CONFIG" --data-set folder --data-path "$DATA" \
+    --output_dir "$OUT" --model vim_tiny --input-size 32 --model-kwargs depth=6 embed_dim=96 patch_size=4 stride=4 \
     --batch-size 64 --epochs 20 --warmup-epochs 2 --lr 2e-3 --unscale-lr --drop-path 0 \
     --aa none --reprob 0 --mixup 0 --cutmix 0 --hflip 0 --scale 0.5 1 --no-model-ema \
     --num_workers 1 --log-interval 50 "$@"

@@ -6,7 +6,7 @@
 #   bash tools/gpu_check.sh                 # everything
 #   STEPS="tests scan" bash tools/gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
 STEPS=${STEPS:-"build tests scan model train"}
 mkdir -p "$OUT"
@@ -47,7 +47,8 @@ if step model; then
 fi
 if step train; then
     # Vim-small stride 8 in bf16 on one GPU, as the issue's goal asks; the ZeRO stages side by side.
+    read -ra configs <<< "${TRAIN_CONFIGS:-zero0 zero2 zero3}"  # a space-separated list of ds_configs names
     timeout 420 python3 -m vim_ds.bench train --model vim_small_s8 --precision bf16 --nproc 1 --batch-size 64 \
-        --steps ${TRAIN_STEPS:-30} --warmup-steps ${TRAIN_WARMUP:-10} --configs ${TRAIN_CONFIGS:-zero0 zero2 zero3} \
+        --steps "${TRAIN_STEPS:-30}" --warmup-steps "${TRAIN_WARMUP:-10}" --configs "${configs[@]}" \
         --json "$OUT/bench_train.json" 2>&1 | tail -40 | tee "$OUT/bench_train.log"
 fi

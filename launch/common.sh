@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Helpers shared by the launch/ scripts; sourced by them, not run:
+#
+#   source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+#
+# die (one-line error, exit 2), print_cmd (a command quoted with printf %q, ready to paste), is_uint,
+# local_gpu_count, source_vendor_env (env_rocm.sh / env_nvidia.sh when that GPU stack is present), and
+# run_in_group (run a launcher so that SIGTERM/SIGINT reach its ranks and their checkpoint is awaited).
+# shellcheck shell=bash
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then  # run instead of sourced
+    set -euo pipefail
+    echo "common.sh holds helpers for the launch/ scripts: source it, do not run it" >&2
+    exit 2
+fi
+
+VIM_DS_LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck disable=SC2034  # used by the scripts that source this file
+VIM_DS_ROOT=$(dirname "$VIM_DS_LAUNCH_DIR")
+PYTHON=${PYTHON:-python3}
+
+die() {
+    echo "$(basename "$0"): error: $*" >&2
+    exit 2
+}
+
+# One line, every word quoted with printf %q: the exact argv, safe to paste into bash.
+print_cmd() {
+    local line
+    printf -v line '%q ' "$@"
+    printf '%s\n' "${line% }"
+}
+
+is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
+
+# GPUs torch sees on this machine (ROCm GPUs included: torch.cuda is HIP there); 0 without torch or GPUs.
+local_gpu_count() {
+    "$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0
+}
+
+# rocm, nvidia or none: from the driver's device files (also present in containers started with them), the
+# system tools, or the GPU runtime shipped inside a pip-installed torch. VIM_DS_GPU_ENV overrides the detection.
+gpu_vendor() {
+    if [[ -n ${VIM_DS_GPU_ENV:-} ]]; then
+        echo "$VIM_DS_GPU_ENV"
+    elif [[ -e /dev/kfd || -d /opt/rocm ]] || command -v rocm-smi >/dev/null 2>&1; then
+        echo rocm
+    elif [[ -e /dev/nvidiactl ]] || command -v nvidia-smi >/dev/null 2>&1; then
+        echo nvidia
+    else  # torch.version.hip without importing torch (seconds): a ROCm wheel ships libamdhip64
+        "$PYTHON" -c 'import glob, importlib.util, os
+spec = importlib.util.find_spec("torch")
+lib = os.path.join(spec.submodule_search_locations[0], "lib") if spec else ""
+print("rocm" if lib and glob.glob(os.path.join(lib, "libamdhip64*")) else "none")' 2>/dev/null || echo none
+    fi
+}
+
+# Source launch/env_rocm.sh or launch/env_nvidia.sh (RCCL/NCCL, OpenMP, MIOpen cache settings; each only where
+# the user has not set it). Sets VIM_DS_ENV_FILE to what was sourced (empty: nothing).
+source_vendor_env() {
+    VIM_DS_ENV_FILE=
+    case $(gpu_vendor) in
+        rocm) VIM_DS_ENV_FILE=$VIM_DS_LAUNCH_DIR/env_rocm.sh ;;
+        nvidia) VIM_DS_ENV_FILE=$VIM_DS_LAUNCH_DIR/env_nvidia.sh ;;
+        none | cpu) return 0 ;;
+        *) die "VIM_DS_GPU_ENV must be rocm, nvidia or none, not '$VIM_DS_GPU_ENV'" ;;
+    esac
+    # shellcheck source=/dev/null
+    source "$VIM_DS_ENV_FILE"
+}
+
+# Whether a process of session/group $1 is still running (zombies, which a container's init may never reap,
+# do not count).
+_group_alive() {
+    if command -v ps >/dev/null 2>&1; then
+        # shellcheck disable=SC2009  # pgrep cannot leave out zombies everywhere (-r is procps >= 4 only)
+        ps -o stat= -s "$1" 2>/dev/null | grep -qv '^Z'
+    else
+        kill -0 -- "-$1" 2>/dev/null
+    fi
+}
+
+# Run a launcher (deepspeed, torchrun) in its own process group and wait until every process of that group is
+# gone. SIGTERM/SIGINT sent to this script go to the whole group: the deepspeed runner itself dies at once, but
+# its per-node launcher passes SIGTERM on to the ranks (and SIGKILLs them 30 s later), and vim-ds train saves a
+# checkpoint and exits on SIGTERM. Waiting for the group (not only the runner) matters under SLURM: a job step
+# ends, killing what is left of it, as soon as its task (this script) exits. Returns the launcher's exit status.
+run_in_group() {
+    local pid rc=0
+    if command -v setsid >/dev/null 2>&1; then
+        setsid "$@" &
+    else
+        "$@" &
+    fi
+    pid=$!
+    # shellcheck disable=SC2064  # expand $pid now
+    trap "echo 'launch: SIGTERM: passed on to the launcher and its ranks; waiting for them to exit' >&2
+          kill -TERM -- -$pid 2>/dev/null || kill -TERM $pid 2>/dev/null || true" TERM
+    # shellcheck disable=SC2064
+    trap "kill -INT -- -$pid 2>/dev/null || kill -INT $pid 2>/dev/null || true" INT
+    while true; do
+        wait "$pid" && rc=0 || rc=$?  # returns early when a trapped signal arrives
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    while _group_alive "$pid"; do sleep 1; done
+    trap - TERM INT
+    return "$rc"
+}

@@ -1,0 +1,537 @@
+"""The launch/ scripts, run for real on one machine.
+
+- Two "nodes" on localhost: two `launch/multi_node.sh` per-node launches (`--no_ssh --node_rank 0|1`, one CPU
+  process each, gloo) train exactly like one node with two processes; when one node's rank is SIGKILLed, the other
+  node's launcher exits non-zero instead of hanging.
+- SIGTERM to a launch script reaches the ranks, the trainer checkpoints, and the script waits for it (what SLURM's
+  `--signal=TERM@120` relies on).
+- Arguments with spaces and `$` reach the trainer verbatim.
+- The per-node SLURM logic (node rank, master address, GPU count) and every script's `--dry-run` output, with
+  SLURM's variables set by the test and stand-ins for `scontrol` and `srun`.
+- shellcheck and `bash -n` for every script in launch/ and tools/.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from train_utils import QUIET_AUG, ROOT, TINY, _free_port, config, records, run_train, step_losses
+
+LAUNCH = os.path.join(ROOT, "launch")
+SCRIPTS = sorted(glob.glob(os.path.join(LAUNCH, "*.sh")) + glob.glob(os.path.join(LAUNCH, "*.sbatch"))
+                 + glob.glob(os.path.join(ROOT, "tools", "**", "*.sh"), recursive=True)
+                 + [os.path.join(ROOT, ".ci", "run")])
+
+
+def script(name: str) -> str:
+    return os.path.join(LAUNCH, name)
+
+
+def clean_env(**extra) -> dict:
+    """The test's environment without launcher settings a developer may have exported, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM", "NCCL_", "MASTER_", "VIM_DS_")) and k not in
+           ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC", "HOSTFILE", "NO_SSH", "DRY_RUN", "LAUNCHER",
+            "TORCHRUN_RDZV", "OMP_NUM_THREADS")}
+    # CPU ranks even on a GPU machine (as tests/test_train.py does); no env_rocm/env_nvidia unless a test asks
+    env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", VIM_DS_GPU_ENV="none")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def bash(name: str, *args, check: bool = True, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", script(name), *map(str, args)], cwd=ROOT, env=clean_env(**env),
+                          capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def commands(output: str) -> list[list[str]]:
+    """The commands a --dry-run printed (comment lines left out), split as bash would split them."""
+    return [shlex.split(line) for line in output.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def option(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def user_args(cmd: list[str], module_flag: str = "--module") -> list[str]:
+    """What follows `--module vim_ds.train` (deepspeed) or `-m vim_ds.train` (torchrun)."""
+    i = cmd.index(module_flag)
+    assert cmd[i + 1] == "vim_ds.train", cmd
+    return cmd[i + 2:]
+
+
+TRICKY = ["--output_dir", "runs/out dir $HOME x", "--model-kwargs", "depth=2", "a b='c'", "--lr", "*"]
+
+
+# -- real training -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_digits(digits, tmp_path_factory):
+    """The digits with a 20-image validation split (the runs end with an evaluation; it need not be long)."""
+    root = tmp_path_factory.mktemp("digits_small")
+    shutil.copytree(os.path.join(digits, "train"), root / "train")
+    for cls in sorted(os.listdir(os.path.join(digits, "val"))):
+        os.makedirs(root / "val" / cls)
+        for name in sorted(os.listdir(os.path.join(digits, "val", cls)))[:2]:
+            shutil.copy(os.path.join(digits, "val", cls, name), root / "val" / cls / name)
+    return str(root)
+
+
+def train_args(data, out, steps: int, *extra) -> list[str]:
+    return ["--deepspeed_config", config("zero2"), "--data-set", "folder", "--data-path", data, "--output_dir",
+            str(out), "--num_workers", "0", "--seed", "3", "--precision", "fp32", "--batch-size", "8",
+            "--max-steps", str(steps), "--no-model-ema", *TINY, *QUIET_AUG, *extra]
+
+
+class Node:
+    """One `launch/multi_node.sh` per-node launch, as node NODE_RANK of a two-node job on this machine."""
+
+    def __init__(self, rank: int, hostfile, port: int, args: list[str], log_path):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = clean_env(HOSTFILE=hostfile, NODE_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        self.proc = subprocess.Popen(["bash", script("multi_node.sh"), *args], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.tree = psutil.Process(self.proc.pid)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def ranks(self) -> list[psutil.Process]:
+        """The node's training processes (python -m vim_ds.train --local_rank=...), found from its launcher."""
+        found = []
+        for p in self.tree.children(recursive=True):
+            try:
+                argv = p.cmdline()
+            except psutil.Error:
+                continue
+            if "vim_ds.train" in argv and any(a.startswith("--local_rank") for a in argv):
+                found.append(p)
+        return found
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return self.tree.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def stop(self):
+        """Leave nothing running: SIGTERM to the script (it passes it on), then SIGKILL what is left."""
+        left = self.descendants()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.log.close()
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    """Two "nodes" that are both this machine (the deepspeed launcher refuses the same name twice)."""
+    path = tmp_path / "hostfile"
+    path.write_text("# two entries that resolve to this machine\nlocalhost slots=1\n127.0.0.1 slots=1\n")
+    return str(path)
+
+
+def wait_for_first_step(procs, logs, out, timeout=240):
+    """Until rank 0 has logged a training step to OUT/metrics.jsonl; fails if a launch exits meanwhile."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(os.path.join(out, "metrics.jsonl")) and any("loss" in r for r in records(out)):
+            return
+        for proc, log in zip(procs, logs):
+            assert proc.poll() is None, f"a launch exited early:\n{open(log).read()[-3000:]}"
+        time.sleep(0.5)
+    pytest.fail("no training step logged in time:\n" + "\n".join(open(log).read()[-2000:] for log in logs))
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes(small_digits, hostfile,
+                                                                                   tmp_path):
+    """`NODE_RANK=1 ... multi_node.sh` and `NODE_RANK=0 ... multi_node.sh` (deepspeed --no_ssh, one CPU process
+    each, MASTER_ADDR=127.0.0.1) form one 2-rank job whose per-step losses equal a 2-process single-node run's."""
+    port = _free_port()
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = [Node(rank, hostfile, port, train_args(small_digits, outs[rank], 4), tmp_path / f"node{rank}.log")
+             for rank in (1, 0)]
+    try:
+        for node in nodes:
+            node.proc.wait(timeout=300)
+    finally:
+        for node in nodes:
+            node.stop()
+    for node in nodes:
+        assert node.proc.returncode == 0, node.output()[-4000:]
+    node1, node0 = (node.output() for node in nodes)
+    assert "nnodes=2, num_local_procs=1, node_rank=0" in node0
+    assert "nnodes=2, num_local_procs=1, node_rank=1" in node1
+    assert "2 rank(s) on cpu" in node0
+    # only global rank 0 (on node 0) writes metrics
+    assert not os.path.exists(outs[1] / "metrics.jsonl")
+    two_nodes = step_losses(outs[0])
+    assert sorted(two_nodes) == [1, 2, 3, 4]
+
+    run_train(train_args(small_digits, tmp_path / "one_node", 4), nproc=2)
+    one_node = step_losses(tmp_path / "one_node")
+    assert one_node.keys() == two_nodes.keys()
+    for step in one_node:
+        assert abs(one_node[step] - two_nodes[step]) <= 1e-6 * abs(one_node[step]), (one_node, two_nodes)
+
+
+@pytest.mark.slow
+def test_when_one_node_dies_the_other_nodes_launcher_exits_instead_of_hanging(small_digits, hostfile, tmp_path):
+    """A long two-node run; after the first logged step node 1's rank is SIGKILLed (found from its launcher's
+    process tree). Node 0's launcher must exit non-zero within 60 s, leaving no process behind."""
+    port = _free_port()
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = [Node(rank, hostfile, port, train_args(small_digits, outs[rank], 1000), tmp_path / f"node{rank}.log")
+             for rank in (0, 1)]
+    try:
+        wait_for_first_step([n.proc for n in nodes], [n.log_path for n in nodes], str(outs[0]))
+        victims = nodes[1].ranks()
+        assert len(victims) == 1, [p.cmdline() for p in nodes[1].descendants()]
+        survivors = nodes[0].descendants()
+        assert nodes[0].ranks(), "node 0 has no rank process"
+        victims[0].kill()
+        killed = time.time()
+        try:
+            rc = nodes[0].proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("node 0's launcher still runs 60 s after node 1's rank died:\n"
+                        + nodes[0].output()[-3000:])
+        elapsed = time.time() - killed
+        assert rc != 0, nodes[0].output()[-3000:]
+        assert nodes[1].proc.wait(timeout=60) != 0
+        gone, alive = psutil.wait_procs(survivors, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+        print(f"node 0's launcher exited with {rc} {elapsed:.1f} s after node 1's rank was killed")
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_it_exits(small_digits, tmp_path):
+    """What SLURM's `--signal=TERM@120` does to a node: SIGTERM to `single_node.sh` goes to the deepspeed launcher
+    and the rank; the trainer saves a complete checkpoint, and the script returns only after every process of the
+    launch is gone (a SLURM step ends, killing what is left, when its task exits)."""
+    out = tmp_path / "run"
+    log_path = tmp_path / "log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", script("single_node.sh"), *train_args(small_digits, out, 1000)], cwd=ROOT,
+                                env=clean_env(NPROC=1), stdout=log, stderr=subprocess.STDOUT)
+    launched = []
+    try:
+        wait_for_first_step([proc], [log_path], str(out))
+        launched = psutil.Process(proc.pid).children(recursive=True)  # runner, per-node launcher, rank
+        assert any("vim_ds.train" in p.cmdline() for p in launched)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) != 0
+        gone, alive = psutil.wait_procs(launched, timeout=1)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in launched:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    assert "passed on to the launcher and its ranks" in log_path.read_text()
+    complete = glob.glob(str(out / "checkpoints" / "global_step*" / "vim_ds_complete.json"))
+    assert complete, log_path.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_arguments_with_spaces_and_dollar_signs_reach_the_trainer_verbatim(small_digits, tmp_path):
+    """`--output_dir 'out dir $HOME x'` through single_node.sh and the deepspeed launcher: one real step, and the
+    directory with exactly that name holds the run (nothing split, nothing expanded)."""
+    out = tmp_path / "out dir $HOME x"
+    proc = subprocess.run(["bash", script("single_node.sh"), *train_args(small_digits, out, 1)], cwd=ROOT,
+                          env=clean_env(NPROC=1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["out dir $HOME x"]
+    assert sorted(step_losses(out)) == [1]
+
+
+# -- dry runs: multi_node.sh, single_node.sh -----------------------------------------------------------------------
+
+def test_multi_node_dry_run_prints_this_nodes_no_ssh_command(tmp_path):
+    proc = bash("multi_node.sh", "--dry-run", *TRICKY, HOSTFILE="launch/hostfile.example", NNODES=2, NODE_RANK=1,
+                GPUS_PER_NODE=8)
+    assert proc.stdout.startswith("# node 1 (mi300x-002)\n")
+    (cmd,) = commands(proc.stdout)
+    assert cmd[0] == "deepspeed" and "--no_ssh" in cmd
+    assert option(cmd, "--hostfile") == "launch/hostfile.example"
+    assert option(cmd, "--node_rank") == "1" and option(cmd, "--num_nodes") == "2"
+    assert option(cmd, "--num_gpus") == "8"
+    assert option(cmd, "--master_addr") == "mi300x-001" and option(cmd, "--master_port") == "29500"
+    assert user_args(cmd) == TRICKY
+    # DRY_RUN=1 is the same as --dry-run; MASTER_ADDR/MASTER_PORT are taken as given
+    same = bash("multi_node.sh", *TRICKY, DRY_RUN=1, HOSTFILE="launch/hostfile.example", NNODES=2, NODE_RANK=1,
+                GPUS_PER_NODE=8)
+    assert same.stdout == proc.stdout
+    other = bash("multi_node.sh", "--dry-run", HOSTFILE="launch/hostfile.example", NODE_RANK=3,
+                 MASTER_ADDR="10.0.0.1", MASTER_PORT=1234)
+    (cmd,) = commands(other.stdout)
+    assert option(cmd, "--master_addr") == "10.0.0.1" and option(cmd, "--master_port") == "1234"
+    assert option(cmd, "--num_nodes") == "4" and "--num_gpus" not in cmd  # the hostfile's slots
+
+
+def test_multi_node_dry_run_without_node_rank_prints_every_nodes_command():
+    proc = bash("multi_node.sh", "--dry-run", "--lr", "1e-3", HOSTFILE="launch/hostfile.example", NO_SSH=1,
+                NNODES=3)
+    cmds = commands(proc.stdout)
+    assert [option(c, "--node_rank") for c in cmds] == ["0", "1", "2"]
+    assert {option(c, "--master_addr") for c in cmds} == {"mi300x-001"}
+    assert "# node 2 (mi300x-003)" in proc.stdout.splitlines()
+
+
+def test_multi_node_dry_run_over_ssh_is_one_pdsh_command():
+    proc = bash("multi_node.sh", "--dry-run", *TRICKY, HOSTFILE="launch/hostfile.example", GPUS_PER_NODE=4)
+    (cmd,) = commands(proc.stdout)
+    assert "--no_ssh" not in cmd and "--node_rank" not in cmd and "--master_addr" not in cmd
+    assert option(cmd, "--launcher") == "pdsh" and option(cmd, "--num_gpus") == "4"
+    assert user_args(cmd) == TRICKY
+
+
+def test_single_node_dry_run(tmp_path):
+    proc = bash("single_node.sh", "--dry-run", *TRICKY, NPROC=4, MASTER_PORT=29555)
+    assert commands(proc.stdout) == [["deepspeed", "--num_gpus", "4", "--master_port", "29555", "--module",
+                                      "vim_ds.train", *TRICKY]]
+    proc = bash("single_node.sh", "--lr", "1", DRY_RUN=1, GPUS_PER_NODE=3)
+    (cmd,) = commands(proc.stdout)
+    assert option(cmd, "--num_gpus") == "3" and int(option(cmd, "--master_port")) > 0
+    # with ROCm present the env file is sourced (VIM_DS_GPU_ENV forces the detection here)
+    proc = bash("single_node.sh", "--dry-run", NPROC=1, VIM_DS_GPU_ENV="rocm")
+    assert f"# environment: source {script('env_rocm.sh')}" in proc.stdout
+
+
+@pytest.mark.parametrize("name, env, message", [
+    ("multi_node.sh", {"HOSTFILE": "no/such/hostfile"}, "hostfile not found: 'no/such/hostfile'"),
+    ("multi_node.sh", {"HOSTFILE": "launch/hostfile.example", "NO_SSH": 1}, "NODE_RANK is required"),
+    ("multi_node.sh", {"HOSTFILE": "launch/hostfile.example", "NODE_RANK": 4}, "NODE_RANK must be 0..3"),
+    ("multi_node.sh", {"HOSTFILE": "launch/hostfile.example", "NNODES": 9}, "lists only 4 hosts"),
+    ("multi_node.sh", {"HOSTFILE": "launch/hostfile.example", "GPUS_PER_NODE": "x"}, "GPUS_PER_NODE must be"),
+    ("single_node.sh", {"NPROC": 0}, "NPROC must be a positive integer"),
+    ("slurm_node.sh", {}, "SLURM_JOB_NODELIST is not set"),
+])
+def test_bad_settings_are_one_line_errors(name, env, message):
+    proc = bash(name, "--lr", "1", check=False, **env)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"{name}: error: ")
+
+
+def test_a_malformed_hostfile_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "hostfile"
+    bad.write_text("node1 slots=8\nnode2 8\n")
+    proc = bash("multi_node.sh", "--dry-run", check=False, HOSTFILE=bad)
+    assert proc.returncode == 2 and "every line must be 'HOST slots=N'" in proc.stderr
+
+
+# -- SLURM ---------------------------------------------------------------------------------------------------------
+
+EXPAND = r'''
+import re, sys
+
+def expand(nodelist):
+    """mi300x-[007-008,010],gpu1 -> mi300x-007 mi300x-008 mi300x-010 gpu1 (SLURM's hostlist syntax)."""
+    hosts = []
+    for prefix, ranges, rest in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + rest)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{rest}")
+    return hosts
+'''
+
+FAKE_SCONTROL = EXPAND + r'''
+assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
+print("\n".join(expand(sys.argv[3])))
+'''
+
+FAKE_SRUN = EXPAND + r'''
+import os, subprocess
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args.pop(0)
+for i, host in enumerate(expand(os.environ["SLURM_JOB_NODELIST"])):  # one task per node, one after the other
+    env = dict(os.environ, SLURM_NODEID=str(i), SLURM_PROCID=str(i), SLURMD_NODENAME=host)
+    rc = subprocess.call(args, env=env)
+    if rc:
+        sys.exit(rc)
+'''
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """Stand-ins for SLURM's `scontrol show hostnames` and `srun` (one task per node, run here one after the
+    other), put first on PATH: SLURM's daemons cannot run on this machine. The SLURM_* variables are the test's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, source in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{source}")
+        path.chmod(0o755)
+
+    def slurm_env(**extra):
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "mi300x-[007-008,010]", "SLURM_NNODES": "3", "SLURM_JOB_NUM_NODES": "3",
+               "SLURM_SUBMIT_DIR": ROOT}
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    return slurm_env
+
+
+def test_slurm_node_rank_master_address_and_gpus_from_slurm_variables(fake_slurm, tmp_path):
+    env = fake_slurm(SLURM_NODEID=2, SLURM_PROCID=2, SLURMD_NODENAME="mi300x-010", SLURM_GPUS_ON_NODE=8)
+    proc = bash("slurm_node.sh", "--dry-run", *TRICKY, **env)
+    assert "# node 2 (mi300x-010)" in proc.stdout
+    (cmd,) = commands(proc.stdout)
+    assert cmd[0] == "deepspeed" and "--no_ssh" in cmd
+    assert option(cmd, "--node_rank") == "2" and option(cmd, "--master_addr") == "mi300x-007"
+    assert option(cmd, "--num_nodes") == "3" and option(cmd, "--num_gpus") == "8"
+    assert option(cmd, "--master_port") == str(20000 + 4242)
+    assert user_args(cmd) == TRICKY
+    hostfile = option(cmd, "--hostfile")
+    assert hostfile == str(tmp_path / "vim_ds_hostfile.4242.2")
+    with open(hostfile) as f:
+        assert f.read() == "mi300x-007 slots=8\nmi300x-008 slots=8\nmi300x-010 slots=8\n"
+
+    # one task per node: SLURM_PROCID stands in for SLURM_NODEID; GPUS_PER_NODE and MASTER_* override
+    proc = bash("slurm_node.sh", "--dry-run", **fake_slurm(SLURM_PROCID=1, GPUS_PER_NODE=4, MASTER_ADDR="10.1.1.7",
+                                                           MASTER_PORT=29400))
+    (cmd,) = commands(proc.stdout)
+    assert option(cmd, "--node_rank") == "1" and option(cmd, "--num_gpus") == "4"
+    assert option(cmd, "--master_addr") == "10.1.1.7" and option(cmd, "--master_port") == "29400"
+
+    # a node whose rank does not match its place in the node list would wait forever for the rendezvous
+    proc = bash("slurm_node.sh", "--dry-run", check=False,
+                **fake_slurm(SLURM_NODEID=0, SLURMD_NODENAME="mi300x-008", SLURM_GPUS_ON_NODE=8))
+    assert proc.returncode == 2 and "node rank 0 is mi300x-007" in proc.stderr
+
+
+def test_slurm_node_with_torchrun(fake_slurm):
+    env = fake_slurm(SLURM_NODEID=1, SLURM_GPUS_ON_NODE=8, LAUNCHER="torchrun")
+    (cmd,) = commands(bash("slurm_node.sh", "--dry-run", *TRICKY, **env).stdout)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert option(cmd, "--nnodes") == "3" and option(cmd, "--nproc_per_node") == "8"
+    assert option(cmd, "--node_rank") == "1" and option(cmd, "--master_addr") == "mi300x-007"
+    assert option(cmd, "--master_port") == "24242"
+    assert cmd[cmd.index("-m", 3):] == ["-m", "vim_ds.train", *TRICKY]
+    (cmd,) = commands(bash("slurm_node.sh", "--dry-run", **env, TORCHRUN_RDZV=1).stdout)
+    assert option(cmd, "--rdzv_backend") == "c10d" and option(cmd, "--rdzv_endpoint") == "mi300x-007:24242"
+    assert option(cmd, "--rdzv_id") == "4242" and "--node_rank" not in cmd
+
+
+@pytest.mark.parametrize("batch, launcher", [("slurm_mi300x.sbatch", "deepspeed"),
+                                             ("slurm_mi250.sbatch", "deepspeed"),
+                                             ("slurm_torchrun.sbatch", "torchrun")])
+def test_sbatch_scripts_start_one_launcher_per_node(fake_slurm, batch, launcher):
+    """The batch script as SLURM would run it (from a spool copy, in SLURM_SUBMIT_DIR), with DRY_RUN=1: every node
+    prints its command, ranks 0..2, all pointing at the allocation's first host, 8 ranks per node."""
+    with open(script(batch)) as f:
+        text = f.read()
+    for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=TERM@120", "#SBATCH --requeue",
+                 "#SBATCH --gpus-per-node=8"):
+        assert line in text.splitlines(), line
+    proc = subprocess.run(["bash", script(batch), *TRICKY], cwd="/", capture_output=True, text=True, timeout=120,
+                          env=clean_env(**fake_slurm(DRY_RUN=1)))
+    assert proc.returncode == 0, proc.stderr
+    cmds = commands(proc.stdout.split("\n", 1)[1])  # the first line is the job banner
+    assert len(cmds) == 3
+    for rank, cmd in enumerate(cmds):
+        if launcher == "deepspeed":
+            assert option(cmd, "--node_rank") == str(rank) and option(cmd, "--master_addr") == "mi300x-007"
+            assert option(cmd, "--num_gpus") == "8" and option(cmd, "--num_nodes") == "3"
+            assert user_args(cmd) == TRICKY
+        else:
+            assert option(cmd, "--node_rank") == str(rank) and option(cmd, "--master_addr") == "mi300x-007"
+            assert option(cmd, "--nproc_per_node") == "8" and option(cmd, "--nnodes") == "3"
+            assert cmd[cmd.index("-m", 3):] == ["-m", "vim_ds.train", *TRICKY]
+
+
+# -- environment files and docker ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["env_rocm.sh", "env_nvidia.sh"])
+def test_env_files_set_only_what_is_unset_and_leave_shell_options_alone(name):
+    probe = (f'source {shlex.quote(script(name))}; set -o | grep -E "^(errexit|nounset) "; '
+             'env | grep -E "^(NCCL_|HSA_|MIOPEN_|OMP_NUM_THREADS|TORCH_NCCL)" | sort')
+    out = subprocess.run(["bash", "-c", probe], env=clean_env(NCCL_SOCKET_IFNAME="ens 1", GPUS_PER_NODE=1),
+                         capture_output=True, text=True, check=True).stdout
+    assert "errexit        \toff" in out and "nounset        \toff" in out
+    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert values["NCCL_SOCKET_IFNAME"] == "ens 1"  # the user's value wins
+    assert values["NCCL_DEBUG"] == "WARN" and values["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert values["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))  # the node's cores / 1 rank
+    if name == "env_rocm.sh":
+        assert values["HSA_FORCE_FINE_GRAIN_PCIE"] == "1"
+        import socket
+        host = socket.gethostname().split(".")[0]
+        assert host in values["MIOPEN_USER_DB_PATH"] and host in values["MIOPEN_CUSTOM_CACHE_DIR"]
+    debug = subprocess.run(["bash", script(name)], env=clean_env(VIM_DS_NCCL_DEBUG=1), capture_output=True,
+                           text=True, check=True).stdout
+    assert "export NCCL_DEBUG=INFO" in debug.splitlines()
+
+
+def test_docker_rocm_dry_run(tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out $x"
+    data.mkdir()
+    proc = bash("docker_rocm.sh", "--dry-run", "bash", "-c", "echo $HOME && ls", DATA=data, OUT=out,
+                IMAGE="rocm/pytorch:rocm6.4_ubuntu24.04_py3.12_pytorch_release_2.6.0", NCCL_DEBUG="INFO")
+    (cmd,) = commands(proc.stdout)
+    assert cmd[:3] == ["docker", "run", "--rm"]
+    for flag in ("--device=/dev/kfd", "--device=/dev/dri", "--ipc=host", "--network=host"):
+        assert flag in cmd
+    assert option(cmd, "--group-add") == "video" and option(cmd, "--security-opt") == "seccomp=unconfined"
+    assert option(cmd, "--shm-size") == "64g"
+    volumes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-v"]
+    assert f"{ROOT}:{ROOT}" in volumes and f"{data}:{data}:ro" in volumes and f"{out}:{out}" in volumes
+    assert option(cmd, "-w") == ROOT and "NCCL_DEBUG" in cmd
+    assert cmd[-4:] == ["rocm/pytorch:rocm6.4_ubuntu24.04_py3.12_pytorch_release_2.6.0", "bash", "-c",
+                        "echo $HOME && ls"]
+    assert not out.exists()  # a dry run creates nothing
+
+
+# -- lint ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_shell_scripts_are_clean(path):
+    with open(path) as f:
+        text = f.read()
+    assert text.startswith("#!/usr/bin/env bash\n"), "shebang"
+    if "/launch/" in path:
+        assert "set -euo pipefail" in text
+    syntax = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (.ci/run installs it with apt-get)")
+    lint = subprocess.run(["shellcheck", path], capture_output=True, text=True, cwd=os.path.dirname(path))
+    assert lint.returncode == 0, lint.stdout
