@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     try:
         if args.universal:
             return _universal(args)
-        s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors)
+        s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
+                    progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True))
     except (CheckpointError, OSError) as exc:
         message = " ".join(str(exc).split())
         print(f"vim-ds convert: error: {message}", file=sys.stderr)

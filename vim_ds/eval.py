@@ -15,7 +15,7 @@ import torch
 
 def load_eval_weights(args, model) -> dict | None:
     """Put the weights to evaluate into `model`; return the EMA state dict when the source has one."""
-    from .checkpoint import deepspeed_dir, load_model_weights
+    from .checkpoint import deepspeed_dir, load_model_weights, safe_load
     from .checkpoint.consolidate import fp32_state_dict
     from .checkpoint.files import CheckpointError, load_weights_file
     from .models.vim import load_state_dict_into
@@ -30,7 +30,7 @@ def load_eval_weights(args, model) -> dict | None:
         except ValueError as exc:
             raise CheckpointError(f"{source}: {exc}") from exc
         ema_path = os.path.join(save_dir, tag, deepspeed_dir.EMA_FILE)
-        return torch.load(ema_path, map_location="cpu", weights_only=True) if os.path.isfile(ema_path) else None
+        return safe_load.load(ema_path) if os.path.isfile(ema_path) else None
     obj = load_weights_file(source)
     weights = obj["model"] if isinstance(obj.get("model"), dict) else obj
     head = weights.get("head.weight")

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from . import safe_load
 from .files import CheckpointError
 
 
@@ -23,7 +24,7 @@ def _module_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{tag_dir} has neither ZeRO optimizer partitions nor mp_rank_00_model_states.pt")
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own training output, not a user file
+    state = safe_load.load(path)
     module = state.get("module")
     if not module:
         raise CheckpointError(f"{path} holds no module weights")
@@ -71,9 +72,11 @@ def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
     tag_dir = os.path.join(save_dir, tag)
     if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
         return _module_weights(tag_dir)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 narrates every tensor
+    try:  # zero_to_fp32 loads with weights_only=False: forced to weights_only here; it narrates every tensor
+        with safe_load.deepspeed_loads(tag_dir), contextlib.redirect_stdout(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag)
+    except CheckpointError:
+        raise
     except ValueError as exc:
         if "is not a zero checkpoint" in str(exc):  # stage 0: the module file has the weights
             return _module_weights(tag_dir)

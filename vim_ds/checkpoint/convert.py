@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from . import deepspeed_dir
+from . import deepspeed_dir, safe_load
 from .consolidate import fp32_state_dict
 from .files import CheckpointError
 
@@ -27,10 +27,7 @@ def _client_state(tag_dir: str) -> dict:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         path = os.path.join(tag_dir, name)
         if os.path.isfile(path):
-            try:
-                return torch.load(path, map_location="cpu", weights_only=False)  # our own training output
-            except Exception as exc:
-                raise CheckpointError(f"{path} is not readable: {exc}") from exc
+            return safe_load.load(path)
     files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
     if files:
         raise CheckpointError(f"incomplete checkpoint {tag_dir}: rank 0's model states are missing "
@@ -69,9 +66,15 @@ def _plain(value):
     return str(value)
 
 
+def _size(paths) -> str:
+    return f"{sum(os.path.getsize(p) for p in paths) / 2 ** 20:,.0f} MiB"
+
+
 def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool = False,
-            safetensors: bool | None = None) -> dict:
-    """Write the consolidated weights of a checkpoint directory to `out_path`; returns a summary dict."""
+            safetensors: bool | None = None, progress=None) -> dict:
+    """Write the consolidated weights of a checkpoint directory to `out_path`; returns a summary dict.
+    `progress(message)`, when given, is told what is being read and written (large models take minutes)."""
+    progress = progress or (lambda message: None)
     ckpt_path = os.fspath(ckpt_path)
     if tag:
         save_dir = os.path.normpath(ckpt_path)
@@ -90,8 +93,10 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     ema_path = os.path.join(tag_dir, deepspeed_dir.EMA_FILE)
     if ema and not os.path.isfile(ema_path):
         raise CheckpointError(f"{tag_dir} has no EMA weights ({deepspeed_dir.EMA_FILE}); train with EMA or drop --ema")
+    rank_files = glob.glob(os.path.join(tag_dir, "*_states.pt"))
+    progress(f"reading {len(rank_files)} DeepSpeed files ({_size(rank_files)}) from {tag_dir} ...")
     model_sd = fp32_state_dict(save_dir, tag)
-    ema_sd = torch.load(ema_path, map_location="cpu", weights_only=True) if os.path.isfile(ema_path) else None
+    ema_sd = safe_load.load(ema_path) if os.path.isfile(ema_path) else None
     if ema_sd is not None:
         ema_sd = {k: v.float() if v.is_floating_point() else v for k, v in ema_sd.items()}
     marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
@@ -104,6 +109,9 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     weights = ema_sd if ema else model_sd
     tmp = f"{out_path}.tmp{os.getpid()}"
+    tensors = [weights] + ([ema_sd] if ema_sd is not None and not ema and not safetensors else [])
+    progress(f"writing {out_path} ({sum(v.numel() * v.element_size() for d in tensors for v in d.values()) / 2 ** 20:,.0f}"
+             f" MiB) ...")
     if safetensors:
         from safetensors.torch import save_file
 

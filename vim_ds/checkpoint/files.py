@@ -22,15 +22,27 @@ class CheckpointError(ValueError):
     """A weights file that is missing, unreadable, unsafe or does not fit the model."""
 
 
-_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running")
+_BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running", "(1)",
+                "(2)", "In PyTorch")
 
 
 def _unpickler_reason(text: str) -> str:
     """The one informative line of torch.load's long weights-only error (or the first line of any other)."""
-    text = text.replace("WeightsUnpickler error:", "\n")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.replace("WeightsUnpickler error:", "\n").splitlines() if line.strip()]
+    refused_global = [line for line in lines if "GLOBAL" in line]  # torch's wording differs between cases
+    if refused_global:
+        return refused_global[0].split(". ")[0].rstrip(".")
     informative = [line for line in lines if not line.startswith(_BOILERPLATE)]
     return (informative or lines or [""])[0]
+
+
+def refusal(path: str, exc: BaseException) -> CheckpointError:
+    """The one-line error for a file that torch.load(weights_only=True) did not accept."""
+    message = _unpickler_reason(str(exc)) or type(exc).__name__
+    if "global" in message.lower():  # the unpickler refused to import a callable or class
+        return CheckpointError(f"refusing to load {path}: unsafe, it holds Python objects other than weights that "
+                               f"could run code when unpickled ({message})")
+    return CheckpointError(f"{path} is not a readable PyTorch checkpoint: {message}")
 
 
 def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -49,11 +61,7 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        message = _unpickler_reason(str(exc)) or type(exc).__name__
-        if "global" in message.lower():  # the unpickler refused to import a callable
-            raise CheckpointError(f"refusing to load {path}: it contains Python objects other than weights "
-                                  f"and could run code when unpickled ({message})") from exc
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint: {message}") from exc
+        raise refusal(path, exc) from exc
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict or {{'model': state_dict}}")
     return obj
