@@ -25,7 +25,7 @@ import torch
 from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from .transforms import build_transform
 
@@ -117,6 +117,8 @@ def _decode_failure(path: str, exc: Exception) -> str:
             return "empty file"
     except OSError:
         pass
+    if isinstance(exc, FileNotFoundError):
+        return "the file is gone: deleted or moved after the data set was listed"
     if isinstance(exc, UnidentifiedImageError):
         return "not an image PIL can identify"
     text = str(exc).strip().splitlines()
@@ -131,7 +133,18 @@ class FolderDataset(SeededDataset):
     """
 
     def __init__(self, root: str, transform):
-        self.folder = ImageFolder(root, transform=transform, allow_empty=True)
+        ignored = {"count": 0, "example": None}
+
+        def is_image(path: str) -> bool:
+            if has_file_allowed_extension(path, IMG_EXTENSIONS):
+                return True
+            ignored["count"] += 1
+            ignored["example"] = ignored["example"] or path
+            return False
+
+        # allow_empty: the class list (and so every class index) comes from the folder names alone
+        self.folder = ImageFolder(root, transform=transform, is_valid_file=is_image, allow_empty=True)
+        self.ignored_files, self.ignored_example = ignored["count"], ignored["example"]
 
     root = property(lambda self: self.folder.root)
     transform = property(lambda self: self.folder.transform)
@@ -202,12 +215,26 @@ def _folder_dataset(root: str, is_train: bool, transform) -> FolderDataset:
         raise DataError(f"class folders of {os.path.join(root, 'train')} and {os.path.join(root, 'val')} differ: "
                         f"{first!r} is in {has}/ but not in {lacks}/")
     dataset = FolderDataset(os.path.join(root, split), transform)
+    if dataset.ignored_files and _is_rank0():
+        log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",
+                    dataset.ignored_files, dataset.root, " ".join(IMG_EXTENSIONS), dataset.ignored_example)
     counts = Counter(dataset.targets)
     for idx, name in enumerate(dataset.classes):
-        if counts[idx] == 0:
-            raise DataError(f"class folder {os.path.join(root, split, name)} has no image files "
-                            f"({' '.join(IMG_EXTENSIONS)})")
+        if counts[idx]:
+            continue
+        folder = os.path.join(root, split, name)
+        if is_train:  # a class the model could never learn: almost always a failed copy or extraction
+            raise DataError(f"class folder {folder} has no image files ({' '.join(IMG_EXTENSIONS)}); add its "
+                            f"images, or remove the folder (which renumbers the classes after it)")
+        if _is_rank0():  # still a class of the head: its index (and every later one) stays where training put it
+            log.warning("warning: class folder %s has no image files; class %d (%s) is not evaluated",
+                        folder, idx, name)
     return dataset
+
+
+def _is_rank0() -> bool:
+    """Data-set warnings are the same on every rank: only the first says them (RANK is set by the launchers)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def build_dataset(args, is_train: bool):
