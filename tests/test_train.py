@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from train_utils import QUIET_AUG, ROOT, TINY, config, evals, records, run_train, step_losses
+from train_utils import QUIET_AUG, ROOT, TINY, config, evals, records, rel_diff, run_train, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.slow
 def common(digits, out, *extra):
     return ["--data-set", "folder", "--data-path", digits, "--output_dir", out, "--num_workers", "0", "--seed", "3",
             *TINY, *extra]
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
-    return max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for k in a)
 
 
 # -- stage equivalence ------------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ def config(name: str) -> str:
     return os.path.join(CONFIGS, f"{name}.json")
 
 
-def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "vim_ds.train", timeout: int = 600,
-              check: bool = True, env=None) -> subprocess.CompletedProcess:
+def train_command(args, nproc: int = 1, launcher: str = "torchrun", module: str = "vim_ds.train") -> list[str]:
     if nproc == 1 and launcher == "torchrun":
         cmd = [sys.executable, "-m", module]
     elif launcher == "torchrun":
@@ -30,9 +29,17 @@ def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "v
                module]
     else:
         cmd = ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_free_port()), "--module", module]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=ROOT)
+    return cmd + [str(a) for a in args]
+
+
+def train_env(env=None) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "vim_ds.train", timeout: int = 600,
+              check: bool = True, env=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(train_command(args, nproc, launcher, module), capture_output=True, text=True,
+                          timeout=timeout, env=train_env(env), cwd=ROOT)
     if check and proc.returncode != 0:
         pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -44,6 +51,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    """Largest relative difference between two step -> value maps with the same (non-empty) keys."""
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    return max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for k in a)
 
 
 def records(output_dir) -> list[dict]:

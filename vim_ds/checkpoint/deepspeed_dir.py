@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 from .files import CheckpointError
 
@@ -42,6 +43,19 @@ def complete_tags(save_dir: str) -> list[str]:
         if os.path.isdir(tag_dir) and is_complete(tag_dir):
             tags.append((read_marker(tag_dir).get("step", -1), entry))
     return [tag for _, tag in sorted(tags)]
+
+
+def tag_step(tag: str) -> int:
+    """The optimizer step in a tag name (`global_step1200`, `global_step1200_universal`), or -1."""
+    match = re.match(r"global_step(\d+)", tag)
+    return int(match.group(1)) if match else -1
+
+
+def incomplete_tags(save_dir: str) -> list[str]:
+    """Tag directories without the completion marker (interrupted saves), oldest first."""
+    tags = [entry for entry in os.listdir(save_dir) if tag_step(entry) >= 0
+            and os.path.isdir(os.path.join(save_dir, entry)) and not is_complete(os.path.join(save_dir, entry))]
+    return sorted(tags, key=tag_step)
 
 
 def resolve(path: str) -> tuple[str, str]:

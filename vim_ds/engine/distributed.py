@@ -10,6 +10,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup(local_rank_arg: int = -1) -> DistInfo:
-    """Initialise torch.distributed through DeepSpeed (nccl/rccl on GPUs, gloo on CPU) and pick this rank's device."""
+def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (nccl/rccl on GPUs, gloo on CPU) and pick this rank's device.
+
+    `timeout_s` bounds every collective: a rank waiting longer than that for a peer (dead, stuck, or on a node that
+    lost its network) raises instead of hanging the job forever. A peer that *dies* is usually noticed sooner: its
+    sockets close and gloo fails at once, and the launcher stops the other local ranks. NCCL/RCCL enforce the
+    timeout through their watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default in torch 2.x).
+    """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import logger as ds_logger
@@ -53,7 +60,7 @@ def setup(local_rank_arg: int = -1) -> DistInfo:
         accelerator.set_device(local_rank)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
-                                   verbose=False)
+                                   verbose=False, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device = torch.device(accelerator.device_name(local_rank)) if accelerator.device_name() != "cpu" \

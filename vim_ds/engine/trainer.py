@@ -8,10 +8,12 @@ it had never stopped, and any rank count or accumulation split of one global bat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -19,7 +21,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from . import distributed
+from . import distributed, faults
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -28,9 +30,30 @@ class TrainingError(RuntimeError):
     """The run cannot go on (the loss diverged, too many unreadable images, ...)."""
 
 
+class StopRequested(Exception):
+    """SIGTERM arrived (SLURM before a time limit or preemption, the launcher, `kill`): a checkpoint was saved."""
+
+
+def _ignore_sigterm(_worker_id: int):
+    """DataLoader workers leave SIGTERM to the training process, which stops at the next step boundary and shuts
+    them down itself; a launcher signalling the whole process tree must not kill them in the middle of a step."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def derived_seed(*parts) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def _optimizer_step_skipped(optimizer):
+    """Make the engine's next `optimizer.step()` a no-op: DeepSpeed still zeroes the gradients and advances its
+    counters and the schedule, as it does for a step its loss scaler skips."""
+    optimizer.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del optimizer.step
 
 
 def seed_everything(seed: int):
@@ -133,6 +156,7 @@ class Trainer:
         self.criterion = self._build_criterion()
         self._own_grad_norm = self.ds.zero_stage == 0  # DeepSpeed reports no norm without ZeRO
         self._grad_norm = None
+        self._skipped_by_us = False  # the last optimizer step was made a no-op here (fp32 without ZeRO)
         self.ema = ShardedEMA(self.engine.module, args.model_ema_decay) if args.model_ema else None
         self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
                                          args.keep_checkpoints) if args.output_dir else None
@@ -144,6 +168,8 @@ class Trainer:
         self.images_seen = self.images_bad = 0.0
         self.best_acc1 = 0.0
         self.last_checkpoint = None
+        self.bad_steps = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
+        self.stop_signal = None  # set by the SIGTERM handler, acted on by all ranks at the next step boundary
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
     # -- construction helpers -----------------------------------------------------------------------------------
@@ -152,7 +178,8 @@ class Trainer:
         workers = self.args.num_workers
         return torch.utils.data.DataLoader(
             dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=self.args.pin_mem and
-            self.device.type != "cpu", persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+            self.device.type != "cpu", persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            worker_init_fn=_ignore_sigterm if workers > 0 else None)
 
     def _build_mixup(self):
         args = self.args
@@ -229,6 +256,11 @@ class Trainer:
         if not path:
             return ""
         save_dir, tag = deepspeed_dir.resolve(path)
+        if self.dist.is_main:
+            for broken in deepspeed_dir.incomplete_tags(save_dir):
+                if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
+                    print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
+                          f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
         if os.path.isdir(os.path.join(save_dir, tag, "zero")):  # already universal (`vim-ds convert --universal`)
             self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
             return os.path.join(save_dir, tag)
@@ -262,10 +294,21 @@ class Trainer:
             images, targets = self.mixup(images, targets)
         logits = self.engine(images.to(self.dtype))
         loss = self.criterion(logits.float(), targets)
+        if faults.active("nan_loss", self.step + 1, self.dist.rank):
+            loss = loss * float("nan")
         self.engine.backward(loss)
+        skip = self._skipped_by_us = False
         if self._own_grad_norm and micro == self.batch.accum - 1:
             self._grad_norm = self._full_grad_norm()
-        self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
+            # DeepSpeed skips a non-finite update itself everywhere but in fp32 without ZeRO; the norm is of the
+            # all-reduced gradients, so every rank takes the same decision
+            skip = not math.isfinite(self._grad_norm) and self.ds.precision == "fp32"
+        if skip:
+            with _optimizer_step_skipped(self.engine.optimizer):
+                self.engine.step()
+            self._skipped_by_us = True
+        else:
+            self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
         return loss.detach()
 
     @torch.no_grad()
@@ -301,12 +344,13 @@ class Trainer:
             spent["compute"] += t_mark - t_data
             if micro < accum - 1:
                 continue
-            loss_total, bad, seen = distributed.all_reduce_sum([float(loss_sum), bad, seen], self.device)
+            stop = float(self.stop_signal is not None)
+            loss_total, bad, seen, stop = distributed.all_reduce_sum([float(loss_sum), bad, seen, stop], self.device)
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
             self.step += 1
             self.step_in_epoch += 1
-            self._check(loss, bad, seen)
-            if self.ema is not None:
+            applied = self._check(loss, bad, seen)
+            if self.ema is not None and applied:
                 self.ema.update()
             grad_norm = self._grad_norm if self._own_grad_norm else self.engine.get_global_grad_norm()
             now = time.perf_counter()
@@ -315,11 +359,14 @@ class Trainer:
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "samples_per_sec": self.batch.global_ / max(now - t_step, 1e-9),
                           "step_time": now - t_step, "data_time": spent["data"], "compute_time": spent["compute"],
-                          "other_time": spent["other"], "bad_images": int(self.images_bad)})
+                          "other_time": spent["other"], "bad_images": int(self.images_bad),
+                          **({} if applied else {"skipped": True})})
             self._add_timing(spent)
             loss_sum, bad, seen = 0.0, 0.0, 0.0
             done = self.step >= self.total_steps
             at_epoch_end = self.step_in_epoch == self.steps_per_epoch
+            if stop:
+                self._stop(metrics)
             if self.args.save_interval and self.step % self.args.save_interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
@@ -337,19 +384,61 @@ class Trainer:
             self.timing[key] += value
         self.timing["steps"] += 1
 
-    def _check(self, loss: float, bad: float, seen: float):
+    def _check(self, loss: float, bad: float, seen: float) -> bool:
+        """Account for the step just taken; False when its update was skipped. Raises TrainingError to stop."""
         self.images_bad += bad
         self.images_seen += seen
-        if not math.isfinite(loss):
+        applied = self.engine.was_step_applied() and not self._skipped_by_us
+        if self.ds.precision == "fp16":
+            return applied  # DeepSpeed's loss scaler skips overflowing steps and lowers the scale: its decision
+        if applied and math.isfinite(loss):
+            self.bad_steps = 0
+        else:
+            self.bad_steps += 1
             where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
                 "no checkpoint was saved"
-            raise TrainingError(f"loss is {loss} at step {self.step} (epoch {self.epoch}); stopping, {where}")
+            what = f"loss is {loss}" if not math.isfinite(loss) else "the gradients are not finite"
+            if applied:  # cannot happen with DeepSpeed 0.19's checks; stop rather than train on corrupted weights
+                raise TrainingError(f"{what} at step {self.step} and the update was applied; stopping, {where}")
+            if self.bad_steps >= self.args.max_bad_steps:
+                raise TrainingError(f"{what} at step {self.step} (epoch {self.epoch}), {self.bad_steps} consecutive "
+                                    f"bad step(s) (--max-bad-steps {self.args.max_bad_steps}); stopping, {where}")
+            if self.dist.is_main:
+                print(f"warning: {what} at step {self.step}; the update was skipped ({self.bad_steps} of at most "
+                      f"{self.args.max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
         floor = min(len(self.train_set), 1000)
         limit = self.args.max_bad_images
         if self.images_bad > limit * self.images_seen and self.images_seen >= floor:
             raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
                                 f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
                                 f"bad file is named in the log)")
+        return applied
+
+    # -- stopping on a signal -----------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, _frame):
+        self.stop_signal = signum  # only a flag: the step in flight finishes, then every rank stops together
+
+    def install_signal_handlers(self):
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def close(self):
+        """Stop the data-loader workers now. They ignore SIGTERM (see `_ignore_sigterm`), so they must be told to
+        exit, not left to multiprocessing's exit handler, which would SIGTERM and then wait for them forever."""
+        for loader in (self.train_loader, self.val_loader):
+            iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, if one was started
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
+            loader._iterator = None
+
+    def _stop(self, metrics):
+        """SIGTERM reached some rank: all ranks (they agreed through the step's all-reduce) save and stop."""
+        self.save()
+        if self.dist.is_main:
+            where = f"saved {self.last_checkpoint}; continue with --resume auto" if self.last_checkpoint else \
+                "nothing saved (no --output_dir)"
+            print(f"stopping on SIGTERM after step {self.step} of {self.total_steps}: {where}", flush=True)
+        raise StopRequested(self.last_checkpoint)
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
@@ -443,12 +532,14 @@ class Trainer:
 def run(args, prog: str = "vim-ds train") -> int:
     """Entry point shared by `vim-ds train` and `vim-ds eval`: one-line errors, non-zero exit codes."""
     from ..checkpoint.files import CheckpointError
+    from .checkpointing import SaveError
 
     try:
-        dist_info = distributed.setup(args.local_rank)
+        dist_info = distributed.setup(args.local_rank, args.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
         print(f"{prog}: error: cannot initialise the process group: {exc}", file=sys.stderr)
         return 2
+    trainer = None
     try:
         if args.eval:
             from ..eval import evaluate_weights
@@ -456,6 +547,7 @@ def run(args, prog: str = "vim-ds train") -> int:
             evaluate_weights(args, dist_info)
             return 0
         trainer = Trainer(args, dist_info)
+        trainer.install_signal_handlers()
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         record = trainer.fit()
@@ -464,15 +556,19 @@ def run(args, prog: str = "vim-ds train") -> int:
             print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
                   f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
         return 0
-    except (ValueError, CheckpointError, TrainingError, FileNotFoundError, RuntimeError) as exc:
+    except StopRequested:
+        return 128 + signal.SIGTERM  # what a shell reports for SIGTERM: stopped early, on purpose, state saved
+    except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if os.environ.get("VIM_DS_TRACEBACK"):
             import traceback
 
             traceback.print_exc()
         print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
-        return 1 if isinstance(exc, TrainingError) else 2
+        return 1 if isinstance(exc, (TrainingError, SaveError)) else 2
     finally:
+        if trainer is not None:
+            trainer.close()
         distributed.teardown()
 
 

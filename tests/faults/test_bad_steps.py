@@ -1,0 +1,55 @@
+"""A loss that turns NaN (injected through VIM_DS_INJECT, see vim_ds/engine/faults.py): in bf16 and fp32 the update
+of a bad step is skipped — the weights, optimizer and EMA stay exactly as they were — and the run stops, naming the
+step and the last good checkpoint, after --max-bad-steps consecutive bad steps. (fp16's loss scaler, which skips
+overflowing steps by itself, needs a GPU; DeepSpeed refuses fp16 on CPU.)"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import fault_args
+from train_utils import config, error_line, records, run_train
+
+
+def weights(out, tag: str) -> dict[str, torch.Tensor]:
+    from vim_ds.checkpoint.consolidate import fp32_state_dict
+
+    state = fp32_state_dict(os.path.join(out, "checkpoints"), tag)
+    ema = torch.load(os.path.join(out, "checkpoints", tag, "ema.pt"), weights_only=True)
+    return {**state, **{f"ema.{k}": v for k, v in ema.items()}}
+
+
+@pytest.mark.parametrize("stage,precision", [("zero0", "fp32"), ("zero2", "bf16")])
+def test_a_nan_step_is_skipped_and_changes_no_weight(digits, tmp_path, stage, precision):
+    """fp32 without ZeRO is skipped by vim_ds (DeepSpeed has no check there); bf16 ZeRO-2 by DeepSpeed's own
+    overflow check. Either way the checkpoint after the skipped step 3 equals the one after step 2, bit for bit."""
+    args = [*fault_args(digits, "", "--num_workers", "0"), "--deepspeed_config", config(stage), "--precision",
+            precision, "--max-bad-steps", "2"]
+    before, after = tmp_path / "two_steps", tmp_path / "nan_third"
+    run_train([*args, "--output_dir", before, "--max-steps", 2])
+    proc = run_train([*args, "--output_dir", after, "--max-steps", 3], env={"VIM_DS_INJECT": "nan_loss@3"})
+    assert "loss is nan at step 3; the update was skipped" in proc.stderr
+    step3 = next(r for r in records(after) if r.get("step") == 3 and "loss" in r)
+    assert step3["loss"] == "nan" and step3["skipped"] is True  # metrics.jsonl stays strict JSON
+    a, b = weights(before, "global_step2"), weights(after, "global_step3")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(digits, tmp_path):
+    out = tmp_path / "run"
+    proc = run_train([*fault_args(digits, out, "--num_workers", "0", "--max-steps", 12), "--precision", "bf16",
+                      "--max-bad-steps", "2"], check=False, env={"VIM_DS_INJECT": "nan_loss@5,nan_loss@6"})
+    assert proc.returncode == 1
+    save_dir = os.path.join(out, "checkpoints")
+    assert error_line(proc) == ("vim-ds train: error (rank 0): loss is nan at step 6 (epoch 0), 2 consecutive bad "
+                                "step(s) (--max-bad-steps 2); stopping, the last good checkpoint is "
+                                f"{os.path.join(save_dir, 'global_step4')}")
+    assert open(os.path.join(save_dir, "latest")).read().strip() == "global_step4"
+    with open(os.path.join(save_dir, "global_step4", "vim_ds_complete.json")) as f:
+        assert json.load(f)["step"] == 4
+    assert [r["step"] for r in records(out) if r.get("skipped")] == [5]  # step 6 stopped the run before its record

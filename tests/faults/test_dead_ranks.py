@@ -1,0 +1,93 @@
+"""A rank that dies (SIGKILL), a job stopped by SIGTERM, and a job killed while it writes a checkpoint: the job never
+hangs, and `--resume auto` continues from the last complete checkpoint with the losses of an uninterrupted run."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conftest import STEPS, fault_args, finish, rank_pid, start_train, steps_logged, wait_for_step
+from train_utils import rel_diff, run_train, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+def complete_tags(out) -> list[str]:
+    from vim_ds.checkpoint.deepspeed_dir import complete_tags as tags
+
+    return tags(os.path.join(out, "checkpoints"))
+
+
+def resume_and_compare(digits, out, reference, resumed_at: int, *extra) -> str:
+    """Resume the interrupted run to the reference's length; its losses after `resumed_at` equal the reference's."""
+    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--resume", "auto", *extra), nproc=2,
+                     launcher="deepspeed")
+    assert f"global_step{resumed_at} at epoch 0, step {resumed_at}" in proc.stdout
+    expected = {k: v for k, v in step_losses(reference).items() if k > resumed_at}
+    got = {k: v for k, v in step_losses(out).items() if k > resumed_at}
+    assert rel_diff(expected, got) <= 1e-6, (expected, got)
+    return proc.stderr
+
+
+def test_a_rank_killed_mid_run_stops_the_job_within_60_s_and_the_run_resumes_exactly(digits, tmp_path, reference):
+    out = tmp_path / "run"
+    proc = start_train(fault_args(digits, out, "--max-steps", 1000))
+    wait_for_step(proc, out, 5)  # the step-4 checkpoint is complete
+    os.kill(rank_pid(proc, 1), signal.SIGKILL)
+    waited, _, stderr = finish(proc, timeout=90)
+    assert proc.returncode != 0
+    assert waited < 60, f"the surviving rank took {waited:.0f} s to stop"
+    saved = complete_tags(out)
+    assert saved and saved[-1].startswith("global_step")
+    resume_and_compare(digits, out, reference, int(saved[-1].removeprefix("global_step")))
+
+
+def test_sigterm_saves_a_checkpoint_and_every_rank_stops_cleanly(digits, tmp_path, reference):
+    """SIGTERM to every process of the job, as SLURM sends it before a time limit or preemption (`#SBATCH
+    --signal=TERM@120`; slurmstepd signals every process of the step): the launchers, the ranks and their data-loader
+    workers. The ranks finish the step in flight, save together and exit; the workers ignore the signal, so they do
+    not die under a rank that is still saving."""
+    out = tmp_path / "run"
+    proc = start_train(fault_args(digits, out, "--max-steps", 1000))
+    wait_for_step(proc, out, 5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    waited, stdout, stderr = finish(proc, timeout=90)
+    assert waited < 30, f"took {waited:.0f} s: the launcher SIGKILLs ranks 30 s after SIGTERM"
+    assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr[-3000:]
+    line = next(line for line in stdout.splitlines() if line.startswith("stopping on SIGTERM after step"))
+    stopped_at = int(line.split("after step ")[1].split()[0])
+    assert complete_tags(out)[-1] == f"global_step{stopped_at}"
+    assert steps_logged(out) == stopped_at
+    resume_and_compare(digits, out, reference, stopped_at)
+
+
+def test_sigterm_to_a_single_process_exits_143_after_saving(digits, tmp_path):
+    out = tmp_path / "run"
+    proc = start_train(fault_args(digits, out, "--max-steps", 1000), nproc=1, launcher="torchrun")
+    wait_for_step(proc, out, 2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, stdout, _ = finish(proc, timeout=60)
+    assert proc.returncode == 143
+    stopped_at = steps_logged(out)
+    assert f"stopping on SIGTERM after step {stopped_at}" in stdout
+    assert complete_tags(out) == [f"global_step{stopped_at}"]
+
+
+def test_a_job_killed_while_saving_resumes_the_previous_complete_checkpoint(digits, tmp_path, reference):
+    """Rank 0 SIGKILLs itself in the middle of writing the step-8 checkpoint (after DeepSpeed's files, before the
+    RNG/EMA files and the marker). With --keep-checkpoints 1 the step-4 one must still be there: older checkpoints
+    are deleted only once a newer one is complete."""
+    out = tmp_path / "run"
+    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--keep-checkpoints", 1), nproc=2,
+                     launcher="deepspeed", check=False, env={"VIM_DS_INJECT": "kill_in_save@8:0"})
+    assert proc.returncode != 0
+    save_dir = os.path.join(out, "checkpoints")
+    assert complete_tags(out) == ["global_step4"]
+    assert os.path.isdir(os.path.join(save_dir, "global_step8"))  # half-written
+    assert open(os.path.join(save_dir, "latest")).read().strip() == "global_step4"
+
+    stderr = resume_and_compare(digits, out, reference, 4, "--keep-checkpoints", 1)
+    assert f"{os.path.join(save_dir, 'global_step8')} is an interrupted save" in stderr
+    assert complete_tags(out) == [f"global_step{STEPS}"]  # retention: 1 kept, pruned only after completion
+    assert sorted(e for e in os.listdir(save_dir) if e.startswith("global_step")) == [f"global_step{STEPS}"]

@@ -1,0 +1,41 @@
+"""Fault injection for the fault-tolerance tests (`tests/faults/`): never active unless VIM_DS_INJECT is set.
+
+Some faults cannot be produced from outside a real run at a precise moment — a loss that turns NaN at step 5, a
+process killed while it is half-way through writing a checkpoint — so the trainer asks this module at those
+points. The variable holds comma-separated `FAULT@STEP[:RANK]` items, e.g.
+
+    VIM_DS_INJECT="nan_loss@5,nan_loss@6"     the loss of optimizer steps 5 and 6 is NaN (on every rank)
+    VIM_DS_INJECT="kill_in_save@4:0"          rank 0 SIGKILLs itself while saving the step-4 checkpoint
+
+Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gradients are NaN too) and
+`kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+KNOWN = ("nan_loss", "kill_in_save")
+
+
+def _parse(text: str) -> set[tuple[str, int, int | None]]:
+    faults = set()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if name not in KNOWN or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"VIM_DS_INJECT: cannot read {item!r} (expected FAULT@STEP[:RANK], FAULT one of "
+                             f"{', '.join(KNOWN)})")
+        faults.add((name, int(step), int(rank) if rank else None))
+    return faults
+
+
+_FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+
+
+def active(name: str, step: int, rank: int) -> bool:
+    return (name, step, None) in _FAULTS or (name, step, rank) in _FAULTS
+
+
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
