@@ -1,4 +1,4 @@
-"""`vim-ds bench scan|model|train`: how fast the kernels, the model and the trainer are, with their baselines.
+"""`vim-ds bench scan|model|train|convert`: how fast the kernels, the model and the trainer are, with their baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU.
@@ -6,6 +6,7 @@ model  a Vim training step vs timm's DeiT of the same size, and high-resolution 
        each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
        (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
+convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size.
 """
 from __future__ import annotations
 
@@ -601,6 +602,70 @@ def _write_json(path, settings, rows, model):
                    "reference_images_per_sec_per_gpu": MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU}, f, indent=2)
 
 
+def _vm_hwm() -> int:
+    """This process's peak resident set so far (bytes), from /proc (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _convert_child(ckpt: str, out: str) -> dict:
+    """Run in a fresh process: peak RSS after the imports (the floor), then after `vim-ds convert`."""
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
+    import torch  # noqa: F401
+
+    from .checkpoint.convert import convert
+
+    floor = _vm_hwm()
+    t0 = time.perf_counter()
+    summary = convert(ckpt, out)
+    return {"floor_bytes": floor, "peak_bytes": _vm_hwm(), "seconds": time.perf_counter() - t0,
+            "parameters": summary["parameters"], "has_ema": summary["has_ema"], "source": summary["source"]}
+
+
+def run_convert(args) -> dict:
+    """Train `--steps` steps of `--model` (synthetic data, real launcher) to get a checkpoint, or take `--checkpoint`;
+    then convert it in a fresh process and report its peak memory against the fp32 size of the model."""
+    tmp = tempfile.mkdtemp(prefix="vim_ds_bench_convert_")
+    try:
+        ckpt = args.checkpoint
+        if not ckpt:
+            ckpt = os.path.join(tmp, "run")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   "-m", "vim_ds.train", "--deepspeed_config", args.config, "--precision", args.precision,
+                   "--data-set", "synthetic", "--synthetic-size", str(4 * args.nproc), "--nb-classes", "1000",
+                   "--model", args.model, "--input-size", str(args.input_size), "--batch-size", "2",
+                   "--max-steps", "1", "--num_workers", "0", "--output_dir", ckpt,
+                   *(["--no-model-ema"] if args.no_ema else [])]
+            print(f"training 1 step of {args.model} ({args.config}, {args.precision}, {args.nproc} ranks) for a "
+                  f"checkpoint ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"vim-ds bench convert: error: training failed: "
+                                 f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+        out = subprocess.run([sys.executable, "-m", "vim_ds.bench", "_convert_child", ckpt,
+                              os.path.join(tmp, "converted.pth")], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"vim-ds bench convert: error: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fp32 = 4 * r["parameters"]
+    r.update(fp32_bytes=fp32, peak_over_fp32=(r["peak_bytes"] - r["floor_bytes"]) / fp32)
+    print(f"vim-ds convert of {r['source']}: {r['parameters'] / 1e6:.1f}M parameters = {fp32 / 2**20:.0f} MiB in "
+          f"fp32{' (+ the same again of EMA weights)' if r['has_ema'] else ''}; {r['seconds']:.1f} s\n"
+          f"  peak RSS {r['peak_bytes'] / 2**20:.0f} MiB, of which {r['floor_bytes'] / 2**20:.0f} MiB is the "
+          f"interpreter, torch and DeepSpeed before converting\n"
+          f"  conversion's own peak: {(r['peak_bytes'] - r['floor_bytes']) / 2**20:.0f} MiB = "
+          f"{r['peak_over_fp32']:.2f} x the fp32 model size")
+    return r
+
+
 def _key_value(text: str):
     import ast
 
@@ -618,6 +683,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_child"]:
         print(json.dumps(_child(json.loads(argv[1]))))
+        return 0
+    if argv[:1] == ["_convert_child"]:
+        print(json.dumps(_convert_child(argv[1], argv[2])))
         return 0
     parser = argparse.ArgumentParser(prog="vim-ds bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -664,7 +732,26 @@ def main(argv=None) -> int:
     t.add_argument("--keep", metavar="DIR", help="keep each run's output directory as DIR/<config> (replaced if "
                    "present) [a temporary directory, removed]")
     t.add_argument("--json", metavar="FILE", help="also write the settings and every run's results as JSON")
+    c = sub.add_parser("convert", help="peak memory of `vim-ds convert` against the fp32 model size",
+                       description="Make a checkpoint (1 training step on synthetic data through torchrun), or take "
+                       "--checkpoint, convert it in a fresh process and print its peak resident memory beside the "
+                       "fp32 size of the model.")
+    c.add_argument("--checkpoint", metavar="DIR", help="convert this checkpoint instead of training one")
+    c.add_argument("--model", default="vim_base")
+    c.add_argument("--input-size", type=int, default=64, help="training resolution (small: only the weights count)")
+    c.add_argument("--config", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    "ds_configs", "zero3.json"))
+    c.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    c.add_argument("--nproc", type=int, default=2)
+    c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
+    c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.what == "convert":
+        results = run_convert(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     if args.what == "train":
         for name in ("steps", "warmup_steps", "nproc", "batch_size", "num_workers"):
             value = getattr(args, name)
