@@ -133,3 +133,17 @@ def test_command_line_follows_the_published_names():
     assert defaults.model_ema and defaults.repeated_aug and defaults.batch_size is None
     with pytest.raises(SystemExit):
         parse_args(["--model-kwargs", "depth"])
+
+
+@pytest.mark.parametrize("option,value,cause", [("--max-bad-steps", "0", "at least 1"),
+                                                ("--max-bad-images", "2", "between 0 and 1"),
+                                                ("--dist-timeout", "0", "positive number of seconds")])
+def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
+    from vim_ds.train import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([option, value])
+    assert exit_info.value.code == 2
+    assert cause in capsys.readouterr().err
+    args = parse_args([])
+    assert (args.max_bad_steps, args.max_bad_images, args.dist_timeout) == (1, 0.01, 600)

@@ -116,7 +116,14 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.max_bad_steps < 1:
+        parser.error(f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
+    if not 0 <= args.max_bad_images <= 1:
+        parser.error(f"--max-bad-images is a fraction between 0 and 1, got {args.max_bad_images}")
+    if args.dist_timeout <= 0:
+        parser.error(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     args.model_kwargs = dict(args.model_kwargs)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
     return args

@@ -366,7 +366,7 @@ class Trainer:
             done = self.step >= self.total_steps
             at_epoch_end = self.step_in_epoch == self.steps_per_epoch
             if stop:
-                self._stop(metrics)
+                self._stop()
             if self.args.save_interval and self.step % self.args.save_interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
@@ -388,6 +388,12 @@ class Trainer:
         """Account for the step just taken; False when its update was skipped. Raises TrainingError to stop."""
         self.images_bad += bad
         self.images_seen += seen
+        floor = min(len(self.train_set), 1000)
+        limit = self.args.max_bad_images
+        if self.images_bad > limit * self.images_seen and self.images_seen >= floor:
+            raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
+                                f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
+                                f"bad file is named in the log)")
         applied = self.engine.was_step_applied() and not self._skipped_by_us
         if self.ds.precision == "fp16":
             return applied  # DeepSpeed's loss scaler skips overflowing steps and lowers the scale: its decision
@@ -406,12 +412,6 @@ class Trainer:
             if self.dist.is_main:
                 print(f"warning: {what} at step {self.step}; the update was skipped ({self.bad_steps} of at most "
                       f"{self.args.max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
-        floor = min(len(self.train_set), 1000)
-        limit = self.args.max_bad_images
-        if self.images_bad > limit * self.images_seen and self.images_seen >= floor:
-            raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
-                                f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
-                                f"bad file is named in the log)")
         return applied
 
     # -- stopping on a signal -----------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ class Trainer:
                 iterator._shutdown_workers()
             loader._iterator = None
 
-    def _stop(self, metrics):
+    def _stop(self):
         """SIGTERM reached some rank: all ranks (they agreed through the step's all-reduce) save and stop."""
         self.save()
         if self.dist.is_main:
