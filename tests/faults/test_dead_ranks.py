@@ -71,7 +71,7 @@ def test_sigterm_to_a_single_process_exits_143_after_saving(digits, tmp_path):
     assert proc.returncode == 143
     stopped_at = steps_logged(out)
     assert f"stopping on SIGTERM after step {stopped_at}" in stdout
-    assert complete_tags(out) == [f"global_step{stopped_at}"]
+    assert complete_tags(out)[-1] == f"global_step{stopped_at}"  # (and global_step4 if it ran past step 4)
 
 
 def test_a_job_killed_while_saving_resumes_the_previous_complete_checkpoint(digits, tmp_path, reference):
