@@ -602,29 +602,24 @@ def _write_json(path, settings, rows, model):
                    "reference_images_per_sec_per_gpu": MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU}, f, indent=2)
 
 
-def _vm_hwm() -> int:
-    """This process's peak resident set so far (bytes), from /proc (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _convert_child(ckpt: str, out: str) -> dict:
     """Run in a fresh process: peak RSS after the imports (the floor), then after `vim-ds convert`."""
     import contextlib
 
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed.utils.zero_to_fp32  # noqa: F401
-    import torch  # noqa: F401
+    import torch
 
     from .checkpoint.convert import convert
+    from .engine.trainer import peak_memory_mb
 
-    floor = _vm_hwm()
+    def peak_bytes() -> int:  # this process's peak resident set so far, as the trainer's run summary reports it
+        return int(peak_memory_mb(torch.device("cpu")) * 2 ** 20)
+
+    floor = peak_bytes()
     t0 = time.perf_counter()
     summary = convert(ckpt, out)
-    return {"floor_bytes": floor, "peak_bytes": _vm_hwm(), "seconds": time.perf_counter() - t0,
+    return {"floor_bytes": floor, "peak_bytes": peak_bytes(), "seconds": time.perf_counter() - t0,
             "parameters": summary["parameters"], "has_ema": summary["has_ema"], "source": summary["source"]}
 
 
