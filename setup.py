@@ -108,7 +108,10 @@ setup(
     ext_modules=extensions(),
     cmdclass=cmdclass(),
     python_requires=">=3.9",
-    install_requires=["torch", "timm>=1.0", "deepspeed", "einops", "pyyaml", "numpy", "scikit-learn"],
-    extras_require={"test": ["pytest", "scikit-learn"]},
+    # Every package vim_ds imports at run time (tests/test_imports.py imports every module in a subprocess).
+    # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
+    install_requires=["torch", "torchvision", "timm>=1.0", "deepspeed", "numpy", "pillow", "pydantic>=2", "psutil",
+                      "tqdm", "safetensors", "scikit-learn", "matplotlib"],
+    extras_require={"test": ["pytest"], "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
 )

@@ -69,6 +69,21 @@ def test_write_report_from_fabricated_rows(tmp_path):
     Image.open(tmp_path / "report.png").verify()
 
 
+def test_report_without_matplotlib_writes_the_measured_part_and_one_line(tmp_path, monkeypatch, capsys):
+    """Without matplotlib the plot is the only thing missing: report.md/csv are written, one line says what to
+    install, no traceback."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    rows, losses = _rows()
+    zc.finish_rows(rows, losses, psi=100)
+    settings = dict(model="vim_tiny", kwargs="depth=2", input_size=32, ranks=2, launcher="torchrun", batch_size=4,
+                    steps=4, precision="fp32")
+    zc.write_report(rows, str(tmp_path), settings, 100, {"error": "no estimators in this test"})
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "report.csv").is_file()
+    assert not (tmp_path / "report.png").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["vim-ds zero-compare: report.png not written: matplotlib is missing (pip install matplotlib)"]
+
+
 def _ints(cell):
     return [int(float(v)) for v in cell.split()]
 

@@ -279,7 +279,11 @@ def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dic
     write_csv(rows, os.path.join(out, "report.csv"))
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(markdown(rows, settings, psi, estimates))
-    plot(rows, os.path.join(out, "report.png"))
+    try:
+        plot(rows, os.path.join(out, "report.png"))
+    except ImportError as exc:  # the measured part (report.md, report.csv) is already written
+        print(f"vim-ds zero-compare: report.png not written: {exc.name or 'matplotlib'} is missing "
+              f"(pip install matplotlib)", file=sys.stderr)
 
 
 # -- the command ------------------------------------------------------------------------------------------------
