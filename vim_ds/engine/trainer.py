@@ -20,7 +20,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from ..models import build_model
+from ..models import build_model, param_groups
 from . import distributed, faults
 from .ds_config import PRECISION_DTYPES
 
@@ -76,7 +76,6 @@ class Trainer:
         from .ds_config import prepare_ds_config
         from .ema import ShardedEMA
         from .checkpointing import Checkpointer
-        from ..models import param_groups
         from .optim import PerStepScheduler, scaled_lr
 
         self.args, self.dist = args, dist_info
