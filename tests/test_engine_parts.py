@@ -13,7 +13,8 @@ import vim_ds  # noqa: F401
 from vim_ds.checkpoint import deepspeed_dir
 from vim_ds.checkpoint.files import CheckpointError
 from vim_ds.engine.ema import ShardedEMA
-from vim_ds.engine.optim import PerStepScheduler, param_groups, scaled_lr
+from vim_ds.engine.optim import PerStepScheduler, scaled_lr
+from vim_ds.models import param_groups
 
 
 def tiny_vim():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
+import signal
 import sys
 
 
@@ -129,9 +131,53 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     return args
 
 
-def main(argv=None, prog: str = "vim-ds train") -> int:
-    from .engine.trainer import run
+def run(args, prog: str = "vim-ds train") -> int:
+    """Train, or with --eval evaluate: the entry point shared by `vim-ds train` and `vim-ds eval`, with one-line
+    errors and non-zero exit codes."""
+    from .checkpoint.files import CheckpointError
+    from .engine import distributed
+    from .engine.checkpointing import SaveError
+    from .engine.trainer import StopRequested, Trainer, TrainingError
 
+    try:
+        dist_info = distributed.setup(args.local_rank, args.dist_timeout)
+    except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
+        print(f"{prog}: error: cannot initialise the process group: {exc}", file=sys.stderr)
+        return 2
+    trainer = None
+    try:
+        if args.eval:
+            from .engine.evaluate import evaluate_weights
+
+            evaluate_weights(args, dist_info)
+            return 0
+        trainer = Trainer(args, dist_info)
+        trainer.install_signal_handlers()
+        if trainer.resume_path:
+            trainer.resume(trainer.resume_path)
+        record = trainer.fit()
+        if record and dist_info.is_main:
+            ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
+            print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
+                  f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+        return 0
+    except StopRequested:
+        return 128 + signal.SIGTERM  # what a shell reports for SIGTERM: stopped early, on purpose, state saved
+    except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if os.environ.get("VIM_DS_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
+        return 1 if isinstance(exc, (TrainingError, SaveError)) else 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        distributed.teardown()
+
+
+def main(argv=None, prog: str = "vim-ds train") -> int:
     return run(parse_args(argv, prog), prog)
 
 

@@ -1,9 +1,9 @@
 """`vim-ds zero-compare`: ZeRO stages side by side, measured model-state bytes per rank beside the theory.
 
 Each configuration (ds_configs/zeroN.json, with --offload also zero2_offload / zero3_offload) is one real launch
-of the trainer on synthetic data (`vim_ds.bench.run_train_config`); its metrics.jsonl summary carries the bytes of
-parameters, gradients and optimizer states that rank held (`vim_ds.engine.memory.state_bytes`, see its docstring
-for what each number includes), peak memory, throughput and the per-step losses. Written to --out:
+of the trainer on synthetic data (`vim_ds.bench.runner.run_train_config`); its metrics.jsonl summary carries the
+bytes of parameters, gradients and optimizer states that rank held (`vim_ds.engine.memory.state_bytes`, see its
+docstring for what each number includes), peak memory, throughput and the per-step losses. Written to --out:
 
 report.csv  one row per configuration
 report.md   the table, the ZeRO paper's arithmetic and DeepSpeed's own estimators beside it, loss agreement
@@ -308,10 +308,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from .bench import _key_value, run_train_config
+    from .bench.runner import key_value, run_train_config
 
     args = parse_args(argv)
-    model_kwargs = dict(_key_value(kv) for kv in args.model_kwargs)
+    model_kwargs = dict(key_value(kv) for kv in args.model_kwargs)
     os.makedirs(args.out, exist_ok=True)
     try:
         psi, largest = model_size(args.model, model_kwargs, args.input_size, args.nb_classes)

@@ -5,7 +5,7 @@ own `zero_to_fp32` reassembles them for any rank count. A checkpoint without ZeR
 holds the full module in `mp_rank_00_model_states.pt`. Stage 0 in bf16/fp16 runs DeepSpeed's FP16_Optimizer, which
 keeps the fp32 masters (`fp32_groups`, in optimizer parameter-group order) inside `mp_rank_00_model_states.pt`
 next to the half-precision module: those masters are what is returned, matched to parameter names by rebuilding
-the model's parameter groups (vim_ds.engine.optim.param_groups).
+the model's parameter groups (vim_ds.models.param_groups).
 """
 from __future__ import annotations
 
@@ -38,11 +38,10 @@ def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor
     """Name FP16_Optimizer's fp32 master groups (per-parameter tensors or one flat tensor per group)."""
     import argparse
 
-    from ..engine.optim import param_groups
-    from ..engine.trainer import build_model
+    from ..models import build_model, param_groups
 
     args = argparse.Namespace(model=state.get("model"), model_kwargs=state.get("model_kwargs") or {},
-                              input_size=state.get("input_size"), drop=0.0, drop_path=0.0, finetune="")
+                              input_size=state.get("input_size"), drop=0.0, drop_path=0.0)
     if not args.model or not state.get("num_classes"):
         raise CheckpointError(f"{path} has fp32 master weights but no model description to name them")
     model = build_model(args, state["num_classes"])  # on CPU: the Vim constructor cannot run on the meta device

@@ -19,8 +19,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+import torch
+
 AUTO = "auto"
 PRECISIONS = ("bf16", "fp16", "fp32")
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what the model runs in
 DEFAULT_MICRO_BATCH = 64
 DEFAULT_ACCUM_STEPS = 1
 

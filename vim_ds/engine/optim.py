@@ -1,26 +1,10 @@
-"""The Vim/DeiT optimisation recipe: AdamW parameter groups, batch-scaled learning rate, per-step warmup + cosine.
+"""The Vim/DeiT optimisation recipe: batch-scaled learning rate, per-step warmup + cosine.
 
 DeepSpeed builds the optimizer from the JSON's "optimizer" section (so offload picks its CPU Adam); we hand it the
-parameter groups and a scheduler, which it steps once per optimizer step and saves in its checkpoints.
+parameter groups (`vim_ds.models.param_groups`: which parameters take weight decay is a fact about the model, also
+needed to read checkpoints) and a scheduler, which it steps once per optimizer step and saves in its checkpoints.
 """
 from __future__ import annotations
-
-import torch
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: weight decay for matrices, none for biases, norms, 1-D parameters, the position embedding,
-    the class token, and the SSM's A_log/A_b_log and D/D_b (marked `_no_weight_decay` by the mixer)."""
-    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim <= 1 or name.endswith(".bias") or name in skip or getattr(p, "_no_weight_decay", False):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def scaled_lr(base_lr: float, global_batch: int, unscale: bool = False) -> float:

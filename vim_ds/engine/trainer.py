@@ -7,7 +7,6 @@ it had never stopped, and any rank count or accumulation split of one global bat
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import math
@@ -21,9 +20,9 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from ..models import build_model, param_groups
 from . import distributed, faults
-
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .ds_config import PRECISION_DTYPES
 
 
 class TrainingError(RuntimeError):
@@ -71,33 +70,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def build_model(args, num_classes: int):
-    import timm
-
-    from .. import models  # noqa: F401  (registers the Vim variants)
-    from ..checkpoint import load_model_weights
-
-    try:
-        model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, img_size=args.input_size,
-                                  drop_rate=args.drop, drop_path_rate=args.drop_path, **args.model_kwargs)
-    except RuntimeError as exc:
-        if "Unknown model" in str(exc):
-            raise ValueError(f"unknown model {args.model!r} (try vim_tiny, vim_small, vim_base, vim_small_s8)") from exc
-        raise
-    except TypeError as exc:
-        raise ValueError(f"--model-kwargs: {exc}") from exc
-    if args.finetune:
-        load_model_weights(model, args.finetune)
-    return model
-
-
 class Trainer:
     def __init__(self, args, dist_info: distributed.DistInfo):
         from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
         from .ds_config import prepare_ds_config
         from .ema import ShardedEMA
         from .checkpointing import Checkpointer
-        from .optim import PerStepScheduler, param_groups, scaled_lr
+        from .optim import PerStepScheduler, scaled_lr
 
         self.args, self.dist = args, dist_info
         self.device = dist_info.device
@@ -141,6 +120,10 @@ class Trainer:
         # model and engine
         seed_everything(args.seed)  # identical initial weights on every rank
         model = build_model(args, num_classes)
+        if args.finetune:
+            from ..checkpoint import load_model_weights
+
+            load_model_weights(model, args.finetune)
         self.num_params = sum(p.numel() for p in model.parameters())
         warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
 
@@ -448,7 +431,7 @@ class Trainer:
 
         state = self.ema.full_state_dict()  # a collective under ZeRO-3
         with torch.random.fork_rng(devices=[]):
-            replica = build_model(argparse.Namespace(**{**vars(self.args), "finetune": ""}), self.num_classes)
+            replica = build_model(self.args, self.num_classes)
         load_state_dict_into(replica, state, strict=True)
         return replica.to(self.device, self.dtype).eval()
 
@@ -527,49 +510,6 @@ class Trainer:
         finally:
             metrics.close()
         return record
-
-
-def run(args, prog: str = "vim-ds train") -> int:
-    """Entry point shared by `vim-ds train` and `vim-ds eval`: one-line errors, non-zero exit codes."""
-    from ..checkpoint.files import CheckpointError
-    from .checkpointing import SaveError
-
-    try:
-        dist_info = distributed.setup(args.local_rank, args.dist_timeout)
-    except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
-        print(f"{prog}: error: cannot initialise the process group: {exc}", file=sys.stderr)
-        return 2
-    trainer = None
-    try:
-        if args.eval:
-            from ..eval import evaluate_weights
-
-            evaluate_weights(args, dist_info)
-            return 0
-        trainer = Trainer(args, dist_info)
-        trainer.install_signal_handlers()
-        if trainer.resume_path:
-            trainer.resume(trainer.resume_path)
-        record = trainer.fit()
-        if record and dist_info.is_main:
-            ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
-            print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
-                  f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
-        return 0
-    except StopRequested:
-        return 128 + signal.SIGTERM  # what a shell reports for SIGTERM: stopped early, on purpose, state saved
-    except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if os.environ.get("VIM_DS_TRACEBACK"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
-        return 1 if isinstance(exc, (TrainingError, SaveError)) else 2
-    finally:
-        if trainer is not None:
-            trainer.close()
-        distributed.teardown()
 
 
 def _auto_resume_path(args) -> str:

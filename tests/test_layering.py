@@ -1,0 +1,146 @@
+"""The package's layers: commands -> engine -> models/data/checkpoint/ops, and no import cycles.
+
+Every `import` in vim_ds/ counts, function-level ones included (a lazy import is still a dependency). Parent
+packages that Python runs implicitly are not edges: only the modules an import statement names.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
+
+COMMANDS = ("train", "eval", "predict", "convert", "zero_compare", "bench", "cli", "env", "demo")
+BELOW_COMMANDS = ("engine", "models", "data", "checkpoint", "ops")  # import no command module
+BELOW_ENGINE = ("models", "data", "checkpoint", "ops")  # import no engine module either
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `source` (module `name`) imports anywhere in its body."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            base = ".".join(filter(None, [base if node.level else "", node.module or ""]))
+            # `from pkg import sub` imports the module pkg.sub; `from pkg import name` imports pkg
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` where c is not one of ours: a.b
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph(root: pathlib.Path = PACKAGE_DIR) -> dict[str, set[str]]:
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    modules = set(files)
+    return {name: imports_of(p.read_text(), name, p.name == "__init__.py", modules) for name, p in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def unit(module: str) -> str:
+    """The layer unit of a module: vim_ds.engine.trainer -> engine, vim_ds.bench.runner -> bench, vim_ds -> ''."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Upward arrows and cycles, one line each; [] when the layering holds."""
+    problems = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = unit(module), unit(target)
+            if here in BELOW_COMMANDS and there in COMMANDS:
+                problems.append(f"{module} imports the command module {target}")
+            if here in BELOW_ENGINE and there == "engine":
+                problems.append(f"{module} imports the engine module {target}")
+    cycle = find_cycle(graph)
+    if cycle:
+        problems.append("import cycle: " + " -> ".join(cycle))
+    units = {}
+    for module, targets in graph.items():
+        units.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
+    cycle = find_cycle(units)
+    if cycle:
+        problems.append("import cycle between packages: " + " -> ".join(cycle))
+    return problems
+
+
+def test_vim_ds_is_layered_without_cycles():
+    graph = import_graph()
+    assert {"vim_ds.engine.trainer", "vim_ds.train", "vim_ds.bench.runner", "vim_ds.models.factory"} <= set(graph)
+    assert "vim_ds.models" in graph["vim_ds.checkpoint.consolidate"]  # function-level imports are seen
+    assert layering_violations(graph) == []
+
+
+def test_the_checker_reports_upward_arrows_and_cycles(tmp_path):
+    """Negative control: a small package with an engine -> command import, a checkpoint -> engine import and a
+    cycle between two commands must be reported, each of them."""
+    pkg = tmp_path / "vim_ds"
+    for rel, text in {
+        "__init__.py": "",
+        "train.py": "def run():\n    from .engine.trainer import Trainer\n",
+        "eval.py": "from . import train\n",
+        "predict.py": "import vim_ds.eval\n",
+        "engine/__init__.py": "",
+        "engine/trainer.py": "def run():\n    from ..eval import evaluate_weights\n",
+        "checkpoint/__init__.py": "",
+        "checkpoint/consolidate.py": "from vim_ds.engine import trainer\n",
+        "models/__init__.py": "from .vim import VisionMamba\n",
+        "models/vim.py": "import torch\n",
+    }.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    graph = import_graph(pkg)
+    assert graph["vim_ds.checkpoint.consolidate"] == {"vim_ds.engine.trainer"}
+    assert graph["vim_ds.models"] == {"vim_ds.models.vim"} and graph["vim_ds.models.vim"] == set()
+    problems = layering_violations(graph)
+    assert "vim_ds.engine.trainer imports the command module vim_ds.eval" in problems
+    assert "vim_ds.checkpoint.consolidate imports the engine module vim_ds.engine.trainer" in problems
+    assert any(p.startswith("import cycle: ") and "vim_ds.engine.trainer" in p for p in problems), problems
+    assert any(p.startswith("import cycle between packages: ") for p in problems), problems
+
+    # the same package with the arrows pointing down passes
+    (pkg / "engine/trainer.py").write_text("from ..checkpoint import consolidate\n")
+    (pkg / "checkpoint/consolidate.py").write_text("from ..models import VisionMamba\n")
+    assert layering_violations(import_graph(pkg)) == []

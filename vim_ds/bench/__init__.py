@@ -1,0 +1,112 @@
+"""`vim-ds bench scan|model|train|convert`: how fast the kernels, the model and the trainer are, with their baselines.
+
+scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
+       forward+backward, on CPU and (when present) GPU.
+model  a Vim training step vs timm's DeiT of the same size, and high-resolution inference (time and peak memory),
+       each measured in the same run so that the ratio is meaningful.
+train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
+       (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
+convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import convert, model, scan, train
+from .runner import REPO_DIR, error_line, run_train_config, summarise_metrics
+from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
+                    REFERENCE_SPEEDUP_GOAL, reference_lines)
+
+__all__ = ["DEFAULT_TRAIN_CONFIGS", "LOOP_OVERHEAD_GOAL", "MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU",
+           "REFERENCE_SPEEDUP_GOAL", "error_line", "main", "reference_lines", "run_train_config", "summarise_metrics"]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_child"]:
+        print(json.dumps(model.child(json.loads(argv[1]))))
+        return 0
+    if argv[:1] == ["_convert_child"]:
+        print(json.dumps(convert.child(argv[1], argv[2])))
+        return 0
+    parser = argparse.ArgumentParser(prog="vim-ds bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("scan", help="selective-scan kernels vs the pure-PyTorch reference")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--dim", type=int, default=384, help="channels (d_inner); 384 is Vim-tiny's")
+    p.add_argument("--seqlen", type=int, default=197)
+    p.add_argument("--d-state", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--skip-ref", action="store_true", help="time only the compiled kernels")
+    m = sub.add_parser("model", help="Vim vs DeiT: training step and high-resolution inference")
+    m.add_argument("--train-batch", type=int, default=8)
+    m.add_argument("--hires", type=int, default=1024, help="image side for the inference comparison")
+    m.add_argument("--repeat", type=int, default=3, help="timed steps per measurement (median)")
+    m.add_argument("--rounds", type=int, default=2, help="alternating measurements per model (fastest kept)")
+    for q in (p, m):
+        q.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    t = sub.add_parser(
+        "train", help="training images/s and peak memory per rank for each ZeRO stage (real trainer and launcher)",
+        description="Train on synthetic data once per DeepSpeed config through a real launcher and report images/s "
+        "(timed steps after the warmup), peak memory per rank, the loop overhead and the final loss. A failed run "
+        "is reported with its one-line error and the next config runs; the exit status is then 1 (2 for a usage "
+        "error, 0 when every run finished).")
+    t.add_argument("--configs", nargs="+", default=list(DEFAULT_TRAIN_CONFIGS), metavar="CONFIG",
+                   help="names in ds_configs/ or paths to JSON files; fp16 ones (zero2_fp16) are skipped on a "
+                   "CPU [the four ZeRO stages and the two offload configs]")
+    t.add_argument("--nproc", type=int, default=None, help="ranks [the number of GPUs, or 2 on a CPU]")
+    t.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    t.add_argument("--model", default="vim_tiny")
+    t.add_argument("--model-kwargs", nargs="*", default=[], metavar="K=V",
+                   help="model constructor overrides, e.g. depth=2 embed_dim=32 patch_size=4 stride=4")
+    t.add_argument("--input-size", type=int, default=224)
+    t.add_argument("--batch-size", type=int, default=None, help="micro batch per rank [64 on GPUs, 8 on a CPU]")
+    t.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    t.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps before the timed ones (not timed)")
+    t.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="[bf16; on GPUs a config whose file enables fp16 (zero2_fp16) stays fp16 unless given]")
+    t.add_argument("--num-workers", type=int, default=2, help="data-loader workers per rank")
+    t.add_argument("--nb-classes", type=int, default=1000, help="classes of the synthetic data (the head's size)")
+    t.add_argument("--train-args", default="", metavar="'ARGS'",
+                   help="further vim_ds.train options, one quoted string, e.g. '--mixup 0 --cutmix 0'")
+    t.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")
+    t.add_argument("--keep", metavar="DIR", help="keep each run's output directory as DIR/<config> (replaced if "
+                   "present) [a temporary directory, removed]")
+    t.add_argument("--json", metavar="FILE", help="also write the settings and every run's results as JSON")
+    c = sub.add_parser("convert", help="peak memory of `vim-ds convert` against the fp32 model size",
+                       description="Make a checkpoint (1 training step on synthetic data through torchrun), or take "
+                       "--checkpoint, convert it in a fresh process and print its peak resident memory beside the "
+                       "fp32 size of the model.")
+    c.add_argument("--checkpoint", metavar="DIR", help="convert this checkpoint instead of training one")
+    c.add_argument("--model", default="vim_base")
+    c.add_argument("--input-size", type=int, default=64, help="training resolution (small: only the weights count)")
+    c.add_argument("--config", default=os.path.join(REPO_DIR, "ds_configs", "zero3.json"))
+    c.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    c.add_argument("--nproc", type=int, default=2)
+    c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
+    c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.what == "convert":
+        results = convert.run_convert(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
+    if args.what == "train":
+        for name in ("steps", "warmup_steps", "nproc", "batch_size", "num_workers"):
+            value = getattr(args, name)
+            if value is not None and value < (1 if name in ("steps", "nproc", "batch_size") else 0):
+                parser.error(f"--{name.replace('_', '-')} must be at least "
+                             f"{1 if name in ('steps', 'nproc', 'batch_size') else 0}, got {value}")
+        rows = train.run_train(args)
+        return 1 if any("error" in r for r in rows) else 0
+    results = scan.run_scan(args) if args.what == "scan" else model.run_model(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
