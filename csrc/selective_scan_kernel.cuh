@@ -25,6 +25,11 @@
 //     shared memory with coalesced loads (converted to the accumulation type), then every thread steps
 //     through the chunk reading only shared memory.
 //
+// Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
+//   always, and every global-memory index of a time-indexed tensor goes through p.time(s) = L-1-s. Chunks, stored
+//   states and the arithmetic are those of the forward direction on flipped inputs, so no flipped copies are made
+//   and out, du, ddelta, dz equal the flipped computation bit for bit.
+//
 // Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
 //   (batch, dim, n_chunks-1, N). So saved[b,d,c,:] is the state at the *start* of chunk c+1.
 //
