@@ -55,19 +55,20 @@ void check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor
 
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
-                            const OptTensor& delta_bias, bool delta_softplus) {
+                            const OptTensor& delta_bias, bool delta_softplus, bool reverse) {
   check_inputs(u, delta, A, B, C, D, z, delta_bias);
-  return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+  return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
 }
 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, const at::Tensor& dout, const OptTensor& saved,
-                            bool delta_softplus) {
+                            bool delta_softplus, bool reverse) {
   (void)saved;  // the CPU backward recomputes the states; fwd returns an empty `saved`
   check_inputs(u, delta, A, B, C, D, z, delta_bias);
   check_tensor(dout, "dout", u.scalar_type(), u.sizes());
-  return vim_ds::scan_cpu::selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus);
+  return vim_ds::scan_cpu::selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus,
+                                              reverse);
 }
 
 }  // namespace
@@ -77,13 +78,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object, so other Python threads may run meanwhile.
   m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
         py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
   m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
   m.def("conv_fwd", &causal_conv1d_fwd, "depthwise causal conv1d forward", py::arg("x"), py::arg("weight"),
-        py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+        py::arg("bias"), py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
   m.def("conv_bwd", &causal_conv1d_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("dout"), py::call_guard<py::gil_scoped_release>());
+        py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
 }

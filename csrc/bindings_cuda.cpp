@@ -59,7 +59,7 @@ void check_optional(const OptTensor& t, const char* name, const at::Device& devi
 // Checks everything fwd and bwd share and fills the sizes and input pointers of `args`.
 ScanArgs check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                       const at::Tensor& C, const OptTensor& D, const OptTensor& z, const OptTensor& delta_bias,
-                      bool delta_softplus) {
+                      bool delta_softplus, bool reverse) {
   TORCH_CHECK(u.defined() && u.dim() == 3, "selective_scan (gpu): u must be 3-D (batch, dim, seqlen)");
   TORCH_CHECK(A.defined() && A.dim() == 2, "selective_scan (gpu): A must be 2-D (dim, d_state)");
   TORCH_CHECK(u.is_cuda(), "selective_scan (gpu): u must be a GPU tensor, got ", u.device());
@@ -87,6 +87,7 @@ ScanArgs check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Te
   args.dstate = N;
   args.dtype = to_scan_dtype(in);
   args.delta_softplus = delta_softplus;
+  args.reverse = reverse;
   args.u = u.data_ptr();
   args.delta = delta.data_ptr();
   args.A = A.data_ptr();
@@ -102,8 +103,8 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
-                            const OptTensor& delta_bias, bool delta_softplus) {
-  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+                            const OptTensor& delta_bias, bool delta_softplus, bool reverse) {
+  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
   const c10::cuda::CUDAGuard device_guard(u.device());
 
   at::Tensor out = at::empty_like(u);
@@ -121,8 +122,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, const at::Tensor& dout, const at::Tensor& saved,
-                            bool delta_softplus) {
-  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus);
+                            bool delta_softplus, bool reverse) {
+  ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
   const at::Device device = u.device();
   const auto in = u.scalar_type();
   const auto acc = acc_dtype(in);
@@ -168,10 +169,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CUDA / ROCm GPUs; see csrc/README.md";
   m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
-        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"));
+        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"),
+        py::arg("reverse") = false);
   m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
-        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"));
+        py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
+        py::arg("reverse") = false);
   m.def(
       "chunk_length",
       [](int64_t dstate, bool float64) {

@@ -5,6 +5,10 @@
 // The generic depthwise F.conv1d (oneDNN) is slow on CPU for K = 4, and slower still in backward; here each
 // (batch, channel) row is K vectorised shifted multiply-adds. The backward is parallel over channels, so the
 // weight and bias gradients (sums over batch and time) need no atomics and are deterministic.
+//
+// `reverse` (Vim's backward direction) is the conv of the time-reversed sequence, in the original order: rows are
+// read back to front into the row buffer and written back front to back, so the arithmetic is exactly that of
+// flipping x and dout before and the results after.
 #include "causal_conv1d_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -18,9 +22,10 @@ namespace {
 // One row: out[t] = bias + sum_k w[k] * x[t - (K-1) + k], as K shifted saxpy loops over t that the compiler
 // vectorises (no branch inside them).
 template <typename scalar_t, typename acc_t>
-void conv_row(const scalar_t* x, const acc_t* w, acc_t bias, int64_t K, int64_t L, acc_t* xrow, acc_t* out) {
+void conv_row(const scalar_t* x, const acc_t* w, acc_t bias, int64_t K, int64_t L, bool reverse, acc_t* xrow,
+              acc_t* out) {
   for (int64_t t = 0; t < L; ++t) {
-    xrow[t] = static_cast<acc_t>(x[t]);
+    xrow[t] = static_cast<acc_t>(x[reverse ? L - 1 - t : t]);
     out[t] = bias;
   }
   for (int64_t k = 0; k < K; ++k) {
@@ -32,7 +37,8 @@ void conv_row(const scalar_t* x, const acc_t* w, acc_t bias, int64_t K, int64_t 
 }
 
 template <typename scalar_t, typename acc_t>
-void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out) {
+void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool reverse,
+                  at::Tensor& out) {
   const int64_t B = x.size(0), D = x.size(1), L = x.size(2), K = w.size(-1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const acc_t* wp = w.data_ptr<acc_t>();
@@ -43,17 +49,18 @@ void forward_impl(const at::Tensor& x, const at::Tensor& w, const std::optional<
     std::vector<acc_t> xrow(L), orow(L);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t d = row % D;
-      conv_row(xp + (row / D) * sb + d * L, wp + d * K, bp ? bp[d] : acc_t(0), K, L, xrow.data(), orow.data());
+      conv_row(xp + (row / D) * sb + d * L, wp + d * K, bp ? bp[d] : acc_t(0), K, L, reverse, xrow.data(),
+               orow.data());
       scalar_t* o = op + row * L;
-      for (int64_t t = 0; t < L; ++t) o[t] = static_cast<scalar_t>(orow[t]);
+      for (int64_t t = 0; t < L; ++t) o[reverse ? L - 1 - t : t] = static_cast<scalar_t>(orow[t]);
     }
   });
 }
 
 // dx[t] = sum_k w[k] * dy[t + (K-1) - k];  dw[k] = sum_{b,t} dy[t] * x[t - (K-1) + k];  dbias = sum_{b,t} dy.
 template <typename scalar_t, typename acc_t>
-void backward_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dout, at::Tensor& dx, at::Tensor& dw,
-                   at::Tensor& db) {
+void backward_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dout, bool reverse, at::Tensor& dx,
+                   at::Tensor& dw, at::Tensor& db) {
   const int64_t B = x.size(0), D = x.size(1), L = x.size(2), K = w.size(-1);
   const scalar_t* xp = x.data_ptr<scalar_t>();
   const scalar_t* gp = dout.data_ptr<scalar_t>();
@@ -73,8 +80,9 @@ void backward_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
         const scalar_t* xr = xp + b * sb + d * L;
         const scalar_t* gr = gp + (b * D + d) * L;
         for (int64_t t = 0; t < L; ++t) {
-          xrow[t] = static_cast<acc_t>(xr[t]);
-          grow[t] = static_cast<acc_t>(gr[t]);
+          const int64_t src = reverse ? L - 1 - t : t;
+          xrow[t] = static_cast<acc_t>(xr[src]);
+          grow[t] = static_cast<acc_t>(gr[src]);
           dxrow[t] = 0;
         }
         acc_t s = 0;
@@ -93,7 +101,7 @@ void backward_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
           dwd[k] += dot;
         }
         scalar_t* dxr = dxp + (b * D + d) * L;
-        for (int64_t t = 0; t < L; ++t) dxr[t] = static_cast<scalar_t>(dxrow[t]);
+        for (int64_t t = 0; t < L; ++t) dxr[reverse ? L - 1 - t : t] = static_cast<scalar_t>(dxrow[t]);
       }
       for (int64_t k = 0; k < K; ++k) dwp[d * K + k] = dwd[k];
       if (dbp) dbp[d] = dbd;
@@ -117,20 +125,22 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 }  // namespace
 
-at::Tensor causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             bool reverse) {
   check_inputs(x, weight, bias);
   auto out = at::empty(x.sizes(), x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: forward_impl<float, float>(x, weight, bias, out); break;
-    case at::kDouble: forward_impl<double, double>(x, weight, bias, out); break;
-    case at::kBFloat16: forward_impl<c10::BFloat16, float>(x, weight, bias, out); break;
+    case at::kFloat: forward_impl<float, float>(x, weight, bias, reverse, out); break;
+    case at::kDouble: forward_impl<double, double>(x, weight, bias, reverse, out); break;
+    case at::kBFloat16: forward_impl<c10::BFloat16, float>(x, weight, bias, reverse, out); break;
     default: TORCH_CHECK(false, "causal_conv1d: unsupported dtype ", x.scalar_type());
   }
   return out;
 }
 
 std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x, const at::Tensor& weight,
-                                          const std::optional<at::Tensor>& bias, const at::Tensor& dout) {
+                                          const std::optional<at::Tensor>& bias, const at::Tensor& dout,
+                                          bool reverse) {
   check_inputs(x, weight, bias);
   TORCH_CHECK(dout.sizes() == x.sizes() && dout.scalar_type() == x.scalar_type() && dout.is_contiguous(),
               "causal_conv1d: dout must be contiguous with x's shape and dtype");
@@ -138,9 +148,9 @@ std::vector<at::Tensor> causal_conv1d_bwd(const at::Tensor& x, const at::Tensor&
   auto dw = at::empty_like(weight);
   at::Tensor db = bias.has_value() ? at::empty_like(*bias) : at::Tensor();
   switch (x.scalar_type()) {
-    case at::kFloat: backward_impl<float, float>(x, weight, dout, dx, dw, db); break;
-    case at::kDouble: backward_impl<double, double>(x, weight, dout, dx, dw, db); break;
-    case at::kBFloat16: backward_impl<c10::BFloat16, float>(x, weight, dout, dx, dw, db); break;
+    case at::kFloat: backward_impl<float, float>(x, weight, dout, reverse, dx, dw, db); break;
+    case at::kDouble: backward_impl<double, double>(x, weight, dout, reverse, dx, dw, db); break;
+    case at::kBFloat16: backward_impl<c10::BFloat16, float>(x, weight, dout, reverse, dx, dw, db); break;
     default: TORCH_CHECK(false, "causal_conv1d: unsupported dtype ", x.scalar_type());
   }
   return {dx, dw, db};

@@ -17,6 +17,10 @@
 //     Quantities summed over channels (dB, dC) or over the batch (dA, dD, ddelta_bias) go into partial buffers
 //     that belong to a fixed work item, never to a thread, and are added up in a fixed order at the end: results
 //     are bitwise reproducible and do not depend on the number of threads.
+//   * Reverse mode (`reverse`, Vim's backward direction): the scan runs from t = L-1 down to 0. Rows are loaded
+//     into the per-thread workspace back to front and stored front to back (load_row / store_row), and B, C are
+//     transposed in reversed time order by `prepare`; the math between is untouched, so the result is bitwise the
+//     one of flipping every time-indexed input and output, without those copies.
 //   * Vector width follows the instruction set: on x86-64 the code is compiled twice, with 32-byte vectors for
 //     AVX2+FMA and 16-byte vectors for baseline SSE2, and the AVX2 variant is picked at run time when the CPU has
 //     it (the binary must not require AVX2). Elsewhere (aarch64: NEON) it is compiled once with 16-byte vectors.
@@ -284,6 +288,7 @@ struct ScanArgs {
   int64_t batch = 0, dim = 0, L = 0, N = 0;
   int64_t NP = 0;  // N padded to a multiple of kStateBlock
   bool softplus = false;
+  bool reverse = false;  // scan t = L-1 .. 0 (see "Reverse mode" at the top)
   acc_t exp_lo = 0, exp_hi = 0;  // kExpLo, kExpHi, set at run time (see vexp)
   const in_t* u = nullptr;       // (batch, dim, L)
   const in_t* delta = nullptr;   // (batch, dim, L)
@@ -330,13 +335,23 @@ struct Workspace {
   }
 };
 
+// A row of the (batch, dim, L) tensors to / from the workspace, in scan order: back to front in reverse mode, so
+// that everything between load and store is the same code (and the same operations) as for the forward direction.
 template <typename in_t, typename acc_t>
-SCAN_INLINE void load_row(const in_t* __restrict src, int64_t L, acc_t* __restrict dst) {
-  for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[t]);
+SCAN_INLINE void load_row(const in_t* __restrict src, int64_t L, acc_t* __restrict dst, bool reverse) {
+  if (reverse) {
+    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[L - 1 - t]);
+  } else {
+    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[t]);
+  }
 }
 template <typename in_t, typename acc_t>
-SCAN_INLINE void store_row(const acc_t* __restrict src, int64_t L, in_t* __restrict dst) {
-  for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<in_t>(src[t]);
+SCAN_INLINE void store_row(const acc_t* __restrict src, int64_t L, in_t* __restrict dst, bool reverse) {
+  if (reverse) {
+    for (int64_t t = 0; t < L; ++t) dst[L - 1 - t] = static_cast<in_t>(src[t]);
+  } else {
+    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<in_t>(src[t]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -476,8 +491,8 @@ SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   E* __restrict dt = ws.dt.data();
   E* __restrict y = ws.y.data();
   E* __restrict o = ws.tmp.data();
-  load_row(p.u + row, L, u);
-  load_row(p.delta + row, L, ws.x.data());
+  load_row(p.u + row, L, u, p.reverse);
+  load_row(p.delta + row, L, ws.x.data(), p.reverse);
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, static_cast<E*>(nullptr));
   ssm_forward<V, false>(L, NP, p.A + d * NP, u, dt, p.Bt + b * L * NP, p.Ct + b * L * NP, y, ws.S1.data(),
                         nullptr, nullptr, nullptr, nullptr, p.exp_lo, p.exp_hi);
@@ -485,7 +500,7 @@ SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   const V vD = splat<V>(p.D ? p.D[d] : E(0));
   if (p.z) {
     E* __restrict z = ws.z.data();
-    load_row(p.z + row, L, z);
+    load_row(p.z + row, L, z, p.reverse);
     for (int64_t t = 0; t < LP; t += W) {
       const V zt = vload<V>(z + t);
       vstore(o + t, (vload<V>(y + t) + vD * vload<V>(u + t)) * zt * sigmoid(zt));
@@ -493,7 +508,7 @@ SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   } else {
     for (int64_t t = 0; t < LP; t += W) vstore(o + t, vload<V>(y + t) + vD * vload<V>(u + t));
   }
-  store_row(o, L, p.out + row);
+  store_row(o, L, p.out + row, p.reverse);
 }
 
 // This channel's dB / dC are added into the work item's (L, NP) buffers dB, dC; its dA / dD / ddelta_bias go
@@ -522,9 +537,9 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   const V vD = splat<V>(p.D ? p.D[d] : E(0)), one = splat<V>(1.0);
 
   // 1. Through the gate: dy = dout silu(z) does not depend on y, so it is known before the scan.
-  load_row(p.dout + row, L, go);
+  load_row(p.dout + row, L, go, p.reverse);
   if (p.z) {
-    load_row(p.z + row, L, z);
+    load_row(p.z + row, L, z, p.reverse);
     for (int64_t t = 0; t < LP; t += W) {
       const V zt = vload<V>(z + t), st = sigmoid(zt);
       vstore(sg + t, st);
@@ -535,8 +550,8 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   }
 
   // 2. Recompute the forward of this channel, keeping the states (and adding its dC).
-  load_row(p.u + row, L, u);
-  load_row(p.delta + row, L, ws.x.data());
+  load_row(p.u + row, L, u, p.reverse);
+  load_row(p.delta + row, L, ws.x.data(), p.reverse);
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, dsp);
   ssm_forward<V, true>(L, NP, A, u, dt, Bt, Ct, y, ws.S1.data(), ws.H.data(), ws.Aexp.data(), dy, dC, p.exp_lo,
                        p.exp_hi);
@@ -548,7 +563,7 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
       const V yt = vload<V>(y + t) + vD * vload<V>(u + t);
       vstore(tmp + t, vload<V>(go + t) * yt * st * (one + zt * (one - st)));
     }
-    store_row(tmp, L, p.dz + row);
+    store_row(tmp, L, p.dz + row, p.reverse);
   }
   for (int64_t t = 0; t < LP; t += W) vstore(du + t, vload<V>(dy + t) * vD);
   const E dD = row_sum<V>(dy, u, L);
@@ -560,8 +575,8 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   // 5. Back through softplus(delta + bias).
   for (int64_t t = 0; t < LP; t += W) vstore(tmp + t, vload<V>(ddt + t) * vload<V>(dsp + t));
   const E dbias = row_sum<V>(tmp, static_cast<const E*>(nullptr), L);
-  store_row(tmp, L, p.ddelta + row);
-  store_row(du, L, p.du + row);
+  store_row(tmp, L, p.ddelta + row, p.reverse);
+  store_row(du, L, p.du + row, p.reverse);
   if (p.dD_part) p.dD_part[b * p.dim + d] = dD;
   if (p.dbias_part) p.dbias_part[b * p.dim + d] = dbias;
 }
@@ -655,20 +670,21 @@ const acc_t* opt_ptr(const std::optional<at::Tensor>& t) {
   return has(t) ? t->data_ptr<acc_t>() : nullptr;
 }
 
-// Everything the forward and backward share: A (dim, NP) and B, C as (batch, L, NP), in the accumulation type
-// and zero-padded in the state dimension.
+// Everything the forward and backward share: A (dim, NP) and B, C as (batch, L, NP), in the accumulation type,
+// zero-padded in the state dimension and, in reverse mode, in scan order (time reversed): this copy exists anyway,
+// so reversing costs nothing here.
 struct Prepared {
   at::Tensor A, Bt, Ct;
   int64_t NP;
 };
 
-Prepared prepare(const at::Tensor& u, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+Prepared prepare(const at::Tensor& u, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C, bool reverse) {
   const auto acc = u.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const int64_t block = acc == at::kDouble ? kStateBlock<double> : kStateBlock<float>;
   const int64_t N = A.size(1), NP = (N + block - 1) / block * block;
   auto time_major = [&](const at::Tensor& x) {
     at::Tensor out = at::zeros({x.size(0), x.size(2), NP}, x.options().dtype(acc));
-    out.narrow(2, 0, N).copy_(x.transpose(1, 2));
+    out.narrow(2, 0, N).copy_(reverse ? x.flip({2}).transpose(1, 2) : x.transpose(1, 2));
     return out;
   };
   at::Tensor Ap = A;
@@ -682,8 +698,9 @@ Prepared prepare(const at::Tensor& u, const at::Tensor& A, const at::Tensor& B, 
 template <typename in_t, typename acc_t>
 ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
                                   const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-                                  const std::optional<at::Tensor>& delta_bias, bool softplus) {
+                                  const std::optional<at::Tensor>& delta_bias, bool softplus, bool reverse) {
   ScanArgs<in_t, acc_t> p;
+  p.reverse = reverse;
   p.batch = u.size(0);
   p.dim = u.size(1);
   p.L = u.size(2);
@@ -706,8 +723,8 @@ ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, 
 template <typename in_t, typename acc_t>
 void run_fwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
              const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-             const std::optional<at::Tensor>& delta_bias, bool softplus, at::Tensor& out) {
-  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus);
+             const std::optional<at::Tensor>& delta_bias, bool softplus, bool reverse, at::Tensor& out) {
+  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus, reverse);
   p.out = out.data_ptr<in_t>();
   const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.L * p.NP));
   at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { fwd_range(p, begin, end); });
@@ -716,10 +733,11 @@ void run_fwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
 template <typename in_t, typename acc_t>
 void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
              const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-             const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout, bool softplus, at::Tensor& du,
+             const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout, bool softplus, bool reverse,
+             at::Tensor& du,
              at::Tensor& ddelta, at::Tensor& dA, at::Tensor& dB, at::Tensor& dC, at::Tensor& dD, at::Tensor& dz,
              at::Tensor& dbias) {
-  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus);
+  auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus, reverse);
   const int64_t batch = p.batch, dim = p.dim, L = p.L, NP = p.NP;
   p.dout = dout.data_ptr<in_t>();
   p.du = du.data_ptr<in_t>();
@@ -747,7 +765,8 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) { bwd_range(p, begin, end); });
 
   // Fixed-order sums of the partials.
-  //   dB[b, n, t] = sum_k dB_part[b * chunks + k, t, n]   (dC alike), written in the input dtype.
+  //   dB[b, n, t] = sum_k dB_part[b * chunks + k, t, n]   (dC alike), written in the input dtype; the partials
+  //   are in scan order (time reversed in reverse mode).
   in_t* dB_out = dB.data_ptr<in_t>();
   in_t* dC_out = dC.data_ptr<in_t>();
   const acc_t* dBp = p.dB_part;
@@ -763,8 +782,9 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
                            sb += dBp[i];
                            sc += dCp[i];
                          }
-                         dB_out[bn * L + t] = static_cast<in_t>(sb);
-                         dC_out[bn * L + t] = static_cast<in_t>(sc);
+                         const int64_t to = bn * L + (reverse ? L - 1 - t : t);
+                         dB_out[to] = static_cast<in_t>(sb);
+                         dC_out[to] = static_cast<in_t>(sc);
                        }
                      }
                    });
@@ -794,21 +814,22 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-                                           const std::optional<at::Tensor>& delta_bias, bool delta_softplus) {
+                                           const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
+                                           bool reverse) {
   at::Tensor out = at::empty_like(u);
   at::Tensor saved = at::empty({0}, u.options());
   if (u.numel() == 0) return {out, saved};
-  const Prepared pr = prepare(u, A, B, C);
+  const Prepared pr = prepare(u, A, B, C, reverse);
   const int64_t N = A.size(1);
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
+      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
       break;
     case at::kDouble:
-      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
+      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
       break;
     case at::kBFloat16:
-      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, out);
+      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),
@@ -821,7 +842,7 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
-                                           bool delta_softplus) {
+                                           bool delta_softplus, bool reverse) {
   if (u.numel() == 0) {  // no (batch, channel) pairs: every gradient is zero (or empty)
     auto zeros = [](const at::Tensor& t) { return at::zeros_like(t); };
     return {zeros(u),
@@ -833,7 +854,7 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
             has(z) ? zeros(*z) : at::Tensor(),
             has(delta_bias) ? zeros(*delta_bias) : at::Tensor()};
   }
-  const Prepared pr = prepare(u, A, B, C);
+  const Prepared pr = prepare(u, A, B, C, reverse);
   const int64_t N = A.size(1);
   at::Tensor du = at::empty_like(u);
   at::Tensor ddelta = at::empty_like(delta);
@@ -845,15 +866,15 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
   at::Tensor dbias = has(delta_bias) ? at::empty_like(*delta_bias) : at::Tensor();
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_bwd<float, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB, dC, dD,
+      run_bwd<float, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB, dC, dD,
                             dz, dbias);
       break;
     case at::kDouble:
-      run_bwd<double, double>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB, dC,
+      run_bwd<double, double>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB, dC,
                               dD, dz, dbias);
       break;
     case at::kBFloat16:
-      run_bwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, du, ddelta, dA, dB,
+      run_bwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB,
                                     dC, dD, dz, dbias);
       break;
     default:

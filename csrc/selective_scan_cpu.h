@@ -12,11 +12,14 @@
 namespace vim_ds {
 namespace scan_cpu {
 
+// `reverse`: scan from t = L-1 down to 0 (h[L] = 0), as if every time-indexed input were flipped before and every
+// output flipped after, without the copies.
 // Returns {out, saved}. `saved` is an empty tensor: the backward recomputes the states per channel.
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-                                           const std::optional<at::Tensor>& delta_bias, bool delta_softplus);
+                                           const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
+                                           bool reverse);
 
 // Returns {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias}; dD / dz / ddelta_bias are undefined tensors (None in
 // Python) when D / z / delta_bias are not given.
@@ -24,7 +27,7 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
-                                           bool delta_softplus);
+                                           bool delta_softplus, bool reverse);
 
 }  // namespace scan_cpu
 }  // namespace vim_ds

@@ -57,6 +57,7 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   const int cpb = ssk::kThreads / lay.group;
   p.blocks_per_batch = int((a.dim + cpb - 1) / cpb);
   p.softplus = a.delta_softplus;
+  p.reverse = a.reverse;
   p.u = a.u;
   p.delta = a.delta;
   p.A = a.A;

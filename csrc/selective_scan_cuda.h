@@ -28,6 +28,7 @@ struct ScanArgs {
   int64_t batch = 0, dim = 0, seqlen = 0, dstate = 0;
   ScanDType dtype = ScanDType::kFloat32;
   bool delta_softplus = false;
+  bool reverse = false;  // scan from t = seqlen-1 down to 0 (as if every time-indexed tensor were flipped)
 
   const void* u = nullptr;
   const void* delta = nullptr;

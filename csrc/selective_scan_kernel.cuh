@@ -25,6 +25,11 @@
 //     shared memory with coalesced loads (converted to the accumulation type), then every thread steps
 //     through the chunk reading only shared memory.
 //
+// Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
+//   always, and every global-memory index of a time-indexed tensor goes through p.time(s) = L-1-s. Chunks, stored
+//   states and the arithmetic are those of the forward direction on flipped inputs, so no flipped copies are made
+//   and out, du, ddelta, dz equal the flipped computation bit for bit.
+//
 // Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
 //   (batch, dim, n_chunks-1, N). So saved[b,d,c,:] is the state at the *start* of chunk c+1.
 //
@@ -99,6 +104,12 @@ constexpr int kMaxChunk = 64;
 constexpr int kSmemBudget = 48 * 1024;
 
 // Exchange with the lane whose index differs by `mask` (all lanes of the warp must call this together).
+// HIP: __shfl_xor(v, mask, width = warpSize) takes no lane mask; it exists from ROCm 5 through ROCm 7. The
+// *_sync variants that ROCm 6.2+ offers (default in ROCm 7) take a 64-bit lane mask: CUDA's 0xffffffff would name
+// only lanes 0-31 of a wave64, so they are not used here. Lane ids are never taken as `threadIdx.x & 0x1f` (wrong
+// on wave64, mamba_ssm's ROCm dA bug for L > 128): every cross-lane step has an xor offset < kSeg = 32, so partners
+// lie in the same aligned 32-lane segment on 32- and 64-wide hardware alike. tools/kernel_emu runs this code both
+// ways (CUDA branch with 32-lane warps, HIP branch with 64-lane wavefronts).
 template <typename T>
 __device__ __forceinline__ T shfl_xor(T v, int mask) {
 #if SS_HIP
@@ -177,6 +188,11 @@ struct KernelParams {
   int n_chunks;        // ceil(seqlen / chunk)
   int blocks_per_batch;
   bool softplus;
+  bool reverse;        // scan t = L-1 .. 0: step s of the scan is time L-1-s (see time())
+
+  // Position in memory of scan step s: the kernels walk steps 0, 1, ...; in reverse mode they map to times L-1,
+  // L-2, ..., so the reversed direction needs no flipped copies and runs exactly the forward's arithmetic.
+  __host__ __device__ int time(int s) const { return reverse ? seqlen - 1 - s : s; }
 
   const void* u;
   const void* delta;
@@ -281,7 +297,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dv = acc_t(0);
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
         uv = load_acc(u + off);
         dv = load_acc(delta + off);
         if (bias != nullptr) dv += bias[dd];
@@ -294,7 +310,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -335,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
         acc_t y = y_s[t * cpb + cl];
         if (z != nullptr) {
           const acc_t zv = load_acc(z + off);
@@ -421,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
         uv = load_acc(u + off);
         acc_t raw = load_acc(delta + off);
         if (bias != nullptr) raw += bias[dd];
@@ -448,7 +464,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -537,7 +553,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
         const int s = t * cpb + cl;
         store_from_acc(du + off, du_o[s]);
         store_from_acc(ddelta + off, ddl_o[s]);
@@ -547,7 +563,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + t0 + t;
+        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
         atomicAdd(dB + off, dB_s[t * N + n]);
         atomicAdd(dC + off, dC_s[t * N + n]);
       }

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Build libscan_emu.so: the GPU selective-scan kernels of csrc/, compiled for the CPU against the shim headers.
+# Build libscan_emu.so and libscan_emu64.so: the GPU selective-scan kernels of csrc/, compiled for the CPU against
+# the shim headers, once as CUDA (32-lane warps) and once through the compat layer's HIP branch (hip/ shims,
+# 64-lane wavefronts, HIP's __shfl_xor and hip_bfloat16).
 # usage: build.sh [OUT_DIR [CSRC_DIR]]   (defaults: ./build next to this script, the repo's csrc/)
 #
 # The sources are copied to OUT_DIR/gen with two mechanical rewrites (the same kind hipify makes):
@@ -36,4 +38,6 @@ open(f"{gen}/selective_scan_cuda.cu", "w").write(launcher)
 PY
 "$cxx" -std=c++17 -O1 -g -fPIC -shared -Wall -Wno-unknown-pragmas -I"$here/shim" -I"$gen" -x c++ \
   "$here/emu_main.cpp" -o "$out/libscan_emu.so"
+"$cxx" -std=c++17 -O1 -g -fPIC -shared -Wall -Wno-unknown-pragmas -D__HIP_PLATFORM_AMD__ -D__AMDGCN_WAVEFRONT_SIZE=64 \
+  -I"$here/shim" -I"$gen" -x c++ "$here/emu_main.cpp" -o "$out/libscan_emu64.so"
 echo "built $out/libscan_emu.so"

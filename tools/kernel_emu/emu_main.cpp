@@ -41,12 +41,21 @@ void* put(std::vector<Buf>& bufs, const void* host, size_t bytes, bool copy_back
 
 extern "C" {
 
+// The scan direction of the next emu_run calls (ScanArgs::reverse).
+bool g_reverse = false;
+
 void emu_config(int order_mode, unsigned seed, int guard_front) {
+#if defined(__HIP_PLATFORM_AMD__)
+  emu::config().warp = __AMDGCN_WAVEFRONT_SIZE;  // wavefronts of 64 lanes, as on CDNA (MI210/MI250/MI300)
+#endif
   emu::config().order_mode = order_mode;
   emu::config().seed = seed;
   emu::config().guard_front = guard_front;
   emu::sched().smem_slot = &ssk::ss_smem_raw;
 }
+
+void emu_set_reverse(int reverse) { g_reverse = reverse != 0; }
+int emu_warp_size() { return emu::config().warp; }
 
 long long emu_num_checkpoints(long long L, long long N, int dtype) {
   return vim_ds_scan::scan_num_checkpoints(L, N, ScanDType(dtype));
@@ -76,6 +85,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   a.dstate = N;
   a.dtype = dt;
   a.delta_softplus = softplus != 0;
+  a.reverse = g_reverse;
   a.u = put(bufs, u, x * is, false, -1);
   a.delta = put(bufs, delta, x * is, false, -1);
   a.A = put(bufs, A, size_t(dim * N) * as, false, -1);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the CPU emulation of the GPU kernels and compare them with the PyTorch reference (no GPU needed).
-# usage: run.sh [--full] [--keep]   (default: a quick subset, ~1 minute; --full: every case, several minutes)
+# usage: run.sh [--full | --lengths] [--keep]   (default: a quick subset; --full: every case, several minutes;
+#        --lengths: Vim lengths up to 6085, reverse off/on). Each runs with 32-lane warps and 64-lane wavefronts.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=${PYTHON:-python3}
@@ -9,6 +10,7 @@ keep=0
 for arg in "$@"; do
   case $arg in
     --full) mode=--full ;;
+    --lengths) mode=--lengths ;;
     --keep) keep=1 ;;
     *)
       echo "unknown argument: $arg" >&2
@@ -21,4 +23,6 @@ if [ "$keep" = 0 ]; then
   trap 'rm -rf "$out"' EXIT
 fi
 "$here/build.sh" "$out" > /dev/null
-SCAN_EMU_LIB=$out/libscan_emu.so "$python" "$here/run_emu.py" "$mode"
+for warp in 32 64; do
+  SCAN_EMU_LIB=$out/libscan_emu.so "$python" "$here/run_emu.py" "$mode" --warp "$warp"
+done

@@ -7,7 +7,11 @@ memory is read before it is written in the same block (it starts as NaN); no buf
 (else the emulator aborts with "divergent synchronisation"); and the results do not depend on the order in which
 threads and blocks run (bitwise, except for the atomically summed gradients).
 
-usage: run_emu.py [--quick | --full]     (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so)"""
+usage: run_emu.py [--quick | --full | --lengths] [--warp 32|64]
+  --lengths: the Vim lengths L = 1, 7, 65, 197, 785, 1025, 4097, 6085 (65: just past the first chunk boundary),
+             forward and all gradients, reverse off and on.
+  --warp 64: the wave64 build (libscan_emu64.so: the device code through its HIP branch, 64-lane wavefronts).
+(library: $SCAN_EMU_LIB, default ./build/libscan_emu.so, or libscan_emu64.so next to it for --warp 64)"""
 import ctypes
 import itertools
 import os
@@ -21,7 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from vim_ds.ops.selective_scan_ref import selective_scan_ref  # noqa: E402
 
-lib = ctypes.CDLL(os.environ.get("SCAN_EMU_LIB", os.path.join(HERE, "build", "libscan_emu.so")))
+WARP = int(sys.argv[sys.argv.index("--warp") + 1]) if "--warp" in sys.argv else 32
+_lib32 = os.environ.get("SCAN_EMU_LIB", os.path.join(HERE, "build", "libscan_emu.so"))
+lib = ctypes.CDLL(_lib32 if WARP == 32 else os.path.join(os.path.dirname(_lib32), "libscan_emu64.so"))
+lib.emu_set_reverse.argtypes = [ctypes.c_int]
+lib.emu_warp_size.restype = ctypes.c_int
 lib.emu_run.restype = ctypes.c_char_p
 lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 19
 lib.emu_num_checkpoints.restype = ctypes.c_longlong
@@ -72,8 +80,10 @@ TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.b
 NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
 
 
-def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0):
+def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0, reverse=False):
     lib.emu_config(order, seed, guard_front)
+    lib.emu_set_reverse(int(reverse))
+    assert lib.emu_warp_size() == WARP, (lib.emu_warp_size(), WARP)
     g = torch.Generator().manual_seed(seed)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -97,7 +107,7 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     ref_in = [t.double().clone().requires_grad_() for t in (u_, delta_, A_, B_, C_, D_, z_, bias_)]
     tu, tdl, tA, tB, tC, tD, tz, tb = ref_in
     ref_out = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
-                                 tb if has_bias else None, delta_softplus=sp)
+                                 tb if has_bias else None, delta_softplus=sp, reverse=reverse)
     ref_out.backward(dout_.double())
     refs = [tu.grad, tdl.grad, tA.grad, tB.grad, tC.grad, tD.grad if has_D else None, tz.grad if has_z else None,
             tb.grad if has_bias else None]
@@ -120,7 +130,24 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     return out, grads, res
 
 
+def lengths():
+    t_start = time.time()
+    worst = {}
+    max_len = int(os.environ.get("EMU_MAX_LENGTH", "6085"))  # the test suite keeps to the short ones
+    for L in [L for L in (1, 7, 65, 197, 785, 1025, 4097, 6085) if L <= max_len]:
+        for reverse in (False, True):
+            _, _, res = case(torch.float32, 1, 5, L, 16, True, True, True, True, seed=L, order=L % 3,
+                             reverse=reverse)
+            for k, v in res.items():
+                worst[k] = max(worst.get(k, 0), v)
+            print(f"  warp {WARP} L={L:5d} reverse={reverse!s:5s}: worst rel err "
+                  f"{max(res.values()):.2e} ({time.time() - t_start:.0f}s)", flush=True)
+    print("worst over lengths: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
 def main():
+    if "--lengths" in sys.argv:
+        return lengths()
     quick = "--quick" in sys.argv
     t_start = time.time()
     n = 0
@@ -136,7 +163,8 @@ def main():
             cpb = 128 // G
             dim = cpb + 3 if cpb > 1 else 3  # the last block of channels is partly empty
             flags = [(n + k) % 2 == 0 for k in range(4)]
-            _, _, res = case(dtype, 2, dim, L, N, *flags, seed=n, order=n % 3, guard_front=n % 2)
+            _, _, res = case(dtype, 2, dim, L, N, *flags, seed=n, order=n % 3, guard_front=n % 2,
+                             reverse=n % 4 >= 2)
             for k, v in res.items():
                 worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             n += 1
@@ -145,7 +173,7 @@ def main():
         for flags in itertools.product([False, True], repeat=4):
             if quick and dtype in (torch.float32, torch.float64) and sum(flags) not in (0, 4):
                 continue
-            _, _, res = case(dtype, 2, 11, 70, 16, *flags, seed=1000 + n, order=n % 3)
+            _, _, res = case(dtype, 2, 11, 70, 16, *flags, seed=1000 + n, order=n % 3, reverse=n % 2 == 1)
             for k, v in res.items():
                 worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             n += 1
@@ -166,7 +194,7 @@ def main():
             if name in ("du", "ddelta", "dz"):
                 assert torch.equal(a, b), f"{name} depends on scheduling order"
         n += 1
-    print(f"emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors:")
+    print(f"warp {WARP}: emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors:")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         print(f"  {str(dtype):15s} {k:12s} {v:.2e}")
 

@@ -115,10 +115,11 @@ class BiMambaMixer(nn.Module):
             x, z = x + b_x[:, None], z + b_z[:, None]
         out_f = ssm_branch_fn(x, z, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
                               -torch.exp(_at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
-        out_b = ssm_branch_fn(x.flip(-1), z.flip(-1), self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
+        # The backward direction runs on the same x and z, scanned back to front in place (no flipped copies).
+        out_b = ssm_branch_fn(x, z, self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
                               self.dt_proj_b.weight, -torch.exp(_at_least_fp32(self.A_b_log)), self.D_b,
-                              self.dt_proj_b.bias)
-        y = out_f + out_b.flip(-1)
+                              self.dt_proj_b.bias, reverse=True)
+        y = out_f + out_b
         if self.divide_out:
             y = y / 2
         out = project(self.out_proj.weight, y).transpose(1, 2)  # (batch, L, d_model)

@@ -1,7 +1,8 @@
 """The three selective-scan backends behind one small interface, and the choice between them.
 
-Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> (out, saved)`` and
-``bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus) -> 8 gradients`` (see csrc/README.md).
+Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False) -> (out, saved)`` and
+``bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False) -> 8 gradients`` (see
+csrc/README.md); ``reverse`` scans from the last time step to the first, in place.
 
 The compiled kernels come from the extensions that setup.py builds (``vim_ds._scan_cpu``, ``vim_ds._scan_cuda``).
 When one is missing (an install with the build skipped, a broken toolchain) it is JIT-compiled at first use from
@@ -34,15 +35,15 @@ class RefBackend:
 
     name = "ref"
 
-    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False):
         with torch.no_grad():
-            return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus), None
+            return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse), None
 
-    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus):
+    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
         args = [u, delta, A, B, C, D, z, delta_bias]
         leaves = [None if a is None else a.detach().requires_grad_(True) for a in args]
         with torch.enable_grad():
-            out = selective_scan_ref(*leaves, delta_softplus=delta_softplus)
+            out = selective_scan_ref(*leaves, delta_softplus=delta_softplus, reverse=reverse)
             present = [a for a in leaves if a is not None]
             grads = iter(torch.autograd.grad(out, present, dout))
         return [None if a is None else next(grads) for a in leaves]
@@ -55,12 +56,12 @@ class ExtensionBackend:
         self.name = name
         self.module = module
 
-    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-        out, saved = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False):
+        out, saved = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
         return out, saved
 
-    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus):
-        return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus))
+    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
+        return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse))
 
 
 @dataclass

@@ -72,9 +72,9 @@ def _param_dtype(u):
 
 class SelectiveScanFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, backend):
-        out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-        ctx.backend, ctx.delta_softplus = backend, delta_softplus
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, backend, reverse=False):
+        out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
+        ctx.backend, ctx.delta_softplus, ctx.reverse = backend, delta_softplus, reverse
         ctx.has = [t is not None for t in (D, z, delta_bias)]
         extra = [saved] if saved is not None else []
         ctx.save_for_backward(u, delta, A, B, C, *[t for t in (D, z, delta_bias) if t is not None], *extra)
@@ -88,17 +88,19 @@ class SelectiveScanFn(torch.autograd.Function):
         rest = iter(tensors[5:])
         D, z, delta_bias = (next(rest) if has else None for has in ctx.has)
         saved = next(rest) if ctx.has_saved else None
-        grads = ctx.backend.bwd(u, delta, A, B, C, D, z, delta_bias, dout.contiguous(), saved, ctx.delta_softplus)
-        return (*grads, None, None)
+        grads = ctx.backend.bwd(u, delta, A, B, C, D, z, delta_bias, dout.contiguous(), saved, ctx.delta_softplus,
+                                ctx.reverse)
+        return (*grads, None, None, None)
 
 
-def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      reverse=False):
     """The op on a given backend, inputs already validated; A, D, delta_bias cast to the kernels' fp32."""
     p = _param_dtype(u)
     A = A.to(p)
     D = None if D is None else D.to(p)
     delta_bias = None if delta_bias is None else delta_bias.to(p)
-    return SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), backend)
+    return SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), backend, bool(reverse))
 
 
 def selective_scan_fn(
@@ -111,11 +113,18 @@ def selective_scan_fn(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    *,
+    reverse: bool = False,
 ) -> torch.Tensor:
     """Selective scan with gradients for every input; the backend follows the device (or ``VIM_DS_SCAN``).
 
     ``out[b,d,t] = (sum_n h[b,d,n,t] C[b,n,t] + D[d] u[b,d,t]) * silu(z[b,d,t])`` with
     ``h[.,t] = exp(delta'[t] A) h[.,t-1] + delta'[t] B[t] u[t]`` and ``delta' = softplus(delta + delta_bias)``.
+
+    ``reverse=True`` (keyword only; not in mamba_ssm) scans from the last step to the first,
+    ``h[.,t] = exp(delta'[t] A) h[.,t+1] + delta'[t] B[t] u[t]``: the same as flipping u, delta, B, C, z along time
+    and flipping the output back, without the copies (Vim's backward direction).
     """
     validate(u, delta, A, B, C, D, z, delta_bias)
-    return scan_with_backend(get_backend(u.device), u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    return scan_with_backend(get_backend(u.device), u, delta, A, B, C, D, z, delta_bias, delta_softplus,
+                             reverse=reverse)

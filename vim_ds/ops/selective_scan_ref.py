@@ -21,10 +21,13 @@ def selective_scan_ref(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    reverse: bool = False,
 ) -> torch.Tensor:
     """u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L); D, delta_bias: (dim,).
 
-    Computes in float32 (float64 for float64 input) and returns the input dtype.
+    Computes in float32 (float64 for float64 input) and returns the input dtype. ``reverse=True`` runs the
+    recurrence from t = L-1 down to 0 (h[L] = 0): the result of flipping u, delta, B, C, z along time, scanning,
+    and flipping the output back, with the same operations in the same order.
     """
     in_dtype = u.dtype
     acc = torch.float64 if in_dtype == torch.float64 else torch.float32
@@ -40,9 +43,12 @@ def selective_scan_ref(
     drive = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
     h = u.new_zeros(batch, dim, A.shape[1])
     ys = []
-    for t in range(L):
+    steps = range(L - 1, -1, -1) if reverse else range(L)
+    for t in steps:
         h = decay[:, :, t] * h + drive[:, :, t]
         ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+    if reverse:
+        ys.reverse()
     y = torch.stack(ys, dim=-1)
     if D is not None:
         y = y + D.to(acc)[:, None] * u

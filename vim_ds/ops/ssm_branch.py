@@ -21,22 +21,24 @@ class CausalConv1dCpuFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module):
-        ctx.module = module
+    def forward(ctx, x, weight, bias, module, reverse=False):
+        ctx.module, ctx.reverse = module, reverse
         ctx.save_for_backward(x, weight, bias)
-        return module.conv_fwd(x, weight, bias)
+        return module.conv_fwd(x, weight, bias, reverse)
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias = ctx.saved_tensors
-        dx, dweight, dbias = ctx.module.conv_bwd(x, weight, bias, dout.contiguous())
-        return dx, dweight, dbias, None
+        dx, dweight, dbias = ctx.module.conv_bwd(x, weight, bias, dout.contiguous(), ctx.reverse)
+        return dx, dweight, dbias, None, None
 
 
-def conv1d_silu(x, weight, bias, backend=None):
+def conv1d_silu(x, weight, bias, backend=None, reverse=False):
     """u = silu(causal depthwise conv1d(x)): x (batch, d, L), weight (d, 1, K), bias (d,) or None.
 
     The CPU kernel when the scan runs on the `cpu` backend, else PyTorch's conv (cuDNN/MIOpen on GPUs).
+    ``reverse``: the conv of the time-reversed sequence, in the original order (anti-causal, reads the K-1 *next*
+    steps), i.e. ``flip(conv(flip(x)))`` without the copies.
     """
     if getattr(backend, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16):
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -44,9 +46,13 @@ def conv1d_silu(x, weight, bias, backend=None):
         if x.stride(-1) != 1 or x.stride(1) != x.shape[-1]:  # the kernel reads whole rows
             x = x.contiguous()
         return F.silu(CausalConv1dCpuFn.apply(x, weight.reshape(-1, k).to(wide),
-                                              None if bias is None else bias.to(wide), backend.module))
-    seqlen = x.shape[-1]
-    y = F.conv1d(x, weight, bias, padding=weight.shape[-1] - 1, groups=x.shape[1])[..., :seqlen]
+                                              None if bias is None else bias.to(wide), backend.module,
+                                              bool(reverse)))
+    seqlen, k = x.shape[-1], weight.shape[-1]
+    if reverse:  # y[t] = sum_j w[j] x[t + K-1 - j]: the flipped taps over a window starting at t
+        y = F.conv1d(x, weight.flip(-1), bias, padding=k - 1, groups=x.shape[1])[..., k - 1:]
+    else:
+        y = F.conv1d(x, weight, bias, padding=k - 1, groups=x.shape[1])[..., :seqlen]
     return F.silu(y)
 
 
@@ -58,14 +64,14 @@ def project(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(weight.expand(x.shape[0], -1, -1), x)
 
 
-def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, backend=None):
+def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, backend=None, reverse=False):
     """From x (batch, d_inner, L), the first half of in_proj's output, to the scan's u, delta, B, C (contiguous).
 
     Everything stays in the (batch, channels, L) layout the scan wants: projections are W @ u, not linear layers
     over transposed copies.
     """
     dt_rank = dt_proj_weight.shape[1]
-    u = conv1d_silu(x, conv_weight, conv_bias, backend)
+    u = conv1d_silu(x, conv_weight, conv_bias, backend, reverse)
     x_dbl = project(x_proj_weight, u)  # (batch, dt_rank + 2 * d_state, L)
     delta = project(dt_proj_weight, x_dbl[:, :dt_rank])  # dt_proj's bias is added inside the scan
     B = x_dbl[:, dt_rank:dt_rank + d_state]
@@ -75,10 +81,12 @@ def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_st
 
 class SSMBranchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, backend):
-        u, delta, B, C = branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1], backend)
-        out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, True)
-        ctx.backend = backend
+    def forward(ctx, x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, backend,
+                reverse=False):
+        u, delta, B, C = branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1], backend,
+                                       reverse)
+        out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
+        ctx.backend, ctx.reverse = backend, reverse
         # backward runs outside the caller's autocast region; the recompute must see the same casts as forward
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -99,13 +107,14 @@ class SSMBranchFn(torch.autograd.Function):
                   for t in (x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight)]
         device, autocast_on, autocast_dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
-            u, delta, B, C = branch_inputs(*leaves, A.shape[1], ctx.backend)
+            u, delta, B, C = branch_inputs(*leaves, A.shape[1], ctx.backend, ctx.reverse)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = ctx.backend.bwd(
-            u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z, delta_bias, dout.contiguous(), saved, True)
+            u.detach(), delta.detach(), A, B.detach(), C.detach(), D, z, delta_bias, dout.contiguous(), saved, True,
+            ctx.reverse)
         # Chain the scan's input gradients through the recomputed conv and projections.
         torch.autograd.backward([u, delta, B, C], [du, ddelta, dB, dC])
         dx, dconv_w, dconv_b, dxproj_w, ddtproj_w = (t.grad if t is not None else None for t in leaves)
-        return dx, dz, dconv_w, dconv_b, dxproj_w, ddtproj_w, dA, dD, ddelta_bias, None
+        return dx, dz, dconv_w, dconv_b, dxproj_w, ddtproj_w, dA, dD, ddelta_bias, None, None
 
 
 def ssm_branch_fn(
@@ -118,15 +127,20 @@ def ssm_branch_fn(
     A: torch.Tensor,
     D: torch.Tensor,
     delta_bias: torch.Tensor,
+    *,
+    reverse: bool = False,
 ) -> torch.Tensor:
     """Gated SSM output (batch, d_inner, L) from the two halves of in_proj's output, x and z (batch, d_inner, L).
 
     A, D and delta_bias are used in fp32 (fp64 for fp64 input). x and z come separately (not as one xz tensor as
     in mamba_ssm) so that their gradients need no concatenation.
+
+    ``reverse=True`` runs the whole branch back to front (anti-causal conv, reversed scan): the result of flipping x
+    and z along time and the output back, without the copies. Vim's backward direction uses it.
     """
     if x.dim() != 3 or z.shape != x.shape:
         raise ValueError(f"ssm_branch_fn: x and z must both be (batch, d_inner, seqlen), got shapes "
                          f"{tuple(x.shape)} and {tuple(z.shape)}")
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     return SSMBranchFn.apply(x, z.contiguous(), conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                             A.to(wide), D.to(wide), delta_bias.to(wide), get_backend(x.device))
+                             A.to(wide), D.to(wide), delta_bias.to(wide), get_backend(x.device), bool(reverse))

@@ -1,0 +1,34 @@
+"""The GPU kernels' device code in the CPU emulator (tools/kernel_emu): forward and all gradients against the
+float64 reference, reverse mode off and on, as 32-lane warps (CUDA branch) and 64-lane wavefronts (HIP branch).
+
+Here only the short Vim lengths (up to 197, past a chunk boundary); `tools/kernel_emu/run.sh --lengths` runs
+them all, up to 6085.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMU = os.path.join(ROOT, "tools", "kernel_emu")
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    out = tmp_path_factory.mktemp("kernel_emu")
+    subprocess.run(["bash", os.path.join(EMU, "build.sh"), str(out)], check=True, capture_output=True,
+                   env={**os.environ, "PYTHON": sys.executable})
+    return str(out / "libscan_emu.so")
+
+
+@pytest.mark.parametrize("warp", [32, 64])
+def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
+    env = {**os.environ, "SCAN_EMU_LIB": emu_lib, "EMU_MAX_LENGTH": "197", "PYTHONPATH": ROOT}
+    res = subprocess.run([sys.executable, os.path.join(EMU, "run_emu.py"), "--lengths", "--warp", str(warp)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("reverse=True") == 4 and res.stdout.count(f"warp {warp} ") == 8, res.stdout

@@ -1,0 +1,3 @@
+// CPU stand-in for hip/hip_fp16.h (emulator only).
+#pragma once
+#include "../cuda_fp16.h"
