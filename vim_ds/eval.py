@@ -44,6 +44,7 @@ def load_eval_weights(args, model) -> dict | None:
 
 def evaluate_weights(args, dist_info) -> dict:
     from .data import ShardedEvalSampler, build_dataset
+    from .data.loader import build_loader
     from .engine.evaluate import evaluate
     from .engine.metrics import MetricsLog
     from .engine.trainer import PRECISION_DTYPES, build_model
@@ -58,10 +59,9 @@ def evaluate_weights(args, dist_info) -> dict:
     dtype = PRECISION_DTYPES[precision]
     model = model.to(dist_info.device, dtype).eval()
     batch = max(1, int(1.5 * (args.batch_size or 64)))
-    loader = torch.utils.data.DataLoader(
-        val_set, batch_sampler=ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
-                                                  world_size=dist_info.world_size),
-        num_workers=args.num_workers)
+    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
+                                                      world_size=dist_info.world_size),
+                          args, "val", local_world_size=dist_info.local_world_size)
     shape = (3, args.input_size, args.input_size)
     record = {"step": None, "epoch": None, "source": args.resume or args.finetune}
     record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape).items()})
