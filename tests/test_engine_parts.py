@@ -138,7 +138,9 @@ def test_command_line_follows_the_published_names():
 
 @pytest.mark.parametrize("option,value,cause", [("--max-bad-steps", "0", "at least 1"),
                                                 ("--max-bad-images", "2", "between 0 and 1"),
-                                                ("--dist-timeout", "0", "positive number of seconds")])
+                                                ("--dist-timeout", "0", "positive number of seconds"),
+                                                ("--data-timeout", "600", "below --dist-timeout"),
+                                                ("--num_workers", "-1", "0 or more")])
 def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
     from vim_ds.train import parse_args
 
@@ -148,3 +150,4 @@ def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
     assert cause in capsys.readouterr().err
     args = parse_args([])
     assert (args.max_bad_steps, args.max_bad_images, args.dist_timeout) == (1, 0.01, 600)
+    assert args.data_timeout == 120 and parse_args(["--dist-timeout", "60"]).data_timeout == 30

@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 
+DATA_TIMEOUT = 120.0  # s: far above a healthy batch (even the first, which starts the workers), far below 600
+
 
 def _key_value(text: str):
     if "=" not in text:
@@ -87,7 +89,13 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--nb-classes", type=int, default=1000, help="classes of --data-set synthetic")
     g.add_argument("--synthetic-size", type=int, default=12800, help="training images of --data-set synthetic")
     g.add_argument("--eval-crop-ratio", type=float, default=0.875)
-    g.add_argument("--num_workers", "--num-workers", type=int, default=10, dest="num_workers")
+    g.add_argument("--num_workers", "--num-workers", type=int, default=None, dest="num_workers",
+                   help="data-loader worker processes per rank [10, capped to this machine's cores divided by the "
+                        "ranks on the node, at least 1]; 0 reads data in the training process (no --data-timeout)")
+    g.add_argument("--data-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"a rank whose data loader delivers no batch for this long stops the job with a one-line "
+                        f"error naming the loader (train/val) [{DATA_TIMEOUT:g}, at most half --dist-timeout; "
+                        f"0: wait forever]")
     g.add_argument("--max-bad-images", type=float, default=0.01, metavar="FRACTION",
                    help="stop when more than this fraction of the images read so far did not decode (each one is "
                         "skipped and logged with its path)")
@@ -126,6 +134,14 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
         parser.error(f"--max-bad-images is a fraction between 0 and 1, got {args.max_bad_images}")
     if args.dist_timeout <= 0:
         parser.error(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    if args.data_timeout is None:
+        args.data_timeout = min(DATA_TIMEOUT, args.dist_timeout / 2)
+    elif args.data_timeout < 0 or args.data_timeout >= args.dist_timeout:
+        parser.error(f"--data-timeout must be 0 (no limit) or below --dist-timeout ({args.dist_timeout:g} s), so "
+                     f"that a stalled rank stops the job before its peers' collectives time out; got "
+                     f"{args.data_timeout:g}")
+    if args.num_workers is not None and args.num_workers < 0:
+        parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     args.model_kwargs = dict(args.model_kwargs)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
     return args

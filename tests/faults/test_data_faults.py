@@ -121,3 +121,24 @@ def test_too_many_bad_images_stop_the_run_with_one_line(small, tmp_path):
     line = error_line(proc)
     assert "20 of 120 training images" in line and "--max-bad-images 0.1" in line, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_whose_validation_loader_stalls_ends_the_job_with_one_line(tmp_path):
+    """Rank 1's validation worker blocks for good at its first sample (as a read from a hung file system does)
+    while rank 0 waits for it in the evaluation's all-reduce: the job ends after --data-timeout with a line that
+    names the loader, not after --dist-timeout (300 s here) and not never."""
+    args = ["--data-set", "synthetic", "--synthetic-size", "64", "--nb-classes", "10", "--deepspeed_config",
+            config("zero0"), "--precision", "fp32", "--batch-size", "8", "--max-steps", "2", "--num_workers", "1",
+            "--no-model-ema", "--warmup-epochs", "0", *TINY, *QUIET_AUG, "--dist-timeout", "300",
+            "--data-timeout", "20"]
+    t0 = time.monotonic()
+    proc = run_train(args, nproc=2, launcher="deepspeed", check=False, timeout=280,
+                     env={"VIM_DS_INJECT": "stall_val@1:1"})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert elapsed < 200, f"{elapsed:.0f} s"
+    lines = [line for line in proc.stderr.splitlines() if "data loader delivered no batch" in line]
+    assert lines and lines[0].startswith("vim-ds train: error (rank 1): the val data loader delivered no batch in "
+                                         "20 s (--data-timeout)"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr

@@ -75,7 +75,9 @@ def evaluate_weights(args, dist_info) -> dict:
     """`vim-ds eval`: score the weights of `--resume`/`--finetune` (and their EMA weights, when saved) on the
     validation set, the model replicated on every rank and the set sharded; rank 0 logs the record."""
     from ..data import ShardedEvalSampler, build_dataset
+    from ..data.loader import build_loader
     from ..models import build_model, load_state_dict_into
+    from . import faults
     from .ds_config import PRECISION_DTYPES
     from .metrics import MetricsLog
 
@@ -88,10 +90,10 @@ def evaluate_weights(args, dist_info) -> dict:
     dtype = PRECISION_DTYPES[precision]
     model = model.to(dist_info.device, dtype).eval()
     batch = max(1, int(1.5 * (args.batch_size or 64)))
-    loader = torch.utils.data.DataLoader(
-        val_set, batch_sampler=ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
-                                                  world_size=dist_info.world_size),
-        num_workers=args.num_workers)
+    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
+                                                      world_size=dist_info.world_size),
+                          args, "val", local_world_size=dist_info.local_world_size,
+                          stall_at=faults.number("stall_val", dist_info.rank))
     shape = (3, args.input_size, args.input_size)
     record = {"step": None, "epoch": None, "source": args.resume or args.finetune}
     record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape).items()})

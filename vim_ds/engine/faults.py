@@ -7,15 +7,17 @@ points. The variable holds comma-separated `FAULT@STEP[:RANK]` items, e.g.
     VIM_DS_INJECT="nan_loss@5,nan_loss@6"     the loss of optimizer steps 5 and 6 is NaN (on every rank)
     VIM_DS_INJECT="kill_in_save@4:0"          rank 0 SIGKILLs itself while saving the step-4 checkpoint
 
-Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gradients are NaN too) and
-`kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker).
+Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gradients are NaN too),
+`kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker), and
+`stall_train`/`stall_val`, whose number counts samples, not steps: a worker of that data loader blocks for good at
+the N-th sample it loads (`vim_ds/data/loader.py`), as a read from a hung file system does.
 """
 from __future__ import annotations
 
 import os
 import signal
 
-KNOWN = ("nan_loss", "kill_in_save")
+KNOWN = ("nan_loss", "kill_in_save", "stall_train", "stall_val")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -35,6 +37,11 @@ _FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
 
 def active(name: str, step: int, rank: int) -> bool:
     return (name, step, None) in _FAULTS or (name, step, rank) in _FAULTS
+
+
+def number(name: str, rank: int) -> int | None:
+    """The number of a `name` fault that applies to `rank`, or None."""
+    return min((n for fault, n, r in _FAULTS if fault == name and r in (None, rank)), default=None)
 
 
 def kill_self():

@@ -33,12 +33,6 @@ class StopRequested(Exception):
     """SIGTERM arrived (SLURM before a time limit or preemption, the launcher, `kill`): a checkpoint was saved."""
 
 
-def _ignore_sigterm(_worker_id: int):
-    """DataLoader workers leave SIGTERM to the training process, which stops at the next step boundary and shuts
-    them down itself; a launcher signalling the whole process tree must not kill them in the middle of a step."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def derived_seed(*parts) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2 ** 63 - 1)
@@ -112,10 +106,10 @@ class Trainer:
         self.total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps:
             self.total_steps = min(self.total_steps, args.max_steps)
-        self.train_loader = self._loader(self.train_set, self.sampler)
+        self.train_loader = self._loader(self.train_set, self.sampler, "train")
         eval_batch = max(1, int(1.5 * self.batch.micro))
         self.val_loader = self._loader(self.val_set, ShardedEvalSampler(
-            len(self.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size))
+            len(self.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size), "val")
 
         # model and engine
         seed_everything(args.seed)  # identical initial weights on every rank
@@ -157,12 +151,12 @@ class Trainer:
 
     # -- construction helpers -----------------------------------------------------------------------------------
 
-    def _loader(self, dataset, batch_sampler):
-        workers = self.args.num_workers
-        return torch.utils.data.DataLoader(
-            dataset, batch_sampler=batch_sampler, num_workers=workers, pin_memory=self.args.pin_mem and
-            self.device.type != "cpu", persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
-            worker_init_fn=_ignore_sigterm if workers > 0 else None)
+    def _loader(self, dataset, batch_sampler, name: str):
+        from ..data.loader import build_loader  # workers from a fork server, --data-timeout: see its docstring
+
+        return build_loader(dataset, batch_sampler, self.args, name, local_world_size=self.dist.local_world_size,
+                            persistent=True, pin_memory=self.args.pin_mem and self.device.type != "cpu",
+                            ignore_sigterm=True, stall_at=faults.number(f"stall_{name}", self.dist.rank))
 
     def _build_mixup(self):
         args = self.args
@@ -406,13 +400,10 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._on_signal)
 
     def close(self):
-        """Stop the data-loader workers now. They ignore SIGTERM (see `_ignore_sigterm`), so they must be told to
+        """Stop the data-loader workers now. They ignore SIGTERM (see `data/loader.py`), so they must be told to
         exit, not left to multiprocessing's exit handler, which would SIGTERM and then wait for them forever."""
         for loader in (self.train_loader, self.val_loader):
-            iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator, if one was started
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-            loader._iterator = None
+            loader.shutdown()
 
     def _stop(self):
         """SIGTERM reached some rank: all ranks (they agreed through the step's all-reduce) save and stop."""

@@ -1,0 +1,162 @@
+"""DataLoaders for training, evaluation and `vim-ds eval`: worker processes that start safely in a process full of
+threads, a stall timeout that names the loader, and a default worker count that fits the machine.
+
+Why workers come from a fork server. A training rank runs many threads (gloo/NCCL, OpenMP, the DataLoader's queue
+feeder threads, ...). `fork()` copies only the calling thread; any lock another thread held at that instant stays
+locked in the child for good. CPython's own after-fork clean-up then runs finalizers of the other threads' state
+(`PyOS_AfterFork_Child` -> `_PyThreadState_DeleteExcept`), and the worker's start-up seeds torch's CPU generator,
+whose mutex another thread may hold: either can wait forever on a lock nobody will release. That is how the first
+evaluation of a 2-rank run hung (its validation workers are forked lazily, long after those threads started).
+Three ways out: `spawn` (a fresh interpreter per worker: safe, but every worker re-imports torch, seconds each),
+starting every worker before any thread exists (impossible to keep true: the process group's threads exist before
+the trainer is built, and loaders are re-created), or `forkserver`: one clean, single-threaded server process per
+rank, started by fork+exec with the heavy modules imported once (`_PRELOAD`), from which each worker is forked.
+We use the fork server: workers start as fast as with `fork` and no thread of the rank is ever copied.
+
+Workers receive the dataset by pickling (datasets and transforms must pickle) and seed every sample from its key
+(`datasets.seeded_rngs`), so batches and losses do not depend on how workers are started.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+DEFAULT_WORKERS = 10  # the published Vim/DeiT default, per rank
+START_METHOD = "forkserver"
+# imported once by the fork server; every worker forked from it has them (vim_ds.data: torch, torchvision, timm
+# transforms, PIL, the datasets)
+_PRELOAD = ["vim_ds.data.loader"]
+
+
+class DataStall(RuntimeError):
+    """A data loader delivered no batch within its timeout (`--data-timeout`)."""
+
+
+def default_num_workers(local_world_size: int | None = None) -> int:
+    """The published 10 workers per rank, capped to the cores this process may use shared by the ranks on this node.
+
+    At least 1, not 0: data then never runs in the training thread, so `--data-timeout` can always stop a stalled
+    loader (a read that hangs in the training process itself could not be interrupted), and the same worker code
+    runs in every default run. The cost on a 1-core-per-rank machine is one extra process.
+    """
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(DEFAULT_WORKERS, cores // max(1, local_world_size)))
+
+
+def _worker_init(ignore_sigterm: bool, _worker_id: int):
+    """SIGTERM in a worker. Trainer workers ignore it: the training process stops at the next step boundary and
+    shuts them down itself, and a launcher signalling the whole process tree must not kill them in the middle of a
+    step. Other workers die with it. Either way SIGTERM is unblocked (see `_worker_context`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _worker_context():
+    """The fork-server context, its server started now (so it imports `_PRELOAD` while the caller builds the model).
+
+    The server is started with SIGTERM blocked, as the standard library starts its resource tracker: it is in the
+    rank's process group, and a SIGTERM to the whole job (SLURM, the launcher) must not kill it, because workers
+    whose server died look dead to the DataLoader. Blocking rather than ignoring keeps a SIGTERM that arrives
+    meanwhile pending for this process instead of losing it. The server exits when this process does.
+    """
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context(START_METHOD)
+    context.set_forkserver_preload(_PRELOAD)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return context
+
+
+def stop_workers(iterator) -> None:
+    """Stop a multi-process iterator's workers: ask them to exit (DataLoader's own shutdown, which waits a few
+    seconds each and then sends SIGTERM), then SIGKILL any that is still there (stuck, or ignoring SIGTERM)."""
+    if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+        return
+    workers = list(getattr(iterator, "_workers", []))
+    iterator._shutdown_workers()
+    for worker in workers:
+        if worker.is_alive():
+            try:
+                os.kill(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.join(5)
+
+
+class Loader(DataLoader):
+    """A DataLoader that knows its name ("train", "val") and turns its timeout into a one-line `DataStall`."""
+
+    def __init__(self, *args, name: str, **kwargs):
+        self.name = name
+        super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if not (self.timeout and str(exc).startswith("DataLoader timed out")):
+                    raise
+                pids = ", ".join(str(w.pid) for w in getattr(iterator, "_workers", []))
+                stop_workers(iterator)
+                self._iterator = None
+                raise DataStall(f"the {self.name} data loader delivered no batch in {self.timeout:g} s "
+                                f"(--data-timeout): a worker is stuck (a hung file system, a blocked read or decode); "
+                                f"workers were pids {pids}") from None
+            yield batch
+
+    def shutdown(self) -> None:
+        """Stop persistent workers now (a no-op when none were started)."""
+        stop_workers(getattr(self, "_iterator", None))
+        self._iterator = None
+
+
+class _StallAt(Dataset):
+    """Fault injection (`VIM_DS_INJECT="stall_val@N:RANK"`, see engine/faults.py): the N-th sample a worker loads
+    blocks for good, as a read from a hung file system does."""
+
+    def __init__(self, dataset, at: int):
+        self.dataset, self.at, self.loaded = dataset, at, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        self.loaded += 1
+        if self.loaded >= self.at:
+            threading.Event().wait()
+        return self.dataset[key]
+
+
+def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: int | None = None,
+                 persistent: bool = False, pin_memory: bool = False, ignore_sigterm: bool = False,
+                 stall_at: int | None = None) -> Loader:
+    """The DataLoader for `dataset` (read in `batch_sampler`'s batches) with `args.num_workers` workers (None: the
+    machine's default, `default_num_workers`) started from the fork server, and `args.data_timeout` seconds (0 or
+    absent: no limit) to deliver each batch. `stall_at` (fault injection, chosen by the engine): the sample count
+    at which a worker blocks for good."""
+    workers = args.num_workers if getattr(args, "num_workers", None) is not None \
+        else default_num_workers(local_world_size)
+    if stall_at is not None:
+        dataset = _StallAt(dataset, stall_at)
+    if workers == 0:
+        return Loader(dataset, batch_sampler=batch_sampler, name=name)
+    return Loader(dataset, batch_sampler=batch_sampler, name=name, num_workers=workers, pin_memory=pin_memory,
+                  persistent_workers=persistent, prefetch_factor=4, multiprocessing_context=_worker_context(),
+                  worker_init_fn=functools.partial(_worker_init, ignore_sigterm),
+                  timeout=float(getattr(args, "data_timeout", 0) or 0))
