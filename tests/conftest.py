@@ -25,11 +25,16 @@ def _no_forced_backend(monkeypatch):
     yield
 
 
+SEED_VARIABLE = "VIM_DS_TEST_SEED"
+
+
 @pytest.fixture
-def seed():
-    """Fresh random inputs each run (the seed is printed on failure by pytest's captured output)."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {s}")
+def seed(request):
+    """Fresh random inputs each run; VIM_DS_TEST_SEED=<n> replays a failure's inputs without editing code (the
+    seed and that command are printed on failure by pytest's captured output)."""
+    fixed = os.environ.get(SEED_VARIABLE)
+    s = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {s} (reproduce: {SEED_VARIABLE}={s} python -m pytest '{request.node.nodeid}')")
     torch.manual_seed(s)
     return s
 

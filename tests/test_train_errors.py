@@ -21,8 +21,9 @@ def train(data, out, *extra, check=False, cfg="zero0"):
                       "--precision", "fp32", "--batch-size", "16", *TINY, *QUIET_AUG, *extra], check=check)
 
 
-def assert_one_line_error(proc, *words):
-    assert proc.returncode != 0, proc.stdout[-2000:]
+def assert_one_line_error(proc, *words, code=2):
+    """The README's contract: bad input exits 2 (a run that failed while training exits 1)."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     line = error_line(proc)
     assert line, proc.stderr[-3000:]
     for word in words:
@@ -33,6 +34,20 @@ def assert_one_line_error(proc, *words):
 def test_missing_data_path(tmp_path):
     proc = train(str(tmp_path / "nowhere"), tmp_path / "out", "--max-steps", "1")
     assert_one_line_error(proc, "nowhere")
+
+
+def test_missing_split(digits, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(digits, data)
+    shutil.rmtree(data / "val")
+    proc = train(str(data), tmp_path / "out", "--max-steps", "1")
+    assert_one_line_error(proc, str(data / "val"), "is missing")
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")  # nothing started
+
+
+def test_fp16_on_cpu_is_refused_in_one_line(digits, tmp_path):
+    proc = train(digits, tmp_path / "out", "--max-steps", "1", "--precision", "fp16", cfg="zero2_fp16")
+    assert_one_line_error(proc, "fp16 is not supported by DeepSpeed on CPU", "--precision bf16 or fp32")
 
 
 def test_empty_class_folder(digits, tmp_path):
@@ -78,15 +93,14 @@ def test_unreadable_images_are_skipped_below_one_percent_and_fail_above(digits, 
         f.write_bytes(b"not an image")
     proc = train(str(data), tmp_path / "bad", "--max-steps", "89", "--batch-size", "16", "--no-model-ema",
                  "--no-repeated-aug")
-    assert_one_line_error(proc, "did not decode")
+    assert_one_line_error(proc, "did not decode", code=1)
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(digits, tmp_path):
     out = tmp_path / "out"
     proc = train(digits, out, "--max-steps", "50", "--save-interval", "1", "--lr", "1e9", "--unscale-lr",
                  "--warmup-epochs", "0", "--keep-checkpoints", "0")
-    assert_one_line_error(proc, "loss is", "at step")
-    assert proc.returncode == 1
+    assert_one_line_error(proc, "loss is", "at step", code=1)
     steps = [r["step"] for r in records(out) if "loss" in r]
     bad_step = int(error_line(proc).split(" at step ")[1].split()[0])
     save_dir = out / "checkpoints"

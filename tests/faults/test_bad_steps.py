@@ -13,6 +13,8 @@ import torch
 from conftest import fault_args
 from train_utils import config, error_line, records, run_train
 
+pytestmark = pytest.mark.slow  # real training runs: ~2 min per test on 2 shared cores (pytest --durations)
+
 
 def weights(out, tag: str) -> dict[str, torch.Tensor]:
     from vim_ds.checkpoint.consolidate import fp32_state_dict
@@ -20,6 +22,33 @@ def weights(out, tag: str) -> dict[str, torch.Tensor]:
     state = fp32_state_dict(os.path.join(out, "checkpoints"), tag)
     ema = torch.load(os.path.join(out, "checkpoints", tag, "ema.pt"), weights_only=True)
     return {**state, **{f"ema.{k}": v for k, v in ema.items()}}
+
+
+def flatten(obj, prefix: str, into: dict):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            flatten(v, f"{prefix}.{k}", into)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            flatten(v, f"{prefix}.{i}", into)
+    elif isinstance(obj, (torch.Tensor, int, float)):
+        into[prefix] = obj
+    return into
+
+
+def optimizer_state(out, tag: str) -> dict:
+    """Every number and tensor of the optimizer as the checkpoint holds it: Adam's moments and step counts (in the
+    ZeRO partitions' *optim_states.pt, or in the model-states file without ZeRO), and the scheduler's position."""
+    import glob
+
+    tag_dir = os.path.join(out, "checkpoints", tag)
+    state = {}
+    for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt"))):
+        flatten(torch.load(path, weights_only=False)["optimizer_state_dict"], os.path.basename(path), state)
+    model_states = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), weights_only=False)
+    flatten(model_states.get("optimizer"), "optimizer", state)
+    flatten(model_states.get("lr_scheduler"), "lr_scheduler", state)
+    return state
 
 
 @pytest.mark.parametrize("stage,precision", [("zero0", "fp32"), ("zero2", "bf16")])
@@ -38,6 +67,17 @@ def test_a_nan_step_is_skipped_and_changes_no_weight(digits, tmp_path, stage, pr
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    # the optimizer did not step either: Adam's moments and step counters, and the lr schedule, are unchanged
+    # (DeepSpeed's ZeRO optimizer records that its last step overflowed: bookkeeping, not state)
+    a, b = optimizer_state(before, "global_step2"), optimizer_state(after, "global_step3")
+    for state in (a, b):
+        for name in [k for k in state if k.endswith(".overflow")]:
+            del state[name]
+    assert a.keys() == b.keys()
+    assert any("exp_avg_sq" in k for k in a) and any(k.endswith(".step") for k in a), sorted(a)
+    for name in a:
+        same = torch.equal(a[name], b[name]) if isinstance(a[name], torch.Tensor) else a[name] == b[name]
+        assert same, (name, a[name], b[name])
 
 
 def test_consecutive_nan_steps_stop_the_run_and_keep_the_last_good_checkpoint(digits, tmp_path):

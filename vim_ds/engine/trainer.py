@@ -40,13 +40,16 @@ def derived_seed(*parts) -> int:
 
 @contextlib.contextmanager
 def _optimizer_step_skipped(optimizer):
-    """Make the engine's next `optimizer.step()` a no-op: DeepSpeed still zeroes the gradients and advances its
-    counters and the schedule, as it does for a step its loss scaler skips."""
+    """Make the engine's next `optimizer.step()` a no-op that DeepSpeed handles as it handles a step its own overflow
+    check skips: it zeroes the gradients and counts a skipped step, but does not advance the lr schedule (reading
+    the `overflow` flag its own optimizers set)."""
     optimizer.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    optimizer.overflow = True
     try:
         yield
     finally:
         del optimizer.step
+        del optimizer.overflow
 
 
 def seed_everything(seed: int):
