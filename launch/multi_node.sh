@@ -41,10 +41,10 @@ awk '!/^[[:space:]]*(#|$)/ && $2 !~ /^slots=[0-9]+$/ { bad = 1 } END { exit bad 
     || die "hostfile '$HOSTFILE': every line must be 'HOST slots=N'"
 
 NNODES=${NNODES:-${#HOSTS[@]}}
-is_uint "$NNODES" && [[ $NNODES -ge 1 ]] || die "NNODES must be a positive integer, not '$NNODES'"
+{ is_uint "$NNODES" && [[ $NNODES -ge 1 ]]; } || die "NNODES must be a positive integer, not '$NNODES'"
 [[ $NNODES -le ${#HOSTS[@]} ]] || die "NNODES=$NNODES but hostfile '$HOSTFILE' lists only ${#HOSTS[@]} hosts"
 if [[ -n ${GPUS_PER_NODE:-} ]]; then
-    is_uint "$GPUS_PER_NODE" && [[ $GPUS_PER_NODE -ge 1 ]] \
+    { is_uint "$GPUS_PER_NODE" && [[ $GPUS_PER_NODE -ge 1 ]]; } \
         || die "GPUS_PER_NODE must be a positive integer, not '$GPUS_PER_NODE'"
 fi
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -53,7 +53,7 @@ is_uint "$MASTER_PORT" || die "MASTER_PORT must be a port number, not '$MASTER_P
 NO_SSH=${NO_SSH:-0}
 [[ -z ${NODE_RANK:-} ]] || NO_SSH=1
 if [[ -n ${NODE_RANK:-} ]]; then
-    is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]] \
+    { is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]]; } \
         || die "NODE_RANK must be 0..$((NNODES - 1)) (NNODES=$NNODES), not '$NODE_RANK'"
 elif [[ $NO_SSH == 1 && $DRY_RUN != 1 ]]; then
     die "NODE_RANK is required for a per-node launch without ssh (NO_SSH=1): 0 on ${HOSTS[0]}, 1 on the next, ..."

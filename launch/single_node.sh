@@ -28,7 +28,7 @@ if [[ -z $NPROC ]]; then
     NPROC=$(local_gpu_count)
     [[ $NPROC -gt 0 ]] || NPROC=2
 fi
-is_uint "$NPROC" && [[ $NPROC -gt 0 ]] || die "NPROC must be a positive integer, not '$NPROC'"
+{ is_uint "$NPROC" && [[ $NPROC -gt 0 ]]; } || die "NPROC must be a positive integer, not '$NPROC'"
 
 MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket
 s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}

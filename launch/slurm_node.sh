@@ -36,9 +36,9 @@ mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 NNODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-${#HOSTS[@]}}}
 NODE_RANK=${SLURM_NODEID:-${SLURM_PROCID:-}}
 [[ -n $NODE_RANK ]] || die "neither SLURM_NODEID nor SLURM_PROCID is set: start this script with srun"
-is_uint "$NNODES" && [[ $NNODES -le ${#HOSTS[@]} ]] \
+{ is_uint "$NNODES" && [[ $NNODES -le ${#HOSTS[@]} ]]; } \
     || die "SLURM_NNODES=$NNODES does not match the ${#HOSTS[@]} hosts of '$SLURM_JOB_NODELIST'"
-is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]] \
+{ is_uint "$NODE_RANK" && [[ $NODE_RANK -lt $NNODES ]]; } \
     || die "node rank $NODE_RANK (SLURM_NODEID/SLURM_PROCID) is not in 0..$((NNODES - 1)); use --ntasks-per-node=1"
 # rank 0 serves the rendezvous on the master address, so node rank K must be the K-th host of the list
 if [[ -n ${SLURMD_NODENAME:-} && ${HOSTS[NODE_RANK]} != "$SLURMD_NODENAME" ]]; then
@@ -53,7 +53,7 @@ if [[ -z $GPUS_PER_NODE ]]; then
     GPUS_PER_NODE=$(local_gpu_count)
     [[ $GPUS_PER_NODE -gt 0 ]] || GPUS_PER_NODE=1
 fi
-is_uint "$GPUS_PER_NODE" && [[ $GPUS_PER_NODE -ge 1 ]] \
+{ is_uint "$GPUS_PER_NODE" && [[ $GPUS_PER_NODE -ge 1 ]]; } \
     || die "GPUS_PER_NODE must be a positive integer, not '$GPUS_PER_NODE'"
 
 export DRY_RUN NNODES NODE_RANK GPUS_PER_NODE MASTER_ADDR MASTER_PORT
