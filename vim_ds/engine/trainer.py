@@ -43,13 +43,17 @@ def _optimizer_step_skipped(optimizer):
     """Make the engine's next `optimizer.step()` a no-op that DeepSpeed handles as it handles a step its own overflow
     check skips: it zeroes the gradients and counts a skipped step, but does not advance the lr schedule (reading
     the `overflow` flag its own optimizers set)."""
+    had_flag, flag = hasattr(optimizer, "overflow"), getattr(optimizer, "overflow", None)
     optimizer.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
     optimizer.overflow = True
     try:
         yield
     finally:
         del optimizer.step
-        del optimizer.overflow
+        if had_flag:
+            optimizer.overflow = flag
+        else:
+            del optimizer.overflow
 
 
 def seed_everything(seed: int):
