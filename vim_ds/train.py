@@ -151,6 +151,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     """Train, or with --eval evaluate: the entry point shared by `vim-ds train` and `vim-ds eval`, with one-line
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
+    from .data.loader import DataStall
     from .engine import distributed
     from .engine.checkpointing import SaveError
     from .engine.trainer import StopRequested, Trainer, TrainingError
@@ -186,7 +187,7 @@ def run(args, prog: str = "vim-ds train") -> int:
 
             traceback.print_exc()
         print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
-        return 1 if isinstance(exc, (TrainingError, SaveError)) else 2
+        return 1 if isinstance(exc, (TrainingError, SaveError, DataStall)) else 2  # 2: bad input
     finally:
         if trainer is not None:
             trainer.close()
