@@ -11,7 +11,8 @@
 //
 // ---------------------------------------------------------------------------------------------------------
 // Work mapping (both kernels)
-//   * A block (kThreads threads) owns one batch element b and `cpb` consecutive channels d0 .. d0+cpb-1.
+//   * A block (kThreads threads) owns one batch element b, `cpb` consecutive channels d0 .. d0+cpb-1 and one
+//     segment of the sequence (see "Sequence parallelism"; one segment = the whole sequence).
 //   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, capped at
 //     kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL "states per lane", a
 //     template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
@@ -25,15 +26,38 @@
 //     shared memory with coalesced loads (converted to the accumulation type), then every thread steps
 //     through the chunk reading only shared memory.
 //
+// Sequence parallelism (a two-level chunked scan). h_t = a_t h_{t-1} + b_t is associative on (a, b) pairs, so
+//   the chunks are grouped into n_seg segments of seg_chunks chunks, each run by its own block:
+//     pass 0   every segment but the last runs from a zero state, storing its end state and the product P of
+//              its decays a_t = exp(dl_t A) in the workspace (no outputs, no shuffles);
+//     combine  one thread per (b, d, n) walks the segments in order, H_{s+1} = P_s H_s + h_s, and stores H_{s+1}
+//              as the checkpoint before segment s+1's first chunk (segments start on chunk boundaries);
+//     pass 1   every segment runs from its true start state (that checkpoint) and writes out and the
+//              checkpoints inside it.
+//   The backward does the same back to front on the adjoint recurrence (dh_t = C_t dy_t + a_{t+1} dh_{t+1}):
+//   pass 0 gives each segment's outgoing carry from a zero carry-in and its P, the combine turns them into the
+//   carry into each segment, pass 1 is the full backward of the segment from that carry.
+//   The host picks n_seg (selective_scan_cuda.cu) so that batch x channel blocks x segments reach ~1024 blocks,
+//   with segments of at least 2 chunks: batch 1, D 384, N 16, L 4097 -> 48 x 22 blocks; B 64, D 384, L 197 ->
+//   3072 blocks and one segment (then pass 0 and the combine are skipped: the single-pass mapping of before).
+//
+// Determinism: no float atomics. Every output element is written by one thread, and every sum has a fixed
+//   order: over n by the xor-shuffle tree, dB/dC over the channels of a 32-lane segment by shuffles, then over
+//   the block's 32-lane segments in index order (shared memory), then over blocks of channels by
+//   scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one block holds
+//   all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
+//   segments in order. So the same inputs give the same bits run after run, on any block schedule.
+//
 // Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
 //   always, and every global-memory index of a time-indexed tensor goes through p.time(s) = L-1-s. Chunks, stored
 //   states and the arithmetic are those of the forward direction on flipped inputs, so no flipped copies are made
 //   and out, du, ddelta, dz equal the flipped computation bit for bit.
 //
 // Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
-//   (batch, dim, n_chunks-1, N). So saved[b,d,c,:] is the state at the *start* of chunk c+1.
+//   (batch, dim, n_chunks-1, N) (at segment ends the combine kernel stores it). So saved[b,d,c,:] is the state
+//   at the *start* of chunk c+1.
 //
-// Backward: walks the chunks from last to first. For chunk c it
+// Backward: walks the chunks of its segment from last to first. For chunk c it
 //   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z), B, C of the chunk in shared memory;
 //   2. recomputes the chunk's states from the stored state at its start (zero for chunk 0), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
@@ -43,9 +67,8 @@
 //         dA[n]   += dh*dl*exp(dl*A)*h_{t-1}         dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
 //         dz_t     = y_t * dout*silu'(z)             (y_t recomputed from the history)
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
-//      dB and dC are sums over channels: first over the channels of a 32-lane segment (shuffles), then over
-//      the block (shared-memory atomics), then over blocks (one global atomicAdd per block and element).
-//      dA, dD, ddelta_bias are summed over time in registers and added to global memory once at the end.
+//      dB and dC are sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the segment's
+//      steps in registers and stored as per-segment partials.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -211,7 +234,8 @@ struct KernelParams {
   void* du;
   void* ddelta;
   void* dz;                // null iff z is null
-  void* dA;                // accumulation type, zero-initialised, atomically accumulated
+  void* dA;                // accumulation type; dA .. ddelta_bias written by scan_reduce_kernel (dB, dC by the
+                           // backward itself when blocks_per_batch == 1)
   void* dB;
   void* dC;
   void* dD;                // null iff D is null
