@@ -113,6 +113,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const 
       at::empty({args.batch, args.dim, n_ckpt, args.dstate}, u.options().dtype(acc_dtype(u.scalar_type())));
   args.out = out.data_ptr();
   args.saved = n_ckpt > 0 ? saved.data_ptr() : nullptr;
+  const int64_t ws_bytes = vim_ds_scan::scan_workspace_bytes(args, false);
+  at::Tensor ws = at::empty({ws_bytes}, u.options().dtype(at::kByte));
+  args.workspace = ws_bytes > 0 ? ws.data_ptr() : nullptr;
 
   const char* err = vim_ds_scan::scan_fwd(args, current_stream());
   TORCH_CHECK(err == nullptr, "selective_scan (gpu) forward failed: ", err);
@@ -135,13 +138,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   at::Tensor du = at::empty_like(u);
   at::Tensor ddelta = at::empty_like(delta);
   at::Tensor dz = present(z) ? at::empty_like(*z) : at::Tensor();
-  // Everything the kernel sums with atomics starts at zero and is accumulated in the accumulation dtype.
+  // Sums over channels / time / batch, in the accumulation dtype; the kernels write every element (ordered sums,
+  // no atomics). Zeroed anyway: batch * dim == 0 launches nothing.
   const auto acc_opts = u.options().dtype(acc);
   at::Tensor dA = at::zeros_like(A);
   at::Tensor dB_acc = at::zeros({args.batch, args.dstate, args.seqlen}, acc_opts);
   at::Tensor dC_acc = at::zeros({args.batch, args.dstate, args.seqlen}, acc_opts);
   at::Tensor dD = present(D) ? at::zeros_like(*D) : at::Tensor();
   at::Tensor ddelta_bias = present(delta_bias) ? at::zeros_like(*delta_bias) : at::Tensor();
+  const int64_t ws_bytes = vim_ds_scan::scan_workspace_bytes(args, true);
+  at::Tensor ws = at::empty({ws_bytes}, u.options().dtype(at::kByte));
+  args.workspace = ws_bytes > 0 ? ws.data_ptr() : nullptr;
 
   args.dout = dout.data_ptr();
   args.saved = n_ckpt > 0 ? saved.data_ptr() : nullptr;

@@ -19,6 +19,11 @@ struct Layout {
 
 int acc_size(ScanDType dtype) { return dtype == ScanDType::kFloat64 ? 8 : 4; }
 
+// Blocks that keep a large GPU busy (an H100 has 132 SMs, an MI250X GCD 110 CUs; several blocks fit on each).
+constexpr int64_t kTargetBlocks = 1024;
+// Shortest segment along the sequence, in chunks.
+constexpr int64_t kMinSegChunks = 2;
+
 Layout make_layout(int64_t dstate, ScanDType dtype) {
   Layout lay;
   lay.group = 1;
@@ -56,6 +61,20 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   p.n_chunks = int((a.seqlen + lay.chunk - 1) / lay.chunk);
   const int cpb = ssk::kThreads / lay.group;
   p.blocks_per_batch = int((a.dim + cpb - 1) / cpb);
+  // Segments along the sequence: enough blocks to fill the GPU when batch x channels alone do not, each segment
+  // at least kMinSegChunks chunks (a segment costs a second pass over its inputs). Batch 1, D 384, N 16, L 4097:
+  // 48 blocks x 22 segments of 6 chunks; B 64, D 384, L 197: 3072 blocks, one segment (today's mapping).
+  const int64_t base_blocks = a.batch * p.blocks_per_batch;
+  int64_t seg_chunks = p.n_chunks;
+  if (base_blocks < kTargetBlocks) {
+    const int64_t want = (kTargetBlocks + base_blocks - 1) / base_blocks;
+    seg_chunks = (p.n_chunks + want - 1) / want;
+    if (seg_chunks < kMinSegChunks) seg_chunks = kMinSegChunks;
+    if (seg_chunks > p.n_chunks) seg_chunks = p.n_chunks;
+  }
+  p.seg_chunks = int(seg_chunks);
+  p.n_seg = int((p.n_chunks + seg_chunks - 1) / seg_chunks);
+  p.pass = 1;
   p.softplus = a.delta_softplus;
   p.reverse = a.reverse;
   p.u = a.u;
@@ -77,6 +96,7 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   p.dC = a.dC;
   p.dD = a.dD;
   p.ddelta_bias = a.ddelta_bias;
+  p.ws = a.workspace;
   return p;
 }
 
@@ -85,9 +105,11 @@ const char* last_error() {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
+// One launch of the scan kernel (pass 0 or 1 of the forward or backward), over every (batch, channel block,
+// segment).
 template <typename input_t, int kNPL>
-const char* launch(const KernelParams& p, bool backward, int acc_bytes, cudaStream_t stream) {
-  const int64_t blocks = int64_t(p.batch) * p.blocks_per_batch;
+const char* launch_scan(const KernelParams& p, bool backward, int acc_bytes, cudaStream_t stream) {
+  const int64_t blocks = int64_t(p.batch) * p.blocks_per_batch * p.n_seg;
   if (blocks > 2147483647) return "selective_scan: too many blocks";
   const dim3 grid(static_cast<unsigned int>(blocks));
   const dim3 block(ssk::kThreads);
@@ -99,6 +121,40 @@ const char* launch(const KernelParams& p, bool backward, int acc_bytes, cudaStre
     ssk::scan_fwd_kernel<input_t, kNPL><<<grid, block, smem, stream>>>(p);
   }
   return last_error();
+}
+
+// The combine (reduce = false) or the ordered reduction of the backward's partials (reduce = true).
+template <typename acc_t>
+const char* launch_aux(const KernelParams& p, bool reduce, cudaStream_t stream) {
+  const int64_t elems = reduce ? ssk::reduce_elems(p) : int64_t(p.batch) * p.dim * p.dstate;
+  const int64_t blocks = (elems + ssk::kThreads - 1) / ssk::kThreads;
+  if (blocks > 2147483647) return "selective_scan: too many blocks";
+  if (blocks == 0) return nullptr;
+  const dim3 grid(static_cast<unsigned int>(blocks));
+  const dim3 block(ssk::kThreads);
+  if (reduce) {
+    ssk::scan_reduce_kernel<acc_t><<<grid, block, 0, stream>>>(p);
+  } else {
+    ssk::scan_combine_kernel<acc_t><<<grid, block, 0, stream>>>(p);
+  }
+  return last_error();
+}
+
+// Forward: [pass 0, combine,] pass 1. Backward: [pass 0, combine,] pass 1, reduce. (Bracketed: n_seg > 1 only.)
+template <typename input_t, int kNPL>
+const char* launch(const KernelParams& p1, bool backward, int acc_bytes, cudaStream_t stream) {
+  using acc_t = typename ssk::AccType<input_t>::type;
+  const char* err = nullptr;
+  if (p1.n_seg > 1) {
+    KernelParams p0 = p1;
+    p0.pass = 0;
+    if ((err = launch_scan<input_t, kNPL>(p0, backward, acc_bytes, stream))) return err;
+    p0.pass = backward ? 1 : 0;
+    if ((err = launch_aux<acc_t>(p0, false, stream))) return err;
+  }
+  if ((err = launch_scan<input_t, kNPL>(p1, backward, acc_bytes, stream))) return err;
+  if (backward) err = launch_aux<acc_t>(p1, true, stream);
+  return err;
 }
 
 template <typename input_t>
@@ -133,6 +189,13 @@ const char* run(const ScanArgs& a, void* stream_ptr, bool backward) {
 int64_t scan_chunk_length(int64_t dstate, ScanDType dtype) {
   if (dstate < 1 || dstate > kScanMaxDState) return 0;
   return make_layout(dstate, dtype).chunk;
+}
+
+int64_t scan_workspace_bytes(const ScanArgs& a, bool backward) {
+  if (check_args(a) != nullptr || a.batch == 0 || a.dim == 0) return 0;
+  const KernelParams p = make_params(a, make_layout(a.dstate, a.dtype));
+  const ssk::WsLayout w = ssk::ws_layout(p);
+  return (backward ? w.bwd_total : w.fwd_total) * acc_size(a.dtype);
 }
 
 int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype) {

@@ -20,8 +20,10 @@ enum class ScanDType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16
 //   B, C                                   : (batch, dstate, seqlen)        input dtype
 //   D, delta_bias                          : (dim,)                         accumulation dtype
 //   saved                                  : (batch, dim, num_checkpoints, dstate)   accumulation dtype
-//   dA (dim, dstate), dB, dC (batch, dstate, seqlen), dD, ddelta_bias (dim,): accumulation dtype and
-//   ZERO-INITIALISED by the caller: the backward kernel atomically adds partial sums into them.
+//   dA (dim, dstate), dB, dC (batch, dstate, seqlen), dD, ddelta_bias (dim,): accumulation dtype, written in
+//   full by the backward (no atomics: the same inputs give the same bits on every run).
+//   workspace: scan_workspace_bytes(args, backward) bytes of scratch for that call (nullptr when 0), no
+//   initialisation needed, 8-byte aligned.
 // D, z, delta_bias may be null (then dD / dz / ddelta_bias must be null too). Pointers a call does not use
 // (e.g. the gradients in the forward) are ignored.
 struct ScanArgs {
@@ -51,6 +53,7 @@ struct ScanArgs {
   void* dC = nullptr;
   void* dD = nullptr;
   void* ddelta_bias = nullptr;
+  void* workspace = nullptr;
 };
 
 // Largest supported d_state.
@@ -62,6 +65,10 @@ int64_t scan_chunk_length(int64_t dstate, ScanDType dtype);
 // Number of stored states per (batch, channel): ceil(seqlen / chunk_length) - 1 (the state at the start of
 // every chunk but the first, which starts from zero). May be 0.
 int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype);
+
+// Scratch the forward (backward = false) or the backward of these shapes needs in ScanArgs::workspace. Depends
+// on batch, dim, seqlen, dstate and the dtype only (the pointers need not be set).
+int64_t scan_workspace_bytes(const ScanArgs& args, bool backward);
 
 // Launch the forward / backward on `stream` (the runtime's stream handle, passed as void* so that this header
 // needs no runtime header).

@@ -11,7 +11,8 @@
 //
 // ---------------------------------------------------------------------------------------------------------
 // Work mapping (both kernels)
-//   * A block (kThreads threads) owns one batch element b and `cpb` consecutive channels d0 .. d0+cpb-1.
+//   * A block (kThreads threads) owns one batch element b, `cpb` consecutive channels d0 .. d0+cpb-1 and one
+//     segment of the sequence (see "Sequence parallelism"; one segment = the whole sequence).
 //   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, capped at
 //     kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL "states per lane", a
 //     template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
@@ -25,15 +26,38 @@
 //     shared memory with coalesced loads (converted to the accumulation type), then every thread steps
 //     through the chunk reading only shared memory.
 //
+// Sequence parallelism (a two-level chunked scan). h_t = a_t h_{t-1} + b_t is associative on (a, b) pairs, so
+//   the chunks are grouped into n_seg segments of seg_chunks chunks, each run by its own block:
+//     pass 0   every segment but the last runs from a zero state, storing its end state and the product P of
+//              its decays a_t = exp(dl_t A) in the workspace (no outputs, no shuffles);
+//     combine  one thread per (b, d, n) walks the segments in order, H_{s+1} = P_s H_s + h_s, and stores H_{s+1}
+//              as the checkpoint before segment s+1's first chunk (segments start on chunk boundaries);
+//     pass 1   every segment runs from its true start state (that checkpoint) and writes out and the
+//              checkpoints inside it.
+//   The backward does the same back to front on the adjoint recurrence (dh_t = C_t dy_t + a_{t+1} dh_{t+1}):
+//   pass 0 gives each segment's outgoing carry from a zero carry-in and its P, the combine turns them into the
+//   carry into each segment, pass 1 is the full backward of the segment from that carry.
+//   The host picks n_seg (selective_scan_cuda.cu) so that batch x channel blocks x segments reach ~1024 blocks,
+//   with segments of at least 2 chunks: batch 1, D 384, N 16, L 4097 -> 48 x 22 blocks; B 64, D 384, L 197 ->
+//   3072 blocks and one segment (then pass 0 and the combine are skipped: the single-pass mapping of before).
+//
+// Determinism: no float atomics. Every output element is written by one thread, and every sum has a fixed
+//   order: over n by the xor-shuffle tree, dB/dC over the channels of a 32-lane segment by shuffles, then over
+//   the block's 32-lane segments in index order (shared memory), then over blocks of channels by
+//   scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one block holds
+//   all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
+//   segments in order. So the same inputs give the same bits run after run, on any block schedule.
+//
 // Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
 //   always, and every global-memory index of a time-indexed tensor goes through p.time(s) = L-1-s. Chunks, stored
 //   states and the arithmetic are those of the forward direction on flipped inputs, so no flipped copies are made
 //   and out, du, ddelta, dz equal the flipped computation bit for bit.
 //
 // Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
-//   (batch, dim, n_chunks-1, N). So saved[b,d,c,:] is the state at the *start* of chunk c+1.
+//   (batch, dim, n_chunks-1, N) (at segment ends the combine kernel stores it). So saved[b,d,c,:] is the state
+//   at the *start* of chunk c+1.
 //
-// Backward: walks the chunks from last to first. For chunk c it
+// Backward: walks the chunks of its segment from last to first. For chunk c it
 //   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z), B, C of the chunk in shared memory;
 //   2. recomputes the chunk's states from the stored state at its start (zero for chunk 0), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
@@ -43,9 +67,8 @@
 //         dA[n]   += dh*dl*exp(dl*A)*h_{t-1}         dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
 //         dz_t     = y_t * dout*silu'(z)             (y_t recomputed from the history)
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
-//      dB and dC are sums over channels: first over the channels of a 32-lane segment (shuffles), then over
-//      the block (shared-memory atomics), then over blocks (one global atomicAdd per block and element).
-//      dA, dD, ddelta_bias are summed over time in registers and added to global memory once at the end.
+//      dB and dC are sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the segment's
+//      steps in registers and stored as per-segment partials.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -187,6 +210,9 @@ struct KernelParams {
   int chunk;           // T: time steps per chunk
   int n_chunks;        // ceil(seqlen / chunk)
   int blocks_per_batch;
+  int n_seg;           // S: segments along the sequence (see "Sequence parallelism")
+  int seg_chunks;      // chunks per segment (the last segment may have fewer)
+  int pass;            // which pass of a multi-pass launch (set by the launcher, see each kernel)
   bool softplus;
   bool reverse;        // scan t = L-1 .. 0: step s of the scan is time L-1-s (see time())
 
@@ -208,12 +234,40 @@ struct KernelParams {
   void* du;
   void* ddelta;
   void* dz;                // null iff z is null
-  void* dA;                // accumulation type, zero-initialised, atomically accumulated
+  void* dA;                // accumulation type; dA .. ddelta_bias written by scan_reduce_kernel (dB, dC by the
+                           // backward itself when blocks_per_batch == 1)
   void* dB;
   void* dC;
   void* dD;                // null iff D is null
   void* ddelta_bias;       // null iff delta_bias is null
+  void* ws;                // workspace (see ws_layout), accumulation type, no initialisation needed
 };
+
+// Workspace layout, offsets in elements of the accumulation type; BD = batch*dim, S = n_seg, NC = blocks per batch.
+//   seg_v [BD][S][N]  forward: segment's end state from a zero start; backward: its outgoing adjoint carry from a
+//                     zero carry-in, replaced by the combine with the carry INTO segment s-1
+//   seg_P [BD][S][N]  product of exp(dl*A) over the segment
+//   dA_p  [BD][S][N]  backward: per-segment partial sums of dA
+//   dD_p, dbias_p [BD][S]
+//   dB_p, dC_p [batch][NC][N][L]  per-block-of-channels partial sums (only when NC > 1; else written to dB, dC)
+struct WsLayout {
+  int64_t seg_v, seg_P, dA_p, dD_p, dbias_p, dB_p, dC_p, fwd_total, bwd_total;
+};
+__host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
+  WsLayout w;
+  const int64_t bd = int64_t(p.batch) * p.dim, s = bd * p.n_seg * p.dstate;
+  const int64_t part = p.blocks_per_batch > 1 ? int64_t(p.batch) * p.blocks_per_batch * p.dstate * p.seqlen : 0;
+  w.seg_v = 0;
+  w.seg_P = s;
+  w.dA_p = 2 * s;
+  w.dD_p = 3 * s;
+  w.dbias_p = w.dD_p + bd * p.n_seg;
+  w.dB_p = w.dbias_p + bd * p.n_seg;
+  w.dC_p = w.dB_p + part;
+  w.fwd_total = p.n_seg > 1 ? 2 * s : 0;
+  w.bwd_total = w.dC_p + part;
+  return w;
+}
 
 // Shared-memory sizes (in elements of the accumulation type); the host uses the same formulas.
 __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int group) {
@@ -224,21 +278,30 @@ __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int gro
 __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int group, int npl) {
   const int cpb = kThreads / group;
   // history of chunk+1 states per thread and state slot; 5 staged + 3 output values per channel and step;
-  // B, C, dB, dC per state and step
-  return int64_t(chunk + 1) * kThreads * npl + int64_t(8) * chunk * cpb + int64_t(4) * chunk * dstate;
+  // B, C per state and step; dB, dC per 32-lane segment, state and step
+  return int64_t(chunk + 1) * kThreads * npl + int64_t(8) * chunk * cpb +
+         int64_t(2 + 2 * (kThreads / kSeg)) * chunk * dstate;
 }
 
 // Which (batch, channel, lane) a thread works on.
+// Block index = (b * blocks_per_batch + chb) * n_seg + seg.
 struct ThreadMap {
-  int b, d0, c_local, lane_g, d;
+  int b, chb, seg, c_begin, c_end, d0, c_local, lane_g, d;
+  int64_t bd;  // b * dim + d
   bool ch_ok;
   __device__ ThreadMap(const KernelParams& p) {
     const int cpb = kThreads / p.group;
-    b = blockIdx.x / p.blocks_per_batch;
-    d0 = (blockIdx.x % p.blocks_per_batch) * cpb;
+    seg = blockIdx.x % p.n_seg;
+    const int bc = blockIdx.x / p.n_seg;
+    b = bc / p.blocks_per_batch;
+    chb = bc % p.blocks_per_batch;
+    d0 = chb * cpb;
+    c_begin = seg * p.seg_chunks;
+    c_end = min(p.n_chunks, c_begin + p.seg_chunks);
     c_local = threadIdx.x / p.group;
     lane_g = threadIdx.x % p.group;
     d = d0 + c_local;
+    bd = int64_t(b) * p.dim + d;
     ch_ok = d < p.dim;
   }
 };
@@ -273,20 +336,27 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
   acc_t* B_s = y_s + T * cpb;   // [T][N]
   acc_t* C_s = B_s + T * N;     // [T][N]
 
+  // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
+  // the workspace (the last segment's are never needed). Pass 1: the segment from its true start state (zero for
+  // segment 0, else the checkpoint the combine kernel stored), writing out and the checkpoints inside the segment.
+  const bool local = p.pass == 0;
+  if (local && m.seg == p.n_seg - 1) return;  // the whole block leaves: no barrier is skipped by some threads only
+  const int64_t n_ckpt = p.n_chunks - 1;
+
   // This lane's states: n = k*G + lane_g.
-  acc_t A[kNPL], h[kNPL];
+  acc_t A[kNPL], h[kNPL], P[kNPL];
   bool n_ok[kNPL];
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
     n_ok[k] = m.ch_ok && n < N;
     A[k] = n_ok[k] ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    h[k] = acc_t(0);
+    h[k] = (!local && m.seg > 0 && n_ok[k]) ? saved[(m.bd * n_ckpt + (m.c_begin - 1)) * N + n] : acc_t(0);
+    P[k] = acc_t(1);
   }
   const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
-  const int64_t n_ckpt = p.n_chunks - 1;
 
-  for (int c = 0; c < p.n_chunks; ++c) {
+  for (int c = m.c_begin; c < m.c_end; ++c) {
     const int t0 = c * T;
     const int len = min(T, L - t0);
 
@@ -319,6 +389,22 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
     }
     __syncthreads();
 
+    if (local) {  // no sums over n, no shuffles: every lane runs its own states
+      for (int t = 0; t < len; ++t) {
+        const acc_t dl = dl_s[t * cpb + m.c_local];
+        const acc_t dlu = dl * u_s[t * cpb + m.c_local];
+#pragma unroll
+        for (int k = 0; k < kNPL; ++k) {
+          if (n_ok[k]) {
+            const acc_t a = ss_exp(dl * A[k]);
+            h[k] = a * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
+            P[k] *= a;
+          }
+        }
+      }
+      continue;  // uniform over the block; the next chunk starts with a barrier
+    }
+
     // The recurrence. Every lane runs every step (the shuffles need all lanes); lanes without a valid state
     // contribute 0.
     for (int t = 0; t < len; ++t) {
@@ -338,11 +424,12 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
       if (m.lane_g == 0) y_s[t * cpb + m.c_local] = y + D_d * uv;
     }
 
-    // Checkpoint: the state at the start of the next chunk.
-    if (c + 1 < p.n_chunks) {
+    // Checkpoint: the state at the start of the next chunk, inside the segment only (the combine kernel has
+    // stored the one at the segment's end, which the next segment's block reads: writing it here would race).
+    if (c + 1 < m.c_end) {
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        if (n_ok[k]) saved[((int64_t(m.b) * p.dim + m.d) * n_ckpt + c) * N + k * G + m.lane_g] = h[k];
+        if (n_ok[k]) saved[(m.bd * n_ckpt + c) * N + k * G + m.lane_g] = h[k];
       }
     }
     __syncthreads();  // y_s complete
@@ -358,6 +445,19 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
           y *= zv * sigmoid(zv);
         }
         store_from_acc(out + off, y);
+      }
+    }
+  }
+
+  if (local) {
+    acc_t* ws = static_cast<acc_t*>(p.ws);
+    const WsLayout w = ws_layout(p);
+#pragma unroll
+    for (int k = 0; k < kNPL; ++k) {
+      if (n_ok[k]) {
+        const int64_t i = (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g;
+        ws[w.seg_v + i] = h[k];
+        ws[w.seg_P + i] = P[k];
       }
     }
   }
@@ -386,11 +486,13 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
   input_t* __restrict__ du = static_cast<input_t*>(p.du);
   input_t* __restrict__ ddelta = static_cast<input_t*>(p.ddelta);
   input_t* __restrict__ dz = static_cast<input_t*>(p.dz);
-  acc_t* __restrict__ dA = static_cast<acc_t*>(p.dA);
-  acc_t* __restrict__ dB = static_cast<acc_t*>(p.dB);
-  acc_t* __restrict__ dC = static_cast<acc_t*>(p.dC);
-  acc_t* __restrict__ dD = static_cast<acc_t*>(p.dD);
-  acc_t* __restrict__ dbias = static_cast<acc_t*>(p.ddelta_bias);
+  acc_t* __restrict__ ws = static_cast<acc_t*>(p.ws);
+  const WsLayout w = ws_layout(p);
+  // The block's sums of dB, dC over its channels: straight into dB, dC when one block holds all channels (then
+  // [batch][1][N][L] is their layout), else into per-block partials that scan_reduce_kernel adds in order.
+  acc_t* __restrict__ dB = p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB);
+  acc_t* __restrict__ dC = p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC);
+  const int64_t part_row = int64_t(m.b) * p.blocks_per_batch + m.chb;  // row block of dB/dC partials
 
   // Shared memory layout (see bwd_smem_elems).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
@@ -406,25 +508,38 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
   acc_t* dz_o = ddl_o + T * cpb;              // [T][cpb]
   acc_t* B_s = dz_o + T * cpb;                // [T][N]
   acc_t* C_s = B_s + T * N;                   // [T][N]
-  acc_t* dB_s = C_s + T * N;                  // [T][N]  block's sum over its channels
-  acc_t* dC_s = dB_s + T * N;                 // [T][N]
+  constexpr int kSegs = kThreads / kSeg;      // 32-lane segments per block
+  acc_t* dB_s = C_s + T * N;                  // [kSegs][T][N]  each 32-lane segment's sum over its channels
+  acc_t* dC_s = dB_s + kSegs * T * N;         // [kSegs][T][N]
+  const int wseg = tid / kSeg;
 
-  acc_t A[kNPL], carry[kNPL], dA_acc[kNPL];
+  // Pass 0 (only when n_seg > 1): the adjoint carry leaving the segment at its first step, from a zero carry-in,
+  // and the product of its decays, into the workspace (segment 0's are never needed). Pass 1: the full backward
+  // of the segment, starting from the carry the combine kernel computed.
+  const bool carries_only = p.pass == 0;
+  if (carries_only && m.seg == 0) return;  // whole block
+
+  acc_t A[kNPL], carry[kNPL], dA_acc[kNPL], P[kNPL];
   bool n_ok[kNPL];
+  const bool last_seg = m.seg == p.n_seg - 1;
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
     n_ok[k] = m.ch_ok && n < N;
     A[k] = n_ok[k] ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    carry[k] = acc_t(0);  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}
+    // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}; into the segment's last step it is
+    // what the combine kernel stored for the next segment
+    carry[k] = (!carries_only && !last_seg && n_ok[k]) ? ws[w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + n]
+                                                       : acc_t(0);
     dA_acc[k] = acc_t(0);
+    P[k] = acc_t(1);
   }
   const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
   acc_t dD_acc = acc_t(0), dbias_acc = acc_t(0);  // meaningful on lane_g == 0
   const int64_t n_ckpt = p.n_chunks - 1;
   const bool seg_leader = (tid % kSeg) < G;  // first group of its 32-lane segment
 
-  for (int c = p.n_chunks - 1; c >= 0; --c) {
+  for (int c = m.c_end - 1; c >= m.c_begin; --c) {
     const int t0 = c * T;
     const int len = min(T, L - t0);
 
@@ -470,10 +585,24 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
       }
       B_s[t * N + n] = bv;
       C_s[t * N + n] = cv;
-      dB_s[t * N + n] = acc_t(0);
-      dC_s[t * N + n] = acc_t(0);
     }
     __syncthreads();
+
+    if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
+      for (int t = len - 1; t >= 0; --t) {
+        const int s = t * cpb + m.c_local;
+        const acc_t dl = dl_s[s], dy = dy_s[s];
+#pragma unroll
+        for (int k = 0; k < kNPL; ++k) {
+          if (n_ok[k]) {
+            const acc_t a = ss_exp(dl * A[k]);
+            carry[k] = a * (carry[k] + C_s[t * N + k * G + m.lane_g] * dy);
+            P[k] *= a;
+          }
+        }
+      }
+      continue;  // uniform over the block; the next chunk starts with a barrier
+    }
 
     // ---- 2. recompute the chunk's states from the stored start state, with the same operations as the
     // forward. Each thread only touches its own history slots, so no barrier is needed before step 3.
@@ -481,9 +610,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
       acc_t h[kNPL];
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        h[k] = (c > 0 && n_ok[k])
-                   ? saved[((int64_t(m.b) * p.dim + m.d) * n_ckpt + (c - 1)) * N + k * G + m.lane_g]
-                   : acc_t(0);
+        h[k] = (c > 0 && n_ok[k]) ? saved[(m.bd * n_ckpt + (c - 1)) * N + k * G + m.lane_g] : acc_t(0);
         hist[k * kThreads + tid] = h[k];
       }
       for (int t = 0; t < len; ++t) {
@@ -523,15 +650,15 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
           dA_acc[k] += dh * dl * a * h_prev;
           carry[k] = a * dh;
         }
-        // Sum dB, dC over the channels sharing this 32-lane segment (lanes with the same lane_g), then the
-        // segment's first group adds them into the block's shared sums.
+        // Sum dB, dC over the channels sharing this 32-lane segment (lanes with the same lane_g); the segment's
+        // first group stores them (plain stores: one writer per entry; the epilogue adds the segments in order).
         for (int off = G; off < kSeg; off <<= 1) {
           dB_v += shfl_xor(dB_v, off);
           dC_v += shfl_xor(dC_v, off);
         }
         if (seg_leader && n < N) {
-          atomicAdd(&dB_s[t * N + n], dB_v);
-          atomicAdd(&dC_s[t * N + n], dC_v);
+          dB_s[(wseg * T + t) * N + n] = dB_v;
+          dC_s[(wseg * T + t) * N + n] = dC_v;
         }
       }
       y_p = group_sum(y_p, G);
@@ -560,25 +687,128 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
         if (dz != nullptr) store_from_acc(dz + off, dz_o[s]);
       }
     }
+    // Each (b, n, time) of dB / dC belongs to one segment, so to exactly one block of this row.
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
-        atomicAdd(dB + off, dB_s[t * N + n]);
-        atomicAdd(dC + off, dC_s[t * N + n]);
+        const int64_t off = (part_row * N + n) * L + p.time(t0 + t);
+        acc_t sb = acc_t(0), sc = acc_t(0);
+        for (int j = 0; j < kSegs; ++j) {
+          sb += dB_s[(j * T + t) * N + n];
+          sc += dC_s[(j * T + t) * N + n];
+        }
+        dB[off] = sb;
+        dC[off] = sc;
       }
     }
   }
 
-  // Parameters' gradients: summed over time here, over batch (and for dA nothing else) by the atomics.
+  if (carries_only) {
+#pragma unroll
+    for (int k = 0; k < kNPL; ++k) {
+      if (n_ok[k]) {
+        const int64_t i = (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g;
+        ws[w.seg_v + i] = carry[k];
+        ws[w.seg_P + i] = P[k];
+      }
+    }
+    return;
+  }
+  // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
-    if (n_ok[k]) atomicAdd(dA + int64_t(m.d) * N + k * G + m.lane_g, dA_acc[k]);
+    if (n_ok[k]) ws[w.dA_p + (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g] = dA_acc[k];
   }
   if (m.lane_g == 0 && m.ch_ok) {
-    if (dD != nullptr) atomicAdd(dD + m.d, dD_acc);
-    if (dbias != nullptr) atomicAdd(dbias + m.d, dbias_acc);
+    ws[w.dD_p + m.bd * p.n_seg + m.seg] = dD_acc;
+    ws[w.dbias_p + m.bd * p.n_seg + m.seg] = dbias_acc;
   }
+}
+
+// ------------------------------------------------------------------ combine and reduce --------------------
+
+// The sequential middle pass of the chunked scan: one thread per (b, d, n) walks the segments in order, so the
+// result is the same bits on every run. pass 0 (forward): H_0 = 0, H_{s+1} = P_s H_s + h_s (h_s the segment's
+// end state from a zero start); stores H_{s+1}, the state at the start of segment s+1, as the checkpoint
+// before that segment's first chunk. pass 1 (backward): X_{S-1} = 0 is the carry into the last segment;
+// X_{s-1} = P_s X_s + x_s (x_s the carry leaving segment s from a zero carry-in); stores X_{s-1} over x_s, where
+// segment s-1 reads it.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) scan_combine_kernel(const KernelParams p) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int N = p.dstate;
+  if (i >= int64_t(p.batch) * p.dim * N) return;  // no barriers or shuffles in this kernel
+  const int n = int(i % N);
+  const int64_t bd = i / N;
+  acc_t* ws = static_cast<acc_t*>(p.ws);
+  const WsLayout w = ws_layout(p);
+  acc_t* v = ws + w.seg_v + bd * p.n_seg * N + n;  // segment s at v[s * N]
+  const acc_t* P = ws + w.seg_P + bd * p.n_seg * N + n;
+  if (p.pass == 0) {
+    acc_t* saved = static_cast<acc_t*>(p.saved);
+    const int64_t n_ckpt = p.n_chunks - 1;
+    acc_t H = acc_t(0);
+    for (int s = 0; s + 1 < p.n_seg; ++s) {
+      H = P[int64_t(s) * N] * H + v[int64_t(s) * N];
+      saved[(bd * n_ckpt + int64_t(s + 1) * p.seg_chunks - 1) * N + n] = H;
+    }
+  } else {
+    acc_t X = acc_t(0);
+    for (int s = p.n_seg - 1; s >= 1; --s) {
+      X = P[int64_t(s) * N] * X + v[int64_t(s) * N];
+      v[int64_t(s) * N] = X;
+    }
+  }
+}
+
+// Ordered sums of the backward's partials (no atomics, so the same bits on every run): one thread per output
+// element of dA (dim, N), dD (dim), ddelta_bias (dim), and when several blocks share a batch row, dB and dC
+// (batch, N, L). Each sums over batch then segments, or over blocks of channels, in index order.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) scan_reduce_kernel(const KernelParams p) {
+  const int64_t i0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int N = p.dstate, S = p.n_seg, NC = p.blocks_per_batch;
+  const acc_t* ws = static_cast<const acc_t*>(p.ws);
+  const WsLayout w = ws_layout(p);
+  const int64_t nA = int64_t(p.dim) * N, nBC = NC > 1 ? int64_t(p.batch) * N * p.seqlen : 0;
+  int64_t i = i0;
+  if (i < nA) {
+    const int64_t d = i / N, n = i % N;
+    acc_t sum = acc_t(0);
+    for (int b = 0; b < p.batch; ++b)
+      for (int s = 0; s < S; ++s) sum += ws[w.dA_p + ((int64_t(b) * p.dim + d) * S + s) * N + n];
+    static_cast<acc_t*>(p.dA)[i] = sum;
+    return;
+  }
+  i -= nA;
+  if (i < 2 * int64_t(p.dim)) {
+    const bool is_D = i < p.dim;
+    const int64_t d = is_D ? i : i - p.dim;
+    acc_t* dst = static_cast<acc_t*>(is_D ? p.dD : p.ddelta_bias);
+    if (dst == nullptr) return;
+    const int64_t base = is_D ? w.dD_p : w.dbias_p;
+    acc_t sum = acc_t(0);
+    for (int b = 0; b < p.batch; ++b)
+      for (int s = 0; s < S; ++s) sum += ws[base + (int64_t(b) * p.dim + d) * S + s];
+    dst[d] = sum;
+    return;
+  }
+  i -= 2 * int64_t(p.dim);
+  if (i < 2 * nBC) {
+    const bool is_B = i < nBC;
+    const int64_t j = is_B ? i : i - nBC;  // (b, n, l)
+    const int64_t L = p.seqlen, b = j / (int64_t(N) * L), nl = j % (int64_t(N) * L);
+    const acc_t* src = ws + (is_B ? w.dB_p : w.dC_p);
+    acc_t sum = acc_t(0);
+    for (int c = 0; c < NC; ++c) sum += src[((b * NC + c) * N) * L + nl];
+    static_cast<acc_t*>(is_B ? p.dB : p.dC)[j] = sum;
+  }
+}
+
+// Threads the reduce kernel needs.
+__host__ __device__ inline int64_t reduce_elems(const KernelParams& p) {
+  const int64_t nBC = p.blocks_per_batch > 1 ? int64_t(p.batch) * p.dstate * p.seqlen : 0;
+  return int64_t(p.dim) * p.dstate + 2 * int64_t(p.dim) + 2 * nBC;
 }
 
 }  // namespace ssk

@@ -31,4 +31,5 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     res = subprocess.run([sys.executable, os.path.join(EMU, "run_emu.py"), "--lengths", "--warp", str(warp)],
                          capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert res.stdout.count("reverse=True") == 4 and res.stdout.count(f"warp {warp} ") == 8, res.stdout
+    assert res.stdout.count("reverse=True") == 5 and res.stdout.count(f"warp {warp} L=") == 10, res.stdout
+    assert f"warp {warp} deterministic" in res.stdout, res.stdout

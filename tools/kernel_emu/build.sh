@@ -32,8 +32,8 @@ if kernel.count(decl) != 1:
 open(f"{gen}/selective_scan_kernel.cuh", "w").write(kernel.replace(decl, "extern double* ss_smem_raw;"))
 launcher = open(f"{src}/selective_scan_cuda.cu").read()
 launcher, n = re.subn(r"([\w:]+<[^<>;]*>)<<<([^>]*)>>>\(([^;]*)\);", r"emu::launch(\1, \2, \3);", launcher)
-if n != 2:
-    sys.exit(f"build.sh: expected 2 kernel launches in selective_scan_cuda.cu, found {n}")
+if n != 4:
+    sys.exit(f"build.sh: expected 4 kernel launches in selective_scan_cuda.cu, found {n}")
 open(f"{gen}/selective_scan_cuda.cu", "w").write(launcher)
 PY
 "$cxx" -std=c++17 -O1 -g -fPIC -shared -Wall -Wno-unknown-pragmas -I"$here/shim" -I"$gen" -x c++ \

@@ -62,9 +62,23 @@ long long emu_num_checkpoints(long long L, long long N, int dtype) {
 }
 long long emu_chunk_length(long long N, int dtype) { return vim_ds_scan::scan_chunk_length(N, ScanDType(dtype)); }
 long long emu_sync_points() { return emu::sched().sync_points; }
+// Segments along the sequence the launcher picks for these shapes (1: no sequence parallelism).
+long long emu_num_segments(long long batch, long long dim, long long L, long long N, int dtype) {
+  ScanArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = L;
+  a.dstate = N;
+  a.dtype = ScanDType(dtype);
+  const int64_t chunk = vim_ds_scan::scan_chunk_length(N, a.dtype);
+  const int64_t fwd_ws = vim_ds_scan::scan_workspace_bytes(a, false);
+  // the forward's workspace is 2 * batch * dim * n_seg * N accumulation values when n_seg > 1, else empty
+  (void)chunk;
+  return fwd_ws == 0 ? 1 : fwd_ws / (2 * batch * dim * N * (a.dtype == ScanDType::kFloat64 ? 8 : 4));
+}
 
 // Pointers are host arrays of exactly the documented sizes; null for absent optionals. Outputs are pre-filled
-// with 0xff bytes (NaN) where the kernel must write every element, with zeros where it accumulates.
+// with 0xff bytes (NaN): the kernels must write every element (the gradients' sums included).
 // Returns nullptr or the launcher's error.
 const char* emu_run(int backward, int dtype_i, long long batch, long long dim, long long L, long long N,
                     int softplus, const void* u, const void* delta, const void* A, const void* B, const void* C,
@@ -103,11 +117,19 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
     a.du = put(bufs, du, x * is, true, 0xff);
     a.ddelta = put(bufs, ddelta, x * is, true, 0xff);
     a.dz = put(bufs, dz, x * is, true, 0xff);
-    a.dA = put(bufs, dA, size_t(dim * N) * as, true, 0);
-    a.dB = put(bufs, dB, bc * as, true, 0);
-    a.dC = put(bufs, dC, bc * as, true, 0);
-    a.dD = put(bufs, dD, size_t(dim) * as, true, 0);
-    a.ddelta_bias = put(bufs, dbias, size_t(dim) * as, true, 0);
+    a.dA = put(bufs, dA, size_t(dim * N) * as, true, 0xff);
+    a.dB = put(bufs, dB, bc * as, true, 0xff);
+    a.dC = put(bufs, dC, bc * as, true, 0xff);
+    a.dD = put(bufs, dD, size_t(dim) * as, true, 0xff);
+    a.ddelta_bias = put(bufs, dbias, size_t(dim) * as, true, 0xff);
+  }
+  // Scratch starts as NaN bytes, so reading a workspace entry nobody wrote shows up in the results.
+  const size_t ws_bytes = size_t(vim_ds_scan::scan_workspace_bytes(a, backward != 0));
+  emu::Guarded ws;
+  if (ws_bytes > 0) {
+    ws = emu::Guarded(ws_bytes);
+    std::memset(ws.ptr, 0xff, ws_bytes);
+    a.workspace = ws.ptr;
   }
   const char* err = backward ? vim_ds_scan::scan_bwd(a, nullptr) : vim_ds_scan::scan_fwd(a, nullptr);
   for (Buf& b : bufs)
