@@ -108,3 +108,55 @@ def test_workers_start_while_other_threads_hold_locks():
     fixed = stress("vim_ds", loaders=6)
     assert fixed.returncode == 0 and "0 hangs of 6 loaders" in fixed.stdout, fixed.stdout + fixed.stderr[-3000:]
 
+
+
+KILLED_OWNER = """
+import os, signal, sys
+import argparse
+from vim_ds.data import build_dataset
+from vim_ds.data.loader import build_loader
+
+args = argparse.Namespace(data_set="synthetic", synthetic_size=8, input_size=16, nb_classes=10, seed=3,
+                          num_workers=1, data_timeout=60)
+dataset, _ = build_dataset(args, is_train=False)
+# control: the worker watches a living process (the test) instead of this one, as torch's own check watches the server
+owner = int(sys.argv[2]) if sys.argv[1] == "control" else None
+loader = build_loader(dataset, [[0], [1], [2], [3]], args, "val", persistent=True, owner_pid=owner)
+iterator = iter(loader)
+next(iterator)
+from multiprocessing import forkserver
+print(loader._iterator._workers[0].pid, forkserver._forkserver._forkserver_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("case", ["owner", "control"])
+def test_workers_and_fork_server_end_when_the_owning_rank_is_killed(case, tmp_path):
+    """A rank killed with SIGKILL must not leave its data-loader workers and fork server running. The control
+    (workers told to watch this test's process, which lives on) shows that torch's own parent check does not end
+    them: they are still alive when the owner watch is not watching the dead rank. (Output goes to files: a leaked
+    worker would hold a pipe open.)"""
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:
+        code = subprocess.run([sys.executable, "-c", KILLED_OWNER, case, str(os.getpid())], stdout=o, stderr=e,
+                              timeout=300, cwd=ROOT).returncode
+    assert code == -9, err.read_text()[-2000:]
+    worker, server = (int(p) for p in out.read_text().split())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_alive(worker) or _alive(server)):
+        time.sleep(0.5)
+    leaked = [p for p in (worker, server) if _alive(p)]
+    for pid in leaked:
+        os.kill(pid, 9)
+    if case == "owner":
+        assert leaked == [], f"pids {leaked} outlived their killed rank"
+    else:
+        assert worker in leaked, "the control did not leak: the test no longer shows what the owner watch fixes"

@@ -133,8 +133,9 @@ def test_ema_under_zero3_equals_ema_under_zero0(stage_runs):
 # -- convergence on real images ----------------------------------------------------------------------------------
 
 def test_readme_main_job_learns_digits_to_95_percent_with_zero2_on_two_ranks(digits, tmp_path):
-    """`bash launch/train_digits.sh` (the README's main job): the deepspeed launcher, 2 ranks, ZeRO-2, bf16, a
-    depth-6 width-96 Vim on the real digits images reaches >= 95 % validation top-1."""
+    """`bash launch/train_digits.sh` (the README's main job): the deepspeed launcher, 2 ranks, ZeRO-2 (fp32 on a CPU
+    without bf16 instructions, bf16 otherwise), a depth-6 width-96 Vim on the real digits images reaches >= 95 %
+    validation top-1."""
     import subprocess
 
     out = str(tmp_path / "run")

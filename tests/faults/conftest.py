@@ -3,6 +3,7 @@ reference it is compared with, and helpers to watch and kill real training proce
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -75,9 +76,15 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[float, str, str]:
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
+        still = "still running" if proc.poll() is None else f"exited ({proc.returncode}) but its output is still open"
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
             child.kill()
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"still running {timeout} s later (hung):\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        # the whole session (start_train starts one): also a process orphaned by a killed rank, e.g. a data-loader
+        # worker and its forkserver, which would keep the pipes open and this communicate() waiting for good
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"{still} {timeout} s later (hung):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return time.monotonic() - t0, stdout, stderr

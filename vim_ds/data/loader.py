@@ -21,8 +21,10 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import select
 import signal
 import threading
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -51,12 +53,36 @@ def default_num_workers(local_world_size: int | None = None) -> int:
     return max(1, min(DEFAULT_WORKERS, cores // max(1, local_world_size)))
 
 
-def _worker_init(ignore_sigterm: bool, _worker_id: int):
+def _worker_init(ignore_sigterm: bool, owner_pid: int, _worker_id: int):
     """SIGTERM in a worker. Trainer workers ignore it: the training process stops at the next step boundary and
     shuts them down itself, and a launcher signalling the whole process tree must not kill them in the middle of a
-    step. Other workers die with it. Either way SIGTERM is unblocked (see `_worker_context`)."""
+    step. Other workers die with it. Either way SIGTERM is unblocked (see `_worker_context`).
+
+    A worker also exits when the process that owns its loader (`owner_pid`) is gone, e.g. a rank killed with
+    SIGKILL. torch's own check does not see that: it watches the worker's parent, which is the fork server, and the
+    fork server lives as long as any worker holds its "alive" pipe, which every worker inherits. Without this a
+    killed rank would leave its workers and fork server running for good."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_with, args=(owner_pid,), name="vim_ds-owner-watch", daemon=True).start()
+
+
+def _exit_with(pid: int) -> None:
+    """Block until process `pid` ends, then end this process (a pidfd becomes readable when its process
+    terminates, zombie or not)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd (old kernel or non-Linux): poll instead
+        while True:
+            time.sleep(2)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+    select.select([fd], [], [])
+    os._exit(1)
 
 
 def _worker_context():
@@ -145,11 +171,11 @@ class _StallAt(Dataset):
 
 def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: int | None = None,
                  persistent: bool = False, pin_memory: bool = False, ignore_sigterm: bool = False,
-                 stall_at: int | None = None) -> Loader:
+                 stall_at: int | None = None, owner_pid: int | None = None) -> Loader:
     """The DataLoader for `dataset` (read in `batch_sampler`'s batches) with `args.num_workers` workers (None: the
     machine's default, `default_num_workers`) started from the fork server, and `args.data_timeout` seconds (0 or
     absent: no limit) to deliver each batch. `stall_at` (fault injection, chosen by the engine): the sample count
-    at which a worker blocks for good."""
+    at which a worker blocks for good. Workers exit when `owner_pid` (default: this process) is gone."""
     workers = args.num_workers if getattr(args, "num_workers", None) is not None \
         else default_num_workers(local_world_size)
     if stall_at is not None:
@@ -158,5 +184,5 @@ def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: i
         return Loader(dataset, batch_sampler=batch_sampler, name=name)
     return Loader(dataset, batch_sampler=batch_sampler, name=name, num_workers=workers, pin_memory=pin_memory,
                   persistent_workers=persistent, prefetch_factor=4, multiprocessing_context=_worker_context(),
-                  worker_init_fn=functools.partial(_worker_init, ignore_sigterm),
+                  worker_init_fn=functools.partial(_worker_init, ignore_sigterm, owner_pid or os.getpid()),
                   timeout=float(getattr(args, "data_timeout", 0) or 0))
