@@ -46,6 +46,7 @@ def cut_in_half(path):
     path.write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.slow  # a real training run: 16 s on 2 busy cores (pytest --durations)
 def test_broken_files_are_skipped_counted_and_named(small, tmp_path):
     # each broken file replaces a good one: 120 training images, all read in the one epoch
     jpeg = small / "train" / "1" / "photo.jpg"  # a real JPEG (a digit, enlarged so the scan data dominates)
@@ -110,6 +111,7 @@ def test_files_deleted_during_the_run_are_skipped_with_two_workers(small, tmp_pa
     assert any(r["step"] == 30 for r in records(out) if "loss" in r)
 
 
+@pytest.mark.slow  # a real training run: 40 s on 2 busy cores (pytest --durations)
 def test_too_many_bad_images_stop_the_run_with_one_line(small, tmp_path):
     for c in range(10):
         for f in sorted((small / "train" / str(c)).glob("*.png"))[:2]:  # 20 of 120: 17 %

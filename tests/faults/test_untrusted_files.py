@@ -1,7 +1,7 @@
 """Files users bring are unpickled weights-only: a pickle that would run code is refused, with one line naming the
 file and a non-zero exit, and the code does not run. Covered: `--finetune`, `vim-ds predict --weights`,
 `vim-ds eval --resume FILE`, and inside a real DeepSpeed checkpoint directory (`mp_rank_00_model_states.pt`,
-`rng_rank0.pt`) given to `vim-ds convert` and to `--resume`.
+`*optim_states.pt`, `rng_rank0.pt`, `ema.pt`) given to `vim-ds convert`, `vim-ds convert --universal` and `--resume`.
 
 Genuine files still load: a ZeRO-1 bf16 checkpoint (DeepSpeed's loss scaler, stage enum and fragment addresses in
 its optimizer states) resumes and converts here; published files with an `args` Namespace load in
@@ -131,6 +131,44 @@ def test_rng_file_is_refused_on_resume(trained, digits, tmp_path):
 
 
 @pytest.mark.slow
+def test_optimizer_states_in_a_checkpoint_directory_are_refused_by_convert_and_resume(trained, digits, tmp_path):
+    save_dir, tag_dir = copy_of(trained, tmp_path)
+    (name,) = [n for n in os.listdir(tag_dir) if n.endswith("optim_states.pt")]
+    marker, evil = tmp_path / "ran", tag_dir / name
+    plant(evil, marker, _RunsPython)
+    assert_refused(cli("convert", save_dir, tmp_path / "out.pth"), evil, marker)  # zero_to_fp32 reads it
+    assert not (tmp_path / "out.pth").exists()
+    proc = run_train(train_args(digits, str(tmp_path / "resumed"), "--max-steps", "3", "--resume", save_dir),
+                     check=False)
+    assert_refused(proc, evil, marker)  # DeepSpeed's load_checkpoint reads it
+
+
+@pytest.mark.slow
+def test_ema_file_is_refused_by_convert_and_resume(trained, digits, tmp_path):
+    save_dir, tag_dir = copy_of(trained, tmp_path)
+    marker, evil = tmp_path / "ran", tag_dir / "ema.pt"
+    assert evil.is_file()  # the run has an EMA, so a genuine ema.pt is what gets replaced
+    plant(evil, marker)
+    assert_refused(cli("convert", save_dir, tmp_path / "out.pth"), evil, marker)
+    assert not (tmp_path / "out.pth").exists()
+    proc = run_train(train_args(digits, str(tmp_path / "resumed"), "--max-steps", "3", "--resume", save_dir),
+                     check=False)
+    assert_refused(proc, evil, marker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["model_states", "optim_states"])
+def test_convert_universal_refuses_unsafe_rank_files(trained, tmp_path, kind):
+    # ds_to_universal unpickles every rank file (in a subprocess under the allow-list)
+    save_dir, tag_dir = copy_of(trained, tmp_path)
+    (name,) = [n for n in os.listdir(tag_dir) if n.endswith(f"{kind}.pt")]
+    marker, evil = tmp_path / "ran", tag_dir / name
+    plant(evil, marker)
+    assert_refused(cli("convert", "--universal", save_dir), evil, marker)
+    assert not (save_dir / "global_step2_universal" / "vim_ds_complete.json").exists()
+
+
+@pytest.mark.slow
 def test_a_genuine_zero1_bf16_checkpoint_still_resumes_and_converts(trained, digits, tmp_path):
     save_dir, tag_dir = copy_of(trained, tmp_path)
     for name in os.listdir(tag_dir):  # nothing in it needs more than the allow-list
@@ -140,6 +178,10 @@ def test_a_genuine_zero1_bf16_checkpoint_still_resumes_and_converts(trained, dig
     assert "at epoch 0, step 2" in proc.stdout
     proc = cli("convert", save_dir, tmp_path / "out.pth")
     assert proc.returncode == 0 and proc.stdout.startswith("wrote "), proc.stderr[-3000:]
+    # control for the --universal refusals: the genuine rank files go through ds_to_universal
+    proc = cli("convert", "--universal", save_dir)
+    assert proc.returncode == 0 and proc.stdout.startswith("wrote "), proc.stderr[-3000:]
+    assert (save_dir / "global_step2_universal" / "vim_ds_complete.json").is_file()
 
 
 def test_rng_state_file_is_weights_only_and_old_files_still_load(tmp_path):
