@@ -23,6 +23,15 @@ if [ "$keep" = 0 ]; then
   trap 'rm -rf "$out"' EXIT
 fi
 "$here/build.sh" "$out" > /dev/null
+# the two builds run side by side (one core each on a 2-core CI box); their logs are printed in order
+pids=()
 for warp in 32 64; do
-  SCAN_EMU_LIB=$out/libscan_emu.so "$python" "$here/run_emu.py" "$mode" --warp "$warp"
+  SCAN_EMU_LIB=$out/libscan_emu.so "$python" "$here/run_emu.py" "$mode" --warp "$warp" > "$out/warp$warp.log" 2>&1 &
+  pids+=("$!")
 done
+status=0
+for i in 0 1; do
+  wait "${pids[$i]}" || status=1
+done
+cat "$out/warp32.log" "$out/warp64.log"
+exit "$status"

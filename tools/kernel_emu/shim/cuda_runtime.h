@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -98,7 +99,6 @@ struct Thread {
   State state = RUNNING;
   double val = 0, res = 0;
   int lanemask = 0;
-  std::vector<char> stack;
 };
 struct Sched {
   ucontext_t main_ctx;
@@ -123,15 +123,23 @@ inline void trampoline() {
   fatal("resumed a finished thread");
 }
 
+// The threads' stacks, kept from block to block: allocating (and zeroing) 256 KiB per thread for every block
+// made the kernel's page faults, not the kernel, most of the emulator's run time.
+constexpr size_t kStackBytes = 256 * 1024;
+inline char* thread_stack(int i) {
+  static std::vector<std::unique_ptr<char[]>> stacks;
+  while (int(stacks.size()) <= i) stacks.emplace_back(new char[kStackBytes]);
+  return stacks[i].get();
+}
+
 inline void run_block(int nthreads) {
   Sched& s = sched();
   std::vector<Thread> th(nthreads);
   for (int i = 0; i < nthreads; ++i) {
     th[i].tid = i;
-    th[i].stack.resize(256 * 1024);
     getcontext(&th[i].ctx);
-    th[i].ctx.uc_stack.ss_sp = th[i].stack.data();
-    th[i].ctx.uc_stack.ss_size = th[i].stack.size();
+    th[i].ctx.uc_stack.ss_sp = thread_stack(i);
+    th[i].ctx.uc_stack.ss_size = kStackBytes;
     th[i].ctx.uc_link = nullptr;
     makecontext(&th[i].ctx, trampoline, 0);
   }
