@@ -177,12 +177,14 @@ def _steps(steps: list[int]) -> str:
 def report(ref: Run, runs: list[Run], results: list[dict], tolerance: float) -> str:
     lines = [f"reference {ref.label}: {ref.describe()}"]
     for run, res in zip(runs, results):
-        extra = [f"{n} only in {label}" for n, label in ((res["only_ref"], ref.label), (res["only_run"], run.label)) if n]
-        lines.append(f"{run.label} vs {ref.label}: {_steps(res['steps'])}" + (f"; {', '.join(extra)}" if extra else ""))
+        extra = [f"{n} only in {label}" for n, label in ((res["only_ref"], ref.label), (res["only_run"], run.label))
+                 if n]
+        lines.append(f"{run.label} vs {ref.label}: {_steps(res['steps'])}" + ("; " + ", ".join(extra) if extra else ""))
         lines.append(f"  run: {run.describe()}")
         lr = "" if res["lr_rel"] is None else f"; lr max rel diff {res['lr_rel']:.2e}"
-        lines.append(f"  loss: max rel diff {res['max_rel']:.2e} (step {res['max_step']}: {ref.losses[res['max_step']]:.6g}"
-                     f" vs {run.losses[res['max_step']]:.6g}), mean {res['mean_rel']:.2e}{lr}")
+        worst = res["max_step"]
+        lines.append(f"  loss: max rel diff {res['max_rel']:.2e} (step {worst}: {ref.losses[worst]:.6g} vs "
+                     f"{run.losses[worst]:.6g}), mean {res['mean_rel']:.2e}{lr}")
         for row in res["evals"]:
             parts = [f"{key.replace('eval_', '')} {a:.2f} vs {b:.2f} ({d:+.2f})"
                      for key, (a, b, d) in row["values"].items()]
@@ -190,7 +192,8 @@ def report(ref: Run, runs: list[Run], results: list[dict], tolerance: float) -> 
         if not res["evals"]:
             lines.append("  eval: no evaluation at a common step")
         if res["differs"]:
-            lines.append("  differs (reported, not refused): " + ", ".join(f"{k} {a} vs {b}" for k, a, b in res["differs"]))
+            lines.append("  differs (reported, not refused): "
+                         + ", ".join(f"{k} {a} vs {b}" for k, a, b in res["differs"]))
         for note in res["notes"]:
             lines.append(f"  warning: {note}")
         verdict = "within" if res["within"] else "OUTSIDE"

@@ -41,14 +41,14 @@ def load_init_weights(model: torch.nn.Module, path: str) -> str:
 
     state = _state_dict_of(load_weights_file(path), path)
     expected = model.state_dict()
+    wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+                         for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k].shape))
     problems = []
     for label, keys in (("missing", sorted(set(expected) - set(state))),
-                        ("unexpected", sorted(set(state) - set(expected))),
-                        ("shape mismatch", sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-                                                  for k in set(state) & set(expected)
-                                                  if tuple(state[k].shape) != tuple(expected[k].shape)))):
+                        ("unexpected", sorted(set(state) - set(expected))), ("shape mismatch", wrong_shape)):
         if keys:
-            problems.append(f"{label}: " + ", ".join(keys[:6]) + (f", ... ({len(keys)} in all)" if len(keys) > 6 else ""))
+            more = f", ... ({len(keys)} in all)" if len(keys) > 6 else ""
+            problems.append(f"{label}: " + ", ".join(keys[:6]) + more)
     if problems:
         raise CheckpointError(f"--init-weights {path} does not match the model (same --model, --model-kwargs, "
                               f"--input-size and classes?): " + "; ".join(problems))
@@ -96,8 +96,8 @@ def apply(args, model: torch.nn.Module, meta: dict, dist_info: distributed.DistI
 
         raise CheckpointError(error)  # a bad or missing file is bad input (exit 2), as for --finetune
     if failed:
-        raise RuntimeError(f"rank {int(failed) - 1} could not {'load --init-weights' if load else 'write --save-init-weights'}"
-                           f" (its error is in its log)")
+        what = "load --init-weights" if load else "write --save-init-weights"
+        raise RuntimeError(f"rank {int(failed) - 1} could not {what} (its error is in its log)")
     digest = distributed.broadcast_object(digest)  # --save-init-weights: rank 0 knows the hash
     return {"init_weights": os.path.abspath(load or save), "init_weights_sha256": digest,
             "init_weights_mode": "loaded" if load else "saved"}
