@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
     "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
     "zero-compare": ("vim_ds.zero_compare", "ZeRO stages side by side: model-state bytes per rank vs theory"),
+    "compare-runs": ("vim_ds.compare_runs", "loss curves of runs (clusters, vendors, layouts) vs a reference run"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
     "data": ("vim_ds.data", "datasets: write the digits ImageFolder (vim-ds data digits --out DIR)"),
 }

@@ -45,6 +45,12 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--no-model-ema", action="store_false", dest="model_ema")
     g.add_argument("--model-ema-decay", type=float, default=0.99996)
     g.add_argument("--finetune", default="", help="start from a published or converted checkpoint file")
+    g.add_argument("--init-weights", default="", metavar="FILE",
+                   help="start from exactly these weights (a state dict as `vim-ds convert` or --save-init-weights "
+                        "write it; same model, strict), whatever this machine's RNG does with --seed")
+    g.add_argument("--save-init-weights", default="", metavar="FILE",
+                   help="write this run's initial weights to FILE (.pth or .safetensors), then train: other "
+                        "clusters start from them with --init-weights FILE")
 
     g = p.add_argument_group("optimisation (AdamW, cosine schedule with warmup, per optimizer step)")
     g.add_argument("--batch-size", type=int, default=None, help="per-rank micro batch [64, or the JSON's]")
@@ -142,6 +148,8 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
                      f"{args.data_timeout:g}")
     if args.num_workers is not None and args.num_workers < 0:
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
+    if sum(map(bool, (args.finetune, args.init_weights, args.save_init_weights))) > 1:
+        parser.error("--finetune, --init-weights and --save-init-weights each set the initial weights: pass one")
     args.model_kwargs = dict(args.model_kwargs)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
     return args

@@ -91,6 +91,11 @@ class MetricsLog:
         else:
             print(message, flush=True)
 
+    def header(self, record: dict):
+        """The run's settings and versions, first (see `run_info.py`)."""
+        if self.enabled:
+            self._write(record)
+
     def summary(self, record: dict):
         if self.enabled:
             self._write(record)

@@ -125,6 +125,12 @@ class Trainer:
             from ..checkpoint import load_model_weights
 
             load_model_weights(model, args.finetune)
+        from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
+
+        self.init_weights_info = init_weights.apply(args, model, {
+            "model": args.model, "model_kwargs": args.model_kwargs, "num_classes": num_classes,
+            "input_size": args.input_size, "step": 0, "epoch": 0, "zero_stage": self.ds.zero_stage,
+            "precision": self.ds.precision, "tag": "init"}, dist_info)
         self.num_params = sum(p.numel() for p in model.parameters())
         warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
 
@@ -487,6 +493,9 @@ class Trainer:
         args = self.args
         metrics = MetricsLog(args.output_dir, self.dist.is_main, self.total_steps, self.step, args.log_interval,
                              args.tensorboard)
+        from .run_info import header
+
+        metrics.header(header(self))  # what `vim-ds compare-runs` checks and reports
         if self.dist.is_main:
             print(f"training {args.model} ({self.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} images, "
                   f"{self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "

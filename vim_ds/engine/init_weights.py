@@ -1,0 +1,104 @@
+"""`--init-weights FILE` and `--save-init-weights FILE`: start two runs (two clusters, two vendors) from the very
+same weights, whatever each vendor's random number generator makes of `--seed`.
+
+The file is a plain state dict in the format `vim-ds convert` writes (`{"model": state_dict, "vim_ds": {...}}` in a
+.pth, or a .safetensors file); `--save-init-weights` writes the run's initial weights in that format, so the
+reference run produces the file the other clusters load. Loading is exact: the keys and shapes must be the model's
+(no position-embedding resize or head reset, unlike --finetune), and the values are copied as they are.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from . import distributed
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _state_dict_of(obj: dict, path: str) -> dict:
+    from ..checkpoint.files import CheckpointError
+
+    if isinstance(obj.get("model"), dict):
+        return obj["model"]
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj
+    raise CheckpointError(f"--init-weights {path}: neither a state dict nor {{'model': state_dict}} (entries: "
+                          f"{', '.join(map(str, list(obj)[:8]))})")
+
+
+def load_init_weights(model: torch.nn.Module, path: str) -> str:
+    """Copy the weights of `path` into `model` (strict: same keys, same shapes); returns the file's sha256."""
+    from ..checkpoint.files import CheckpointError, load_weights_file
+
+    state = _state_dict_of(load_weights_file(path), path)
+    expected = model.state_dict()
+    wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+                         for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k].shape))
+    problems = []
+    for label, keys in (("missing", sorted(set(expected) - set(state))),
+                        ("unexpected", sorted(set(state) - set(expected))), ("shape mismatch", wrong_shape)):
+        if keys:
+            more = f", ... ({len(keys)} in all)" if len(keys) > 6 else ""
+            problems.append(f"{label}: " + ", ".join(keys[:6]) + more)
+    if problems:
+        raise CheckpointError(f"--init-weights {path} does not match the model (same --model, --model-kwargs, "
+                              f"--input-size and classes?): " + "; ".join(problems))
+    model.load_state_dict(state, strict=True)
+    return sha256_file(path)
+
+
+def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
+    """Write `model`'s weights as `vim-ds convert` would (fp32, CPU); returns the file's sha256."""
+    weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    if path.endswith(".safetensors"):
+        import json
+
+        from safetensors.torch import save_file
+
+        config = {k: meta[k] for k in ("model_kwargs", "num_classes", "input_size")}
+        save_file(weights, tmp, metadata={"model": str(meta["model"]), "config": json.dumps(config),
+                                          "format": "vim_ds", "weights": "model"})
+    else:
+        torch.save({"model": weights, "vim_ds": {**meta, "weights": "model"}}, tmp)
+    os.replace(tmp, path)
+    return sha256_file(path)
+
+
+def apply(args, model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo) -> dict:
+    """Load --init-weights on every rank, or write --save-init-weights on rank 0; every rank learns whether all
+    succeeded (one collective), so a file missing on one node stops the whole job with its message instead of
+    leaving the other ranks waiting in the engine's first collective. Returns what metrics.jsonl records."""
+    load, save = getattr(args, "init_weights", ""), getattr(args, "save_init_weights", "")
+    if not (load or save):
+        return {}
+    digest, error = None, ""
+    try:
+        if load:
+            digest = load_init_weights(model, load)
+        elif dist_info.is_main:
+            digest = save_init_weights(model, save, meta)
+    except (ValueError, OSError) as exc:
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    failed = distributed.all_reduce_max([float(bool(error)) * (dist_info.rank + 1)], dist_info.device)[0]
+    if error:
+        from ..checkpoint.files import CheckpointError
+
+        raise CheckpointError(error)  # a bad or missing file is bad input (exit 2), as for --finetune
+    if failed:
+        what = "load --init-weights" if load else "write --save-init-weights"
+        raise RuntimeError(f"rank {int(failed) - 1} could not {what} (its error is in its log)")
+    digest = distributed.broadcast_object(digest)  # --save-init-weights: rank 0 knows the hash
+    return {"init_weights": os.path.abspath(load or save), "init_weights_sha256": digest,
+            "init_weights_mode": "loaded" if load else "saved"}
+

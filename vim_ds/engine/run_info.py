@@ -1,0 +1,63 @@
+"""The header record of metrics.jsonl: what `vim-ds compare-runs` needs to decide whether two runs can be compared
+(the same global batch) and to show what differs between them (ranks, ZeRO stage, device, versions, ...).
+
+It is the first line a run writes (a resumed run appends another one), marked `"header": true` and carrying no
+"loss", so readers that pick step records by their "loss" key skip it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import torch
+
+# what compare-runs reports when it differs between two runs; global_batch must be equal
+COMPARED_KEYS = ("global_batch", "world_size", "micro_batch", "accum_steps", "zero_stage", "precision", "seed", "lr",
+                 "model", "model_kwargs", "input_size", "num_classes", "train_images", "device_name", "device_type",
+                 "init_weights_sha256", "vim_ds", "torch", "deepspeed", "timm", "accelerator_runtime")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - a version is informative only
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return cpu_name()
+    return str(device)
+
+
+def header(trainer) -> dict:
+    from .. import __version__
+
+    args, batch = trainer.args, trainer.batch
+    runtime = f"hip {torch.version.hip}" if torch.version.hip else \
+        f"cuda {torch.version.cuda}" if torch.version.cuda and trainer.device.type == "cuda" else None
+    return {"header": True, "start_step": trainer.step, "global_batch": batch.global_,
+            "world_size": trainer.dist.world_size, "micro_batch": batch.micro, "accum_steps": batch.accum,
+            "zero_stage": trainer.ds.zero_stage, "precision": trainer.ds.precision, "seed": args.seed,
+            "lr": trainer.lr, "model": args.model, "model_kwargs": args.model_kwargs, "input_size": args.input_size,
+            "num_classes": trainer.num_classes, "train_images": len(trainer.train_set),
+            "total_steps": trainer.total_steps, "device_type": trainer.device.type,
+            "device_name": device_name(trainer.device), "host": platform.node(),
+            "vim_ds": __version__, "torch": torch.__version__, "deepspeed": _version("deepspeed"),
+            "timm": _version("timm"), "python": platform.python_version(), "accelerator_runtime": runtime,
+            "init_weights": None, "init_weights_sha256": None, **trainer.init_weights_info,
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
