@@ -19,7 +19,8 @@ SUBCOMMANDS = {
 
 
 def usage() -> str:
-    rows = "\n".join(f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+    width = max(map(len, SUBCOMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items())
     return f"usage: vim-ds <command> [options]\n\ncommands:\n{rows}\n\n'vim-ds <command> --help' for options"
 
 
