@@ -80,14 +80,7 @@ ScanArgs check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Te
   check_optional(z, "z", device, in, {batch, dim, L});
   check_optional(delta_bias, "delta_bias", device, acc, {dim});
 
-  ScanArgs args;
-  args.batch = batch;
-  args.dim = dim;
-  args.seqlen = L;
-  args.dstate = N;
-  args.dtype = to_scan_dtype(in);
-  args.delta_softplus = delta_softplus;
-  args.reverse = reverse;
+  ScanArgs args = vim_ds_scan::scan_args(batch, dim, L, N, to_scan_dtype(in), delta_softplus, reverse);
   args.u = u.data_ptr();
   args.delta = delta.data_ptr();
   args.A = A.data_ptr();

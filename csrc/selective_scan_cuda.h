@@ -56,6 +56,20 @@ struct ScanArgs {
   void* workspace = nullptr;
 };
 
+// ScanArgs of these shapes and options, every pointer null.
+inline ScanArgs scan_args(int64_t batch, int64_t dim, int64_t seqlen, int64_t dstate, ScanDType dtype,
+                          bool delta_softplus = false, bool reverse = false) {
+  ScanArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = seqlen;
+  a.dstate = dstate;
+  a.dtype = dtype;
+  a.delta_softplus = delta_softplus;
+  a.reverse = reverse;
+  return a;
+}
+
 // Largest supported d_state.
 constexpr int64_t kScanMaxDState = 256;
 

@@ -306,6 +306,23 @@ struct ThreadMap {
   }
 };
 
+// A segment's summary for the combine step: its end value v (forward: state from a zero start; backward: adjoint
+// carry) and its decay product P, per state slot this thread owns.
+template <typename acc_t, int kNPL>
+__device__ inline void store_segment_summary(const KernelParams& p, const ThreadMap& m, const bool (&n_ok)[kNPL],
+                                             const acc_t (&v)[kNPL], const acc_t (&P)[kNPL]) {
+  acc_t* ws = static_cast<acc_t*>(p.ws);
+  const WsLayout w = ws_layout(p);
+#pragma unroll
+  for (int k = 0; k < kNPL; ++k) {
+    if (n_ok[k]) {
+      const int64_t i = (m.bd * p.n_seg + m.seg) * p.dstate + k * p.group + m.lane_g;
+      ws[w.seg_v + i] = v[k];
+      ws[w.seg_P + i] = P[k];
+    }
+  }
+}
+
 // ------------------------------------------------------------------ forward --------------------------------
 
 template <typename input_t, int kNPL>
@@ -449,18 +466,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
     }
   }
 
-  if (local) {
-    acc_t* ws = static_cast<acc_t*>(p.ws);
-    const WsLayout w = ws_layout(p);
-#pragma unroll
-    for (int k = 0; k < kNPL; ++k) {
-      if (n_ok[k]) {
-        const int64_t i = (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g;
-        ws[w.seg_v + i] = h[k];
-        ws[w.seg_P + i] = P[k];
-      }
-    }
-  }
+  if (local) store_segment_summary<acc_t, kNPL>(p, m, n_ok, h, P);
 }
 
 // ------------------------------------------------------------------ backward -------------------------------
@@ -704,14 +710,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
   }
 
   if (carries_only) {
-#pragma unroll
-    for (int k = 0; k < kNPL; ++k) {
-      if (n_ok[k]) {
-        const int64_t i = (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g;
-        ws[w.seg_v + i] = carry[k];
-        ws[w.seg_P + i] = P[k];
-      }
-    }
+    store_segment_summary<acc_t, kNPL>(p, m, n_ok, carry, P);
     return;
   }
   // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.

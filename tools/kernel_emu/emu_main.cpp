@@ -64,16 +64,9 @@ long long emu_chunk_length(long long N, int dtype) { return vim_ds_scan::scan_ch
 long long emu_sync_points() { return emu::sched().sync_points; }
 // Segments along the sequence the launcher picks for these shapes (1: no sequence parallelism).
 long long emu_num_segments(long long batch, long long dim, long long L, long long N, int dtype) {
-  ScanArgs a;
-  a.batch = batch;
-  a.dim = dim;
-  a.seqlen = L;
-  a.dstate = N;
-  a.dtype = ScanDType(dtype);
-  const int64_t chunk = vim_ds_scan::scan_chunk_length(N, a.dtype);
+  const ScanArgs a = vim_ds_scan::scan_args(batch, dim, L, N, ScanDType(dtype));
   const int64_t fwd_ws = vim_ds_scan::scan_workspace_bytes(a, false);
   // the forward's workspace is 2 * batch * dim * n_seg * N accumulation values when n_seg > 1, else empty
-  (void)chunk;
   return fwd_ws == 0 ? 1 : fwd_ws / (2 * batch * dim * N * (a.dtype == ScanDType::kFloat64 ? 8 : 4));
 }
 
@@ -92,14 +85,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   const size_t sv = size_t(batch * dim) * nck * size_t(N);
   std::vector<Buf> bufs;
   bufs.reserve(32);
-  ScanArgs a;
-  a.batch = batch;
-  a.dim = dim;
-  a.seqlen = L;
-  a.dstate = N;
-  a.dtype = dt;
-  a.delta_softplus = softplus != 0;
-  a.reverse = g_reverse;
+  ScanArgs a = vim_ds_scan::scan_args(batch, dim, L, N, dt, softplus != 0, g_reverse);
   a.u = put(bufs, u, x * is, false, -1);
   a.delta = put(bufs, delta, x * is, false, -1);
   a.A = put(bufs, A, size_t(dim * N) * as, false, -1);
