@@ -102,15 +102,15 @@ def checkpoint_dirs(out) -> list[str]:
                   key=lambda e: int(e.removeprefix("global_step")))
 
 
-def test_the_default_keeps_the_two_newest_complete_checkpoints(digits, tmp_path, reference):
+def test_the_default_keeps_the_two_newest_complete_checkpoints(reference, config_run):
     """`--keep-checkpoints` defaults to 2: the reference run (2 ranks, saves at steps 4, 8, 12) keeps 8 and 12."""
     newest_two = ["global_step8", f"global_step{STEPS}"]
     assert complete_tags(reference) == newest_two
     assert checkpoint_dirs(reference) == newest_two  # step 4 deleted, nothing half-written left
-    # control: --keep-checkpoints 0 keeps every checkpoint, which the check above must refuse
-    out = tmp_path / "keep_all"
-    run_train(fault_args(digits, out, "--max-steps", 3, "--save-interval", 1, "--keep-checkpoints", 0))
-    assert complete_tags(out) == checkpoint_dirs(out) == ["global_step1", "global_step2", "global_step3"]
+    # control: --keep-checkpoints 0 keeps every checkpoint, which the check above must refuse (the shared ZeRO-0
+    # run of tests/conftest.py: 3 steps, a save after each)
+    keep_all = config_run("zero0")
+    assert complete_tags(keep_all) == checkpoint_dirs(keep_all) == ["global_step1", "global_step2", "global_step3"]
 
 
 def test_a_stuck_rank_fails_the_job_after_dist_timeout(digits, tmp_path):
