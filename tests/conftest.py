@@ -47,3 +47,28 @@ def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
     write_digits(root)
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def config_run(digits, tmp_path_factory):
+    """config_run(name) -> the output directory of the run of ds_configs/NAME.json (train_utils.config_run_args),
+    trained on first use and shared by every test that needs it. "control" is the same recipe in which the
+    optimizer does not move the weights (lr 1e-12; one rank x accumulation 2, the same global batch of 16): what a
+    stage whose optimizer never stepped would give, the negative control of the loss comparisons."""
+    from train_utils import CPU_CONFIGS, config_run_args, run_train
+
+    done = {}
+
+    def get(name: str) -> str:
+        assert name in CPU_CONFIGS or name == "control", name
+        if name not in done:
+            out = str(tmp_path_factory.mktemp(f"config_{name}"))
+            if name == "control":
+                run_train(config_run_args(digits, out, "zero0", "--batch-size", 8, "--accum-steps", 2,
+                                          "--lr", "1e-12"), nproc=1)
+            else:
+                run_train(config_run_args(digits, out, name), nproc=2)
+            done[name] = out
+        return done[name]
+
+    return get

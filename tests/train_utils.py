@@ -77,3 +77,20 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     """The trainer's one-line error (rank 0's, or any rank's)."""
     lines = [line for line in proc.stderr.splitlines() if "error" in line and line.startswith("vim-ds")]
     return lines[0] if lines else ""
+
+
+# -- one short run per shipped config, shared by test_ds_config.py and test_convert.py ------------------------------
+
+# Every ds_configs/*.json that runs on a CPU (zero2_fp16 does not: fp16 is GPU-only), overridden to fp32 so runs
+# of different stages agree to float rounding (bf16 is emulated on AVX2-only CPUs, ~4x slower).
+CPU_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+CONFIG_STEPS = 3  # a checkpoint after every step, all kept: resume from step 1 compares steps 2 and 3
+
+
+def config_run_args(digits, out, name: str, *extra) -> list:
+    """2 ranks x micro batch 8, fp32, 3 steps at lr 2e-3 as it is (--unscale-lr; 3 Adam steps move the weights by
+    ~6e-3, the logits by ~1e-1), EMA 0.8, a complete checkpoint after every step."""
+    return ["--data-set", "folder", "--data-path", digits, "--output_dir", str(out), "--num_workers", "0",
+            "--seed", "3", *TINY, *QUIET_AUG, "--deepspeed_config", config(name), "--precision", "fp32",
+            "--batch-size", 8, "--max-steps", CONFIG_STEPS, "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0",
+            "--model-ema-decay", "0.8", "--save-interval", 1, "--keep-checkpoints", 0, *extra]

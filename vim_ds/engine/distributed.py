@@ -58,6 +58,7 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
+    _default_group_timeout(timedelta(seconds=timeout_s))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
@@ -69,6 +70,22 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
         # Ranks on one host share its cores; oversubscribing them makes every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
     return DistInfo(dist.get_rank(), world, local_rank, local_world, device)
+
+
+def _default_group_timeout(timeout: timedelta):
+    """Make `timeout` the default of every process group created from now on, not only the world group.
+
+    DeepSpeed builds its own groups (ZeRO's data-parallel group, which carries the gradient all-reduce, and its world
+    group) with `torch.distributed.new_group(ranks)`, i.e. without a timeout, and torch then gives them its built-in
+    default (30 min for gloo, 10 min for NCCL) instead of the world group's: a peer stuck in its step kept the others
+    waiting 30 min whatever --dist-timeout said. torch reads that default from these module globals at each
+    new_group call.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -6,9 +6,12 @@ points. The variable holds comma-separated `FAULT@STEP[:RANK]` items, e.g.
 
     VIM_DS_INJECT="nan_loss@5,nan_loss@6"     the loss of optimizer steps 5 and 6 is NaN (on every rank)
     VIM_DS_INJECT="kill_in_save@4:0"          rank 0 SIGKILLs itself while saving the step-4 checkpoint
+    VIM_DS_INJECT="hang@3:1"                  rank 1 blocks for good at the start of optimizer step 3
 
 Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gradients are NaN too),
-`kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker), and
+`kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker), `hang`
+(the rank stays alive but never reaches the step's collectives, as a rank stuck in a driver call or on a lost node
+does: its peers must fail after --dist-timeout), and
 `stall_train`/`stall_val`, whose number counts samples, not steps: a worker of that data loader blocks for good at
 the N-th sample it loads (`vim_ds/data/loader.py`), as a read from a hung file system does.
 """
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
-KNOWN = ("nan_loss", "kill_in_save", "stall_train", "stall_val")
+KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -46,3 +50,9 @@ def number(name: str, rank: int) -> int | None:
 
 def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang():
+    """Block this thread for good (signals still run their handlers; only SIGKILL or the handlers end it)."""
+    while True:
+        time.sleep(3600)

@@ -278,6 +278,8 @@ class Trainer:
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
         seed_everything(derived_seed(self.args.seed, self.step, micro, self.dist.rank))  # Mixup, drop path
+        if micro == 0 and faults.active("hang", self.step + 1, self.dist.rank):
+            faults.hang()
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         if self.mixup is not None:
