@@ -41,7 +41,8 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
                    help="extra model constructor arguments, e.g. depth=4 embed_dim=64 patch_size=4")
     g.add_argument("--drop", type=float, default=0.0, help="dropout rate")
     g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
-    g.add_argument("--model-ema", action="store_true", default=True)
+    g.add_argument("--model-ema", action="store_true", default=None,
+                   help="keep an EMA of the weights [on; not with --engine ddp/fsdp]")
     g.add_argument("--no-model-ema", action="store_false", dest="model_ema")
     g.add_argument("--model-ema-decay", type=float, default=0.99996)
     g.add_argument("--finetune", default="", help="start from a published or converted checkpoint file")
@@ -125,6 +126,12 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
                         "fails the job instead of hanging it")
     g.add_argument("--log-interval", type=int, default=10, help="steps between log lines (without a terminal)")
     g.add_argument("--tensorboard", action="store_true", help="write TensorBoard scalars to OUTPUT_DIR/tensorboard")
+    g.add_argument("--engine", choices=["deepspeed", "ddp", "fsdp"], default="deepspeed",
+                   help="ddp / fsdp: PyTorch DistributedDataParallel / FSDP2 fully_shard (per block + root, full "
+                        "sharding) instead of DeepSpeed, with the same model, AdamW groups, lr schedule, data and "
+                        "metrics (the --deepspeed_config still gives batch, optimizer settings and precision; bf16 "
+                        "runs fp32 parameters under bf16 autocast): the baselines of `vim-ds zero-compare`. They "
+                        "save no checkpoints and keep no EMA: --resume, --save-interval and --model-ema are refused")
     g.add_argument("--local_rank", "--local-rank", type=int, default=-1, dest="local_rank",
                    help="set by the deepspeed launcher")
     deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
@@ -150,6 +157,14 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if sum(map(bool, (args.finetune, args.init_weights, args.save_init_weights))) > 1:
         parser.error("--finetune, --init-weights and --save-init-weights each set the initial weights: pass one")
+    if args.engine != "deepspeed":
+        refused = [name for name, on in (("--resume", args.resume), ("--save-interval", args.save_interval),
+                                         ("--model-ema", args.model_ema)) if on]
+        if refused:
+            parser.error(f"--engine {args.engine} is a measurement baseline: it saves no checkpoints and keeps no "
+                         f"EMA; drop {', '.join(refused)}")
+    if args.model_ema is None:
+        args.model_ema = args.engine == "deepspeed"
     args.model_kwargs = dict(args.model_kwargs)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
     return args

@@ -9,6 +9,12 @@ report.csv  one row per configuration
 report.md   the table, the ZeRO paper's arithmetic and DeepSpeed's own estimators beside it, loss agreement
 report.png  memory per rank by configuration, stacked by kind, with throughput on a second axis
 
+With --baselines ddp fsdp the same training also runs under PyTorch DDP and FSDP2 (`vim_ds.train --engine`, see
+`vim_ds/engine/baselines.py`): the same launcher, model, AdamW groups, lr schedule, data order, batch and steps;
+their rows carry the same measurements (FSDP: the local shards of the DTensor parameters, gradients and Adam
+states) and their loss agreement with ZeRO-0. With baselines every run, ZeRO ones included, trains without EMA
+(the baselines keep none), so all rows time the same loop.
+
 A configuration that fails is a row with its one-line error; the others still run. Exit status 0 if all ran.
 """
 from __future__ import annotations
@@ -23,7 +29,8 @@ import shutil
 import sys
 
 KINDS = ("param", "grad", "optim")
-CSV_COLUMNS = ("config", "stage", "offload", "precision", "ranks", "param_bytes_per_rank", "grad_bytes_per_rank",
+CSV_COLUMNS = ("config", "engine", "stage", "offload", "precision", "ranks", "param_bytes_per_rank",
+               "grad_bytes_per_rank",
                "optim_bytes_per_rank", "master_bytes_per_rank", "model_state_bytes_per_rank",
                "expected_model_state_bytes_per_rank", "peak_mem_bytes", "samples_per_sec", "final_loss",
                "max_rel_loss_diff_vs_stage0", "loss_flag", "error")
@@ -85,6 +92,12 @@ def deepspeed_estimates(psi: int, largest_layer: int, ranks: int) -> dict:
 
 def model_size(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int]:
     """(parameters, largest layer's own parameters) of the model as the trainer builds it."""
+    return model_params(model, model_kwargs, input_size, nb_classes)[:2]
+
+
+def model_params(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int, list]:
+    """(parameters, largest layer's own parameters, every parameter's shape) of the model as the trainer builds
+    it."""
     import timm
 
     from . import models  # noqa: F401  (registers the Vim variants)
@@ -92,7 +105,33 @@ def model_size(model: str, model_kwargs: dict, input_size: int, nb_classes: int)
     net = timm.create_model(model, pretrained=False, num_classes=nb_classes, img_size=input_size, **model_kwargs)
     total = sum(p.numel() for p in net.parameters())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()), default=0)
-    return total, largest
+    return total, largest, [tuple(p.shape) for p in net.parameters()]
+
+
+def fsdp_shard_numel(shape, rank: int, ranks: int) -> int:
+    """Elements of one tensor that FSDP2's full sharding leaves on `rank`: dim 0 is cut into chunks of
+    ceil(dim0 / ranks) rows (torch.chunk), so the last ranks may hold fewer rows, or none."""
+    shape = tuple(shape) or (1,)
+    rows = -(-shape[0] // max(1, ranks))
+    start = min(shape[0], rank * rows)
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return (min(shape[0], start + rows) - start) * rest
+
+
+def expected_baseline_bytes(engine: str, shapes, ranks: int) -> dict:
+    """Model-state bytes on the fullest rank (rank 0) of a DDP or FSDP2 baseline: fp32 parameters (4 bytes), fp32
+    gradients (4) and Adam's two fp32 moments (8) per element, of the whole model under DDP, of rank 0's dim-0
+    shard of every tensor under FSDP full sharding (about 1/N, rounded up per tensor). Adam's 4-byte step counter
+    per tensor is not included (the measurement has it: at most 4 bytes x tensors more)."""
+    if engine == "ddp":
+        n = sum(fsdp_shard_numel(s, 0, 1) for s in shapes)
+    elif engine == "fsdp":
+        n = sum(fsdp_shard_numel(s, 0, ranks) for s in shapes)
+    else:
+        raise ValueError(f"unknown baseline {engine!r}")
+    return {"param": 4 * n, "grad": 4 * n, "optim": 8 * n, "total": 16 * n}
 
 
 # -- the runs ---------------------------------------------------------------------------------------------------
@@ -132,11 +171,15 @@ def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float | None:
     return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in common)
 
 
-def finish_rows(rows: list[dict], losses: dict[str, dict[int, float]], psi: int | None) -> None:
+def finish_rows(rows: list[dict], losses: dict[str, dict[int, float]], psi: int | None, shapes=None) -> None:
     """Fill the derived columns: totals, expectations, loss agreement with stage 0 (same precision)."""
     base = next((r for r in rows if r.get("stage") == 0 and r.get("offload") == "-" and not r.get("error")), None)
     for r in rows:
-        if psi:
+        if r.get("engine", "deepspeed") != "deepspeed":
+            if shapes:
+                r["expected_model_state_bytes_per_rank"] = expected_baseline_bytes(r["engine"], shapes,
+                                                                                   r["ranks"])["total"]
+        elif psi:
             r["expected_model_state_bytes_per_rank"] = int(expected_bytes(r["stage"], psi, r["ranks"],
                                                                           r["precision"])["total"])
         if r.get("error"):
@@ -190,16 +233,17 @@ def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> s
     failed = []
     for r in rows:
         exp = _mib(r.get("expected_model_state_bytes_per_rank"))
+        stage = "-" if r["stage"] is None else r["stage"]
         if r.get("error"):
             failed.append(r)
-            lines.append(f"| {r['config']} | {r['stage']} | {r['offload']} | FAILED | | | | {exp} | | | | |")
+            lines.append(f"| {r['config']} | {stage} | {r['offload']} | FAILED | | | | {exp} | | | | |")
             continue
         diff = r.get("max_rel_loss_diff_vs_stage0")
         flag = " **DISAGREES**" if r.get("loss_flag") else ""
         sps = r.get("samples_per_sec")
         loss = r.get("final_loss")
         lines.append(
-            f"| {r['config']} | {r['stage']} | {r['offload']} | {_mib(r.get('param_bytes_per_rank'))} | "
+            f"| {r['config']} | {stage} | {r['offload']} | {_mib(r.get('param_bytes_per_rank'))} | "
             f"{_mib(r.get('grad_bytes_per_rank'))} | {_mib(r.get('optim_bytes_per_rank'))} "
             f"({_mib(r.get('master_bytes_per_rank'))}) | {_mib(r.get('model_state_bytes_per_rank'))} | {exp} | "
             f"{_mib(r.get('peak_mem_bytes'))} | {'-' if sps is None else f'{sps:.2f}'} | "
@@ -228,6 +272,23 @@ def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> s
                 e = estimates[name]
                 lines += [f"`{name}` (per GPU, no offload: {_mib(e['gpu_bytes_no_offload'])} MiB):", "", "```",
                           e["printed"], "```", ""]
+    baselines = [r for r in rows if r.get("engine", "deepspeed") != "deepspeed"]
+    if baselines:
+        lines += ["", "## Baselines (PyTorch, same model, AdamW groups, lr schedule, data, batch and steps)", ""]
+        what = {"ddp": "DistributedDataParallel (gradients as bucket views): whole fp32 parameters, gradients and "
+                       "Adam moments on every rank, expected 16Ψ",
+                "fsdp": "FSDP2 `fully_shard` per block + root, full sharding (reshard_after_forward=True): each "
+                        "rank holds dim-0 shards (DTensor local tensors) of parameters, gradients and Adam moments, "
+                        "expected 16 bytes x rank 0's shard of every tensor (≈ 16Ψ/N, rounded up per tensor)"}
+        for r in baselines:
+            lines.append(f"- {r['config']}: {what.get(r['engine'], r['engine'])}; precision "
+                         f"{r.get('precision')}.")
+        if any(r.get("precision") != settings["precision"] for r in baselines):
+            lines.append(f"- The baselines keep fp32 parameters and run the forward under bf16 autocast, while "
+                         f"DeepSpeed's {settings['precision']} mode keeps {settings['precision']} weights with fp32 "
+                         f"masters: their losses are not expected to agree with ZeRO-0 beyond bf16 precision.")
+        lines.append("- Every run of this report trained without EMA (the baselines keep none). Adam's step counter "
+                     "(4 bytes per tensor) is in the measured optimizer bytes, not in the expectation.")
     lines += ["", "## Loss agreement", ""]
     tol = LOSS_TOLERANCE.get(settings["precision"], 2e-2)
     flagged = [r["config"] for r in rows if r.get("loss_flag")]
@@ -302,9 +363,25 @@ def parse_args(argv=None):
     p.add_argument("--nb-classes", type=int, default=1000)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    p.add_argument("--baselines", nargs="+", choices=["ddp", "fsdp"], default=[],
+                   help="also train with PyTorch DDP and/or FSDP2 (full sharding) under the same launcher, model, "
+                        "optimizer, data and steps; all runs then train without EMA")
+    p.add_argument("--lr", type=float, default=None, help="the trainer's --lr for every run [its default]")
+    p.add_argument("--warmup-epochs", type=float, default=None,
+                   help="the trainer's --warmup-epochs for every run [its default]; 0 trains at the full lr from "
+                        "the first step, so that the loss comparison sees real updates")
     p.add_argument("--timeout", type=float, default=None, help="seconds per configuration")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
+
+
+def _baseline_precision(precision: str) -> str:
+    from .engine.baselines import precision_label
+
+    try:
+        return precision_label(precision)
+    except ValueError:
+        return precision
 
 
 def main(argv=None) -> int:
@@ -314,24 +391,32 @@ def main(argv=None) -> int:
     model_kwargs = dict(key_value(kv) for kv in args.model_kwargs)
     os.makedirs(args.out, exist_ok=True)
     try:
-        psi, largest = model_size(args.model, model_kwargs, args.input_size, args.nb_classes)
+        psi, largest, shapes = model_params(args.model, model_kwargs, args.input_size, args.nb_classes)
     except Exception as exc:  # noqa: BLE001 (the runs report the same error; the report says why no theory)
         print(f"vim-ds zero-compare: cannot build {args.model} to count its parameters: {exc}", file=sys.stderr)
-        psi, largest = None, 0
+        psi, largest, shapes = None, 0, None
     warmup = 1 if args.steps > 1 else 0
+    extra = [] if args.lr is None else ["--lr", args.lr]
+    extra += [] if args.warmup_epochs is None else ["--warmup-epochs", args.warmup_epochs]
+    extra += ["--no-model-ema"] if args.baselines else []  # the baselines keep no EMA: time the same loop
+    runs = [(name, stage, offload, "deepspeed", name) for name, stage, offload in configurations(args.stages,
+                                                                                               args.offload)]
+    runs += [(engine, None, "-", engine, "zero0") for engine in args.baselines]  # zero0.json: batch, AdamW, lr
     rows, losses = [], {}
-    for name, stage, offload in configurations(args.stages, args.offload):
+    for name, stage, offload, engine, config in runs:
         run_dir = os.path.join(args.out, "runs", name)
         if os.path.isdir(run_dir):
             shutil.rmtree(run_dir)  # metrics.jsonl is appended to
         print(f"[{name}] training ...", flush=True)
-        res = run_train_config(name, nproc=args.ranks, launcher=args.launcher, model=args.model,
+        res = run_train_config(config, nproc=args.ranks, launcher=args.launcher, model=args.model,
                                model_kwargs=model_kwargs, input_size=args.input_size, batch_size=args.batch_size,
                                steps=args.steps - warmup, warmup=warmup, precision=args.precision,
                                workers=args.num_workers, out_dir=run_dir, nb_classes=args.nb_classes,
-                               timeout=args.timeout)
-        row = {"config": name, "stage": stage, "offload": offload, "precision": args.precision,
-               "ranks": args.ranks, "error": res.get("error")}
+                               timeout=args.timeout,
+                               extra_args=extra + ([] if engine == "deepspeed" else ["--engine", engine]))
+        row = {"config": name, "engine": engine, "stage": stage, "offload": offload, "ranks": args.ranks,
+               "precision": args.precision if engine == "deepspeed" else _baseline_precision(args.precision),
+               "error": res.get("error")}
         summary, step_losses = read_run(run_dir)
         if not row["error"]:
             if summary is None or "param_bytes_per_rank" not in summary:
@@ -346,7 +431,7 @@ def main(argv=None) -> int:
                 losses[name] = step_losses
         print(f"[{name}] " + (f"FAILED: {row['error']}" if row["error"] else "done"), flush=True)
         rows.append(row)
-    finish_rows(rows, losses, psi)
+    finish_rows(rows, losses, psi, shapes)
     estimates = deepspeed_estimates(psi, largest, args.ranks) if psi else None
     settings = dict(model=args.model, kwargs=" ".join(args.model_kwargs), input_size=args.input_size,
                     ranks=args.ranks, launcher=args.launcher, batch_size=args.batch_size, steps=args.steps,

@@ -85,8 +85,28 @@ def _layout_grad_bytes(engine, opt, stage: int) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _local(t):
+    """The part of a tensor this rank holds: a DTensor's local shard (FSDP2), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def torch_state_bytes(params, optimizer) -> dict:
+    """Bytes of model states held by THIS rank of a PyTorch DDP or FSDP2 baseline (`engine/baselines.py`):
+    the local shards of the parameters, of their gradients (zeroed, not freed, between steps: always "live") and
+    of the torch optimizer's state tensors (Adam's moments and its per-parameter step counter). No master copy:
+    the parameters are the fp32 masters."""
+    counter = _Counter()
+    params = list(params)
+    param_bytes = counter.add(_local(p).data for p in params)
+    grad_bytes = counter.add(_local(p.grad) for p in params if p.grad is not None)
+    state = [_local(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optim_bytes": counter.add(state),
+            "master_bytes": 0, "persistent_param_bytes": 0, "grad_source": "live"}
+
+
 def state_bytes(engine) -> dict:
-    """Bytes of model states held by THIS rank of a DeepSpeed engine.
+    """Bytes of model states held by THIS rank of a DeepSpeed engine (or of a DDP/FSDP baseline:
+    `torch_state_bytes`).
 
     param_bytes   the module's parameter storage: the whole parameters under ZeRO 0-2; under ZeRO-3 each
                   parameter's partition `p.ds_tensor` (not the gathered parameter). ZeRO-3 "persistent" small
@@ -109,6 +129,8 @@ def state_bytes(engine) -> dict:
                   layout instead (whole gradients in the parameters' dtype for ZeRO-0, the rank's partition for
                   ZeRO-1/2); grad_source says which ("live" or "layout"). Communication buckets are not counted.
     """
+    if getattr(engine, "is_torch_baseline", False):
+        return torch_state_bytes(engine.params, engine.optimizer)
     opt = engine.optimizer
     inner = _inner_optimizer(opt)
     stage = int(engine.zero_optimization_stage()) if hasattr(engine, "zero_optimization_stage") else 0

@@ -138,18 +138,29 @@ class Trainer:
             return PerStepScheduler(optimizer, total_steps=args.epochs * self.steps_per_epoch,
                                     warmup_steps=warmup_steps, warmup_lr=args.warmup_lr, min_lr=args.min_lr)
 
-        import deepspeed
+        self.engine_kind = getattr(args, "engine", "deepspeed")
+        if self.engine_kind == "deepspeed":
+            import deepspeed
 
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
-            lr_scheduler=scheduler)
+            self.engine, _, _, self.scheduler = deepspeed.initialize(
+                model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
+                lr_scheduler=scheduler)
+        else:  # a PyTorch DDP/FSDP baseline for `vim-ds zero-compare`: same model, groups, data, loss, schedule
+            from .baselines import TorchEngine
+
+            self.engine = TorchEngine(self.engine_kind, model, param_groups(model, args.weight_decay), self.ds,
+                                      self.device, scheduler)
+            self.scheduler = self.engine.scheduler
+            self.dtype = torch.float32  # fp32 parameters (bf16: under autocast)
         self.criterion = self._build_criterion()
-        self._own_grad_norm = self.ds.zero_stage == 0  # DeepSpeed reports no norm without ZeRO
+        # DeepSpeed reports no norm without ZeRO; the baselines report theirs
+        self._own_grad_norm = self.ds.zero_stage == 0 and self.engine_kind == "deepspeed"
         self._grad_norm = None
         self._skipped_by_us = False  # the last optimizer step was made a no-op here (fp32 without ZeRO)
         self.ema = ShardedEMA(self.engine.module, args.model_ema_decay) if args.model_ema else None
+        saves = args.output_dir and self.engine_kind == "deepspeed"  # baselines save nothing
         self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
-                                         args.keep_checkpoints) if args.output_dir else None
+                                         args.keep_checkpoints) if saves else None
 
         # position in the run
         self.epoch = 0
@@ -484,7 +495,9 @@ class Trainer:
         peaks = per_rank[0]
         state = {f"{kind}_per_rank": [int(v) for v in values] for kind, values in zip(kinds, per_rank[1:])}
         return {"summary": True, "step": self.step, "steps_timed": t["steps"], "world_size": self.dist.world_size,
-                "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "global_batch": self.batch.global_,
+                "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "engine": self.engine_kind,
+                "engine_precision": getattr(self.engine, "precision", self.ds.precision),
+                "global_batch": self.batch.global_,
                 "data_time": t["data"], "compute_time": t["compute"], "other_time": t["other"],
                 "loop_overhead": (t["data"] + t["other"]) / total if total else None,
                 "peak_memory_mb_per_rank": peaks, "device": self.device.type, **state}

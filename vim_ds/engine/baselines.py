@@ -1,0 +1,138 @@
+"""PyTorch DDP and FSDP2 in place of the DeepSpeed engine: the baselines of `vim-ds zero-compare`.
+
+`TorchEngine` answers the calls the trainer makes on a DeepSpeed engine (forward, `backward`, `step`, `get_lr`,
+`was_step_applied`, `get_global_grad_norm`, `train`/`eval`), so the trainer's data order, loss, metrics, evaluation
+and memory accounting are the ones the ZeRO runs use; only the wrapping, backward and step differ:
+
+ddp   `DistributedDataParallel` (gradients as views of its buckets, so they are held once)
+fsdp  FSDP2 `fully_shard` on every block, then on the root, full sharding (`reshard_after_forward=True`): each
+      rank holds dim-0 shards (DTensors) of the parameters, gradients and Adam states
+
+The optimizer is torch's AdamW with the model's two parameter groups and the DeepSpeed config's lr, betas, eps,
+weight decay and gradient clipping; the lr schedule is the trainer's. As DeepSpeed's engine does, `backward`
+divides the loss by the accumulation steps, and a step whose gradient norm is not finite is not applied.
+
+Precision: fp32 runs in fp32. bf16 keeps fp32 parameters and Adam states and runs the forward under
+`torch.autocast(bf16)` (what DDP/FSDP users do, and what Mamba's authors recommend), unlike DeepSpeed's bf16 mode
+(bf16 weights, fp32 masters): losses then agree with ZeRO only to bf16 precision. fp16 is refused.
+
+Baselines are for measurement: they save no checkpoints and keep no EMA (the trainer refuses --resume,
+--save-interval and --model-ema with them).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+ENGINES = ("deepspeed", "ddp", "fsdp")
+
+
+def precision_label(precision: str) -> str:
+    """How a baseline runs a `--precision`: 'fp32', or fp32 parameters with bf16 autocast."""
+    if precision == "fp32":
+        return "fp32"
+    if precision == "bf16":
+        return "fp32+autocast-bf16"
+    raise ValueError(f"the DDP/FSDP baselines run fp32 or bf16 (fp32 parameters, bf16 autocast), not {precision}")
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class TorchEngine:
+    is_torch_baseline = True  # what vim_ds.engine.memory.state_bytes dispatches on
+
+    def __init__(self, kind: str, model: torch.nn.Module, groups: list[dict], ds, device: torch.device,
+                 scheduler_factory):
+        if kind not in ("ddp", "fsdp"):
+            raise ValueError(f"unknown baseline engine {kind!r}: choose ddp or fsdp")
+        self.kind, self.precision = kind, precision_label(ds.precision)
+        self.device, self.accum = device, ds.batch.accum
+        params = ds.config.get("optimizer", {}).get("params", {})
+        self.clip = float(ds.config.get("gradient_clipping") or 0.0)
+        model = model.to(device)
+        names = {id(p): n for n, p in model.named_parameters()}
+        group_names = [[names[id(p)] for p in g["params"]] for g in groups]  # FSDP replaces the Parameters
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = model
+            self.wrapped = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
+                                                   gradient_as_bucket_view=True) if _world() > 1 else model
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(device.type, (_world(),))
+            for block in getattr(model, "layers", ()):
+                fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(model, mesh=mesh, reshard_after_forward=True)
+            self.module = self.wrapped = model
+        by_name = dict(self.module.named_parameters())
+        self.params = list(by_name.values())
+        self.optimizer = torch.optim.AdamW(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in gn]}
+             for g, gn in zip(groups, group_names)],
+            lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
+            weight_decay=params.get("weight_decay", 0.0))
+        self.scheduler = scheduler_factory(self.optimizer)
+        self.micro = 0
+        self.applied = True
+        self.grad_norm = None
+
+    # -- what the trainer calls ---------------------------------------------------------------------------------
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.float()
+        if self.precision == "fp32":
+            return self.wrapped(images)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return self.wrapped(images)
+
+    def _sync(self, on: bool):
+        if self.kind == "fsdp":
+            self.module.set_requires_gradient_sync(on)
+        elif self.wrapped is not self.module:
+            self.wrapped.require_backward_grad_sync = on
+
+    def backward(self, loss: torch.Tensor):
+        self._sync(self.micro == self.accum - 1)  # reduce only on the accumulation boundary's backward
+        (loss / self.accum).backward()
+
+    def step(self):
+        self.micro += 1
+        if self.micro < self.accum:
+            return
+        self.micro = 0
+        if self.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        self.grad_norm = float(norm)
+        self.applied = math.isfinite(self.grad_norm)
+        if self.applied:
+            self.optimizer.step()
+            self.scheduler.step()
+        # zeroed, not freed: DDP's gradients are views of its buckets (held anyway), and the memory report reads
+        # the gradients held between steps from the live tensors
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def get_global_grad_norm(self):
+        return self.grad_norm
+
+    def train(self):
+        self.module.train()
+
+    def eval(self):
+        self.module.eval()
