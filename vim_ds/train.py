@@ -45,6 +45,10 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--no-model-ema", action="store_false", dest="model_ema")
     g.add_argument("--model-ema-decay", type=float, default=0.99996)
     g.add_argument("--finetune", default="", help="start from a published or converted checkpoint file")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model through DeepSpeed's engine.compile() (first steps are slower)")
+    g.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile backend for --compile (inductor; aot_eager compiles fast, runs eager kernels)")
 
     g = p.add_argument_group("optimisation (AdamW, cosine schedule with warmup, per optimizer step)")
     g.add_argument("--batch-size", type=int, default=None, help="per-rank micro batch [64, or the JSON's]")
