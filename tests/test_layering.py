@@ -10,7 +10,7 @@ import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 
-COMMANDS = ("train", "eval", "predict", "convert", "zero_compare", "bench", "cli", "env", "demo")
+COMMANDS = ("train", "eval", "predict", "convert", "zero_compare", "bench", "cli", "env", "demo", "export")
 BELOW_COMMANDS = ("engine", "models", "data", "checkpoint", "ops")  # import no command module
 BELOW_ENGINE = ("models", "data", "checkpoint", "ops")  # import no engine module either
 

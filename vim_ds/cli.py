@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "eval": ("vim_ds.eval", "evaluate a checkpoint directory or weights file on a validation set"),
     "convert": ("vim_ds.convert", "a checkpoint directory -> one .pth/.safetensors weights file (fp32 masters)"),
     "predict": ("vim_ds.predict", "top-5 classes of images with a weights file"),
+    "export": ("vim_ds.export", "a weights file -> a torch.export program (.pt2) for inference"),
     "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
     "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
     "zero-compare": ("vim_ds.zero_compare", "ZeRO stages side by side: model-state bytes per rank vs theory"),

@@ -52,6 +52,10 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--save-init-weights", default="", metavar="FILE",
                    help="write this run's initial weights to FILE (.pth or .safetensors), then train: other "
                         "clusters start from them with --init-weights FILE")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model through DeepSpeed's engine.compile() (first steps are slower)")
+    g.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile backend for --compile (inductor; aot_eager compiles fast, runs eager kernels)")
 
     g = p.add_argument_group("optimisation (AdamW, cosine schedule with warmup, per optimizer step)")
     g.add_argument("--batch-size", type=int, default=None, help="per-rank micro batch [64, or the JSON's]")
@@ -163,6 +167,8 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
         if refused:
             parser.error(f"--engine {args.engine} is a measurement baseline: it saves no checkpoints and keeps no "
                          f"EMA; drop {', '.join(refused)}")
+    if args.compile and args.engine != "deepspeed":
+        parser.error(f"--compile goes through DeepSpeed's engine.compile(); --engine {args.engine} does not have it")
     if args.model_ema is None:
         args.model_ema = args.engine == "deepspeed"
     args.model_kwargs = dict(args.model_kwargs)

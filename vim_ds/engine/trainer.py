@@ -33,6 +33,26 @@ class StopRequested(Exception):
     """SIGTERM arrived (SLURM before a time limit or preemption, the launcher, `kill`): a checkpoint was saved."""
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _declare_direct_weight_reads(model: torch.nn.Module):
+    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
+    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
+    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from ..models.vim import BiMambaMixer
+
+    for module in model.modules():
+        if isinstance(module, BiMambaMixer):
+            for child in module.children():
+                for param in child.parameters():
+                    register_external_parameter(module, param)
+
+
 def derived_seed(*parts) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2 ** 63 - 1)
@@ -145,6 +165,8 @@ class Trainer:
             self.engine, _, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
                 lr_scheduler=scheduler)
+            if args.compile:
+                self._compile(args.compile_backend)
         else:  # a PyTorch DDP/FSDP baseline for `vim-ds zero-compare`: same model, groups, data, loss, schedule
             from .baselines import TorchEngine
 
@@ -174,6 +196,18 @@ class Trainer:
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
     # -- construction helpers -----------------------------------------------------------------------------------
+
+    def _compile(self, backend: str):
+        """torch.compile through DeepSpeed (its hooks stay in place); what DeepSpeed refuses becomes one line."""
+        deepcompile = bool(getattr(self.engine, "is_deepcompile_enabled", lambda: False)())
+        self._compile_what = f"ZeRO-{self.ds.zero_stage}" + (" with DeepCompile" if deepcompile else "")
+        if self.ds.zero_stage == 3:
+            _declare_direct_weight_reads(self.engine.module)
+        try:
+            self.engine.compile(backend=backend)
+        except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
+            raise ValueError(f"--compile: DeepSpeed cannot compile the model under {self._compile_what} "
+                             f"({_first_line(exc)}); train without --compile") from exc
 
     def _loader(self, dataset, batch_sampler, name: str):
         from ..data.loader import build_loader  # workers from a fork server, --data-timeout: see its docstring
@@ -295,11 +329,12 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
-        logits = self.engine(images.to(self.dtype))
-        loss = self.criterion(logits.float(), targets)
-        if faults.active("nan_loss", self.step + 1, self.dist.rank):
-            loss = loss * float("nan")
-        self.engine.backward(loss)
+        with self._compile_errors():
+            logits = self.engine(images.to(self.dtype))
+            loss = self.criterion(logits.float(), targets)
+            if faults.active("nan_loss", self.step + 1, self.dist.rank):
+                loss = loss * float("nan")
+            self.engine.backward(loss)
         skip = self._skipped_by_us = False
         if self._own_grad_norm and micro == self.batch.accum - 1:
             self._grad_norm = self._full_grad_norm()
@@ -313,6 +348,21 @@ class Trainer:
         else:
             self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
         return loss.detach()
+
+    @contextlib.contextmanager
+    def _compile_errors(self):
+        """With --compile, a failure of torch.compile itself (it compiles lazily, at the first steps) is reported
+        as one line naming the configuration, not as the compiler's traceback."""
+        if not self.args.compile:
+            yield
+            return
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            yield
+        except TorchDynamoException as exc:
+            raise ValueError(f"--compile: torch.compile failed under {self._compile_what} "
+                             f"({type(exc).__name__}: {_first_line(exc)}); train without --compile") from exc
 
     @torch.no_grad()
     def _full_grad_norm(self) -> float:

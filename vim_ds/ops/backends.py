@@ -30,6 +30,19 @@ ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda: force a backend
 ENV_JIT = "VIM_DS_JIT"  # 0: never JIT-build a missing kernel
 
 
+# Inside a registered op's implementation the dispatcher has switched autograd off (its keys are excluded), so the
+# reference's gradients, which come from autograd, need them switched back on there.
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+
+
+def _autograd_recording():
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
+
+
 class RefBackend:
     """Pure PyTorch: the recurrence step by step, gradients by autograd (recomputed in bwd)."""
 
@@ -42,7 +55,7 @@ class RefBackend:
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
         args = [u, delta, A, B, C, D, z, delta_bias]
         leaves = [None if a is None else a.detach().requires_grad_(True) for a in args]
-        with torch.enable_grad():
+        with _autograd_recording(), torch.enable_grad():
             out = selective_scan_ref(*leaves, delta_softplus=delta_softplus, reverse=reverse)
             present = [a for a in leaves if a is not None]
             grads = iter(torch.autograd.grad(out, present, dout))

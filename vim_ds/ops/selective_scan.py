@@ -1,4 +1,5 @@
-"""``selective_scan_fn``: mamba_ssm's selective-scan interface on vim_ds's backends, with autograd.
+"""``selective_scan_fn``: mamba_ssm's selective-scan interface on the registered op
+``torch.ops.vim_ds.selective_scan_fwd`` (see ``library.py``), with autograd.
 
 Shapes and semantics are mamba_ssm's (real A; B and C input-dependent):
 u, delta, z: (batch, dim, seqlen); A: (dim, d_state); B, C: (batch, d_state, seqlen); D, delta_bias: (dim,).
@@ -9,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backends import get_backend
+from .library import selective_scan_fwd
 
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MAX_D_STATE = 256
@@ -70,37 +71,17 @@ def _param_dtype(u):
     return torch.float64 if u.dtype == torch.float64 else torch.float32
 
 
-class SelectiveScanFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, backend, reverse=False):
-        out, saved = backend.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
-        ctx.backend, ctx.delta_softplus, ctx.reverse = backend, delta_softplus, reverse
-        ctx.has = [t is not None for t in (D, z, delta_bias)]
-        extra = [saved] if saved is not None else []
-        ctx.save_for_backward(u, delta, A, B, C, *[t for t in (D, z, delta_bias) if t is not None], *extra)
-        ctx.has_saved = saved is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        tensors = list(ctx.saved_tensors)
-        u, delta, A, B, C = tensors[:5]
-        rest = iter(tensors[5:])
-        D, z, delta_bias = (next(rest) if has else None for has in ctx.has)
-        saved = next(rest) if ctx.has_saved else None
-        grads = ctx.backend.bwd(u, delta, A, B, C, D, z, delta_bias, dout.contiguous(), saved, ctx.delta_softplus,
-                                ctx.reverse)
-        return (*grads, None, None, None)
-
-
 def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       reverse=False):
-    """The op on a given backend, inputs already validated; A, D, delta_bias cast to the kernels' fp32."""
+    """The op on a given backend (an object from ``backends`` or a name: auto, ref, cpu, cuda), inputs already
+    validated; A, D, delta_bias cast to the kernels' fp32."""
+    name = backend if isinstance(backend, str) else backend.name
     p = _param_dtype(u)
     A = A.to(p)
     D = None if D is None else D.to(p)
     delta_bias = None if delta_bias is None else delta_bias.to(p)
-    return SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), backend, bool(reverse))
+    out, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), bool(reverse), name)
+    return out
 
 
 def selective_scan_fn(
@@ -126,5 +107,4 @@ def selective_scan_fn(
     and flipping the output back, without the copies (Vim's backward direction).
     """
     validate(u, delta, A, B, C, D, z, delta_bias)
-    return scan_with_backend(get_backend(u.device), u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                             reverse=reverse)
+    return scan_with_backend("auto", u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=reverse)

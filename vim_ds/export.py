@@ -1,0 +1,72 @@
+"""`vim-ds export --weights FILE --out model.pt2` = `python -m vim_ds.export`: a torch.export program for inference.
+
+The model comes from the weights file as in `vim-ds predict` (`--model`, `--model-kwargs`, `--input-size`, or the
+description a `vim-ds convert` file carries). The program takes images (batch, 3, N, N), float32, and returns
+logits; the batch size is dynamic. The selective scan stays one registered operator per call
+(`torch.ops.vim_ds.*`), so loading the program needs vim_ds imported first:
+
+    import torch, vim_ds
+    program = torch.export.load("model.pt2")
+    logits = program.module()(images)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _key_value(text: str):
+    from .train import _key_value as kv
+
+    return kv(text)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="vim-ds export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", required=True, help="a .pth/.safetensors file (vim-ds convert output or published)")
+    p.add_argument("--out", required=True, help="the program file to write (.pt2)")
+    p.add_argument("--model", default=None, help="model name (default: from the converted file)")
+    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
+    p.add_argument("--input-size", type=int, default=None, help="image side (default: the file's, else 224)")
+    p.add_argument("--num-classes", type=int, default=None)
+    p.add_argument("--ema", action="store_true", help="export the file's 'model_ema' weights")
+    p.add_argument("--static-batch", action="store_true", help="fix the batch size at 2 instead of dynamic")
+    return p.parse_args(argv)
+
+
+def export(args) -> tuple[str, int]:
+    """Write the program; return (path, input size)."""
+    import torch
+
+    from .predict import build
+
+    model, input_size, _ = build(args)
+    example = torch.randn(2, 3, input_size, input_size)
+    dynamic = None if args.static_batch else {"x": {0: torch.export.Dim("batch", min=1, max=4096)}}
+    with torch.no_grad():
+        program = torch.export.export(model, (example,), dynamic_shapes=dynamic)
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--out: no such directory: {directory}")
+    torch.export.save(program, args.out)
+    return args.out, input_size
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    if not os.path.isfile(args.weights):
+        print(f"vim-ds export: error: --weights: no such file: {args.weights}", file=sys.stderr)
+        return 2
+    try:
+        path, size = export(args)
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        print(f"vim-ds export: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: images (batch, 3, {size}, {size}) -> logits; load with `import vim_ds` then "
+          f"torch.export.load")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

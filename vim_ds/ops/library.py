@@ -1,0 +1,314 @@
+"""The kernels as PyTorch operators in the ``vim_ds`` namespace (``torch.ops.vim_ds.*``).
+
+Registered with ``torch.library.custom_op``, each with a fake implementation (shapes and dtypes only, for
+``torch.compile``, ``torch.export`` and meta tensors) and, for the forward ops, registered autograd, so that the
+compiler sees one opaque node per kernel call instead of a graph break.
+
+============================  =====================================================================
+``selective_scan_fwd``        the scan -> ``(out, saved)``; differentiable through ``selective_scan_bwd``
+``selective_scan_bwd``        its gradients (8 tensors; an input given as None gets an empty tensor)
+``causal_conv1d``             depthwise causal conv1d (anti-causal with ``reverse``); differentiable
+``causal_conv1d_bwd``         its gradients ``(dx, dweight, dbias)``
+``ssm_branch_fwd``            the fused Mamba branch (conv1d + SiLU, x_proj, dt_proj, scan, gate) -> ``(out, saved)``
+``ssm_branch_bwd``            its gradients; recomputes the conv and projections instead of keeping them
+============================  =====================================================================
+
+Every op takes a ``backend`` string: ``"auto"`` picks by device as ``backends.get_backend`` does (the compiled
+kernel for the device, ``VIM_DS_SCAN`` if set, the pure-PyTorch reference as the fallback); ``"ref"``, ``"cpu"``
+or ``"cuda"`` name one (tests and benchmarks). ``saved`` is the backend's private state for the backward: the GPU
+kernel's chunk-boundary states, an empty tensor elsewhere. Op implementations run with autocast off and cast
+explicitly (weights to the activations' dtype), so eager, compiled and exported programs compute the same thing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import backends
+
+NAMESPACE = "vim_ds"
+
+
+def resolve(backend: str, device: torch.device):
+    """The backend object for an op's ``backend`` argument on `device`."""
+    if backend == "auto":
+        return backends.get_backend(device)
+    if backend == "ref":
+        return backends.RefBackend()
+    if backend not in backends.BACKENDS:
+        raise ValueError(f"vim_ds ops: backend must be auto, ref, cpu or cuda, got {backend!r}")
+    kind = "cpu" if device.type == "cpu" else "cuda"
+    if backend != kind:
+        raise ValueError(f"vim_ds ops: the {backend} backend cannot run on {device.type} tensors")
+    loaded = backends.load(kind)
+    if loaded.backend is None:
+        raise RuntimeError(f"vim_ds ops: the {kind} kernel is unavailable: {loaded.reason}")
+    return loaded.backend
+
+
+def _absent(like: Tensor) -> Tensor:
+    """The slot of a tensor that is None (custom ops return tensors only): empty, on the right device."""
+    return like.new_empty((0,))
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selective scan
+# ---------------------------------------------------------------------------------------------------------------
+
+def _saved_like(backend_obj, u: Tensor, A: Tensor) -> Tensor:
+    """What the backend's forward returns as `saved`, as an empty tensor of the same shape and dtype."""
+    if getattr(backend_obj, "name", None) == "cuda":
+        batch, dim, seqlen = u.shape
+        d_state = A.shape[1]
+        chunk = backend_obj.module.chunk_length(int(d_state), u.dtype == torch.float64)
+        n_ckpt = (seqlen + chunk - 1) // chunk - 1 if chunk > 0 else 0
+        return u.new_empty((batch, dim, n_ckpt, d_state), dtype=_wide(u.dtype))
+    return _absent(u)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::selective_scan_fwd", mutates_args=())
+def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool, reverse: bool,
+                       backend: str) -> tuple[Tensor, Tensor]:
+    impl = resolve(backend, u.device)
+    out, saved = impl.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
+    return out.contiguous(), _absent(u) if saved is None else saved
+
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend):
+    return torch.empty_like(u, memory_format=torch.contiguous_format), _saved_like(resolve(backend, u.device), u, A)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::selective_scan_bwd", mutates_args=())
+def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                       z: Optional[Tensor], delta_bias: Optional[Tensor], dout: Tensor, saved: Tensor,
+                       delta_softplus: bool, reverse: bool,
+                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    impl = resolve(backend, u.device)
+    grads = impl.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse)
+    return tuple(_absent(u) if g is None else g.contiguous() for g in grads)
+
+
+@selective_scan_bwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, backend):
+    like = [u, delta, A, B, C, D, z, delta_bias]
+    return tuple(_absent(u) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in like)
+
+
+def _scan_setup_context(ctx, inputs, output):
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend = inputs
+    ctx.options = (delta_softplus, reverse, backend)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[1])
+
+
+def _scan_backward(ctx, dout, _dsaved):
+    u, delta, A, B, C, D, z, delta_bias, saved = ctx.saved_tensors
+    grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout.contiguous(), saved, *ctx.options)
+    given = (u, delta, A, B, C, D, z, delta_bias)
+    return (*(g if t is not None else None for g, t in zip(grads, given)), None, None, None)
+
+
+selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Depthwise causal conv1d
+# ---------------------------------------------------------------------------------------------------------------
+
+def _conv_uses_kernel(backend_obj, x: Tensor) -> bool:
+    # The CPU kernel when the scan runs on the `cpu` backend; else PyTorch's conv (cuDNN/MIOpen on GPUs).
+    return getattr(backend_obj, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    # The CPU kernel reads whole rows; a channel slice of a wider tensor is fine, other layouts are copied.
+    return x if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] else x.contiguous()
+
+
+def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend_obj) -> Tensor:
+    """Conv output (before SiLU) in x's dtype; plain computation, no autograd (op implementations use it)."""
+    k = weight.shape[-1]
+    if _conv_uses_kernel(backend_obj, x):
+        wide = _wide(x.dtype)
+        return backend_obj.module.conv_fwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
+                                           None if bias is None else bias.to(wide).contiguous(), reverse)
+    w = weight.to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    if reverse:  # y[t] = sum_j w[j] x[t + K-1 - j]: the flipped taps over a window starting at t
+        return F.conv1d(x, w.flip(-1), b, padding=k - 1, groups=x.shape[1])[..., k - 1:]
+    return F.conv1d(x, w, b, padding=k - 1, groups=x.shape[1])[..., :x.shape[-1]]
+
+
+def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj):
+    """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes."""
+    k = weight.shape[-1]
+    if _conv_uses_kernel(backend_obj, x):
+        wide = _wide(x.dtype)
+        dx, dw, db = backend_obj.module.conv_bwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
+                                                 None if bias is None else bias.to(wide).contiguous(),
+                                                 dout.to(x.dtype).contiguous(), reverse)
+    else:
+        w = weight.to(x.dtype)
+        if reverse:  # the output is the full convolution's last L steps, computed with the flipped taps
+            full, w = F.pad(dout, (k - 1, 0)), w.flip(-1)
+        else:  # the full convolution's first L steps
+            full = F.pad(dout, (0, k - 1))
+        dx, dw, db = torch.ops.aten.convolution_backward(
+            full.to(x.dtype), x, w, None if bias is None else [bias.shape[0]], [1], [k - 1], [1], False, [0],
+            x.shape[1], [True, True, bias is not None])
+        if reverse:
+            dw = dw.flip(-1)
+    dw = dw.reshape(weight.shape).to(weight.dtype)
+    db = None if bias is None else db.to(bias.dtype)
+    return dx.contiguous(), dw.contiguous(), db
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend: str) -> Tensor:
+    """x (batch, d, L), weight (d, 1, K), bias (d,) or None -> (batch, d, L) in x's dtype."""
+    with _no_autocast(x.device):
+        return conv_forward(x, weight, bias, reverse, resolve(backend, x.device)).contiguous()
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, reverse, backend):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d_bwd", mutates_args=())
+def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool,
+                      backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    with _no_autocast(x.device):
+        dx, dw, db = conv_backward(x, weight, bias, dout, reverse, resolve(backend, x.device))
+    return dx, dw, _absent(x) if db is None else db
+
+
+@causal_conv1d_bwd.register_fake
+def _(x, weight, bias, dout, reverse, backend):
+    return x.new_empty(x.shape), torch.empty_like(weight), _absent(x) if bias is None else torch.empty_like(bias)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, weight, bias, reverse, backend = inputs
+    ctx.options = (reverse, backend)
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _conv_backward(ctx, dout):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = causal_conv1d_bwd(x, weight, bias, dout.contiguous(), *ctx.options)
+    return dx, dw, None if bias is None else db, None, None
+
+
+causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused SSM branch
+# ---------------------------------------------------------------------------------------------------------------
+
+def project(weight: Tensor, x: Tensor) -> Tensor:
+    """weight (out, in) @ x (batch, in, L) -> (batch, out, L): a linear layer in the channels-first layout.
+
+    bmm over a stride-0 expanded weight: torch.matmul would first copy x into an (in, batch, L) layout.
+    """
+    return torch.bmm(weight.expand(x.shape[0], -1, -1), x)
+
+
+def _weight_grad(dy: Tensor, x: Tensor) -> Tensor:
+    """d(weight) of project(weight, x) for output gradient dy: sum over the batch of dy @ x^T."""
+    return torch.bmm(dy, x.transpose(1, 2)).sum(0)
+
+
+def _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, reverse, backend_obj):
+    """Conv pre-activation c, then u = silu(c), x_dbl, and the scan's delta, B, C (contiguous); no autograd."""
+    c = conv_forward(x, conv_weight, conv_bias, reverse, backend_obj)
+    u = F.silu(c)
+    dt_rank = dt_proj_weight.shape[1]
+    x_dbl = project(x_proj_weight.to(u.dtype), u)  # (batch, dt_rank + 2 * d_state, L)
+    delta = project(dt_proj_weight.to(u.dtype), x_dbl[:, :dt_rank])  # dt_proj's bias is added inside the scan
+    B = x_dbl[:, dt_rank:dt_rank + d_state].contiguous()
+    C = x_dbl[:, dt_rank + d_state:].contiguous()
+    return c, u.contiguous(), x_dbl, delta.contiguous(), B, C
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ssm_branch_fwd", mutates_args=())
+def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], x_proj_weight: Tensor,
+                   dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor, reverse: bool,
+                   backend: str) -> tuple[Tensor, Tensor]:
+    impl = resolve(backend, x.device)
+    with _no_autocast(x.device):
+        _, u, _, delta, B, C = _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
+                                              reverse, impl)
+        out, saved = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
+    return out.contiguous(), _absent(u) if saved is None else saved
+
+
+@ssm_branch_fwd.register_fake
+def _(x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, reverse, backend):
+    return x.new_empty(x.shape), _saved_like(resolve(backend, x.device), x, A)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ssm_branch_bwd", mutates_args=())
+def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                   x_proj_weight: Tensor, dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor,
+                   saved: Tensor, reverse: bool, backend: str
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dz, dconv_weight, dconv_bias, dx_proj_weight, ddt_proj_weight, dA, dD, ddelta_bias)."""
+    impl = resolve(backend, x.device)
+    with _no_autocast(x.device):
+        # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
+        c, u, x_dbl, delta, B, C = _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                  A.shape[1], reverse, impl)
+        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
+                                                               dout.to(u.dtype).contiguous(), saved, True, reverse)
+        # Chain the scan's input gradients back through dt_proj, x_proj, SiLU and the conv.
+        dt_rank = dt_proj_weight.shape[1]
+        ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
+        dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
+        dx_proj_w = _weight_grad(dx_dbl, u)
+        du = du + project(x_proj_weight.to(u.dtype).t(), dx_dbl)
+        dc = torch.ops.aten.silu_backward(du, c)
+        dx, dconv_w, dconv_b = conv_backward(x, conv_weight, conv_bias, dc, reverse, impl)
+    return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b,
+            dx_proj_w.to(x_proj_weight.dtype), ddt_proj_w.to(dt_proj_weight.dtype), dA.to(A.dtype), dD.to(D.dtype),
+            ddelta_bias.to(delta_bias.dtype))
+
+
+@ssm_branch_bwd.register_fake
+def _(dout, x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, saved, reverse,
+      backend):
+    like = (x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias)
+    return tuple(_absent(x) if t is None else t.new_empty(t.shape) for t in like)
+
+
+def _branch_setup_context(ctx, inputs, output):
+    *tensors, reverse, backend = inputs
+    ctx.options = (reverse, backend)
+    ctx.mark_non_differentiable(output[1])
+    # Only the inputs and the weights (and the GPU kernel's chunk states): the memory a transformer block keeps.
+    ctx.save_for_backward(*tensors, output[1])
+
+
+def _branch_backward(ctx, dout, _dsaved):
+    *tensors, saved = ctx.saved_tensors
+    grads = ssm_branch_bwd(dout.contiguous(), *tensors, saved, *ctx.options)
+    conv_bias = tensors[3]
+    return (*grads[:3], None if conv_bias is None else grads[3], *grads[4:], None, None)
+
+
+ssm_branch_fwd.register_autograd(_branch_backward, setup_context=_branch_setup_context)
