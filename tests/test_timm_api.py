@@ -321,3 +321,29 @@ def test_pretrained_resolves_to_the_published_hugging_face_file(name, tmp_path, 
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), source(x), rtol=0, atol=0)
+
+
+def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypatch, tmp_path):
+    from vim_ds import bench
+    from vim_ds.bench import train as bench_train
+    from vim_ds.models import build_model
+    from vim_ds.train import parse_args
+
+    tiny = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=8", "stride=8", "--input-size", "32"]
+    assert build_model(parse_args(tiny + ["--grad-checkpointing"]), 10).grad_checkpointing is True
+    assert build_model(parse_args(tiny), 10).grad_checkpointing is False
+
+    launched = []
+
+    def fake_run(config, **kw):
+        launched.append(kw["extra_args"])
+        return {"config": config, "error": "not launched in this test"}
+
+    monkeypatch.setattr(bench_train, "run_train_config", fake_run)
+    bench.main(["train", "--configs", "zero0", "--grad-checkpointing", "--train-args", "--mixup 0",
+                "--json", str(tmp_path / "out.json")])
+    bench.main(["train", "--configs", "zero0"])
+    assert launched == [["--mixup", "0", "--grad-checkpointing"], []]
+    import json
+
+    assert json.loads((tmp_path / "out.json").read_text())["settings"]["grad_checkpointing"] is True
