@@ -41,6 +41,9 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
                    help="extra model constructor arguments, e.g. depth=4 embed_dim=64 patch_size=4")
     g.add_argument("--drop", type=float, default=0.0, help="dropout rate")
     g.add_argument("--drop-path", type=float, default=0.1, help="stochastic depth rate")
+    g.add_argument("--grad-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them (less memory, "
+                        "about one more forward of compute; same gradients)")
     g.add_argument("--model-ema", action="store_true", default=None,
                    help="keep an EMA of the weights [on; not with --engine ddp/fsdp]")
     g.add_argument("--no-model-ema", action="store_false", dest="model_ema")

@@ -71,6 +71,8 @@ def main(argv=None) -> int:
                    help="[bf16; on GPUs a config whose file enables fp16 (zero2_fp16) stays fp16 unless given]")
     t.add_argument("--num-workers", type=int, default=2, help="data-loader workers per rank")
     t.add_argument("--nb-classes", type=int, default=1000, help="classes of the synthetic data (the head's size)")
+    t.add_argument("--grad-checkpointing", action="store_true",
+                   help="train with gradient checkpointing (compare its peak memory with a run without)")
     t.add_argument("--train-args", default="", metavar="'ARGS'",
                    help="further vim_ds.train options, one quoted string, e.g. '--mixup 0 --cutmix 0'")
     t.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")

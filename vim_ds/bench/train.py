@@ -92,11 +92,14 @@ def run_train(args):
     model_kwargs = dict(key_value(kv) for kv in args.model_kwargs)
     settings = dict(device=device, nproc=nproc, launcher=args.launcher, model=args.model, model_kwargs=model_kwargs,
                     input_size=args.input_size, batch_size=batch_size, steps=args.steps, warmup=args.warmup_steps,
-                    precision=args.precision or "bf16", workers=args.num_workers, nb_classes=args.nb_classes)
+                    precision=args.precision or "bf16", workers=args.num_workers, nb_classes=args.nb_classes,
+                    grad_checkpointing=args.grad_checkpointing)
     kwargs = "".join(f" {k}={v}" for k, v in model_kwargs.items())
+    checkpointing = ", gradient checkpointing" if args.grad_checkpointing else ""
     print(f"vim-ds bench train: {args.model}{kwargs} {args.input_size}^2 on {nproc} {device} rank(s) "
-          f"via {args.launcher}, batch {batch_size} per rank, {args.warmup_steps} warmup + {args.steps} timed steps",
-          flush=True)
+          f"via {args.launcher}, batch {batch_size} per rank{checkpointing}, {args.warmup_steps} warmup + "
+          f"{args.steps} timed steps", flush=True)
+    extra_args = shlex.split(args.train_args or "") + (["--grad-checkpointing"] if args.grad_checkpointing else [])
     work = args.keep or tempfile.mkdtemp(prefix="vim-ds-bench-train-")
     rows, used = [], set()
     try:
@@ -124,7 +127,7 @@ def run_train(args):
                                    model_kwargs=model_kwargs, input_size=args.input_size, batch_size=batch_size,
                                    steps=args.steps, warmup=args.warmup_steps, precision=precision,
                                    workers=args.num_workers, out_dir=out_dir, nb_classes=args.nb_classes,
-                                   extra_args=shlex.split(args.train_args or ""), timeout=args.timeout)
+                                   extra_args=extra_args, timeout=args.timeout)
             if args.keep:
                 row["output_dir"] = out_dir
             rows.append(row)

@@ -10,21 +10,24 @@ import torch
 
 
 def build_model(args, num_classes: int) -> torch.nn.Module:
-    """The model named by `args.model` (a registered Vim name or alias) with the run's size, dropout and
-    `--model-kwargs`; randomly initialised (the caller loads `--finetune` weights)."""
+    """The model named by `args.model` (a registered Vim name or alias) with the run's size, dropout,
+    `--model-kwargs` and `--grad-checkpointing`; randomly initialised (the caller loads `--finetune` weights)."""
     import timm
 
     from . import vim  # noqa: F401  (registers the Vim variants)
 
     try:
-        return timm.create_model(args.model, pretrained=False, num_classes=num_classes, img_size=args.input_size,
-                                 drop_rate=args.drop, drop_path_rate=args.drop_path, **args.model_kwargs)
+        model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, img_size=args.input_size,
+                                  drop_rate=args.drop, drop_path_rate=args.drop_path, **args.model_kwargs)
     except RuntimeError as exc:
         if "Unknown model" in str(exc):
             raise ValueError(f"unknown model {args.model!r} (try vim_tiny, vim_small, vim_base, vim_small_s8)") from exc
         raise
     except TypeError as exc:
         raise ValueError(f"--model-kwargs: {exc}") from exc
+    if getattr(args, "grad_checkpointing", False):  # --grad-checkpointing (absent from converters' namespaces)
+        model.set_grad_checkpointing(True)
+    return model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

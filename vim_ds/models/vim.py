@@ -6,15 +6,27 @@ with ``bimamba_type="v2"``), so its checkpoints load with ``strict=True`` and gi
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.fx
+import torch.utils.checkpoint
 from timm.layers import DropPath, lecun_normal_, to_2tuple, trunc_normal_
+from timm.models._features import feature_take_indices  # what timm's own models use (not re-exported)
 
 from ..ops import ssm_branch_fn
 from ..ops.ssm_branch import project
+
+# torch.fx records calls to these names in this module as single graph nodes instead of tracing into them, for
+# every fx tracer (timm's and torchvision's create_feature_extractor alike): the fused SSM branch is one op whose
+# Python dispatch cannot run on fx proxies, and the image-size check must run on real shapes when the graph runs.
+torch.fx.wrap("ssm_branch_fn")
+torch.fx.wrap("project")
+
+TORCHSCRIPT_ERROR = ("Vim does not support TorchScript (torch.jit.script): the selective-scan op and the mixer's "
+                     "Python-level dispatch cannot be scripted; use torch.compile, torch.export or torch.fx instead")
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +48,16 @@ class RMSNorm(nn.Module):
         return (y * _at_least_fp32(self.weight)).to(self.weight.dtype)
 
 
+def _check_image_size(x: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
+    if tuple(x.shape[-2:]) != img_size:
+        raise ValueError(f"input images are {tuple(x.shape[-2:])}, the model was built for {img_size} "
+                         f"(create it with img_size=...)")
+    return x
+
+
+torch.fx.wrap("_check_image_size")
+
+
 class PatchEmbed(nn.Module):
     """Conv patchify; with stride < patch size the patches overlap (the stride-8 "fine granularity" variants)."""
 
@@ -49,10 +71,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if tuple(x.shape[-2:]) != self.img_size:
-            raise ValueError(f"input images are {tuple(x.shape[-2:])}, the model was built for {self.img_size} "
-                             f"(create it with img_size=...)")
-        return self.proj(x).flatten(2).transpose(1, 2)  # (batch, num_patches, embed_dim)
+        return self.proj(_check_image_size(x, self.img_size)).flatten(2).transpose(1, 2)  # (batch, num_patches, embed_dim)
 
 
 class BiMambaMixer(nn.Module):
@@ -97,6 +116,11 @@ class BiMambaMixer(nn.Module):
             self.out_proj.weight /= math.sqrt(n_layer)
         for p in (self.A_log, self.A_b_log, self.D, self.D_b):
             p._no_weight_decay = True
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling: one clear line instead of a deep
+        # TorchScript frontend traceback.
+        raise RuntimeError(TORCHSCRIPT_ERROR)
 
     @staticmethod
     def _s4d_real_log(d_inner, d_state):
@@ -143,7 +167,12 @@ class Block(nn.Module):
 
 
 class VisionMamba(nn.Module):
-    """Vim classifier. Keyword names follow the published ``VisionMamba`` where they exist there."""
+    """Vim classifier. Keyword names follow the published ``VisionMamba`` where they exist there.
+
+    The timm model API: ``num_features``/``head_hidden_size``, ``get_classifier``/``reset_classifier``,
+    ``forward_intermediates``/``prune_intermediate_layers`` (hence ``features_only=True``), ``feature_info``,
+    ``set_grad_checkpointing`` and ``group_matcher``.
+    """
 
     def __init__(self, img_size=224, patch_size=16, stride=16, depth=24, embed_dim=192, d_state=16, channels=3,
                  in_chans=None, num_classes=1000, drop_rate=0.0, drop_path_rate=0.1, norm_epsilon=1e-5,
@@ -155,9 +184,10 @@ class VisionMamba(nn.Module):
             raise ValueError(f"Vim pools its middle class token; global_pool={global_pool!r} is not supported")
         in_chans = channels if in_chans is None else in_chans
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.depth = depth
         self.global_pool = global_pool
+        self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(img_size, patch_size, stride, in_chans, embed_dim)
         num_patches = self.patch_embed.num_patches
@@ -176,6 +206,8 @@ class VisionMamba(nn.Module):
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()  # last mixer's output
         self.norm_f = RMSNorm(embed_dim, eps=norm_epsilon)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        # Every block's output is a (embed_dim, grid) map at the patch stride (see forward_intermediates).
+        self.feature_info = [dict(module=f"layers.{i}", num_chs=embed_dim, reduction=stride) for i in range(depth)]
         self._init_weights()
 
     def _init_weights(self):
@@ -196,6 +228,20 @@ class VisionMamba(nn.Module):
     def no_weight_decay(self):
         return {"pos_embed", "cls_token"}
 
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise learning-rate decay: the embedding, one group per block, the
+        final norm last."""
+        return dict(stem=r"^cls_token|pos_embed|patch_embed",
+                    blocks=[(r"^layers\.(\d+)", None), (r"^norm_f", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in backward instead of keeping them (torch.utils.checkpoint,
+        non-reentrant; stochastic depth replays the same masks). Gradients are unchanged."""
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
         return self.head
 
@@ -208,19 +254,112 @@ class VisionMamba(nn.Module):
             self.head.to(self.pos_embed.device, self.pos_embed.dtype)
             trunc_normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
+        self.head.train(self.training)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the middle."""
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> patch tokens with the class token inserted in the middle, plus position embeddings."""
         x = self.patch_embed(x)
         pos = self.token_position
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         x = torch.cat((x[:, :pos], cls, x[:, pos:]), dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        hidden, residual = x, None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual)
-        residual = residual + self.drop_path(hidden)
-        return self.norm_f(residual)
+        return self.pos_drop(x + self.pos_embed)
+
+    def _block_step(self, i: int, stream: torch.Tensor) -> torch.Tensor:
+        """Residual stream before block i -> residual stream after it (fp32 or wider).
+
+        Same arithmetic and random draws as the published loop, where block i+1 adds block i's mixer output to the
+        stream with its own stochastic depth (the last block's joins through ``self.drop_path``)."""
+        hidden, residual = self.layers[i](stream)
+        join = self.layers[i + 1].drop_path if i + 1 < len(self.layers) else self.drop_path
+        return residual + join(hidden)
+
+    def _run_block(self, i: int, stream: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
+            return torch.utils.checkpoint.checkpoint(self._block_step, i, stream, use_reentrant=False)
+        return self._block_step(i, stream)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the middle."""
+        x = self._embed(x)
+        for i in range(len(self.layers)):
+            x = self._run_block(i, x)
+        return self.norm_f(x)
+
+    def _split_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(batch, num_patches + 1, C) -> (patch tokens (batch, num_patches, C), class token (batch, 1, C))."""
+        pos = self.token_position
+        return torch.cat((tokens[:, :pos], tokens[:, pos + 1:]), dim=1), tokens[:, pos:pos + 1]
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+            return_prefix_tokens: bool = False,
+    ):
+        """Forward that also returns per-block feature maps (timm's API, as in its VisionTransformer).
+
+        An intermediate of block i is the **residual stream after block i**: the sum of the embedded tokens and
+        the mixer outputs of blocks 0..i (each through its stochastic depth), i.e. exactly the tensor block i+1
+        normalises — or, for the last block, the tensor ``norm_f`` normalises to give ``forward_features``. It is
+        kept in fp32 (or wider) like the residual stream itself; ``norm=True`` applies ``norm_f`` to each (in the
+        weights' dtype). The class token, which Vim places in the middle of the sequence (index
+        ``token_position``), is removed, so NCHW maps are (batch, embed_dim, *patch_embed.grid_size) with the
+        patches in raster order; ``return_prefix_tokens=True`` also returns it, as (map, class token) pairs.
+
+        Args:
+            x: images (batch, C, H, W).
+            indices: the last n blocks if int, all if None, these block indices (negative from the end) if a list.
+            norm: apply the final norm to every intermediate.
+            stop_early: stop running blocks after the last requested one (with ``intermediates_only``).
+            output_fmt: "NCHW" (maps) or "NLC" (patch tokens).
+            intermediates_only: return only the intermediates.
+            return_prefix_tokens: pair each intermediate with its class token (batch, 1, C).
+        Returns:
+            A list of intermediates, or (forward_features output, intermediates).
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        last = max_index if stop_early and intermediates_only else len(self.layers) - 1
+        intermediates = []
+        x = self._embed(x)
+        for i in range(last + 1):
+            x = self._run_block(i, x)
+            if i in take_indices:
+                intermediates.append(self.norm_f(x) if norm else x)
+
+        prefix_tokens = []
+        maps = []
+        for y in intermediates:
+            patches, cls = self._split_tokens(y)
+            prefix_tokens.append(cls)
+            if output_fmt == "NCHW":
+                patches = patches.unflatten(1, self.patch_embed.grid_size).permute(0, 3, 1, 2).contiguous()
+            maps.append(patches)
+        intermediates = list(zip(maps, prefix_tokens)) if return_prefix_tokens else maps
+        if intermediates_only:
+            return intermediates
+        return self.norm_f(x), intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the blocks after the last of `indices` (and the final norm / the head if asked); returns the
+        absolute indices to take, as timm's models do."""
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        if max_index + 1 < len(self.layers):
+            # The last kept block's mixer output joined the stream through the next block's stochastic depth.
+            self.drop_path = self.layers[max_index + 1].drop_path
+        self.layers = self.layers[:max_index + 1]
+        self.depth = len(self.layers)
+        if prune_norm:
+            self.norm_f = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0)
+        return take_indices
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x[:, self.token_position]
@@ -345,8 +484,14 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> VisionMamba:
 
     arch = dict(VARIANTS[ALIASES.get(variant, variant)][0])
     arch.update(kwargs)  # depth=, embed_dim=, img_size=, ... override the published defaults
+    out_indices = arch.pop("out_indices", 3)  # features_only: the last 3 blocks unless told, as timm's ViT
+    feature_cls = arch.pop("feature_cls", "getter")
+    if arch.get("features_only") and feature_cls != "getter":
+        raise ValueError(f"Vim's features come from forward_intermediates (feature_cls='getter'); "
+                         f"feature_cls={feature_cls!r} is not supported (its blocks return (hidden, residual) "
+                         f"pairs, not feature maps)")
     return build_model_with_cfg(VisionMamba, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                **arch)
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **arch)
 
 
 def _default_cfgs():
