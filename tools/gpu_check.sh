@@ -31,7 +31,7 @@ step() { [[ " $STEPS " == *" $1 "* ]]; }
   | tee "$OUT/device.txt"
 
 if step build; then
-    time (VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} timeout 420 python3 -m pip install -q --no-build-isolation \
+    time (VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} timeout 420 python3 -m pip install -q --no-build-isolation --use-pep517 \
         --no-deps -e . 2>&1 | tail -20) 2>&1 | tee "$OUT/build.log"
     python3 -m vim_ds.env 2>&1 | tee -a "$OUT/build.log"
 fi
