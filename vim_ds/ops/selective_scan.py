@@ -148,12 +148,17 @@ def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=Non
     wide = u.dtype != p and (not same_groups or B.dtype != u.dtype or C.dtype != u.dtype
                              or (u.device.type == "cpu" and u.dtype == torch.float16))
     kdt = p if wide else u.dtype
+    in_dtype = u.dtype
+    # Cast whole tensors once, before slicing: the gradients of the slices then meet in kdt and are rounded back
+    # to the input's dtype once.
+    u, delta, B, C = u.to(kdt), delta.to(kdt), B.to(kdt), C.to(kdt)
+    z = None if z is None else z.to(kdt)
     opts = (bool(delta_softplus), bool(reverse), name, bool(return_last_state))
     if slices == 1:
-        out, _, last = selective_scan_fwd(u.to(kdt).contiguous(), delta.to(kdt).contiguous(), A,
+        out, _, last = selective_scan_fwd(u.contiguous(), delta.contiguous(), A,
                                           _slice_BC(B, 0, 1, dim, batch, seqlen, kdt),
                                           _slice_BC(C, 0, 1, dim, batch, seqlen, kdt), D,
-                                          None if z is None else z.to(kdt).contiguous(), delta_bias, *opts)
+                                          None if z is None else z.contiguous(), delta_bias, *opts)
     else:
         width = dim // slices
         outs, lasts = [], []
@@ -161,7 +166,7 @@ def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=Non
             ch = slice(s * width, (s + 1) * width)
 
             def part(t):
-                return None if t is None else t[:, ch].to(kdt).contiguous()
+                return None if t is None else t[:, ch].contiguous()
 
             o, _, last_s = selective_scan_fwd(
                 part(u), part(delta), A[ch], _slice_BC(B, s, slices, dim, batch, seqlen, kdt),
@@ -171,7 +176,7 @@ def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=Non
             lasts.append(last_s)
         out = torch.cat(outs, dim=1)
         last = torch.cat(lasts, dim=1) if return_last_state else None
-    out = out.to(u.dtype)
+    out = out.to(in_dtype)
     return (out, last) if return_last_state else out
 
 
