@@ -55,9 +55,10 @@ void check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor
 
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
-                            const OptTensor& delta_bias, bool delta_softplus, bool reverse) {
+                            const OptTensor& delta_bias, bool delta_softplus, bool reverse, bool return_last_state) {
   check_inputs(u, delta, A, B, C, D, z, delta_bias);
-  return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
+  return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
+                                              return_last_state);
 }
 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
@@ -76,9 +77,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CPU; see csrc/README.md";
   // The kernels touch no Python object, so other Python threads may run meanwhile.
-  m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
-        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"),
-        py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("fwd", &fwd, "selective scan forward -> [out, saved, last_state or None]", py::arg("u"), py::arg("delta"),
+        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"),
+        py::arg("delta_softplus"), py::arg("reverse") = false, py::arg("return_last_state") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),

@@ -299,7 +299,8 @@ struct ScanArgs {
   const acc_t* Bt = nullptr;     // (batch, L, NP): B transposed, zero-padded, in acc_t
   const acc_t* Ct = nullptr;     // (batch, L, NP)
   // forward output
-  in_t* out = nullptr;  // (batch, dim, L)
+  in_t* out = nullptr;          // (batch, dim, L)
+  acc_t* last_state = nullptr;  // (batch, dim, NP): the state after the last scan step, or null (not asked for)
   // backward
   const in_t* dout = nullptr;  // (batch, dim, L)
   in_t* du = nullptr;          // (batch, dim, L)
@@ -380,13 +381,15 @@ SCAN_INLINE void prepare_delta(const elem_t<V>* __restrict x, elem_t<V> bias, bo
 // The recurrence of one channel:
 //   h_t[n] = a_t[n] h_{t-1}[n] + dt_t u_t B_t[n],  a_t[n] = exp(dt_t A[n]);   y[t] = sum_n h_t[n] C_t[n]
 // (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (L x NP each) and adds this
-// channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x W scratch.
+// channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x W scratch. `last` (NP entries,
+// or null): receives the state after the last step, which is still in registers when the loop over time ends.
 template <typename V, bool kStore>
 SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
                              const elem_t<V>* __restrict dt, const elem_t<V>* __restrict Bt,
                              const elem_t<V>* __restrict Ct, elem_t<V>* __restrict y, elem_t<V>* __restrict S,
                              elem_t<V>* __restrict H, elem_t<V>* __restrict Aexp, const elem_t<V>* __restrict dy,
-                             elem_t<V>* __restrict dC, elem_t<V> exp_lo, elem_t<V> exp_hi) {
+                             elem_t<V>* __restrict dC, elem_t<V> exp_lo, elem_t<V> exp_hi,
+                             elem_t<V>* __restrict last) {
   using E = elem_t<V>;
   constexpr int64_t W = SimdOf<V>::W;
   constexpr int kBlock = kStateBlock<E> / W;  // vectors of state per pass
@@ -418,6 +421,8 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
       else
         vstore(S + t * W, vload<V>(S + t * W) + s);
     }
+    if (last)
+      for (int j = 0; j < kBlock; ++j) vstore(last + n0 + j * W, h[j]);
   }
   lane_sums<V>(S, L, y);
 }
@@ -495,7 +500,8 @@ SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   load_row(p.delta + row, L, ws.x.data(), p.reverse);
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, static_cast<E*>(nullptr));
   ssm_forward<V, false>(L, NP, p.A + d * NP, u, dt, p.Bt + b * L * NP, p.Ct + b * L * NP, y, ws.S1.data(),
-                        nullptr, nullptr, nullptr, nullptr, p.exp_lo, p.exp_hi);
+                        nullptr, nullptr, nullptr, nullptr, p.exp_lo, p.exp_hi,
+                        p.last_state ? p.last_state + (b * p.dim + d) * NP : nullptr);
   // out = (y + D u) silu(z)
   const V vD = splat<V>(p.D ? p.D[d] : E(0));
   if (p.z) {
@@ -554,7 +560,7 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   load_row(p.delta + row, L, ws.x.data(), p.reverse);
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, dsp);
   ssm_forward<V, true>(L, NP, A, u, dt, Bt, Ct, y, ws.S1.data(), ws.H.data(), ws.Aexp.data(), dy, dC, p.exp_lo,
-                       p.exp_hi);
+                       p.exp_hi, nullptr);
 
   // 3. dz = dout (y + D u) silu'(z), silu'(z) = s (1 + z (1 - s)); the skip term's share of du and dD.
   if (p.z) {
@@ -723,9 +729,11 @@ ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, 
 template <typename in_t, typename acc_t>
 void run_fwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
              const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
-             const std::optional<at::Tensor>& delta_bias, bool softplus, bool reverse, at::Tensor& out) {
+             const std::optional<at::Tensor>& delta_bias, bool softplus, bool reverse, at::Tensor& out,
+             at::Tensor& last_state) {
   auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus, reverse);
   p.out = out.data_ptr<in_t>();
+  p.last_state = last_state.defined() ? last_state.data_ptr<acc_t>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.L * p.NP));
   at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { fwd_range(p, begin, end); });
 }
@@ -815,27 +823,32 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
-                                           bool reverse) {
+                                           bool reverse, bool return_last_state) {
   at::Tensor out = at::empty_like(u);
   at::Tensor saved = at::empty({0}, u.options());
-  if (u.numel() == 0) return {out, saved};
-  const Prepared pr = prepare(u, A, B, C, reverse);
   const int64_t N = A.size(1);
+  if (u.numel() == 0) return {out, saved, return_last_state ? at::zeros({u.size(0), u.size(1), N}, A.options())
+                                                            : at::Tensor()};
+  const Prepared pr = prepare(u, A, B, C, reverse);
+  // Written by every channel in its padded (NP) layout, trimmed to N below.
+  at::Tensor last_padded = return_last_state ? at::empty({u.size(0), u.size(1), pr.NP}, A.options()) : at::Tensor();
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
+      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
       break;
     case at::kDouble:
-      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
+      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
       break;
     case at::kBFloat16:
-      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out);
+      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),
                   " (expected float32, float64 or bfloat16)");
   }
-  return {out, saved};
+  at::Tensor last_state = last_padded;
+  if (last_padded.defined() && pr.NP != N) last_state = last_padded.narrow(2, 0, N).contiguous();
+  return {out, saved, last_state};
 }
 
 std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,

@@ -14,12 +14,14 @@ namespace scan_cpu {
 
 // `reverse`: scan from t = L-1 down to 0 (h[L] = 0), as if every time-indexed input were flipped before and every
 // output flipped after, without the copies.
-// Returns {out, saved}. `saved` is an empty tensor: the backward recomputes the states per channel.
+// Returns {out, saved, last_state}. `saved` is an empty tensor: the backward recomputes the states per channel.
+// `last_state` (batch, dim, d_state) in the accumulation dtype (A's): the state after the last scan step (after
+// t = 0 in reverse mode) when `return_last_state`, else an undefined tensor (None in Python).
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
-                                           bool reverse);
+                                           bool reverse, bool return_last_state = false);
 
 // Returns {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias}; dD / dz / ddelta_bias are undefined tensors (None in
 // Python) when D / z / delta_bias are not given.

@@ -18,7 +18,8 @@ def _wide(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def scan_args(dtype, optional, reverse, backend, device="cpu", batch=2, dim=4, seqlen=7, d_state=3, grad=True):
+def scan_args(dtype, optional, reverse, backend, device="cpu", batch=2, dim=4, seqlen=7, d_state=3, grad=True,
+              last_state=False):
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, scale=1.0, dt=dtype):
@@ -31,7 +32,8 @@ def scan_args(dtype, optional, reverse, backend, device="cpu", batch=2, dim=4, s
     tensors = [u, delta, A, B, C] + ([D, z, bias] if optional else [None, None, None])
     if grad:
         tensors = [None if t is None else t.requires_grad_(True) for t in tensors]
-    return (*tensors, optional, reverse, backend)  # delta_softplus with the optional tensors, as Vim uses it
+    # delta_softplus with the optional tensors, as Vim uses it
+    return (*tensors, optional, reverse, backend) + ((True,) if last_state else ())
 
 
 def conv_args(dtype, with_bias, reverse, backend, device="cpu", grad=True):
@@ -74,10 +76,23 @@ def _detached(args):
 def test_opcheck_selective_scan(dtype, optional, reverse, backend):
     args = scan_args(dtype, optional, reverse, backend)
     torch.library.opcheck(OPS.selective_scan_fwd, args)
-    out, saved = OPS.selective_scan_fwd(*_detached(args))
+    out, saved, last = OPS.selective_scan_fwd(*_detached(args))
+    assert last.numel() == 0  # not asked for
     u, delta, A, B, C, D, z, bias = _detached(args)[:8]
     dout = torch.randn_like(out)
-    torch.library.opcheck(OPS.selective_scan_bwd, (u, delta, A, B, C, D, z, bias, dout, saved, *args[8:]))
+    torch.library.opcheck(OPS.selective_scan_bwd, (u, delta, A, B, C, D, z, bias, dout, saved, *args[8:11]))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_selective_scan_last_state(dtype, reverse, backend):
+    """return_last_state=True: a third, non-differentiable output (batch, dim, d_state) in A's dtype."""
+    args = scan_args(dtype, True, reverse, backend, last_state=True)
+    torch.library.opcheck(OPS.selective_scan_fwd, args)
+    out, _, last = OPS.selective_scan_fwd(*_detached(args))
+    assert last.shape == (2, 4, 3) and last.dtype == _wide(dtype)
+    assert not OPS.selective_scan_fwd(*args)[2].requires_grad
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -138,6 +153,8 @@ def test_op_backend_follows_vim_ds_scan(monkeypatch):
 def test_opcheck_gpu(dtype, reverse, backend):
     args = scan_args(dtype, True, reverse, backend, device="cuda", seqlen=300)
     torch.library.opcheck(OPS.selective_scan_fwd, args)
+    torch.library.opcheck(OPS.selective_scan_fwd, scan_args(dtype, True, reverse, backend, device="cuda",
+                                                            seqlen=300, last_state=True))
     torch.library.opcheck(OPS.causal_conv1d, conv_args(dtype, True, reverse, backend, device="cuda"))
     torch.library.opcheck(OPS.ssm_branch_fwd, branch_args(dtype, True, reverse, backend, device="cuda",
                                                           seqlen=300))

@@ -245,6 +245,26 @@ class TestBadInputs:
         with pytest.raises(ValueError, match="z must be on cpu like u"):
             self.call(z=torch.randn(2, 4, 9, device="meta"))
 
-    def test_non_contiguous(self):
-        with pytest.raises(ValueError, match=r"C must be contiguous"):
-            self.call(C=torch.randn(2, 9, 16).transpose(1, 2))
+    def test_non_contiguous_is_made_contiguous(self):
+        """As mamba_ssm does: any strides are accepted (copied), not refused (tests/test_mamba_contract.py checks
+        every form with strided inputs against the reference)."""
+        good = self.good()
+        strided = dict(good, C=good["C"].transpose(1, 2).contiguous().transpose(1, 2))
+        assert not strided["C"].is_contiguous()
+        torch.testing.assert_close(selective_scan_fn(**strided, delta_softplus=True),
+                                   selective_scan_fn(**good, delta_softplus=True), rtol=0, atol=0)
+
+    def test_wrong_form_of_B_or_C(self):
+        with pytest.raises(ValueError, match=r"C must be of shape \(dim, d_state\) = \(4, 16\)"):
+            self.call(C=torch.randn(16, 4))
+        with pytest.raises(ValueError, match=r"B must be grouped \(batch, groups, d_state, seqlen\) with dim=4 "
+                                             r"divisible by groups"):
+            self.call(B=torch.randn(2, 3, 16, 9))
+        with pytest.raises(ValueError, match=r"B must be of shape \(batch, groups, d_state, seqlen\) = "
+                                             r"\(2, 2, 16, 9\)"):
+            self.call(B=torch.randn(2, 2, 16, 8))
+        with pytest.raises(ValueError, match=r"B must be \(batch, d_state, seqlen\), \(batch, groups, d_state, "
+                                             r"seqlen\) or \(dim, d_state\)"):
+            self.call(B=torch.randn(16))
+        with pytest.raises(ValueError, match=r"B must be of dtype torch.float32 like u"):
+            self.call(B=torch.randn(2, 2, 16, 9, dtype=torch.float64))

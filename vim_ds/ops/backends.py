@@ -1,8 +1,10 @@
 """The three selective-scan backends behind one small interface, and the choice between them.
 
-Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False) -> (out, saved)`` and
-``bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False) -> 8 gradients`` (see
-csrc/README.md); ``reverse`` scans from the last time step to the first, in place.
+Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False,
+return_last_state=False) -> (out, saved, last_state or None)`` and ``bwd(u, delta, A, B, C, D, z, delta_bias, dout,
+saved, delta_softplus, reverse=False) -> 8 gradients`` (see csrc/README.md); ``reverse`` scans from the last time
+step to the first, in place; ``last_state`` is the state after the last scan step, (batch, dim, d_state) in A's
+dtype.
 
 The compiled kernels come from the extensions that setup.py builds (``vim_ds._scan_cpu``, ``vim_ds._scan_cuda``).
 When one is missing (an install with the build skipped, a broken toolchain) it is JIT-compiled at first use from
@@ -21,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import build_config
-from .selective_scan_ref import selective_scan_ref
+from .selective_scan_ref import final_state, selective_scan_ref
 
 log = logging.getLogger("vim_ds")
 
@@ -48,9 +50,11 @@ class RefBackend:
 
     name = "ref"
 
-    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False):
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False):
         with torch.no_grad():
-            return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse), None
+            out, last = selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, True,
+                                           reverse=reverse)
+        return out, None, last if return_last_state else None
 
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
         args = [u, delta, A, B, C, D, z, delta_bias]
@@ -69,9 +73,15 @@ class ExtensionBackend:
         self.name = name
         self.module = module
 
-    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False):
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False):
+        if self.name == "cpu":  # the CPU kernel writes the final state from its registers
+            out, saved, last = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
+                                               return_last_state)
+            return out, saved, last
         out, saved = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
-        return out, saved
+        # The GPU kernel does not return its final state (yet): computed beside it, in float64, from the inputs.
+        last = final_state(u, delta, A, B, delta_bias, delta_softplus, reverse) if return_last_state else None
+        return out, saved, last
 
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
         return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse))

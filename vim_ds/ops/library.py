@@ -5,7 +5,8 @@ Registered with ``torch.library.custom_op``, each with a fake implementation (sh
 compiler sees one opaque node per kernel call instead of a graph break.
 
 ============================  =====================================================================
-``selective_scan_fwd``        the scan -> ``(out, saved)``; differentiable through ``selective_scan_bwd``
+``selective_scan_fwd``        the scan -> ``(out, saved, last_state)``; differentiable (through ``out``) by
+                              ``selective_scan_bwd``
 ``selective_scan_bwd``        its gradients (8 tensors; an input given as None gets an empty tensor)
 ``causal_conv1d``             depthwise causal conv1d (anti-causal with ``reverse``); differentiable
 ``causal_conv1d_bwd``         its gradients ``(dx, dweight, dbias)``
@@ -77,18 +78,26 @@ def _saved_like(backend_obj, u: Tensor, A: Tensor) -> Tensor:
     return _absent(u)
 
 
+def _last_state_like(u: Tensor, A: Tensor, return_last_state: bool) -> Tensor:
+    return u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=A.dtype) if return_last_state else _absent(u)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::selective_scan_fwd", mutates_args=())
 def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                        z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool, reverse: bool,
-                       backend: str) -> tuple[Tensor, Tensor]:
+                       backend: str, return_last_state: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (out, saved, last_state): last_state (batch, dim, d_state) in A's dtype when asked for, else empty.
+    Only `out` is differentiable (as in mamba_ssm, no gradient flows back from the last state)."""
     impl = resolve(backend, u.device)
-    out, saved = impl.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
-    return out.contiguous(), _absent(u) if saved is None else saved
+    out, saved, last = impl.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, return_last_state)
+    last = last.to(A.dtype).contiguous() if return_last_state else _absent(u)
+    return out.contiguous(), _absent(u) if saved is None else saved, last
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend):
-    return torch.empty_like(u, memory_format=torch.contiguous_format), _saved_like(resolve(backend, u.device), u, A)
+def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend, return_last_state=False):
+    return (torch.empty_like(u, memory_format=torch.contiguous_format), _saved_like(resolve(backend, u.device), u, A),
+            _last_state_like(u, A, return_last_state))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::selective_scan_bwd", mutates_args=())
@@ -109,17 +118,17 @@ def _(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse,
 
 
 def _scan_setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend = inputs
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend, _return_last_state = inputs
     ctx.options = (delta_softplus, reverse, backend)
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[1])
 
 
-def _scan_backward(ctx, dout, _dsaved):
+def _scan_backward(ctx, dout, _dsaved, _dlast_state):
     u, delta, A, B, C, D, z, delta_bias, saved = ctx.saved_tensors
     grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout.contiguous(), saved, *ctx.options)
     given = (u, delta, A, B, C, D, z, delta_bias)
-    return (*(g if t is not None else None for g, t in zip(grads, given)), None, None, None)
+    return (*(g if t is not None else None for g, t in zip(grads, given)), None, None, None, None)
 
 
 selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_context)
@@ -254,7 +263,7 @@ def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optiona
     with _no_autocast(x.device):
         _, u, _, delta, B, C = _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
                                               reverse, impl)
-        out, saved = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
+        out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
     return out.contiguous(), _absent(u) if saved is None else saved
 
 

@@ -2,6 +2,12 @@
 
 Written straight from the recurrence (see ``csrc/README.md``), one time step at a time, so that it is easy to
 read and trivially correct; autograd gives its gradients. It is the ``ref`` backend and the slow fallback.
+
+B and C come in mamba_ssm's three forms (each independently):
+
+* input-dependent ``(batch, d_state, seqlen)``: shared by all channels (Vim's form);
+* constant ``(dim, d_state)``: one vector per channel, the same at every step (time-invariant, S4-like);
+* grouped ``(batch, groups, d_state, seqlen)``: channel d uses group ``d // (dim // groups)``.
 """
 from __future__ import annotations
 
@@ -9,6 +15,16 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+
+def per_channel(X: torch.Tensor, dim: int) -> torch.Tensor:
+    """B or C in any form as a broadcastable (batch or 1, dim or 1, d_state, seqlen or 1) tensor."""
+    if X.dim() == 3:  # input-dependent: the same for every channel
+        return X.unsqueeze(1)
+    if X.dim() == 2:  # constant: per channel, the same at every step
+        return X[None, :, :, None]
+    groups = X.shape[1]  # grouped: channel d reads group d // (dim // groups)
+    return X.repeat_interleave(dim // groups, dim=1)
 
 
 def selective_scan_ref(
@@ -21,13 +37,18 @@ def selective_scan_ref(
     z: Optional[torch.Tensor] = None,
     delta_bias: Optional[torch.Tensor] = None,
     delta_softplus: bool = False,
+    return_last_state: bool = False,
+    *,
     reverse: bool = False,
-) -> torch.Tensor:
-    """u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L); D, delta_bias: (dim,).
+):
+    """u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L), (dim, N) or (batch, groups, N, L);
+    D, delta_bias: (dim,).
 
-    Computes in float32 (float64 for float64 input) and returns the input dtype. ``reverse=True`` runs the
-    recurrence from t = L-1 down to 0 (h[L] = 0): the result of flipping u, delta, B, C, z along time, scanning,
-    and flipping the output back, with the same operations in the same order.
+    Computes in float32 (float64 for float64 input) and returns the input dtype; with ``return_last_state`` also
+    the state after the last step, (batch, dim, N) in that float32 / float64 (as mamba_ssm's reference).
+    ``reverse=True`` runs the recurrence from t = L-1 down to 0 (h[L] = 0): the result of flipping u, delta, B, C,
+    z along time, scanning, and flipping the output back, with the same operations in the same order; its last
+    state is the one after t = 0.
     """
     in_dtype = u.dtype
     acc = torch.float64 if in_dtype == torch.float64 else torch.float32
@@ -40,13 +61,20 @@ def selective_scan_ref(
     batch, dim, L = u.shape
     # decay[b, d, t, n] = exp(delta[b, d, t] * A[d, n]); drive[b, d, t, n] = delta * B[b, n, t] * u
     decay = torch.exp(delta.unsqueeze(-1) * A[None, :, None, :])
-    drive = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
+    if B.dim() == 3:
+        drive = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
+    else:
+        drive = (delta * u).unsqueeze(-1) * per_channel(B, dim).transpose(-1, -2)
+    Cc = None if C.dim() == 3 else per_channel(C, dim)  # (batch or 1, dim, N, L or 1)
     h = u.new_zeros(batch, dim, A.shape[1])
     ys = []
     steps = range(L - 1, -1, -1) if reverse else range(L)
     for t in steps:
         h = decay[:, :, t] * h + drive[:, :, t]
-        ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        if Cc is None:
+            ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]))
+        else:
+            ys.append((h * Cc[..., t if Cc.shape[-1] > 1 else 0]).sum(-1))
     if reverse:
         ys.reverse()
     y = torch.stack(ys, dim=-1)
@@ -54,4 +82,33 @@ def selective_scan_ref(
         y = y + D.to(acc)[:, None] * u
     if z is not None:
         y = y * F.silu(z.to(acc))
-    return y.to(in_dtype)
+    y = y.to(in_dtype)
+    return (y, h) if return_last_state else y
+
+
+def final_state(u, delta, A, B, delta_bias=None, delta_softplus=False, reverse=False, block=256):
+    """The state after the last scan step, (batch, dim, N), from input-dependent B, without the recurrence:
+    ``h_end = sum_t exp(A * sum_{s after t} delta'_s) * delta'_t u_t B_t``, in float64, `block` steps at a time.
+
+    For backends whose kernel does not return the last state (the GPU kernel); vectorised, so it runs as a few
+    large tensor ops on any device. Returns float32 (float64 for float64 input).
+    """
+    out_dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
+    wide = torch.float64
+    dt = delta.to(wide)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(wide)[:, None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    u, B, A = u.to(wide), B.to(wide), A.to(wide)
+    if reverse:  # the scan visits t = L-1 .. 0: flip to scan order
+        dt, u, B = dt.flip(-1), u.flip(-1), B.flip(-1)
+    # after[t] = sum of dt over the steps after t (a cumulative sum from the end, no cancellation)
+    after = F.pad(dt[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
+    w = dt * u
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    for t0 in range(0, u.shape[-1], block):
+        sl = slice(t0, t0 + block)
+        decay = torch.exp(after[..., sl].unsqueeze(-1) * A[None, :, None, :])  # (batch, dim, T, N)
+        h = h + torch.einsum("bdtn,bdt,bnt->bdn", decay, w[..., sl], B[..., sl])
+    return h.to(out_dtype)
