@@ -202,3 +202,32 @@ def test_rng_state_file_is_weights_only_and_old_files_still_load(tmp_path):
     expected = random.random(), np.random.normal(), torch.rand(1)
     set_rng_state(safe_load.load(str(tmp_path / "old.pt"), extra_globals=safe_load.numpy_rng_globals()))
     assert (random.random(), np.random.normal(), torch.rand(1).item()) == expected
+
+
+class _EnumByName:
+    """Pickles as getattr(cls, name): how Debian 12's Python 3.11.2 pickles members of int-mixin enums such as
+    DeepSpeed's ZeroStageEnum in every ZeRO optimizer-state file (3.11.7 pickles them by value)."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return getattr, (self.cls, self.name)
+
+
+def test_enum_members_pickled_by_name_load_and_nothing_else_through_getattr(tmp_path):
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from vim_ds.checkpoint import safe_load
+
+    genuine = tmp_path / "optim_states.pt"
+    torch.save({"zero_stage": _EnumByName(ZeroStageEnum, "gradients"), "x": torch.ones(2)}, genuine)
+    state = safe_load.load(str(genuine))
+    assert state["zero_stage"] is ZeroStageEnum.gradients and torch.equal(state["x"], torch.ones(2))
+    # the same getattr reaching for anything but a member of the allowed enum is refused as unsafe
+    for cls, name in ((torch.Tensor, "add_"), (ZeroStageEnum, "__class__"), (subprocess.Popen, "kill")):
+        path = tmp_path / f"{name}.pt"
+        torch.save({"zero_stage": _EnumByName(cls, name)}, path)
+        with pytest.raises(Exception, match="unsafe") as exc:
+            safe_load.load(str(path))
+        assert str(path) in str(exc.value)

@@ -33,7 +33,20 @@ def deepspeed_globals() -> list:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    by_name = [(_enum_member, f"{module}.getattr") for module in ("builtins", "__builtin__")]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, *by_name]
+
+
+def _enum_member(cls, name):
+    """`getattr(cls, name)` for an allow-listed enum's member, and nothing else. Some Pythons (Debian 12's 3.11.2,
+    not 3.11.7) pickle members of int-mixin enums such as DeepSpeed's ZeroStageEnum as `getattr(ZeroStageEnum,
+    'gradients')`; allowing `getattr` itself would hand any attribute of any allowed class to the pickle."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if cls is ZeroStageEnum and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    what = getattr(cls, "__name__", type(cls).__name__)
+    raise pickle.UnpicklingError(f"Unsupported global: getattr({what}, {name!r}), not a member of an allowed enum")
 
 
 def numpy_rng_globals() -> list:
