@@ -41,14 +41,14 @@ def export(args) -> tuple[str, int]:
 
     from .predict import build
 
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory):  # before the (slow) export, not after it
+        raise ValueError(f"--out: no such directory: {directory}")
     model, input_size, _ = build(args)
     example = torch.randn(2, 3, input_size, input_size)
     dynamic = None if args.static_batch else {"x": {0: torch.export.Dim("batch", min=1, max=4096)}}
     with torch.no_grad():
         program = torch.export.export(model, (example,), dynamic_shapes=dynamic)
-    directory = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(directory):
-        raise ValueError(f"--out: no such directory: {directory}")
     torch.export.save(program, args.out)
     return args.out, input_size
 

@@ -106,12 +106,24 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     out_path = os.fspath(out_path)
     if safetensors is None:
         safetensors = out_path.endswith(".safetensors")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     weights = ema_sd if ema else model_sd
-    tmp = f"{out_path}.tmp{os.getpid()}"
     tensors = [weights] + ([ema_sd] if ema_sd is not None and not ema and not safetensors else [])
     progress(f"writing {out_path} ({sum(v.numel() * v.element_size() for d in tensors for v in d.values()) / 2 ** 20:,.0f}"
              f" MiB) ...")
+    write_weights_file(out_path, weights, meta, "ema" if ema else "model", None if ema else ema_sd, safetensors)
+    return {"source": tag_dir, "out": out_path, "format": "safetensors" if safetensors else "torch",
+            "weights": "ema" if ema else "model", "tensors": len(weights),
+            "parameters": sum(v.numel() for v in weights.values()), "has_ema": ema_sd is not None, **meta}
+
+
+def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "model", ema_sd: dict | None = None,
+                       safetensors: bool | None = None):
+    """Write a converted weights file atomically: .pth `{"model": weights, "vim_ds": meta, ["model_ema": ema_sd]}`,
+    or .safetensors with the model description as metadata (no EMA there). `which` names what `weights` are."""
+    if safetensors is None:
+        safetensors = out_path.endswith(".safetensors")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = f"{out_path}.tmp{os.getpid()}"
     if safetensors:
         from safetensors.torch import save_file
 
@@ -119,16 +131,13 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
                   "input_size": meta["input_size"]}
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
                   metadata={"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
-                            "weights": "ema" if ema else "model"})
+                            "weights": which})
     else:
-        obj = {"model": weights, "vim_ds": {**meta, "weights": "ema" if ema else "model"}}
-        if ema_sd is not None and not ema:
+        obj = {"model": weights, "vim_ds": {**meta, "weights": which}}
+        if ema_sd is not None:
             obj["model_ema"] = ema_sd
         torch.save(obj, tmp)
     os.replace(tmp, out_path)
-    return {"source": tag_dir, "out": out_path, "format": "safetensors" if safetensors else "torch",
-            "weights": "ema" if ema else "model", "tensors": len(weights),
-            "parameters": sum(v.numel() for v in weights.values()), "has_ema": ema_sd is not None, **meta}
 
 
 def read_vim_ds_meta(obj_or_path) -> dict | None:

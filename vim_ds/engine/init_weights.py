@@ -58,20 +58,10 @@ def load_init_weights(model: torch.nn.Module, path: str) -> str:
 
 def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
     """Write `model`'s weights as `vim-ds convert` would (fp32, CPU); returns the file's sha256."""
+    from ..checkpoint.convert import write_weights_file
+
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    if path.endswith(".safetensors"):
-        import json
-
-        from safetensors.torch import save_file
-
-        config = {k: meta[k] for k in ("model_kwargs", "num_classes", "input_size")}
-        save_file(weights, tmp, metadata={"model": str(meta["model"]), "config": json.dumps(config),
-                                          "format": "vim_ds", "weights": "model"})
-    else:
-        torch.save({"model": weights, "vim_ds": {**meta, "weights": "model"}}, tmp)
-    os.replace(tmp, path)
+    write_weights_file(path, weights, meta)
     return sha256_file(path)
 
 
