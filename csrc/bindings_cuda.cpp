@@ -96,7 +96,8 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
-                            const OptTensor& delta_bias, bool delta_softplus, bool reverse) {
+                            const OptTensor& delta_bias, bool delta_softplus, bool reverse,
+                            bool return_last_state) {
   ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
   const c10::cuda::CUDAGuard device_guard(u.device());
 
@@ -106,13 +107,22 @@ std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const 
       at::empty({args.batch, args.dim, n_ckpt, args.dstate}, u.options().dtype(acc_dtype(u.scalar_type())));
   args.out = out.data_ptr();
   args.saved = n_ckpt > 0 ? saved.data_ptr() : nullptr;
+  // The state after the last scan step, written by the kernel's last segment (every element when batch*dim > 0;
+  // zeros otherwise, as the CPU kernel gives).
+  at::Tensor last_state;
+  if (return_last_state) {
+    const auto acc_opts = u.options().dtype(acc_dtype(u.scalar_type()));
+    last_state = args.batch * args.dim > 0 ? at::empty({args.batch, args.dim, args.dstate}, acc_opts)
+                                           : at::zeros({args.batch, args.dim, args.dstate}, acc_opts);
+    args.last_state = last_state.data_ptr();
+  }
   const int64_t ws_bytes = vim_ds_scan::scan_workspace_bytes(args, false);
   at::Tensor ws = at::empty({ws_bytes}, u.options().dtype(at::kByte));
   args.workspace = ws_bytes > 0 ? ws.data_ptr() : nullptr;
 
   const char* err = vim_ds_scan::scan_fwd(args, current_stream());
   TORCH_CHECK(err == nullptr, "selective_scan (gpu) forward failed: ", err);
-  return {out, saved};
+  return {out, saved, last_state};  // an undefined last_state becomes None in Python
 }
 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
@@ -168,9 +178,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CUDA / ROCm GPUs; see csrc/README.md";
-  m.def("fwd", &fwd, "selective scan forward -> [out, saved]", py::arg("u"), py::arg("delta"), py::arg("A"),
-        py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"), py::arg("delta_softplus"),
-        py::arg("reverse") = false);
+  m.def("fwd", &fwd, "selective scan forward -> [out, saved, last_state or None]", py::arg("u"), py::arg("delta"),
+        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"),
+        py::arg("delta_softplus"), py::arg("reverse") = false, py::arg("return_last_state") = false);
   m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),

@@ -87,6 +87,7 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   p.delta_bias = a.delta_bias;
   p.out = a.out;
   p.saved = a.saved;
+  p.last_state = a.last_state;
   p.dout = a.dout;
   p.du = a.du;
   p.ddelta = a.ddelta;

@@ -43,6 +43,8 @@ struct ScanArgs {
 
   void* out = nullptr;          // forward output
   void* saved = nullptr;        // written by the forward, read by the backward
+  void* last_state = nullptr;   // forward, optional: (batch, dim, dstate) accumulation dtype, the state after the
+                                // last scan step (after t = 0 in reverse mode)
   const void* dout = nullptr;   // backward input
 
   void* du = nullptr;

@@ -55,7 +55,9 @@
 //
 // Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
 //   (batch, dim, n_chunks-1, N) (at segment ends the combine kernel stores it). So saved[b,d,c,:] is the state
-//   at the *start* of chunk c+1.
+//   at the *start* of chunk c+1. When asked (last_state not null), pass 1 of the last segment, which ends with
+//   the last scan step, stores its final h as last_state[b,d,:]: the state after time L-1, or after time 0 in
+//   reverse mode (mamba_ssm's last_state; the CPU kernel and selective_scan_ref give the same).
 //
 // Backward: walks the chunks of its segment from last to first. For chunk c it
 //   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z), B, C of the chunk in shared memory;
@@ -230,6 +232,8 @@ struct KernelParams {
   const void* delta_bias;  // may be null
   void* out;
   void* saved;             // (batch, dim, n_chunks-1, dstate), accumulation type
+  void* last_state;        // forward, may be null: (batch, dim, dstate), accumulation type, the state after the
+                           // last scan step (after time 0 in reverse mode)
   const void* dout;
   void* du;
   void* ddelta;
@@ -466,7 +470,15 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
     }
   }
 
-  if (local) store_segment_summary<acc_t, kNPL>(p, m, n_ok, h, P);
+  if (local) {
+    store_segment_summary<acc_t, kNPL>(p, m, n_ok, h, P);
+  } else if (p.last_state != nullptr && m.seg == p.n_seg - 1) {  // h is now the state after the last scan step
+    acc_t* __restrict__ last = static_cast<acc_t*>(p.last_state);
+#pragma unroll
+    for (int k = 0; k < kNPL; ++k) {
+      if (n_ok[k]) last[m.bd * N + k * G + m.lane_g] = h[k];
+    }
+  }
 }
 
 // ------------------------------------------------------------------ backward -------------------------------

@@ -1,4 +1,5 @@
-"""The GPU kernels' device code in the CPU emulator (tools/kernel_emu): forward and all gradients against the
+"""The GPU kernels' device code in the CPU emulator (tools/kernel_emu): forward, the last state the kernel writes
+(with the state one step before the end as a negative control that must fail) and all gradients against the
 float64 reference, reverse mode off and on, as 32-lane warps (CUDA branch) and 64-lane wavefronts (HIP branch).
 
 Here only the short Vim lengths (up to 197, past a chunk boundary); `tools/kernel_emu/run.sh --lengths` runs
@@ -33,3 +34,6 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("reverse=True") == 5 and res.stdout.count(f"warp {warp} L=") == 10, res.stdout
     assert f"warp {warp} deterministic" in res.stdout, res.stdout
+    # every length checked the kernel's last state, L = 65 and 197 with several segments along the sequence
+    assert "last_state" in res.stdout.split("worst over lengths:")[1] and "segments=  4" in res.stdout, res.stdout
+    assert f"warp {warp} last_state control: the state one step early is off by" in res.stdout, res.stdout

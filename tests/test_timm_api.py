@@ -1,9 +1,11 @@
 """Vim as a complete timm model: classifier API, forward_intermediates / features_only (class token in the middle
 removed, tokens back on their grid), prune_intermediate_layers, gradient checkpointing with unchanged gradients,
-torch.fx feature extraction, TorchScript's one-line refusal, and pretrained=True resolving to the published files.
+torch.fx feature extraction, TorchScript's one-line refusal of script and torch.jit.trace + save + load, and pretrained=True resolving to the published files.
 
 Tiny configurations (depth 2-4, 32-48 pixel images) keep every test to a few seconds on a CPU.
 """
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -287,6 +289,38 @@ def test_torchscript_is_refused_in_one_clear_line():
         message = str(info.value)
         assert "\n" not in message and "TorchScript" in message and "torch.compile" in message
         assert message == vim_module.TORCHSCRIPT_ERROR
+
+
+# Loads a traced module in a fresh process: the scan and the fused SSM branch are torch.library ops, which a
+# TorchScript module resolves by name, so `import vim_ds` (which registers them) is all the loader needs.
+LOAD_TRACED = """
+import sys, torch
+import vim_ds
+traced, io = torch.jit.load(sys.argv[1]), torch.load(sys.argv[2])
+with torch.no_grad():
+    assert torch.equal(traced(io["x"]), io["logits"]), "traced logits differ from eager"
+    assert traced(io["x3"]).shape == (3, 5)
+print("ok")
+"""
+
+
+def test_torch_jit_trace_saves_and_loads_in_a_fresh_process(tmp_path):
+    """torch.jit.trace records the registered custom ops (vim_ds::ssm_branch_fwd, ...) as graph nodes, so the
+    traced module saves, and loads in a new process that imported vim_ds, with the eager logits (bit-exact, same
+    CPU kernel) and for another batch size."""
+    torch.manual_seed(0)
+    model = create(img_size=32, patch_size=8, stride=8).eval()
+    x, x3 = torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trace's deprecation and shape-check TracerWarnings
+        logits = model(x)
+        traced = torch.jit.trace(model, x)
+        assert any(n.kind().startswith("vim_ds::") for n in traced.inlined_graph.nodes())
+    traced.save(str(tmp_path / "vim.pt"))
+    torch.save({"x": x, "x3": x3, "logits": logits}, tmp_path / "io.pt")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", LOAD_TRACED, str(tmp_path / "vim.pt"),
+                           str(tmp_path / "io.pt")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["vim_tiny", "vim_small_s8", "vim_base"])

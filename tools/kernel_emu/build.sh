@@ -36,8 +36,15 @@ if n != 4:
     sys.exit(f"build.sh: expected 4 kernel launches in selective_scan_cuda.cu, found {n}")
 open(f"{gen}/selective_scan_cuda.cu", "w").write(launcher)
 PY
+# the two builds are independent single-threaded compiles: side by side (a failed one fails the script)
 "$cxx" -std=c++17 -O1 -g -fPIC -shared -Wall -Wno-unknown-pragmas -I"$here/shim" -I"$gen" -x c++ \
-  "$here/emu_main.cpp" -o "$out/libscan_emu.so"
+  "$here/emu_main.cpp" -o "$out/libscan_emu.so" &
+warp32=$!
 "$cxx" -std=c++17 -O1 -g -fPIC -shared -Wall -Wno-unknown-pragmas -D__HIP_PLATFORM_AMD__ -D__AMDGCN_WAVEFRONT_SIZE=64 \
-  -I"$here/shim" -I"$gen" -x c++ "$here/emu_main.cpp" -o "$out/libscan_emu64.so"
+  -I"$here/shim" -I"$gen" -x c++ "$here/emu_main.cpp" -o "$out/libscan_emu64.so" &
+warp64=$!
+status=0
+wait "$warp32" || status=1
+wait "$warp64" || status=1
+[ "$status" = 0 ]
 echo "built $out/libscan_emu.so"

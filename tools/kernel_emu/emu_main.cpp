@@ -70,13 +70,15 @@ long long emu_num_segments(long long batch, long long dim, long long L, long lon
   return fwd_ws == 0 ? 1 : fwd_ws / (2 * batch * dim * N * (a.dtype == ScanDType::kFloat64 ? 8 : 4));
 }
 
-// Pointers are host arrays of exactly the documented sizes; null for absent optionals. Outputs are pre-filled
+// Pointers are host arrays of exactly the documented sizes; null for absent optionals (and for last_state when
+// the forward is not asked for it). Outputs are pre-filled
 // with 0xff bytes (NaN): the kernels must write every element (the gradients' sums included).
 // Returns nullptr or the launcher's error.
 const char* emu_run(int backward, int dtype_i, long long batch, long long dim, long long L, long long N,
                     int softplus, const void* u, const void* delta, const void* A, const void* B, const void* C,
                     const void* D, const void* z, const void* bias, void* out, void* saved, const void* dout,
-                    void* du, void* ddelta, void* dz, void* dA, void* dB, void* dC, void* dD, void* dbias) {
+                    void* du, void* ddelta, void* dz, void* dA, void* dB, void* dC, void* dD, void* dbias,
+                    void* last_state) {
   emu::sched().smem_slot = &ssk::ss_smem_raw;
   const ScanDType dt = ScanDType(dtype_i);
   const size_t is = in_size(dt), as = acc_size(dt);
@@ -97,6 +99,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   if (!backward) {
     a.out = put(bufs, out, x * is, true, 0xff);
     a.saved = sv ? put(bufs, saved, sv * as, true, 0xff) : nullptr;
+    a.last_state = put(bufs, last_state, size_t(batch * dim * N) * as, true, 0xff);  // null: not asked for
   } else {
     a.saved = sv ? put(bufs, saved, sv * as, false, -1) : nullptr;
     a.dout = put(bufs, dout, x * is, false, -1);

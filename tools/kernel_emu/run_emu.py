@@ -33,7 +33,7 @@ lib = ctypes.CDLL(_lib32 if WARP == 32 else os.path.join(os.path.dirname(_lib32)
 lib.emu_set_reverse.argtypes = [ctypes.c_int]
 lib.emu_warp_size.restype = ctypes.c_int
 lib.emu_run.restype = ctypes.c_char_p
-lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 19
+lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 20
 lib.emu_num_checkpoints.restype = ctypes.c_longlong
 lib.emu_num_checkpoints.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
 lib.emu_chunk_length.restype = ctypes.c_longlong
@@ -49,16 +49,18 @@ def ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def emu_fwd(u, delta, A, B, C, D, z, bias, sp):
+def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True):
+    """-> (out, saved, last_state or None): last_state (batch, dim, N) in A's dtype, the kernel's native one."""
     batch, dim, L = u.shape
     N = A.shape[1]
     dt = DT[u.dtype]
     out = torch.empty_like(u)
     saved = torch.empty(batch, dim, lib.emu_num_checkpoints(L, N, dt), N, dtype=A.dtype)
+    last = torch.empty(batch, dim, N, dtype=A.dtype) if last_state else None
     err = lib.emu_run(0, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
-                      ptr(bias), ptr(out), ptr(saved), *([None] * 10))
+                      ptr(bias), ptr(out), ptr(saved), *([None] * 9), ptr(last))
     assert err is None, err
-    return out, saved
+    return out, saved, last
 
 
 def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp):
@@ -75,16 +77,20 @@ def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp):
     dbias = torch.empty_like(bias) if bias is not None else None
     err = lib.emu_run(1, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
                       ptr(bias), None, ptr(saved), ptr(dout), ptr(du), ptr(ddelta), ptr(dz), ptr(dA), ptr(dB),
-                      ptr(dC), ptr(dD), ptr(dbias))
+                      ptr(dC), ptr(dD), ptr(dbias), None)
     assert err is None, err
     return du, ddelta, dA, dB.to(u.dtype), dC.to(u.dtype), dD, dz, dbias
 
 
+# smallest relative error of the negative control (the state one step before the end, against the kernel's
+# last_state) over the cases that ran it
+CONTROL = [float("inf")]
 TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 3e-2}
 NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
 
 
-def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0, reverse=False):
+def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0, reverse=False,
+         last_state=False):
     lib.emu_config(order, seed, guard_front)
     lib.emu_set_reverse(int(reverse))
     assert lib.emu_warp_size() == WARP, (lib.emu_warp_size(), WARP)
@@ -105,13 +111,16 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     u_, delta_, B_, C_, z_, dout_ = ins
     A_, D_, bias_ = A.to(acc), D.to(acc), bias.to(acc)
     Dk, zk, bk = (D_ if has_D else None), (z_ if has_z else None), (bias_ if has_bias else None)
-    out, saved = emu_fwd(u_, delta_, A_, B_, C_, Dk, zk, bk, sp)
+    # every other case without the last state: the kernel must also run (and write nothing there) when not asked
+    want_last = seed % 2 == 0 or last_state
+    out, saved, last = emu_fwd(u_, delta_, A_, B_, C_, Dk, zk, bk, sp, want_last)
     grads = emu_bwd(u_, delta_, A_, B_, C_, Dk, zk, bk, dout_, saved, sp)
 
     ref_in = [t.double().clone().requires_grad_() for t in (u_, delta_, A_, B_, C_, D_, z_, bias_)]
     tu, tdl, tA, tB, tC, tD, tz, tb = ref_in
-    ref_out = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
-                                 tb if has_bias else None, delta_softplus=sp, reverse=reverse)
+    ref_out, ref_last = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
+                                           tb if has_bias else None, delta_softplus=sp, return_last_state=True,
+                                           reverse=reverse)
     ref_out.backward(dout_.double())
     refs = [tu.grad, tdl.grad, tA.grad, tB.grad, tC.grad, tD.grad if has_D else None, tz.grad if has_z else None,
             tb.grad if has_bias else None]
@@ -129,6 +138,19 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
         assert err < tol, f"{name}: rel err {err:.3g} > {tol}"
 
     cmp("out", out, ref_out.detach())
+    if want_last:
+        cmp("last_state", last, ref_last.detach())
+        # negative control: the state one step before the end must fail the same check (with a margin)
+        cut = slice(1, None) if reverse else slice(None, -1)  # in reverse the scan ends at t = 0
+        early = torch.zeros_like(ref_last)  # L == 1: the state before the only step
+        if L > 1:
+            early = selective_scan_ref(tu.detach()[..., cut], tdl.detach()[..., cut], tA.detach(),
+                                       tB.detach()[..., cut], tC.detach()[..., cut],
+                                       delta_bias=tb.detach() if has_bias else None, delta_softplus=sp,
+                                       return_last_state=True, reverse=reverse)[1]
+        e = ((last.double() - early).abs().max() / early.abs().max().clamp_min(1e-30)).item()
+        assert e > 2 * tol, f"last_state: the state one step early passes too (rel err {e:.3g})"
+        CONTROL[0] = min(CONTROL[0], e)
     for name, mine, ref in zip(NAMES, grads, refs):
         cmp(name, mine, ref)
     return out, grads, res
@@ -152,12 +174,13 @@ def lengths():
         n_seg = lib.emu_num_segments(1, dim, L, 16, DT[torch.float32])
         for reverse in (False, True):
             _, _, res = case(torch.float32, 1, dim, L, 16, True, True, True, True, seed=L + dim, order=L % 3,
-                             reverse=reverse)
+                             reverse=reverse, last_state=True)
             for k, v in res.items():
                 worst[k] = max(worst.get(k, 0), v)
             print(f"  warp {WARP} L={L:5d} dim={dim:2d} segments={n_seg:3d} reverse={reverse!s:5s}: worst rel err "
                   f"{max(res.values()):.2e} ({time.time() - t_start:.0f}s)", flush=True)
     print("worst over lengths: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    print(f"  warp {WARP} last_state control: the state one step early is off by >= {CONTROL[0]:.2e} (relative)")
     L = min(197, max_len)
     check_deterministic(torch.float32, 1, 20, L, 16, True, True, True, True, seed=11, reverse=True)
     print(f"  warp {WARP} deterministic: two runs at L={L}, dim 20, "
@@ -212,7 +235,8 @@ def main():
         for name, a, b in zip(NAMES, base[1], other[1]):
             assert torch.equal(a, b), f"{name} depends on scheduling order"
         n += 1
-    print(f"warp {WARP}: emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors:")
+    print(f"warp {WARP}: emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors "
+          f"(last_state control, the state one step early: >= {CONTROL[0]:.2e}):")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         print(f"  {str(dtype):15s} {k:12s} {v:.2e}")
 

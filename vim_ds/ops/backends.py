@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import build_config
-from .selective_scan_ref import final_state, selective_scan_ref
+from .selective_scan_ref import selective_scan_ref
 
 log = logging.getLogger("vim_ds")
 
@@ -74,13 +74,9 @@ class ExtensionBackend:
         self.module = module
 
     def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False):
-        if self.name == "cpu":  # the CPU kernel writes the final state from its registers
-            out, saved, last = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
-                                               return_last_state)
-            return out, saved, last
-        out, saved = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse)
-        # The GPU kernel does not return its final state (yet): computed beside it, in float64, from the inputs.
-        last = final_state(u, delta, A, B, delta_bias, delta_softplus, reverse) if return_last_state else None
+        # Both kernels write the final state from their registers (the GPU kernel: its last segment's pass).
+        out, saved, last = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
+                                           return_last_state)
         return out, saved, last
 
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):

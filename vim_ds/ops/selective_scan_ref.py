@@ -84,31 +84,3 @@ def selective_scan_ref(
         y = y * F.silu(z.to(acc))
     y = y.to(in_dtype)
     return (y, h) if return_last_state else y
-
-
-def final_state(u, delta, A, B, delta_bias=None, delta_softplus=False, reverse=False, block=256):
-    """The state after the last scan step, (batch, dim, N), from input-dependent B, without the recurrence:
-    ``h_end = sum_t exp(A * sum_{s after t} delta'_s) * delta'_t u_t B_t``, in float64, `block` steps at a time.
-
-    For backends whose kernel does not return the last state (the GPU kernel); vectorised, so it runs as a few
-    large tensor ops on any device. Returns float32 (float64 for float64 input).
-    """
-    out_dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
-    wide = torch.float64
-    dt = delta.to(wide)
-    if delta_bias is not None:
-        dt = dt + delta_bias.to(wide)[:, None]
-    if delta_softplus:
-        dt = F.softplus(dt)
-    u, B, A = u.to(wide), B.to(wide), A.to(wide)
-    if reverse:  # the scan visits t = L-1 .. 0: flip to scan order
-        dt, u, B = dt.flip(-1), u.flip(-1), B.flip(-1)
-    # after[t] = sum of dt over the steps after t (a cumulative sum from the end, no cancellation)
-    after = F.pad(dt[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
-    w = dt * u
-    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
-    for t0 in range(0, u.shape[-1], block):
-        sl = slice(t0, t0 + block)
-        decay = torch.exp(after[..., sl].unsqueeze(-1) * A[None, :, None, :])  # (batch, dim, T, N)
-        h = h + torch.einsum("bdtn,bdt,bnt->bdn", decay, w[..., sl], B[..., sl])
-    return h.to(out_dtype)
