@@ -2,8 +2,8 @@
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU.
-model  a Vim training step vs timm's DeiT of the same size, and high-resolution inference (time and peak memory),
-       each measured in the same run so that the ratio is meaningful.
+model  a Vim training step vs timm's DeiT of the same size, eager and torch.compile'd, and high-resolution
+       inference (time and peak memory), each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
        (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
 convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size.
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     m.add_argument("--hires", type=int, default=1024, help="image side for the inference comparison")
     m.add_argument("--repeat", type=int, default=3, help="timed steps per measurement (median)")
     m.add_argument("--rounds", type=int, default=2, help="alternating measurements per model (fastest kept)")
+    m.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile (inductor) training-step rows [eager and compiled, side by side]")
     for q in (p, m):
         q.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     t = sub.add_parser(
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     t.add_argument("--batch-size", type=int, default=None, help="micro batch per rank [64 on GPUs, 8 on a CPU]")
     t.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     t.add_argument("--warmup-steps", type=int, default=5, help="optimizer steps before the timed ones (not timed)")
-    t.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+    t.add_argument("--precision", choices=["bf16", "fp16", "fp32", "autocast-bf16"], default=None,
                    help="[bf16; on GPUs a config whose file enables fp16 (zero2_fp16) stays fp16 unless given]")
     t.add_argument("--num-workers", type=int, default=2, help="data-loader workers per rank")
     t.add_argument("--nb-classes", type=int, default=1000, help="classes of the synthetic data (the head's size)")
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     c.add_argument("--model", default="vim_base")
     c.add_argument("--input-size", type=int, default=64, help="training resolution (small: only the weights count)")
     c.add_argument("--config", default=os.path.join(REPO_DIR, "ds_configs", "zero3.json"))
-    c.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    c.add_argument("--precision", choices=["bf16", "fp32", "autocast-bf16"], default="bf16")
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
     c.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -22,7 +22,10 @@ def child(spec: dict) -> dict:
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
-    model = timm.create_model(spec["model"], img_size=spec["img_size"], num_classes=1000).to(device)
+    model = timm.create_model(spec["model"], img_size=spec["img_size"], num_classes=1000,
+                              **spec.get("model_kwargs", {})).to(device)
+    if spec.get("compiled"):
+        model = torch.compile(model)  # inductor; the warmup steps pay for the compilation
     x = torch.randn(spec["batch"], 3, spec["img_size"], spec["img_size"], device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -55,7 +58,13 @@ def child(spec: dict) -> dict:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {**spec, "seconds": seconds, "peak_mem_bytes": int(peak)}
+    result = {**spec, "seconds": seconds, "peak_mem_bytes": int(peak)}
+    if spec.get("compiled"):
+        from torch._dynamo.utils import counters
+
+        result["graphs"] = int(counters["stats"]["unique_graphs"])
+        result["graph_breaks"] = int(sum(counters["graph_break"].values()))
+    return result
 
 
 def measure(spec: dict) -> dict:
@@ -76,14 +85,14 @@ def measure_pair(a: dict, b: dict, rounds: int):
     best = {}
     for _ in range(rounds):
         for spec in (a, b):
-            r, key = measure(spec), spec["model"]
+            r, key = measure(spec), (spec["model"], spec.get("compiled", False))
             old = best.get(key)
             if old is None or "error" in r:
                 best[key] = r
             elif "error" not in old:  # fastest time, highest peak memory over the rounds
                 faster = r if r["seconds"] < old["seconds"] else old
                 best[key] = {**faster, "peak_mem_bytes": max(r["peak_mem_bytes"], old["peak_mem_bytes"])}
-    return best[a["model"]], best[b["model"]]
+    return best[(a["model"], a.get("compiled", False))], best[(b["model"], b.get("compiled", False))]
 
 
 def run_model(args):
@@ -97,10 +106,13 @@ def run_model(args):
     for vim, deit in pairs:
         batch = args.train_batch if device == "cpu" else 64
         dtype = "float32" if device == "cpu" else "bfloat16"
-        for mode, batch_, size, label in (("train", batch, 224, "training step"),
-                                          ("infer", 1, args.hires, f"inference at {args.hires}^2")):
+        cases = [("train", False, batch, 224, "training step (eager)")]
+        if not args.no_compile:
+            cases.append(("train", True, batch, 224, "training step (torch.compile)"))
+        cases.append(("infer", False, 1, args.hires, f"inference at {args.hires}^2"))
+        for mode, compiled, batch_, size, label in cases:
             specs = [dict(model=name, mode=mode, batch=batch_, img_size=size, device=device, dtype=dtype,
-                          warmup=1, repeat=args.repeat) for name in (vim, deit)]
+                          compiled=compiled, warmup=3 if compiled else 1, repeat=args.repeat) for name in (vim, deit)]
             pair = measure_pair(*specs, rounds=args.rounds)
             rows.extend(pair)
             for r in pair:
@@ -118,7 +130,9 @@ def _ratio(a, b):
 
 
 def _model_row(r):
-    what = f"[{r['device']}] {r['model']} {r['mode']} batch {r['batch']} {r['img_size']}^2 {r['dtype']}"
+    what = (f"[{r['device']}] {r['model']} {r['mode']}{' compiled' if r.get('compiled') else ''} batch {r['batch']} "
+            f"{r['img_size']}^2 {r['dtype']}")
     if "error" in r:
         return f"{what}: FAILED ({r['error']})"
-    return f"{what}: {r['seconds'] * 1e3:.0f} ms, peak memory {r['peak_mem_bytes'] / 2**20:.0f} MiB"
+    graphs = f", {r['graphs']} graphs, {r['graph_breaks']} graph breaks" if "graphs" in r else ""
+    return f"{what}: {r['seconds'] * 1e3:.0f} ms, peak memory {r['peak_mem_bytes'] / 2**20:.0f} MiB{graphs}"

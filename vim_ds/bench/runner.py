@@ -42,11 +42,12 @@ def describe_config(path: str) -> dict:
     zero = section(cfg, "zero_optimization")
     offloaded = [what for what in ("optimizer", "param")
                  if str(section(zero, f"offload_{what}").get("device", "none")).lower() not in ("none", "")]
-    enabled = {k: section(cfg, k).get("enabled") is True for k in ("fp16", "bf16")}
+    enabled = {k: section(cfg, k).get("enabled") is True for k in ("fp16", "bf16", "torch_autocast")}
     stage = zero.get("stage", 0)
     accum = cfg.get("gradient_accumulation_steps") if isinstance(cfg, dict) else None
     return {"stage": stage if isinstance(stage, int) else None, "offload": "+".join(offloaded) or "-",
-            "file_precision": "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else "fp32",
+            "file_precision": "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else
+            "autocast-bf16" if enabled["torch_autocast"] else "fp32",
             "accum": accum if isinstance(accum, int) and accum > 0 else 1}
 
 
