@@ -30,8 +30,15 @@ def loss_and_grads(model, fn):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_same_training_step(model, compiled):
-    loss_e, grads_e = loss_and_grads(model, model)
+@pytest.fixture(scope="module")
+def eager_step():
+    """The eager loss and gradients of tiny_vim() (deterministic: seed 0), computed once for every compile test."""
+    model = tiny_vim()
+    return loss_and_grads(model, model)
+
+
+def assert_same_training_step(model, compiled, eager_step):
+    loss_e, grads_e = eager_step
     loss_c, grads_c = loss_and_grads(model, compiled)
     assert abs(loss_c - loss_e) <= 1e-5 * abs(loss_e)
     for name, g in grads_e.items():
@@ -52,17 +59,17 @@ def test_no_graph_breaks_in_any_published_variant(name):
         assert explanation.graph_count == 1
 
 
-def test_fullgraph_compile_gives_eager_loss_and_gradients():
+def test_fullgraph_compile_gives_eager_loss_and_gradients(eager_step):
     model = tiny_vim()
     torch._dynamo.reset()
-    assert_same_training_step(model, torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert_same_training_step(model, torch.compile(model, fullgraph=True, backend="aot_eager"), eager_step)
 
 
 @pytest.mark.slow
-def test_fullgraph_inductor_compile_gives_eager_loss_and_gradients():
+def test_fullgraph_inductor_compile_gives_eager_loss_and_gradients(eager_step):
     model = tiny_vim()
     torch._dynamo.reset()
-    assert_same_training_step(model, torch.compile(model, fullgraph=True))
+    assert_same_training_step(model, torch.compile(model, fullgraph=True), eager_step)
 
 
 # -- vim-ds train --compile --------------------------------------------------------------------------------------

@@ -76,43 +76,54 @@ torch_hip_flags=(-D__HIP_PLATFORM_AMD__=1 -DUSE_ROCM=1 -DCUDA_HAS_FP16=1 -D__HIP
   -D__HIP_NO_HALF_CONVERSIONS__=1 -DHIP_ENABLE_WARP_SYNC_BUILTINS=1 -fPIC)
 
 # ---------------------------------------------------------------------------------------------------------------
-echo "== 1. nvcc: csrc/selective_scan_cuda.cu"
-nvcc=$(find_tool "${NVCC:-}" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" nvcc \
-  /usr/local/cuda/bin/nvcc) || nvcc=
-if [ -z "$nvcc" ]; then
-  echo "SKIP: nvcc not found (set NVCC or CUDA_HOME)"
-else
-  ran=$((ran + 1))
-  gencode=()
-  for arch in $cuda_archs; do
-    gencode+=(-gencode "arch=compute_${arch},code=sm_${arch}")
-  done
-  "$nvcc" --version | tail -n 1
-  # No torch include paths on purpose: the device code must not need them.
-  if "$nvcc" -c -std=c++17 -O3 "${gencode[@]}" "${torch_nvcc_flags[@]}" -Xcompiler -Wall \
-    "$csrc/selective_scan_cuda.cu" -o "$work/selective_scan_cuda.o"; then
-    echo "OK: nvcc (${cuda_archs// /, })"
-  else
-    fail "nvcc compile of selective_scan_cuda.cu"
-  fi
-fi
+# the C++ compiler of steps 3 and 4
+cxx=$(find_tool "${CXX:-}" g++ c++ clang++) || cxx=
 
-# ---------------------------------------------------------------------------------------------------------------
-echo "== 2. hipify + hipcc: csrc/selective_scan_cuda.cu"
-hipcc=$(find_tool "${HIPCC:-}" "${ROCM_HOME:+$ROCM_HOME/bin/hipcc}" "${ROCM_PATH:+$ROCM_PATH/bin/hipcc}" hipcc \
-  /opt/rocm/bin/hipcc) || hipcc=
-if [ -z "$hipcc" ]; then
-  echo "SKIP: hipcc not found (set HIPCC or ROCM_HOME)"
-elif ! have_torch; then
-  echo "SKIP: torch not importable by $python (its hipify is needed)"
-else
-  ran=$((ran + 1))
-  hipdir=$work/hip
-  mkdir -p "$hipdir"
-  cp -r "$csrc" "$hipdir/csrc"
-  # The same call torch.utils.cpp_extension.CUDAExtension makes on a ROCm torch (sources hipified in place into
-  # *_hip.* / *.hip files, headers they include hipified alongside).
-  if ! hipified=$("$python" - "$hipdir" 2> "$work/hipify.log" <<'PY'
+# Steps 1-3 are independent single-threaded compiles: they run side by side (each into its own log, printed in
+# order afterwards), so the check takes as long as its slowest step instead of the sum of all three. Each step
+# function counts into its own `ran`/`failures` (fail() updates the caller's locals) and leaves them in a file.
+step_nvcc() {
+  local ran=0 failures=0
+  echo "== 1. nvcc: csrc/selective_scan_cuda.cu"
+  nvcc=$(find_tool "${NVCC:-}" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" nvcc \
+    /usr/local/cuda/bin/nvcc) || nvcc=
+  if [ -z "$nvcc" ]; then
+    echo "SKIP: nvcc not found (set NVCC or CUDA_HOME)"
+  else
+    ran=$((ran + 1))
+    gencode=()
+    for arch in $cuda_archs; do
+      gencode+=(-gencode "arch=compute_${arch},code=sm_${arch}")
+    done
+    "$nvcc" --version | tail -n 1
+    # No torch include paths on purpose: the device code must not need them.
+    if "$nvcc" -c -std=c++17 -O3 --threads 2 "${gencode[@]}" "${torch_nvcc_flags[@]}" -Xcompiler -Wall \
+      "$csrc/selective_scan_cuda.cu" -o "$work/selective_scan_cuda.o"; then
+      echo "OK: nvcc (${cuda_archs// /, })"
+    else
+      fail "nvcc compile of selective_scan_cuda.cu"
+    fi
+  fi
+  echo "$ran $failures" > "$work/step_nvcc.status"
+}
+
+step_hipcc() {
+  local ran=0 failures=0
+  echo "== 2. hipify + hipcc: csrc/selective_scan_cuda.cu"
+  hipcc=$(find_tool "${HIPCC:-}" "${ROCM_HOME:+$ROCM_HOME/bin/hipcc}" "${ROCM_PATH:+$ROCM_PATH/bin/hipcc}" hipcc \
+    /opt/rocm/bin/hipcc) || hipcc=
+  if [ -z "$hipcc" ]; then
+    echo "SKIP: hipcc not found (set HIPCC or ROCM_HOME)"
+  elif ! have_torch; then
+    echo "SKIP: torch not importable by $python (its hipify is needed)"
+  else
+    ran=$((ran + 1))
+    hipdir=$work/hip
+    mkdir -p "$hipdir"
+    cp -r "$csrc" "$hipdir/csrc"
+    # The same call torch.utils.cpp_extension.CUDAExtension makes on a ROCm torch (sources hipified in place into
+    # *_hip.* / *.hip files, headers they include hipified alongside).
+    if ! hipified=$("$python" - "$hipdir" 2> "$work/hipify.log" <<'PY'
 import os
 import sys
 
@@ -133,36 +144,38 @@ result = hipify_python.hipify(
 )
 print(result[sources[0]].hipified_path)
 PY
-  ); then
-    cat "$work/hipify.log"
-    fail "hipify"
-  else
-    hipified=$(echo "$hipified" | tail -n 1)
-    echo "hipified: ${hipified#"$hipdir"/}"
-    offload=()
-    for arch in $hip_archs; do
-      offload+=("--offload-arch=$arch")
-    done
-    HIP_PLATFORM=amd "$hipcc" --version 2> /dev/null | grep -m 1 -i 'HIP version' || true
-    if HIP_PLATFORM=amd "$hipcc" -x hip -c -std=c++17 -O3 "${offload[@]}" "${torch_hip_flags[@]}" -Wall \
-      "$hipified" -o "$work/selective_scan_hip.o"; then
-      echo "OK: hipcc (${hip_archs// /, })"
+    ); then
+      cat "$work/hipify.log"
+      fail "hipify"
     else
-      fail "hipcc compile of the hipified selective_scan_cuda.cu"
+      hipified=$(echo "$hipified" | tail -n 1)
+      echo "hipified: ${hipified#"$hipdir"/}"
+      offload=()
+      for arch in $hip_archs; do
+        offload+=("--offload-arch=$arch")
+      done
+      HIP_PLATFORM=amd "$hipcc" --version 2> /dev/null | grep -m 1 -i 'HIP version' || true
+      if HIP_PLATFORM=amd "$hipcc" -x hip -c -std=c++17 -O3 "${offload[@]}" "${torch_hip_flags[@]}" -Wall \
+        "$hipified" -o "$work/selective_scan_hip.o"; then
+        echo "OK: hipcc (${hip_archs// /, })"
+      else
+        fail "hipcc compile of the hipified selective_scan_cuda.cu"
+      fi
     fi
   fi
-fi
+  echo "$ran $failures" > "$work/step_hipcc.status"
+}
 
-# ---------------------------------------------------------------------------------------------------------------
-echo "== 3. g++: csrc/bindings_cuda.cpp against torch headers (syntax only)"
-cxx=$(find_tool "${CXX:-}" g++ c++ clang++) || cxx=
-if [ -z "$cxx" ]; then
-  echo "SKIP: no C++ compiler found"
-elif ! have_torch; then
-  echo "SKIP: torch not importable by $python"
-else
-  # torch include dirs and python include dir ...
-  mapfile -t incs < <("$python" - <<'PY' 2> /dev/null
+step_bindings() {
+  local ran=0 failures=0
+  echo "== 3. g++: csrc/bindings_cuda.cpp against torch headers (syntax only)"
+  if [ -z "$cxx" ]; then
+    echo "SKIP: no C++ compiler found"
+  elif ! have_torch; then
+    echo "SKIP: torch not importable by $python"
+  else
+    # torch include dirs and python include dir ...
+    mapfile -t incs < <("$python" - <<'PY' 2> /dev/null
 import sysconfig
 
 from torch.utils.cpp_extension import include_paths
@@ -171,8 +184,8 @@ for p in include_paths():
     print(p)
 print(sysconfig.get_paths()["include"])
 PY
-  )
-  mapfile -t cuda_incs < <("$python" - <<'PY' 2> /dev/null
+    )
+    mapfile -t cuda_incs < <("$python" - <<'PY' 2> /dev/null
 import glob
 import os
 
@@ -189,23 +202,45 @@ for c in cands:
     if os.path.exists(os.path.join(c, "cuda_runtime_api.h")):
         print(c)
 PY
-  )
-  if [ "${#cuda_incs[@]}" -eq 0 ]; then
-    echo "SKIP: CUDA runtime headers (cuda_runtime_api.h) not found (set CUDA_HOME)"
-  else
-    ran=$((ran + 1))
-    flags=()
-    for d in "${incs[@]}" "${cuda_incs[@]}"; do
-      flags+=(-isystem "$d")
-    done
-    if "$cxx" -std=c++20 -fsyntax-only -Wall -Wextra "${flags[@]}" -I"$csrc" -DTORCH_EXTENSION_NAME=_scan_cuda \
-      -DTORCH_API_INCLUDE_EXTENSION_H "$csrc/bindings_cuda.cpp"; then
-      echo "OK: bindings_cuda.cpp"
+    )
+    if [ "${#cuda_incs[@]}" -eq 0 ]; then
+      echo "SKIP: CUDA runtime headers (cuda_runtime_api.h) not found (set CUDA_HOME)"
     else
-      fail "g++ syntax check of bindings_cuda.cpp"
+      ran=$((ran + 1))
+      flags=()
+      for d in "${incs[@]}" "${cuda_incs[@]}"; do
+        flags+=(-isystem "$d")
+      done
+      if "$cxx" -std=c++20 -fsyntax-only -Wall -Wextra "${flags[@]}" -I"$csrc" -DTORCH_EXTENSION_NAME=_scan_cuda \
+        -DTORCH_API_INCLUDE_EXTENSION_H "$csrc/bindings_cuda.cpp"; then
+        echo "OK: bindings_cuda.cpp"
+      else
+        fail "g++ syntax check of bindings_cuda.cpp"
+      fi
     fi
   fi
-fi
+  echo "$ran $failures" > "$work/step_bindings.status"
+}
+
+steps=(step_nvcc step_hipcc step_bindings)
+pids=()
+for step in "${steps[@]}"; do
+  "$step" > "$work/$step.log" 2>&1 &
+  pids+=("$!")
+done
+for pid in "${pids[@]}"; do
+  wait "$pid" || true
+done
+for step in "${steps[@]}"; do
+  cat "$work/$step.log"
+  if [ -f "$work/$step.status" ]; then
+    read -r step_ran step_failures < "$work/$step.status"
+    ran=$((ran + step_ran))
+    failures=$((failures + step_failures))
+  else
+    fail "$step ended without reporting (see its output above)"
+  fi
+done
 
 # ---------------------------------------------------------------------------------------------------------------
 if [ "$emulate" = 1 ]; then
