@@ -260,10 +260,11 @@ def test_predict_prints_five_class_names_per_image(converted, digits):
         assert probs == sorted(probs, reverse=True) and all(0 <= p <= 1 for p in probs)
 
 
-def engine_logits(run: str, name: str, digits, out) -> torch.Tensor:
+def engine_logits(run: str, name: str, digits, out, *extra) -> torch.Tensor:
     """The logits of tests/engine_logits.py's fixed batch from the 2-rank engine of ds_configs/NAME.json, restored
-    from the run's newest checkpoint by DeepSpeed's load_checkpoint."""
-    args = config_run_args(digits, os.path.dirname(out), name, "--resume", os.path.join(run, "checkpoints"))
+    from the run's newest checkpoint by DeepSpeed's load_checkpoint (extra: more trainer arguments, e.g. the
+    run's --precision)."""
+    args = config_run_args(digits, os.path.dirname(out), name, *extra, "--resume", os.path.join(run, "checkpoints"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            os.path.join(ROOT, "tests", "engine_logits.py"), *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600,

@@ -162,6 +162,10 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
         unpinned = [r.label for r, h in ((ref, a), (run, b)) if not h]
         notes.append(f"initial weights not pinned in {' and '.join(unpinned)} (no --init-weights/--save-init-weights):"
                      f" they agree only if both vendors' RNGs drew the same weights from the seed")
+    p_ref, p_run = h_ref.get("precision"), h_run.get("precision")
+    if p_ref and p_run and p_ref != p_run:
+        notes.append(f"the precisions differ ({p_ref} vs {p_run}): expect differences of half-precision "
+                     f"rounding, not of fp32's")
     if lr_diff is not None and lr_diff > 1e-6:
         notes.append(f"the learning rates differ (max relative difference {lr_diff:.2e}): another recipe")
     return {"label": run.label, "steps": common, "diffs": diffs, "max_rel": diffs[worst], "max_step": worst,

@@ -74,8 +74,9 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=None, help="gradient norm clipping (off by default)")
     g.add_argument("--opt-eps", type=float, default=1e-8)
     g.add_argument("--opt-betas", type=float, nargs=2, default=(0.9, 0.999))
-    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="overrides the precision sections of the DeepSpeed config")
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32", "autocast-bf16"], default=None,
+                   help="overrides the precision sections of the DeepSpeed config; autocast-bf16: fp32 parameters, "
+                        "forward under torch.autocast(bf16) (DeepSpeed's torch_autocast section)")
 
     g = p.add_argument_group("augmentation and regularisation (timm)")
     g.add_argument("--color-jitter", type=float, default=0.3)
@@ -137,7 +138,8 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
                    help="ddp / fsdp: PyTorch DistributedDataParallel / FSDP2 fully_shard (per block + root, full "
                         "sharding) instead of DeepSpeed, with the same model, AdamW groups, lr schedule, data and "
                         "metrics (the --deepspeed_config still gives batch, optimizer settings and precision; bf16 "
-                        "runs fp32 parameters under bf16 autocast): the baselines of `vim-ds zero-compare`. They "
+                        "and autocast-bf16 run fp32 parameters under bf16 autocast): the baselines of "
+                        "`vim-ds zero-compare`. They "
                         "save no checkpoints and keep no EMA: --resume, --save-interval and --model-ema are refused")
     g.add_argument("--local_rank", "--local-rank", type=int, default=-1, dest="local_rank",
                    help="set by the deepspeed launcher")

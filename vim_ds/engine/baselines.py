@@ -14,7 +14,9 @@ divides the loss by the accumulation steps, and a step whose gradient norm is no
 
 Precision: fp32 runs in fp32. bf16 keeps fp32 parameters and Adam states and runs the forward under
 `torch.autocast(bf16)` (what DDP/FSDP users do, and what Mamba's authors recommend), unlike DeepSpeed's bf16 mode
-(bf16 weights, fp32 masters): losses then agree with ZeRO only to bf16 precision. fp16 is refused.
+(bf16 weights, fp32 masters): losses then agree with ZeRO only to bf16 precision. autocast-bf16 runs the same
+way, and there DeepSpeed does too (its torch_autocast mode; it reduces nn.Linear/Conv gradients in bf16, these
+baselines all gradients in fp32, so losses still agree only to bf16 precision). fp16 is refused.
 
 Baselines are for measurement: they save no checkpoints and keep no EMA (the trainer refuses --resume,
 --save-interval and --model-ema with them).
@@ -30,12 +32,14 @@ ENGINES = ("deepspeed", "ddp", "fsdp")
 
 
 def precision_label(precision: str) -> str:
-    """How a baseline runs a `--precision`: 'fp32', or fp32 parameters with bf16 autocast."""
-    if precision == "fp32":
-        return "fp32"
+    """How a baseline runs a `--precision`: 'fp32', or fp32 parameters with bf16 autocast (named 'autocast-bf16'
+    when that is what was asked for, since DeepSpeed then runs the same recipe)."""
+    if precision in ("fp32", "autocast-bf16"):
+        return precision
     if precision == "bf16":
         return "fp32+autocast-bf16"
-    raise ValueError(f"the DDP/FSDP baselines run fp32 or bf16 (fp32 parameters, bf16 autocast), not {precision}")
+    raise ValueError(f"the DDP/FSDP baselines run fp32, bf16 or autocast-bf16 (both: fp32 parameters, bf16 "
+                     f"autocast), not {precision}")
 
 
 def _world() -> int:

@@ -22,8 +22,15 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 AUTO = "auto"
-PRECISIONS = ("bf16", "fp16", "fp32")
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what the model runs in
+PRECISIONS = ("bf16", "fp16", "fp32", "autocast-bf16")
+# The dtype of the model's parameters and inputs. "autocast-bf16" keeps fp32 parameters (and fp32 optimizer
+# states, no separate master copy) and runs the forward under torch.autocast(bf16): DeepSpeed's torch_autocast
+# mode, what Mamba's authors recommend (state-spaces/mamba#6), since A_log, D and dt_proj are sensitive to bf16
+# weight updates.
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                    "autocast-bf16": torch.float32}
+AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # the dtype torch.autocast runs the forward in
+TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})  # what DeepSpeed 0.19.8 reads
 DEFAULT_MICRO_BATCH = 64
 DEFAULT_ACCUM_STEPS = 1
 
@@ -96,7 +103,7 @@ class BatchSizes:
 class PreparedConfig:
     config: dict  # fully resolved, no "auto" left; ready for deepspeed.initialize(config=...)
     batch: BatchSizes
-    precision: str  # "bf16" | "fp16" | "fp32"
+    precision: str  # "bf16" | "fp16" | "fp32" | "autocast-bf16"
     zero_stage: int
     offload_optimizer: bool
     offload_param: bool
@@ -162,7 +169,7 @@ def prepare_ds_config(
     device_type  the accelerator's device type ("cpu", "cuda", ...)
     micro_batch  --batch-size (per rank), None when not given
     accum_steps  --accum-steps, None when not given
-    precision    --precision ("bf16", "fp16", "fp32"), None to let the JSON decide
+    precision    --precision ("bf16", "fp16", "fp32", "autocast-bf16"), None to let the JSON decide
     auto_values  called with the resolved batch sizes; returns {dotted.path: value} used to fill "auto" values
     """
     if isinstance(source, Mapping):
@@ -226,7 +233,7 @@ def _check_top_level(config: dict, src: str) -> None:
         raise ConfigError(f"{src}: unknown top-level key{'s' if len(unknown) > 1 else ''} "
                           f"{_with_suggestions(unknown, DEEPSPEED_TOP_LEVEL_KEYS)} (not a DeepSpeed 0.19.8 setting"
                           f"{'; JSON has no comments, document the file in a README instead' if comment else ''})")
-    for section in ("zero_optimization", "optimizer", "fp16", "bf16", "bfloat16", "scheduler"):
+    for section in ("zero_optimization", "optimizer", "fp16", "bf16", "bfloat16", "scheduler", "torch_autocast"):
         if section in config and not isinstance(config[section], dict):
             hint = ' like {"stage": 2}' if section == "zero_optimization" else ""
             raise ConfigError(f"{src}: {section} must be an object{hint}, not {_json_type(config[section])}")
@@ -310,33 +317,77 @@ def _enabled(config: dict, section: str, src: str) -> bool:
     return value
 
 
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype torch.autocast runs the forward in for a resolved precision, None for none."""
+    return AUTOCAST_DTYPES.get(precision)
+
+
+def _check_torch_autocast(config: dict, src: str) -> None:
+    """The torch_autocast section: known keys, a bfloat16 dtype (written down when missing: DeepSpeed would pass
+    dtype=None to torch.autocast and key its gradient buckets by None), a list of class names."""
+    section = config["torch_autocast"]
+    unknown = [k for k in section if k not in TORCH_AUTOCAST_KEYS]
+    if unknown:
+        raise ConfigError(f"{src}: unknown key{'s' if len(unknown) > 1 else ''} in torch_autocast: "
+                          f"{_with_suggestions(unknown, TORCH_AUTOCAST_KEYS)} (expected enabled, dtype, "
+                          f"lower_precision_safe_modules)")
+    if not section.get("enabled"):
+        return
+    dtype = section.setdefault("dtype", "bfloat16")
+    if dtype in ("bf16", "bfloat16", "torch.bfloat16"):
+        section["dtype"] = "bfloat16"
+    elif dtype in ("fp16", "float16", "half", "torch.float16"):
+        raise ConfigError(f"{src}: torch_autocast.dtype {_show(dtype)} is not supported here (fp16 autocast needs "
+                          f"a loss scaler and is refused on CPU); use \"bfloat16\" (--precision autocast-bf16)")
+    else:
+        raise ConfigError(f"{src}: torch_autocast.dtype must be \"bfloat16\", not {_show(dtype)}")
+    modules = section.get("lower_precision_safe_modules")
+    if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+        raise ConfigError(f"{src}: torch_autocast.lower_precision_safe_modules must be a list of class names "
+                          f"like \"torch.nn.Linear\", not {_show(modules)}")
+    if config.get("zero_optimization", {}).get("zero_quantized_weights"):
+        raise ConfigError(f"{src}: torch_autocast cannot be combined with zero_optimization.zero_quantized_weights "
+                          f"(DeepSpeed refuses it); disable one of them")
+
+
 def _resolve_precision(config: dict, src: str, precision: str | None, device_type: str) -> str:
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
     if precision is not None:
         if precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-        for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
+        for section, wanted in (("bf16", precision == "bf16"), ("fp16", precision == "fp16"),
+                                ("torch_autocast", precision == "autocast-bf16")):
             if wanted:
                 config.setdefault(section, {})["enabled"] = True
+                if section == "torch_autocast":
+                    config[section]["dtype"] = "bfloat16"
             elif section in config:
                 config[section]["enabled"] = False
         where = f"--precision {precision}"
     else:
         bf16, fp16 = _enabled(config, "bf16", src), _enabled(config, "fp16", src)
+        autocast = _enabled(config, "torch_autocast", src)
         if bf16 and fp16:
             raise ConfigError(f"{src}: fp16.enabled and bf16.enabled are both true; enable one of them "
-                              f"(or choose with --precision bf16|fp16|fp32)")
+                              f"(or choose with --precision {'|'.join(PRECISIONS)})")
+        if autocast and (bf16 or fp16):
+            half = "bf16" if bf16 else "fp16"
+            raise ConfigError(f"{src}: torch_autocast.enabled and {half}.enabled are both true (autocast keeps fp32 "
+                              f"parameters, {half} mode converts them); enable one of them (or choose with "
+                              f"--precision {'|'.join(PRECISIONS)})")
         # Write the decision down: "auto" (meaning off, see _enabled) must not be left for the final check.
-        for section, on in (("bf16", bf16), ("fp16", fp16)):
+        for section, on in (("bf16", bf16), ("fp16", fp16), ("torch_autocast", autocast)):
             if section in config:
                 config[section]["enabled"] = on
-        precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+        precision = "bf16" if bf16 else "fp16" if fp16 else "autocast-bf16" if autocast else "fp32"
         where = f"{src} (fp16.enabled)"
 
     if precision == "fp16" and device_type == "cpu":
-        raise ConfigError(f"{where}: fp16 is not supported by DeepSpeed on CPU; use --precision bf16 or fp32 "
-                          f"(e.g. ds_configs/zero2.json)")
+        raise ConfigError(f"{where}: fp16 is not supported by DeepSpeed on CPU; use --precision bf16, "
+                          f"autocast-bf16 or fp32 (e.g. ds_configs/zero2.json)")
+    if "torch_autocast" in config:
+        _check_torch_autocast(config, src)
     for section, model in (("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
         if section in config:
             _validate_model(model, config[section], section, src)

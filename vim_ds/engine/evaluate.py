@@ -8,6 +8,7 @@ collective, so ranks whose shard has fewer batches run blank batches until all r
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -16,8 +17,23 @@ import torch.nn.functional as F
 from . import distributed
 
 
+def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
+    """torch.autocast for an autocast precision (fp32 parameters, half-precision matmuls), else nothing."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=autocast_dtype)
+
+
 @torch.no_grad()
-def evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple) -> dict:
+def evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple,
+             autocast_dtype: torch.dtype | None = None) -> dict:
+    """dtype: the inputs' (the parameters'); autocast_dtype: run the forward under torch.autocast in it (the
+    autocast-bf16 precision; a DeepSpeed engine with torch_autocast enters the same context itself)."""
+    with autocast_context(device, autocast_dtype):
+        return _evaluate(forward, loader, device, dtype, input_shape)
+
+
+def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple) -> dict:
     correct1 = correct5 = loss_sum = count = bad = 0.0
     batches = len(loader)
     most = int(distributed.all_reduce_max([batches], device)[0])
@@ -78,7 +94,7 @@ def evaluate_weights(args, dist_info) -> dict:
     from ..data.loader import build_loader
     from ..models import build_model, load_state_dict_into
     from . import faults
-    from .ds_config import PRECISION_DTYPES
+    from .ds_config import PRECISION_DTYPES, autocast_dtype
     from .metrics import MetricsLog
 
     val_set, num_classes = build_dataset(args, is_train=False)
@@ -86,8 +102,8 @@ def evaluate_weights(args, dist_info) -> dict:
     ema_state = load_eval_weights(args, model)
     precision = args.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":
-        raise ValueError("fp16 is not supported on CPU; use --precision bf16 or fp32")
-    dtype = PRECISION_DTYPES[precision]
+        raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")
+    dtype, autocast = PRECISION_DTYPES[precision], autocast_dtype(precision)
     model = model.to(dist_info.device, dtype).eval()
     batch = max(1, int(1.5 * (args.batch_size or 64)))
     loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
@@ -96,10 +112,11 @@ def evaluate_weights(args, dist_info) -> dict:
                           stall_at=faults.number("stall_val", dist_info.rank))
     shape = (3, args.input_size, args.input_size)
     record = {"step": None, "epoch": None, "source": args.resume or args.finetune}
-    record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape).items()})
+    record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape,
+                                                                    autocast).items()})
     if ema_state is not None:
         load_state_dict_into(model, ema_state, strict=True)
-        ema = evaluate(model, loader, dist_info.device, dtype, shape)
+        ema = evaluate(model, loader, dist_info.device, dtype, shape, autocast)
         record.update({f"ema_eval_{k}": v for k, v in ema.items() if k in ("acc1", "acc5", "loss")})
     if dist_info.is_main:
         log = MetricsLog(args.output_dir, True, total_steps=0)

@@ -24,6 +24,12 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): one-line error reports."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _state_dict_of(obj: dict, path: str) -> dict:
     from ..checkpoint.files import CheckpointError
 
@@ -79,7 +85,7 @@ def apply(args, model: torch.nn.Module, meta: dict, dist_info: distributed.DistI
         elif dist_info.is_main:
             digest = save_init_weights(model, save, meta)
     except (ValueError, OSError) as exc:
-        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        error = first_line(exc)
     failed = distributed.all_reduce_max([float(bool(error)) * (dist_info.rank + 1)], dist_info.device)[0]
     if error:
         from ..checkpoint.files import CheckpointError

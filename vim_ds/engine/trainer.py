@@ -22,7 +22,8 @@ import torch
 
 from ..models import build_model, param_groups
 from . import distributed, faults
-from .ds_config import PRECISION_DTYPES
+from .ds_config import AUTOCAST_DTYPES, PRECISION_DTYPES
+from .init_weights import first_line
 
 
 class TrainingError(RuntimeError):
@@ -31,11 +32,6 @@ class TrainingError(RuntimeError):
 
 class StopRequested(Exception):
     """SIGTERM arrived (SLURM before a time limit or preemption, the launcher, `kill`): a checkpoint was saved."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _declare_direct_weight_reads(model: torch.nn.Module):
@@ -122,7 +118,8 @@ class Trainer:
         self.batch = self.ds.batch
         # a number written in the JSON wins over the command line; the optimizer starts from what is there
         self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
-        self.dtype = PRECISION_DTYPES[self.ds.precision]
+        self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
+        self.autocast_dtype = AUTOCAST_DTYPES.get(self.ds.precision)  # the DeepSpeed engine enters it itself
         self.mixup = self._build_mixup()
 
         self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
@@ -207,7 +204,7 @@ class Trainer:
             self.engine.compile(backend=backend)
         except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
             raise ValueError(f"--compile: DeepSpeed cannot compile the model under {self._compile_what} "
-                             f"({_first_line(exc)}); train without --compile") from exc
+                             f"({first_line(exc)}); train without --compile") from exc
 
     def _loader(self, dataset, batch_sampler, name: str):
         from ..data.loader import build_loader  # workers from a fork server, --data-timeout: see its docstring
@@ -340,7 +337,8 @@ class Trainer:
             self._grad_norm = self._full_grad_norm()
             # DeepSpeed skips a non-finite update itself everywhere but in fp32 without ZeRO; the norm is of the
             # all-reduced gradients, so every rank takes the same decision
-            skip = not math.isfinite(self._grad_norm) and self.ds.precision == "fp32"
+            # (autocast-bf16 keeps fp32 parameters and a plain optimizer: the same case as fp32)
+            skip = not math.isfinite(self._grad_norm) and self.ds.precision in ("fp32", "autocast-bf16")
         if skip:
             with _optimizer_step_skipped(self.engine.optimizer):
                 self.engine.step()
@@ -362,7 +360,7 @@ class Trainer:
             yield
         except TorchDynamoException as exc:
             raise ValueError(f"--compile: torch.compile failed under {self._compile_what} "
-                             f"({type(exc).__name__}: {_first_line(exc)}); train without --compile") from exc
+                             f"({type(exc).__name__}: {first_line(exc)}); train without --compile") from exc
 
     @torch.no_grad()
     def _full_grad_norm(self) -> float:
@@ -508,10 +506,11 @@ class Trainer:
         shape = (3, self.args.input_size, self.args.input_size)
         self.engine.eval()
         record = {"step": self.step, "epoch": epoch}
-        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape)
+        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape)  # autocasts itself
         record.update({f"eval_{k}": v for k, v in result.items()})
         if self.ema is not None:
-            ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape)
+            ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape,
+                                  self.autocast_dtype)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
         if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
