@@ -12,10 +12,12 @@ import sys
 
 
 def main(argv=None) -> int:
+    from .engine import distributed
     from .train import parse_args, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run(parse_args(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval")
+    # ends the process itself, as `vim-ds train` does (distributed.end_rank_process)
+    distributed.end_rank_process(run(parse_args(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval"))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,11 @@ def run(args, prog: str = "vim-ds train") -> int:
 
 
 def main(argv=None, prog: str = "vim-ds train") -> int:
-    return run(parse_args(argv, prog), prog)
+    """The rank process's entry (`python -m vim_ds.train`, `vim-ds train`): it ends the process itself (see
+    distributed.end_rank_process), so its exit code is the run's, whatever the interpreter's teardown would do."""
+    from .engine import distributed
+
+    distributed.end_rank_process(run(parse_args(argv, prog), prog))
 
 
 if __name__ == "__main__":
