@@ -131,7 +131,8 @@ def end_rank_process(code: int):
     only when the process-group objects are destroyed, and DeepSpeed keeps those referenced (its module globals,
     the engine, ZeRO-3's parameters) until the interpreter tears itself down. A rank whose gloo threads are torn
     down there can abort (SIGABRT, "terminate called without an active exception") after a run that finished and
-    saved everything, and the launcher then reports the job as failed. Seen once in CI on a 2-rank ZeRO-3 run.
+    saved everything, and the launcher then reports the job as failed: 2 of 25 finished 2-rank ZeRO-3 runs on 2
+    loaded cores (Debian 12's Python 3.11.2) did, none of 45 since they end here.
     """
     for stream in (sys.stdout, sys.stderr):
         try:
