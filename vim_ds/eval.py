@@ -9,9 +9,10 @@ replicated on every rank (no DeepSpeed engine is needed to evaluate); the valida
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> NoReturn:
     from .engine import distributed
     from .train import parse_args, run
 

@@ -14,6 +14,7 @@ import ast
 import os
 import signal
 import sys
+from typing import NoReturn
 
 DATA_TIMEOUT = 120.0  # s: far above a healthy batch (even the first, which starts the workers), far below 600
 
@@ -228,7 +229,7 @@ def run(args, prog: str = "vim-ds train") -> int:
         distributed.teardown()
 
 
-def main(argv=None, prog: str = "vim-ds train") -> int:
+def main(argv=None, prog: str = "vim-ds train") -> NoReturn:
     """The rank process's entry (`python -m vim_ds.train`, `vim-ds train`): it ends the process itself (see
     distributed.end_rank_process), so its exit code is the run's, whatever the interpreter's teardown would do."""
     from .engine import distributed

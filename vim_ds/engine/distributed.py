@@ -12,6 +12,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def teardown():
         dist.destroy_process_group()
 
 
-def end_rank_process(code: int):
+def end_rank_process(code: int) -> NoReturn:
     """End a rank's process now with `code`, after run() has settled the outcome, closed its files and called
     teardown(): stdout, stderr and logging are flushed, then os._exit, so nothing runs in the interpreter's
     finalisation.
