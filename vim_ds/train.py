@@ -189,6 +189,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     from .data.loader import DataStall
     from .engine import distributed
     from .engine.checkpointing import SaveError
+    from .engine.init_weights import first_line
     from .engine.trainer import StopRequested, Trainer, TrainingError
 
     try:
@@ -216,7 +217,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     except StopRequested:
         return 128 + signal.SIGTERM  # what a shell reports for SIGTERM: stopped early, on purpose, state saved
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         if os.environ.get("VIM_DS_TRACEBACK"):
             import traceback
 

@@ -22,7 +22,7 @@ import torch
 
 from ..models import build_model, param_groups
 from . import distributed, faults
-from .ds_config import AUTOCAST_DTYPES, PRECISION_DTYPES
+from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .init_weights import first_line
 
 
@@ -119,7 +119,7 @@ class Trainer:
         # a number written in the JSON wins over the command line; the optimizer starts from what is there
         self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
         self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
-        self.autocast_dtype = AUTOCAST_DTYPES.get(self.ds.precision)  # the DeepSpeed engine enters it itself
+        self.autocast_dtype = autocast_dtype(self.ds.precision)  # the DeepSpeed engine enters it itself
         self.mixup = self._build_mixup()
 
         self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
