@@ -85,6 +85,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
         py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("available_isas", &vim_ds::scan_cpu::available_isas,
+        "the instruction-set variants of the scan this CPU can run, narrowest first");
+  m.def("isa", &vim_ds::scan_cpu::isa, "the instruction-set variant of the scan in use");
+  m.def("set_isa", &vim_ds::scan_cpu::set_isa,
+        "use this variant of the scan (one of available_isas(), or 'auto' for the widest); returns the one before",
+        py::arg("name"));
   m.def("conv_fwd", &causal_conv1d_fwd, "depthwise causal conv1d forward", py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
   m.def("conv_bwd", &causal_conv1d_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),

@@ -21,9 +21,11 @@
 //     into the per-thread workspace back to front and stored front to back (load_row / store_row), and B, C are
 //     transposed in reversed time order by `prepare`; the math between is untouched, so the result is bitwise the
 //     one of flipping every time-indexed input and output, without those copies.
-//   * Vector width follows the instruction set: on x86-64 the code is compiled twice, with 32-byte vectors for
-//     AVX2+FMA and 16-byte vectors for baseline SSE2, and the AVX2 variant is picked at run time when the CPU has
-//     it (the binary must not require AVX2). Elsewhere (aarch64: NEON) it is compiled once with 16-byte vectors.
+//   * Vector width follows the instruction set: on x86-64 the code is compiled three times, with 64-byte vectors
+//     for AVX-512, 32-byte vectors for AVX2+FMA and 16-byte vectors for baseline SSE2, and the widest variant the
+//     CPU has is picked at run time (the binary must not require AVX2). Elsewhere (aarch64: NEON) it is compiled
+//     once with 16-byte vectors. `set_isa` forces a narrower variant (tests check each one against the
+//     reference; benchmarks compare them).
 //
 // Precision: state and accumulation in float32 (float64 for float64 input). The float32 / bfloat16 paths use a
 // polynomial exp and log1p (within 1-2 ulp, branch-free so they vectorise); float64 uses std::exp / std::log1p,
@@ -37,9 +39,11 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -56,6 +60,7 @@
 #if defined(__x86_64__)
 #define SCAN_X86_DISPATCH 1
 #define SCAN_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define SCAN_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")))
 #else
 #define SCAN_X86_DISPATCH 0
 #endif
@@ -93,9 +98,9 @@ using SimdOf = Simd<elem_t<V>, sizeof(V)>;
 // Lanes of state per pass over time (and the unit the state dimension is padded to): 64 bytes.
 template <typename acc_t>
 constexpr int64_t kStateBlock = 64 / sizeof(acc_t);
-// Rows over time are padded to the widest vector (32 bytes) so that elementwise loops run in whole vectors.
+// Rows over time are padded to the widest vector (64 bytes) so that elementwise loops run in whole vectors.
 template <typename acc_t>
-constexpr int64_t kMaxLanes = 32 / sizeof(acc_t);
+constexpr int64_t kMaxLanes = 64 / sizeof(acc_t);
 
 // Unaligned load / store (memcpy compiles to one vector move; scratch buffers are only 16-byte aligned).
 template <typename V>
@@ -149,6 +154,22 @@ SCAN_INLINE V lane_sums_block(const elem_t<V>* p) {
   } else {
     static_assert(W == 2, "unsupported vector width");
     return SCAN_SHUFFLE(V, s[0], s[1], 0, 2) + SCAN_SHUFFLE(V, s[0], s[1], 1, 3);
+  }
+}
+
+// Per-step partial sums are kept at most 8 lanes wide (what lane_sums_block handles): a 16-lane float vector
+// (AVX-512) is folded to 8 lanes, its two halves added, before it is stored.
+template <typename V>
+using PartialOf = typename Simd<elem_t<V>, (SimdOf<V>::W > 8 ? sizeof(V) / 2 : sizeof(V))>::V;
+template <typename V>
+SCAN_INLINE PartialOf<V> fold(V v) {
+  if constexpr (SimdOf<V>::W > 8) {
+    PartialOf<V> lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return lo + hi;
+  } else {
+    return v;
   }
 }
 
@@ -393,7 +414,8 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
                              elem_t<V>* __restrict dC, elem_t<V> exp_lo, elem_t<V> exp_hi,
                              elem_t<V>* __restrict last) {
   using E = elem_t<V>;
-  constexpr int64_t W = SimdOf<V>::W;
+  using P = PartialOf<V>;
+  constexpr int64_t W = SimdOf<V>::W, PW = SimdOf<P>::W;
   constexpr int kBlock = kStateBlock<E> / W;  // vectors of state per pass
   const V lo = splat<V>(exp_lo), hi = splat<V>(exp_hi);
   for (int64_t n0 = 0; n0 < NP; n0 += kStateBlock<E>) {
@@ -418,22 +440,26 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
         }
       }
       // y[t] is the sum of the lanes of s over all passes; the lane sums are done for all t after the loop.
+      const P ps = fold(s);
       if (n0 == 0)
-        vstore(S + t * W, s);
+        vstore(S + t * PW, ps);
       else
-        vstore(S + t * W, vload<V>(S + t * W) + s);
+        vstore(S + t * PW, vload<P>(S + t * PW) + ps);
     }
     if (last)
       for (int j = 0; j < kBlock; ++j) vstore(last + n0 + j * W, h[j]);
   }
-  lane_sums<V>(S, L, y);
+  lane_sums<P>(S, L, y);
 }
 
 // Reverse pass of one channel, given dy = dL/dy (before the D term) and the stored h_t, a_t.
-// g_t = dL/dh_t = dy_t C_t + a_{t+1} g_{t+1}; then with x_t[n] = dt_t A[n] and ga = g_t h_{t-1} a_t = dL/dx_t:
+// g_t = dL/dh_t = dy_t C_t + a_{t+1} g_{t+1}; then with x_t[n] = dt_t A[n] and ga = g_t a_t h_{t-1} = dL/dx_t:
 //   dA[n] = sum_t ga dt_t,  ddt_t = sum_n ga A[n] + u_t sum_n g_t B_t,  du_t += dt_t sum_n g_t B_t,
 //   dB_t[n] += g_t dt_t u_t   (dB is the caller's sum over channels).
-// Rows u, dt, du, ddt, gb have LP entries (gb zero beyond L); S_ga, S_gb: L x W scratch.
+// Only g carries from step to step, through one FMA (a_{t+1} g_{t+1} + dy_t C_t); everything else per step is off
+// that chain, so with one vector of state per pass (AVX-512, N = 16) the loop is bound by throughput, not by
+// the chain's latency.
+// Rows u, dt, du, ddt, gb have LP entries (gb zero beyond L); S_ga, S_gb: L x 8-lane scratch.
 template <typename V>
 SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
                               const elem_t<V>* __restrict dt, const elem_t<V>* __restrict Bt,
@@ -443,43 +469,44 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
                               elem_t<V>* __restrict S_ga, elem_t<V>* __restrict S_gb, elem_t<V>* __restrict gb,
                               elem_t<V>* __restrict ddt, elem_t<V>* __restrict du) {
   using E = elem_t<V>;
-  constexpr int64_t W = SimdOf<V>::W;
+  using P = PartialOf<V>;
+  constexpr int64_t W = SimdOf<V>::W, PW = SimdOf<P>::W;
   constexpr int kBlock = kStateBlock<E> / W;
   for (int64_t n0 = 0; n0 < NP; n0 += kStateBlock<E>) {
     V Ab[kBlock], g[kBlock], dAb[kBlock];
     for (int j = 0; j < kBlock; ++j) {
       Ab[j] = vload<V>(A + n0 + j * W);
-      g[j] = V{};  // holds a_{t+1} g_{t+1} on entry to step t
+      g[j] = V{};  // g_{t+1}: zero past the last step
       dAb[j] = V{};
     }
     for (int64_t t = L - 1; t >= 0; --t) {
       const E dtt = dt[t], dyt = dy[t], dut = dt[t] * u[t];
       const E* __restrict hprev = (t > 0 ? H + (t - 1) * NP : zeros) + n0;
+      const E* __restrict anext = (t + 1 < L ? Aexp + (t + 1) * NP : zeros) + n0;
       V s_ga{}, s_gb{};
       for (int j = 0; j < kBlock; ++j) {
         const int64_t at = t * NP + n0 + j * W;
-        const V a = vload<V>(Aexp + at);
-        const V gn = g[j] + dyt * vload<V>(Ct + at);
-        g[j] = gn * a;
-        const V ga = g[j] * vload<V>(hprev + j * W);  // gn h_{t-1} a_t, sharing the product gn a_t with g
+        g[j] = vload<V>(anext + j * W) * g[j] + dyt * vload<V>(Ct + at);
+        const V ga = g[j] * vload<V>(Aexp + at) * vload<V>(hprev + j * W);
         dAb[j] += ga * dtt;
         s_ga += ga * Ab[j];
-        s_gb += gn * vload<V>(Bt + at);
-        vstore(dB + at, vload<V>(dB + at) + gn * dut);
+        s_gb += g[j] * vload<V>(Bt + at);
+        vstore(dB + at, vload<V>(dB + at) + g[j] * dut);
       }
+      const P pga = fold(s_ga), pgb = fold(s_gb);
       if (n0 == 0) {
-        vstore(S_ga + t * W, s_ga);
-        vstore(S_gb + t * W, s_gb);
+        vstore(S_ga + t * PW, pga);
+        vstore(S_gb + t * PW, pgb);
       } else {
-        vstore(S_ga + t * W, vload<V>(S_ga + t * W) + s_ga);
-        vstore(S_gb + t * W, vload<V>(S_gb + t * W) + s_gb);
+        vstore(S_ga + t * PW, vload<P>(S_ga + t * PW) + pga);
+        vstore(S_gb + t * PW, vload<P>(S_gb + t * PW) + pgb);
       }
     }
     for (int j = 0; j < kBlock; ++j) vstore(dA + n0 + j * W, dAb[j]);
   }
   // The sums over n, for all t at once.
-  lane_sums<V>(S_ga, L, ddt);
-  lane_sums<V>(S_gb, L, gb);
+  lane_sums<P>(S_ga, L, ddt);
+  lane_sums<P>(S_gb, L, gb);
   for (int64_t t = 0; t < L; t += W) {
     const V g = vload<V>(gb + t);
     vstore(ddt + t, vload<V>(ddt + t) + vload<V>(u + t) * g);
@@ -634,20 +661,58 @@ template <typename in_t, typename acc_t>
 SCAN_TARGET_AVX2 void bwd_range_avx2(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
   bwd_range_impl<32>(p, begin, end);
 }
-
-bool cpu_has_avx2_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
+template <typename in_t, typename acc_t>
+SCAN_TARGET_AVX512 void fwd_range_avx512(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+  fwd_range_impl<64>(p, begin, end);
+}
+template <typename in_t, typename acc_t>
+SCAN_TARGET_AVX512 void bwd_range_avx512(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+  bwd_range_impl<64>(p, begin, end);
 }
 #endif
+
+// The variants, narrowest first; a CPU that has one has every narrower one.
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+#if SCAN_X86_DISPATCH
+const char* const kIsaNames[] = {"sse2", "avx2", "avx512"};
+#elif defined(__aarch64__)
+const char* const kIsaNames[] = {"neon"};
+#else
+const char* const kIsaNames[] = {"generic"};
+#endif
+
+// The widest variant this CPU (and its OS, which must save the wide registers) can run.
+int widest_isa() {
+#if SCAN_X86_DISPATCH
+  static const int widest = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+      return int(kAvx512);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int(kAvx2);
+    return int(kGeneric);
+  }();
+  return widest;
+#else
+  return kGeneric;
+#endif
+}
+
+// The variant in use: the widest unless set_isa chose a narrower one.
+std::atomic<int> g_isa{-1};
+int current_isa() {
+  const int chosen = g_isa.load(std::memory_order_relaxed);
+  return chosen < 0 ? widest_isa() : chosen;
+}
 
 template <typename in_t, typename acc_t>
 void fwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
 #if SCAN_X86_DISPATCH
-  if (cpu_has_avx2_fma()) return fwd_range_avx2(p, begin, end);
+  switch (current_isa()) {
+    case kAvx512: return fwd_range_avx512(p, begin, end);
+    case kAvx2: return fwd_range_avx2(p, begin, end);
+    default: break;
+  }
 #endif
   fwd_range_generic(p, begin, end);
 }
@@ -655,7 +720,11 @@ void fwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
 template <typename in_t, typename acc_t>
 void bwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
 #if SCAN_X86_DISPATCH
-  if (cpu_has_avx2_fma()) return bwd_range_avx2(p, begin, end);
+  switch (current_isa()) {
+    case kAvx512: return bwd_range_avx512(p, begin, end);
+    case kAvx2: return bwd_range_avx2(p, begin, end);
+    default: break;
+  }
 #endif
   bwd_range_generic(p, begin, end);
 }
@@ -897,6 +966,32 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                   " (expected float32, float64 or bfloat16)");
   }
   return {du, ddelta, dA, dB, dC, dD, dz, dbias};
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (int i = 0; i <= widest_isa(); ++i) names.emplace_back(kIsaNames[i]);
+  return names;
+}
+
+std::string isa() { return kIsaNames[current_isa()]; }
+
+std::string set_isa(const std::string& name) {
+  const std::string before = isa();
+  if (name == "auto") {
+    g_isa.store(-1);
+    return before;
+  }
+  for (int i = 0; i <= widest_isa(); ++i) {
+    if (name == kIsaNames[i]) {
+      g_isa.store(i);
+      return before;
+    }
+  }
+  std::string known;
+  for (const auto& n : available_isas()) known += " " + n;
+  TORCH_CHECK(false, "selective_scan (cpu): instruction set '", name, "' is not available on this CPU; choose auto or",
+              known);
 }
 
 }  // namespace scan_cpu

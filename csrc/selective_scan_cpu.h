@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace vim_ds {
@@ -30,6 +31,14 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
                                            bool delta_softplus, bool reverse);
+
+// The instruction-set variants of the kernels, narrowest first (x86-64: sse2, avx2, avx512; aarch64: neon; other
+// CPUs: generic): those this CPU can run; the one in use (the widest, unless set_isa chose another); and
+// set_isa(name or "auto"), which returns the one in use before and throws for a variant this CPU cannot run.
+// Process-wide.
+std::vector<std::string> available_isas();
+std::string isa();
+std::string set_isa(const std::string& name);
 
 }  // namespace scan_cpu
 }  // namespace vim_ds

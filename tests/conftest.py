@@ -20,9 +20,40 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _no_forced_backend(monkeypatch):
-    """Tests choose their backend explicitly; a developer's VIM_DS_SCAN must not leak in."""
+    """Tests choose their backend explicitly; a developer's VIM_DS_SCAN (or VIM_DS_CPU_ISA, for the subprocesses
+    tests start) must not leak in."""
     monkeypatch.delenv("VIM_DS_SCAN", raising=False)
+    monkeypatch.delenv("VIM_DS_CPU_ISA", raising=False)
     yield
+
+
+# The CPU kernel is compiled once per x86-64 instruction set (16-, 32- and 64-byte vectors: different lane sums,
+# partial-sum folds and loop shapes); each variant this CPU can run is checked. AVX-512 needs a CPU that has it
+# (the CI machine type is sometimes an AVX2-only EPYC): there it is skipped, as the GPU tests are without a GPU.
+X86_ISAS = ["sse2", "avx2", "avx512"]
+
+
+@pytest.fixture(params=X86_ISAS)
+def cpu_isa(request):
+    """Runs the test with the CPU kernel's `request.param` variant forced, restoring the automatic choice after."""
+    from vim_ds.ops.backends import load
+
+    loaded = load("cpu")
+    assert loaded.backend is not None, f"the cpu kernel must be available here: {loaded.reason}"
+    module = loaded.backend.module
+    available = module.available_isas()
+    if "sse2" not in available:  # not x86-64: one variant (NEON on aarch64), checked once
+        if request.param != "sse2":
+            pytest.skip(f"not an x86-64 CPU: its one variant ({available[0]}) runs under the sse2 parameter")
+        yield available[0]
+        return
+    if request.param not in available:
+        pytest.skip(f"this CPU cannot run the {request.param} variant (it has {', '.join(available)})")
+    module.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        module.set_isa("auto")
 
 
 SEED_VARIABLE = "VIM_DS_TEST_SEED"

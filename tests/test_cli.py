@@ -49,3 +49,9 @@ def test_bench_scan_prints_kernel_and_reference_side_by_side(tmp_path):
     cpu = [r for r in rows if r["device"] == "cpu"]
     assert cpu and cpu[0]["kernel_fwd_ms"] > 0 and cpu[0]["ref_fwd_bwd_ms"] > 0
     assert "speedup fwd" in out.stdout
+    # One row per instruction-set variant of the CPU kernel, the default (widest) first.
+    from vim_ds.ops.backends import load
+
+    isas = load("cpu").backend.module.available_isas()
+    assert [r["isa"] for r in cpu] == isas[::-1]
+    assert f"[cpu {isas[-1]}] B=1 D=8 L=33 N=16 float32: kernel fwd" in out.stdout

@@ -50,7 +50,7 @@ def run(backend, args, dout, reverse):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("flags", [(True, True, True), (False, False, False)])
-def test_cpu_reverse_is_bitwise_flip(dtype, flags):
+def test_cpu_reverse_is_bitwise_flip(dtype, flags, cpu_isa):
     backend = cpu_backend()
     args = inputs(dtype, flags=flags)
     dout = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(9)).to(dtype)
@@ -73,7 +73,7 @@ def test_ref_reverse_is_bitwise_flip():
 
 @pytest.mark.parametrize("L", [1, 2, 7, 64, 197])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cpu_reverse_vs_float64_reference(L, dtype):
+def test_cpu_reverse_vs_float64_reference(L, dtype, cpu_isa):
     backend = cpu_backend()
     args = inputs(dtype, batch=2, dim=3, L=L, N=17, seed=L)
     dout = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -1,4 +1,9 @@
 """Every selective-scan backend against the float64 pure-PyTorch reference: forward and all eight gradients."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,6 +115,8 @@ def compiled(kind):
     return loaded.backend
 
 
+
+
 def on_backend(backend):
     return lambda **kw: scan_with_backend(backend, **kw)
 
@@ -125,13 +132,10 @@ CASES = [  # (batch, dim, seqlen, d_state, with_D, with_z, with_bias, softplus)
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}D{c[1]}L{c[2]}N{c[3]}")
-@pytest.mark.parametrize("kind", ["ref", "cpu"])
-def test_float64_matches_reference(kind, case, seed):
+def check_float64_case(backend, case):
     batch, dim, seqlen, d_state, with_D, with_z, with_bias, softplus = case
     inputs = make_inputs(batch, dim, seqlen, d_state, torch.float64, "cpu", with_D, with_z, with_bias)
     dout = torch.randn(batch, dim, seqlen, dtype=torch.float64)
-    backend = backends.RefBackend() if kind == "ref" else compiled("cpu")
     out, grads = run(on_backend(backend), inputs, softplus, dout)
     ref_out, ref_grads = reference(inputs, softplus, dout)
     assert out.dtype == torch.float64
@@ -141,8 +145,52 @@ def test_float64_matches_reference(kind, case, seed):
         assert_close(f"d{name}", grads[name], ref_grads[name], 1e-9)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}D{c[1]}L{c[2]}N{c[3]}")
+def test_ref_float64_matches_reference(case, seed):
+    check_float64_case(backends.RefBackend(), case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}D{c[1]}L{c[2]}N{c[3]}")
+def test_cpu_float64_matches_reference(case, cpu_isa, seed):
+    check_float64_case(compiled("cpu"), case)
+
+
+def test_cpu_isa_choice():
+    """The widest variant runs unless one is chosen; set_isa returns the one before; a variant this CPU cannot run
+    is refused in one line and changes nothing."""
+    module = compiled("cpu").module
+    available = module.available_isas()
+    assert module.isa() == available[-1]
+    with pytest.raises(RuntimeError, match=r"^selective_scan \(cpu\): instruction set 'avx1024' is not available"):
+        module.set_isa("avx1024")
+    assert module.isa() == available[-1]
+    try:
+        assert module.set_isa(available[0]) == available[-1]
+        assert module.isa() == available[0]
+    finally:
+        module.set_isa("auto")
+    assert module.isa() == available[-1]
+
+
+def test_env_var_picks_the_cpu_isa():
+    """VIM_DS_CPU_ISA picks the variant for a whole process (`vim-ds env` reports it); a bad name is reported there
+    as the reason the CPU kernel is unavailable, and is an error where the kernel is asked for."""
+    available = compiled("cpu").module.available_isas()
+    code = ("import json, sys; from vim_ds.env import collect; info = collect(); "
+            "print(json.dumps([info['scan_backends']['cpu'], info['scan_backend_in_use']]))")
+    env = {**os.environ, "VIM_DS_CPU_ISA": available[0]}
+    row, in_use = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                            check=True).stdout)
+    assert row["available"] and row["how"].startswith(f"prebuilt, {available[0]} (of ") and in_use == {"cpu": "cpu"}
+    env["VIM_DS_CPU_ISA"] = "avx1024"
+    row, in_use = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                            check=True).stdout)
+    assert not row["available"] and row["reason"].startswith("VIM_DS_CPU_ISA=avx1024: ")
+    assert in_use["cpu"].startswith("error: VIM_DS_CPU_ISA=avx1024: ")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_low_precision_against_float64(dtype, seed):
+def test_cpu_low_precision_against_float64(dtype, cpu_isa, seed):
     inputs = make_inputs(2, 8, 197, 16, dtype)
     dout = torch.randn(2, 8, 197, dtype=torch.float64).to(dtype)
     out, grads = run(on_backend(compiled("cpu")), inputs, True, dout)

@@ -56,23 +56,35 @@ def run_scan(args):
         if kernel.backend is None:
             print(f"[{device_name}] compiled kernel unavailable: {kernel.reason}")
             continue
+        # The CPU kernel once per instruction-set variant this CPU runs, widest (the default) first.
+        isas = list(reversed(kernel.backend.module.available_isas())) if device_name == "cpu" else [None]
         for shape in shapes:
             for dtype in dtypes:
                 inputs = scan_inputs(*shape, dtype, device)
-                k_f, k_fb = bench_scan_backend(kernel.backend, inputs, args.repeat)
-                row = dict(device=device_name, shape="B={} D={} L={} N={}".format(*shape),
-                           dtype=str(dtype).replace("torch.", ""), kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3)
-                if not args.skip_ref:
-                    r_f, r_fb = bench_scan_backend(backends.RefBackend(), inputs, 1)
-                    row.update(ref_fwd_ms=r_f * 1e3, ref_fwd_bwd_ms=r_fb * 1e3,
-                               speedup_fwd=r_f / k_f, speedup_fwd_bwd=r_fb / k_fb)
-                results.append(row)
-                print(_scan_row(row), flush=True)
+                ref = None if args.skip_ref else bench_scan_backend(backends.RefBackend(), inputs, 1)
+                for isa in isas:
+                    before = kernel.backend.module.set_isa(isa) if isa else None
+                    try:
+                        k_f, k_fb = bench_scan_backend(kernel.backend, inputs, args.repeat)
+                    finally:
+                        if before:
+                            kernel.backend.module.set_isa(before)
+                    row = dict(device=device_name, shape="B={} D={} L={} N={}".format(*shape),
+                               dtype=str(dtype).replace("torch.", ""), kernel_fwd_ms=k_f * 1e3,
+                               kernel_fwd_bwd_ms=k_fb * 1e3)
+                    if isa:
+                        row["isa"] = isa
+                    if ref:
+                        row.update(ref_fwd_ms=ref[0] * 1e3, ref_fwd_bwd_ms=ref[1] * 1e3,
+                                   speedup_fwd=ref[0] / k_f, speedup_fwd_bwd=ref[1] / k_fb)
+                    results.append(row)
+                    print(_scan_row(row), flush=True)
     return results
 
 
 def _scan_row(r):
-    text = (f"[{r['device']}] {r['shape']} {r['dtype']}: kernel fwd {r['kernel_fwd_ms']:.2f} ms, "
+    where = f"{r['device']} {r['isa']}" if "isa" in r else r["device"]
+    text = (f"[{where}] {r['shape']} {r['dtype']}: kernel fwd {r['kernel_fwd_ms']:.2f} ms, "
             f"fwd+bwd {r['kernel_fwd_bwd_ms']:.2f} ms")
     if "ref_fwd_ms" in r:
         text += (f" | ref fwd {r['ref_fwd_ms']:.1f} ms, fwd+bwd {r['ref_fwd_bwd_ms']:.1f} ms"

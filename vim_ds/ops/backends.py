@@ -30,6 +30,7 @@ log = logging.getLogger("vim_ds")
 BACKENDS = ("ref", "cpu", "cuda")
 ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda: force a backend
 ENV_JIT = "VIM_DS_JIT"  # 0: never JIT-build a missing kernel
+ENV_CPU_ISA = "VIM_DS_CPU_ISA"  # sse2|avx2|avx512 (x86-64): the CPU kernel's variant; default: the widest
 
 
 # Inside a registered op's implementation the dispatcher has switched autograd off (its keys are excluded), so the
@@ -158,10 +159,24 @@ def _load(kind) -> _Loaded:
                               f"(run with VIM_DS_JIT_VERBOSE=1 to see the compiler output)")
 
 
+def _apply_cpu_isa(loaded: _Loaded) -> None:
+    """VIM_DS_CPU_ISA, if set, picks the CPU kernel's instruction-set variant (a narrower one than the widest the CPU
+    runs, to compare or to rule one out); a name this CPU cannot run is a one-line error."""
+    name = os.environ.get(ENV_CPU_ISA, "").strip().lower()
+    if name and loaded.backend is not None:
+        try:
+            loaded.backend.module.set_isa(name)
+        except RuntimeError as exc:
+            raise ValueError(f"{ENV_CPU_ISA}={name}: {str(exc).splitlines()[0]}") from None
+
+
 def load(kind) -> _Loaded:
     with _registry.lock:
         if kind not in _registry.loaded:
-            _registry.loaded[kind] = _load(kind)
+            loaded = _load(kind)
+            if kind == "cpu":
+                _apply_cpu_isa(loaded)
+            _registry.loaded[kind] = loaded
         return _registry.loaded[kind]
 
 
@@ -203,6 +218,12 @@ def report() -> dict:
     """What `vim-ds env` prints: every backend, whether it is available and how it was obtained."""
     rows = {"ref": {"available": True, "how": "pure PyTorch", "reason": ""}}
     for kind in ("cpu", "cuda"):
-        loaded = load(kind)
+        try:
+            loaded = load(kind)
+        except ValueError as exc:  # a forced variant this machine cannot run
+            rows[kind] = {"available": False, "how": "", "reason": str(exc)}
+            continue
         rows[kind] = {"available": loaded.backend is not None, "how": loaded.how, "reason": loaded.reason}
+        if kind == "cpu" and loaded.backend is not None:
+            rows[kind]["how"] += f", {loaded.backend.module.isa()} (of {', '.join(loaded.backend.module.available_isas())})"
     return rows
