@@ -344,17 +344,18 @@ template <typename acc_t>
 struct Workspace {
   int64_t LP;
   std::vector<acc_t> u, x, dt, dsp, z, sg, go, y, dy, ddt, gb, du, tmp;  // LP each
-  std::vector<acc_t> zeros;                                          // NP
   std::vector<acc_t> S1, S2;  // L x kMaxLanes: per-step vectors whose lanes are summed after the loop
-  std::vector<acc_t> H, Aexp;  // L x NP each (backward only): h_t and exp(dt_t A)
+  // Backward only, (L + 1) x NP each: H row t + 1 holds h_t (row 0 is h_{-1} = 0) and Aexp row t holds
+  // a_t = exp(dt_t A) (row L is 0), so the reverse pass reads h_{t-1} and a_{t+1} without a branch at either end.
+  std::vector<acc_t> H, Aexp;
   Workspace(int64_t L, int64_t NP, bool backward)
       : LP((L + kMaxLanes<acc_t> - 1) / kMaxLanes<acc_t> * kMaxLanes<acc_t>),
-        u(LP), x(LP), dt(LP), z(LP), y(LP), tmp(LP), zeros(NP), S1(L * kMaxLanes<acc_t>) {
+        u(LP), x(LP), dt(LP), z(LP), y(LP), tmp(LP), S1(L * kMaxLanes<acc_t>) {
     if (backward) {
       for (auto* v : {&dsp, &sg, &go, &dy, &ddt, &gb, &du}) v->assign(LP, acc_t(0));
       S2.resize(L * kMaxLanes<acc_t>);
-      H.resize(L * NP);
-      Aexp.resize(L * NP);
+      H.assign((L + 1) * NP, acc_t(0));
+      Aexp.assign((L + 1) * NP, acc_t(0));
     }
   }
 };
@@ -403,7 +404,7 @@ SCAN_INLINE void prepare_delta(const elem_t<V>* __restrict x, elem_t<V> bias, bo
 
 // The recurrence of one channel:
 //   h_t[n] = a_t[n] h_{t-1}[n] + dt_t u_t B_t[n],  a_t[n] = exp(dt_t A[n]);   y[t] = sum_n h_t[n] C_t[n]
-// (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (L x NP each) and adds this
+// (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (see Workspace) and adds this
 // channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x W scratch. `last` (NP entries,
 // or null): receives the state after the last step, which is still in registers when the loop over time ends.
 template <typename V, bool kStore>
@@ -434,7 +435,7 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
         h[j] = a * h[j] + du * vload<V>(Bt + at);
         s += h[j] * vload<V>(Ct + at);
         if (kStore) {
-          vstore(H + at, h[j]);
+          vstore(H + NP + at, h[j]);
           vstore(Aexp + at, a);
           vstore(dC + at, vload<V>(dC + at) + dy[t] * h[j]);
         }
@@ -464,7 +465,7 @@ template <typename V>
 SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
                               const elem_t<V>* __restrict dt, const elem_t<V>* __restrict Bt,
                               const elem_t<V>* __restrict Ct, const elem_t<V>* __restrict H,
-                              const elem_t<V>* __restrict Aexp, const elem_t<V>* __restrict zeros,
+                              const elem_t<V>* __restrict Aexp,
                               const elem_t<V>* __restrict dy, elem_t<V>* __restrict dB, elem_t<V>* __restrict dA,
                               elem_t<V>* __restrict S_ga, elem_t<V>* __restrict S_gb, elem_t<V>* __restrict gb,
                               elem_t<V>* __restrict ddt, elem_t<V>* __restrict du) {
@@ -481,8 +482,8 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
     }
     for (int64_t t = L - 1; t >= 0; --t) {
       const E dtt = dt[t], dyt = dy[t], dut = dt[t] * u[t];
-      const E* __restrict hprev = (t > 0 ? H + (t - 1) * NP : zeros) + n0;
-      const E* __restrict anext = (t + 1 < L ? Aexp + (t + 1) * NP : zeros) + n0;
+      const E* __restrict hprev = H + t * NP + n0;             // h_{t-1} (row 0: h_{-1} = 0)
+      const E* __restrict anext = Aexp + (t + 1) * NP + n0;    // a_{t+1} (row L: 0)
       V s_ga{}, s_gb{};
       for (int j = 0; j < kBlock; ++j) {
         const int64_t at = t * NP + n0 + j * W;
@@ -604,7 +605,7 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   const E dD = row_sum<V>(dy, u, L);
 
   // 4. The reverse recurrence.
-  ssm_backward<V>(L, NP, A, u, dt, Bt, Ct, ws.H.data(), ws.Aexp.data(), ws.zeros.data(), dy, dB,
+  ssm_backward<V>(L, NP, A, u, dt, Bt, Ct, ws.H.data(), ws.Aexp.data(), dy, dB,
                   p.dA_part + (b * p.dim + d) * NP, ws.S1.data(), ws.S2.data(), ws.gb.data(), ddt, du);
 
   // 5. Back through softplus(delta + bias).
