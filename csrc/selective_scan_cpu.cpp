@@ -643,34 +643,24 @@ SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, i
   }
 }
 
-// Baseline: 16-byte vectors (SSE2 on x86-64, NEON on aarch64).
-template <typename in_t, typename acc_t>
-void fwd_range_generic(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  fwd_range_impl<16>(p, begin, end);
-}
-template <typename in_t, typename acc_t>
-void bwd_range_generic(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  bwd_range_impl<16>(p, begin, end);
-}
+// One forward and one backward entry per instruction set, each compiled with its target's instructions:
+// fwd_range_NAME / bwd_range_NAME run the *_impl bodies with kBytes-wide vectors.
+#define SCAN_VARIANT(NAME, TARGET, kBytes)                                                             \
+  template <typename in_t, typename acc_t>                                                             \
+  TARGET void fwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
+    fwd_range_impl<kBytes>(p, begin, end);                                                             \
+  }                                                                                                    \
+  template <typename in_t, typename acc_t>                                                             \
+  TARGET void bwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
+    bwd_range_impl<kBytes>(p, begin, end);                                                             \
+  }
 
+SCAN_VARIANT(generic, , 16)  // baseline: 16-byte vectors (SSE2 on x86-64, NEON on aarch64)
 #if SCAN_X86_DISPATCH
-template <typename in_t, typename acc_t>
-SCAN_TARGET_AVX2 void fwd_range_avx2(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  fwd_range_impl<32>(p, begin, end);
-}
-template <typename in_t, typename acc_t>
-SCAN_TARGET_AVX2 void bwd_range_avx2(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  bwd_range_impl<32>(p, begin, end);
-}
-template <typename in_t, typename acc_t>
-SCAN_TARGET_AVX512 void fwd_range_avx512(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  fwd_range_impl<64>(p, begin, end);
-}
-template <typename in_t, typename acc_t>
-SCAN_TARGET_AVX512 void bwd_range_avx512(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  bwd_range_impl<64>(p, begin, end);
-}
+SCAN_VARIANT(avx2, SCAN_TARGET_AVX2, 32)
+SCAN_VARIANT(avx512, SCAN_TARGET_AVX512, 64)
 #endif
+#undef SCAN_VARIANT
 
 // The variants, narrowest first; a CPU that has one has every narrower one.
 enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
