@@ -405,7 +405,7 @@ SCAN_INLINE void prepare_delta(const elem_t<V>* __restrict x, elem_t<V> bias, bo
 // The recurrence of one channel:
 //   h_t[n] = a_t[n] h_{t-1}[n] + dt_t u_t B_t[n],  a_t[n] = exp(dt_t A[n]);   y[t] = sum_n h_t[n] C_t[n]
 // (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (see Workspace) and adds this
-// channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x W scratch. `last` (NP entries,
+// channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x 8-lane scratch. `last` (NP entries,
 // or null): receives the state after the last step, which is still in registers when the loop over time ends.
 template <typename V, bool kStore>
 SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
