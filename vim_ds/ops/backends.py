@@ -224,6 +224,7 @@ def report() -> dict:
             rows[kind] = {"available": False, "how": "", "reason": str(exc)}
             continue
         rows[kind] = {"available": loaded.backend is not None, "how": loaded.how, "reason": loaded.reason}
-        if kind == "cpu" and loaded.backend is not None:
-            rows[kind]["how"] += f", {loaded.backend.module.isa()} (of {', '.join(loaded.backend.module.available_isas())})"
+        if kind == "cpu" and loaded.backend is not None:  # which instruction-set variant, of those the CPU runs
+            module = loaded.backend.module
+            rows[kind]["how"] += f", {module.isa()} (of {', '.join(module.available_isas())})"
     return rows
