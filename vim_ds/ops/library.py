@@ -290,7 +290,8 @@ def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv
         ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
         dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
         dx_proj_w = _weight_grad(dx_dbl, u)
-        du = du + project(x_proj_weight.to(u.dtype).t(), dx_dbl)
+        # du + x_proj^T @ dx_dbl in one pass: the GEMM adds into du instead of a separate add over (batch, d, L).
+        du = torch.baddbmm(du, x_proj_weight.to(u.dtype).t().expand(du.shape[0], -1, -1), dx_dbl)
         dc = torch.ops.aten.silu_backward(du, c)
         dx, dconv_w, dconv_b = conv_backward(x, conv_weight, conv_bias, dc, reverse, impl)
     return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b,
