@@ -115,8 +115,6 @@ def compiled(kind):
     return loaded.backend
 
 
-
-
 def on_backend(backend):
     return lambda **kw: scan_with_backend(backend, **kw)
 
