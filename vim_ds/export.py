@@ -24,13 +24,14 @@ def _key_value(text: str):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="vim-ds export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--weights", required=True, help="a .pth/.safetensors file (vim-ds convert output or published)")
+    p.add_argument("--weights", required=True,
+                   help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--out", required=True, help="the program file to write (.pt2)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
     p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
     p.add_argument("--input-size", type=int, default=None, help="image side (default: the file's, else 224)")
     p.add_argument("--num-classes", type=int, default=None)
-    p.add_argument("--ema", action="store_true", help="export the file's 'model_ema' weights")
+    p.add_argument("--ema", action="store_true", help="export the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--static-batch", action="store_true", help="fix the batch size at 2 instead of dynamic")
     return p.parse_args(argv)
 

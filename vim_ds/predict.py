@@ -22,14 +22,15 @@ def _key_value(text: str):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="vim-ds predict", description=__doc__.split("\n\n")[0])
     p.add_argument("images", nargs="+", metavar="IMAGE")
-    p.add_argument("--weights", required=True, help="a .pth/.safetensors file (vim-ds convert output or published)")
+    p.add_argument("--weights", required=True,
+                   help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
     p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
     p.add_argument("--input-size", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None)
     p.add_argument("--eval-crop-ratio", type=float, default=0.875)
     p.add_argument("--classes", default=None, help="ImageFolder root (class folder names) or a file of names")
-    p.add_argument("--ema", action="store_true", help="use the file's 'model_ema' weights")
+    p.add_argument("--ema", action="store_true", help="use the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--topk", type=int, default=5)
     return p.parse_args(argv)
 
@@ -60,19 +61,11 @@ def build(args):
 
     from . import models  # noqa: F401  (registers the Vim variants)
     from .checkpoint.convert import read_vim_ds_meta
-    from .checkpoint.files import CheckpointError, load_weights_file
-    from .models.vim import load_state_dict_into
+    from .checkpoint.files import load_into, load_weights_file, select_weights
 
     obj = load_weights_file(args.weights)
     meta = read_vim_ds_meta(args.weights if args.weights.endswith(".safetensors") else obj) or {}
-    if args.ema:
-        if not isinstance(obj.get("model_ema"), dict):
-            raise CheckpointError(f"{args.weights} has no 'model_ema' entry")
-        state = obj["model_ema"]
-    elif isinstance(obj.get("model"), dict):
-        state = obj["model"]
-    else:
-        state = obj
+    state = select_weights(obj, args.weights, ema=args.ema)
     name = args.model or meta.get("model")
     if not name:
         raise ValueError(f"{args.weights} does not name its model: give --model")
@@ -88,10 +81,7 @@ def build(args):
         raise ValueError(f"unknown model {name!r}") from exc
     except TypeError as exc:
         raise ValueError(f"--model-kwargs: {exc}") from exc
-    try:
-        load_state_dict_into(model, state, strict=True)
-    except ValueError as exc:
-        raise CheckpointError(f"{args.weights}: {exc}") from exc
+    load_into(model, state, args.weights)
     return model.eval(), input_size, model.num_classes
 
 

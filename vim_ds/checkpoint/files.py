@@ -1,6 +1,7 @@
 """Load weight files that users bring, without ever running code from them.
 
-Published Vim checkpoints are ``{"model": state_dict, "args": argparse.Namespace, ...}`` pickles (DeiT heritage).
+Published Vim checkpoints are ``{"model": state_dict, "args": argparse.Namespace, ...}`` pickles (DeiT heritage);
+timm's train.py writes ``{"state_dict": ..., "state_dict_ema": ..., "args": argparse.Namespace, ...}`` ones.
 They are read with ``torch.load(weights_only=True)``, allow-listing only the few plain types such files contain;
 a pickle that asks for anything else is refused with a message saying so. ``.safetensors`` files are read as such.
 """
@@ -63,28 +64,58 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as exc:
         raise refusal(path, exc) from exc
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict or {{'model': state_dict}}")
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict; accepted: {ACCEPTED}")
     return obj
 
 
-def load_model_weights(model: torch.nn.Module, path: str | os.PathLike, key: str = "model", strict: bool = True):
-    """Load a published-format or converted checkpoint into a VisionMamba, adapting position embeddings and head.
+# The checkpoint layouts a weights file may have: (entry of the weights, entry of their EMA), first match wins.
+FORMATS = (("model", "model_ema"),  # published Vim/DeiT files and `vim-ds convert` output
+           ("state_dict", "state_dict_ema"))  # timm's train.py (timm.utils.CheckpointSaver)
+ACCEPTED = ("{'model': ..., 'model_ema': ...} (Vim/DeiT, vim-ds convert), {'state_dict': ..., 'state_dict_ema': ...} "
+            "(timm train.py) or a bare state dict")
 
-    `key` picks the entry of a checkpoint dict ("model", or "model_ema" for EMA weights); a bare state dict is
-    used as it is.
+
+def _unprefixed(state_dict: dict) -> dict:
+    """Without the "module." of a state dict saved from a DDP-wrapped model."""
+    return {k[len("module."):] if k.startswith("module.") else k: v for k, v in state_dict.items()}
+
+
+def split_weights(obj: dict, source: str) -> tuple[dict, dict | None]:
+    """(weights, EMA weights or None) of a loaded checkpoint in any of FORMATS, or of a bare state dict.
+
+    `source` names the file in the one-line error raised when `obj` holds no weights.
     """
+    for weights_key, ema_key in FORMATS:
+        if isinstance(obj.get(weights_key), dict):
+            ema = obj.get(ema_key)
+            return _unprefixed(obj[weights_key]), _unprefixed(ema) if isinstance(ema, dict) else None
+    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return _unprefixed(obj), None
+    raise CheckpointError(f"{source} holds no weights (entries: {', '.join(map(str, list(obj)[:8])) or 'none'}); "
+                          f"accepted: {ACCEPTED}")
+
+
+def select_weights(obj: dict, source: str, ema: bool = False) -> dict:
+    """The weights of a loaded checkpoint (split_weights), or with `ema` its EMA weights (an error if it has none)."""
+    weights, ema_weights = split_weights(obj, source)
+    if not ema:
+        return weights
+    if ema_weights is None:
+        raise CheckpointError(f"{source} has no EMA weights (no 'model_ema' or 'state_dict_ema' entry)")
+    return ema_weights
+
+
+def load_into(model: torch.nn.Module, state_dict: dict, source: str, strict: bool = True):
+    """load_state_dict_into (position embeddings and head adapted), its mismatch error naming `source`."""
     from ..models.vim import load_state_dict_into
 
-    obj = load_weights_file(path)
-    if key in obj and isinstance(obj[key], dict):
-        state_dict = obj[key]
-    elif key != "model":
-        raise CheckpointError(f"{path} has no {key!r} entry (entries: {', '.join(map(str, obj))})")
-    elif all(isinstance(v, torch.Tensor) for v in obj.values()):
-        state_dict = obj
-    else:
-        raise CheckpointError(f"{path} has no 'model' entry and is not a state dict (entries: {', '.join(map(str, obj))})")
     try:
         return load_state_dict_into(model, state_dict, strict=strict)
     except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        raise CheckpointError(f"{source}: {exc}") from exc
+
+
+def load_model_weights(model: torch.nn.Module, path: str | os.PathLike, ema: bool = False, strict: bool = True):
+    """Load a weights file in any of FORMATS (its EMA weights with `ema`), or a bare state dict, into a VisionMamba,
+    adapting position embeddings and head."""
+    return load_into(model, select_weights(load_weights_file(path), os.fspath(path), ema), os.fspath(path), strict)

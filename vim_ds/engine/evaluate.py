@@ -60,31 +60,26 @@ def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_s
 
 def load_eval_weights(args, model) -> dict | None:
     """Put the weights to evaluate into `model`; return the EMA state dict when the source has one."""
-    from ..checkpoint import deepspeed_dir, load_model_weights, safe_load
+    from ..checkpoint import deepspeed_dir, safe_load
     from ..checkpoint.consolidate import fp32_state_dict
-    from ..checkpoint.files import CheckpointError, load_weights_file
-    from ..models.vim import load_state_dict_into
+    from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
 
     source = args.resume or args.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
     if os.path.isdir(source):
         save_dir, tag = deepspeed_dir.resolve(source)
-        try:
-            load_state_dict_into(model, fp32_state_dict(save_dir, tag), strict=True)
-        except ValueError as exc:
-            raise CheckpointError(f"{source}: {exc}") from exc
+        load_into(model, fp32_state_dict(save_dir, tag), source)
         ema_path = os.path.join(save_dir, tag, deepspeed_dir.EMA_FILE)
         return safe_load.load(ema_path) if os.path.isfile(ema_path) else None
-    obj = load_weights_file(source)
-    weights = obj["model"] if isinstance(obj.get("model"), dict) else obj
+    weights, ema = split_weights(load_weights_file(source), source)
     head = weights.get("head.weight")
     if torch.is_tensor(head) and head.shape[0] != model.num_classes:
         # loading would re-initialise the head (right for --finetune) and score a random classifier
         raise CheckpointError(f"{source} classifies {head.shape[0]} classes, the validation set has "
                               f"{model.num_classes}")
-    load_model_weights(model, source)
-    return obj.get("model_ema") if isinstance(obj.get("model_ema"), dict) else None
+    load_into(model, weights, source)
+    return ema
 
 
 def evaluate_weights(args, dist_info) -> dict:

@@ -30,22 +30,11 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _state_dict_of(obj: dict, path: str) -> dict:
-    from ..checkpoint.files import CheckpointError
-
-    if isinstance(obj.get("model"), dict):
-        return obj["model"]
-    if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return obj
-    raise CheckpointError(f"--init-weights {path}: neither a state dict nor {{'model': state_dict}} (entries: "
-                          f"{', '.join(map(str, list(obj)[:8]))})")
-
-
 def load_init_weights(model: torch.nn.Module, path: str) -> str:
     """Copy the weights of `path` into `model` (strict: same keys, same shapes); returns the file's sha256."""
-    from ..checkpoint.files import CheckpointError, load_weights_file
+    from ..checkpoint.files import CheckpointError, load_weights_file, select_weights
 
-    state = _state_dict_of(load_weights_file(path), path)
+    state = select_weights(load_weights_file(path), f"--init-weights {path}")
     expected = model.state_dict()
     wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
                          for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k].shape))
