@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_utils import (ROOT, TINY, config, config_run_args, error_line, evals, records, rel_diff,
-                         run_train, step_losses)
+from train_utils import (ROOT, TINY, assert_same_state, config, config_run_args, error_line, evals, records,
+                         rel_diff, run_train, step_losses)
 
 CONFIG_DIR = Path(ROOT) / "ds_configs"
 
@@ -267,7 +267,7 @@ def test_ddp_and_fsdp_baselines_with_and_without_accumulation_train_like_zero0(a
 @pytest.mark.slow
 def test_resume_under_autocast_continues_exactly(autocast_runs, digits, tmp_path):
     """ZeRO-2's step-2 checkpoint alone in a fresh directory, resumed: steps 3 and 4 give the uninterrupted run's
-    losses (the Adam moments and the fp32 weights come back bit for bit)."""
+    losses, and its step-4 checkpoint holds the uninterrupted run's state bit for bit."""
     straight = autocast_runs("zero2")
     out = tmp_path / "resumed"
     shutil.copytree(os.path.join(straight, "checkpoints", "global_step2"), out / "checkpoints" / "global_step2")
@@ -277,6 +277,8 @@ def test_resume_under_autocast_continues_exactly(autocast_runs, digits, tmp_path
     expected = {k: v for k, v in step_losses(straight).items() if k > 2}
     got = step_losses(out)
     assert got == expected, (expected, got)
+    tag = f"global_step{STEPS}"  # the state itself: weights, moments, steps, groups, EMA, scheduler, position
+    assert_same_state(out / "checkpoints" / tag, os.path.join(straight, "checkpoints", tag))
 
 
 def autocast_file_logits(path) -> torch.Tensor:

@@ -27,7 +27,7 @@ from vim_ds.engine.ds_config import (
     prepare_ds_config,
 )
 
-from train_utils import CONFIG_STEPS, CPU_CONFIGS, config_run_args, rel_diff, run_train, step_losses
+from train_utils import CONFIG_STEPS, CPU_CONFIGS, assert_same_state, config_run_args, rel_diff, run_train, step_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "ds_configs"
@@ -496,8 +496,8 @@ def test_shipped_config_trains_vim_through_the_trainer(config_run, name):
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
 def test_an_offloaded_run_resumes_with_the_losses_of_an_uninterrupted_run(config_run, digits, tmp_path, name):
     """The step-1 checkpoint of the offloaded run (optimizer state on the CPU; ZeRO-3 parameters too), alone in a
-    fresh output directory, resumed with --resume auto: steps 2 and 3 give the uninterrupted run's losses. Step 3's
-    loss sees the Adam moments restored from step 1."""
+    fresh output directory, resumed with --resume auto: steps 2 and 3 give the uninterrupted run's losses (step 3's
+    sees the Adam moments restored from step 1) and its step-3 checkpoint holds the uninterrupted run's state."""
     straight = config_run(name)
     out = tmp_path / "resumed"
     shutil.copytree(os.path.join(straight, "checkpoints", "global_step1"), out / "checkpoints" / "global_step1")
@@ -507,6 +507,9 @@ def test_an_offloaded_run_resumes_with_the_losses_of_an_uninterrupted_run(config
     got = step_losses(out)
     assert sorted(got) == [2, 3]
     assert rel_diff(expected, got) <= 1e-6, (expected, got)
+    # and the state itself: weights, Adam moments and steps, groups, EMA, scheduler, position, bit for bit
+    tag = f"global_step{CONFIG_STEPS}"
+    assert_same_state(out / "checkpoints" / tag, os.path.join(straight, "checkpoints", tag))
 
 
 def test_fp16_config_is_refused_by_the_trainer_on_cpu(digits, tmp_path):

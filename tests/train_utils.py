@@ -94,3 +94,19 @@ def config_run_args(digits, out, name: str, *extra) -> list:
             "--seed", "3", *TINY, *QUIET_AUG, "--deepspeed_config", config(name), "--precision", "fp32",
             "--batch-size", 8, "--max-steps", CONFIG_STEPS, "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0",
             "--model-ema-decay", "0.8", "--save-interval", 1, "--keep-checkpoints", 0, *extra]
+
+
+def assert_same_state(resumed_tag_dir, straight_tag_dir, tolerance: dict | None = None) -> dict:
+    """The training state of two checkpoints (`vim_ds.checkpoint.training_state`) is the same: step counts, group
+    hyperparameters, scheduler and position exactly, and each kind of tensor (weights, exp_avg, exp_avg_sq, ema)
+    within `tolerance[kind]` (||a - b|| / ||b||; default 0: the same bits). Returns the worst difference per kind."""
+    from vim_ds.checkpoint.training_state import differences, read_training_state
+
+    tolerance = tolerance or dict.fromkeys(("weights", "exp_avg", "exp_avg_sq", "ema"), 0.0)
+    diff = differences(read_training_state(str(resumed_tag_dir)), read_training_state(str(straight_tag_dir)))
+    for key in ("steps", "groups", "scheduler", "position"):
+        assert not diff[key], (key, diff[key])
+    worst = {key: diff[key][0] for key in tolerance}
+    for key, limit in tolerance.items():
+        assert diff[key][0] <= limit, (key, diff[key], worst)
+    return worst

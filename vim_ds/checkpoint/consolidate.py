@@ -34,8 +34,10 @@ def _module_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
 
 
-def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor]:
-    """Name FP16_Optimizer's fp32 master groups (per-parameter tensors or one flat tensor per group)."""
+def named_param_groups(path: str, state: dict) -> list[list[tuple[str, torch.Size]]]:
+    """(name, shape) of each parameter in the optimizer's groups, in their order, for a checkpoint without ZeRO
+    partitions (whose files number parameters instead of naming them): the model's `param_groups`, rebuilt from
+    the model description the trainer saves in its client state."""
     import argparse
 
     from ..models import build_model, param_groups
@@ -43,10 +45,15 @@ def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor
     args = argparse.Namespace(model=state.get("model"), model_kwargs=state.get("model_kwargs") or {},
                               input_size=state.get("input_size"), drop=0.0, drop_path=0.0)
     if not args.model or not state.get("num_classes"):
-        raise CheckpointError(f"{path} has fp32 master weights but no model description to name them")
+        raise CheckpointError(f"{path} has optimizer state but no model description to name its parameters")
     model = build_model(args, state["num_classes"])  # on CPU: the Vim constructor cannot run on the meta device
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = [[(names[id(p)], p.shape) for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
+    return [[(names[id(p)], p.shape) for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
+
+
+def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor]:
+    """Name FP16_Optimizer's fp32 master groups (per-parameter tensors or one flat tensor per group)."""
+    groups = named_param_groups(path, state)
     masters = [g if isinstance(g, (list, tuple)) else [g] for g in fp32_groups]
     masters = [g for g in masters if len(g) and sum(t.numel() for t in g)]
     if len(groups) != len(masters):

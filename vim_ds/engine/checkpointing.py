@@ -20,6 +20,9 @@ from ..checkpoint.files import CheckpointError
 from . import distributed, faults
 
 
+UNIVERSAL_SUFFIX = "_universal"  # `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
+
+
 class SaveError(RuntimeError):
     """A checkpoint could not be written (disk full, quota, permissions); the previous one is untouched."""
 
@@ -66,6 +69,8 @@ class Checkpointer:
         self.save_dir = save_dir
         self.rank = rank
         self.keep_last = keep_last
+        self.saved: list[str] = []       # tags this run saved
+        self.resumed_from: str | None = None
 
     def save(self, client_state: dict, ema=None, summary: dict | None = None) -> str:
         step = client_state["step"]
@@ -101,16 +106,37 @@ class Checkpointer:
 
     def _prune(self, keep: str):
         """Keep the newest `keep_last` complete checkpoints (0 keeps all), and delete interrupted saves older than
-        the one just completed. Runs only after `keep` is complete, so a crash never leaves fewer good ones."""
-        newest = layout.read_marker(os.path.join(self.save_dir, keep))["step"]
+        the one just completed. Runs only after `keep` is complete, so a crash never leaves fewer good ones.
+
+        Only checkpoints of this run's lineage count (the same `run_id` in their markers: this run's and those of
+        the runs it resumed), and only they are removed. A `<tag>_universal` copy is derived from `<tag>` and goes
+        when `<tag>` goes, never in its place. The checkpoint this run resumed from stays until `keep_last`
+        checkpoints this run saved itself are complete, so a resumed run that fails early still has its start."""
+        marker = layout.read_marker(os.path.join(self.save_dir, keep))
+        newest, lineage = marker["step"], marker.get("run_id")
         for tag in layout.incomplete_tags(self.save_dir):
             if layout.tag_step(tag) < newest:
-                shutil.rmtree(os.path.join(self.save_dir, tag), ignore_errors=True)
+                self._remove(tag)
+        self.saved.append(keep)
         if self.keep_last <= 0:
             return
-        for tag in layout.complete_tags(self.save_dir)[:-self.keep_last]:
-            if tag != keep:
-                shutil.rmtree(os.path.join(self.save_dir, tag), ignore_errors=True)
+        tags = [t for t in layout.complete_tags(self.save_dir) if not t.endswith(UNIVERSAL_SUFFIX)
+                and layout.read_marker(os.path.join(self.save_dir, t)).get("run_id") == lineage]
+        own_saves = len(set(self.saved))
+        for tag in tags[:-self.keep_last]:
+            if tag == keep or (tag == self.resumed_from and own_saves < self.keep_last):
+                continue
+            self._remove(tag)
+
+    def _remove(self, tag: str):
+        for name in (tag, tag + UNIVERSAL_SUFFIX):
+            shutil.rmtree(os.path.join(self.save_dir, name), ignore_errors=True)
+
+    def protect(self, path: str):
+        """The checkpoint (directory, or save directory + `latest`) this run resumed from: see `_prune`."""
+        save_dir, tag = layout.resolve(path)
+        if os.path.realpath(save_dir) == os.path.realpath(self.save_dir):
+            self.resumed_from = tag[:-len(UNIVERSAL_SUFFIX)] if tag.endswith(UNIVERSAL_SUFFIX) else tag
 
     def load(self, path: str, ema=None) -> dict:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
@@ -130,6 +156,11 @@ class Checkpointer:
         if loaded is None:
             raise CheckpointError(f"cannot resume {os.path.join(save_dir, tag)}: DeepSpeed found no checkpoint there")
         tag_dir = os.path.join(save_dir, tag)
+        if os.path.isdir(os.path.join(tag_dir, "zero")):  # a universal checkpoint
+            repaired = repair_universal_load(self.engine.optimizer, os.path.join(tag_dir, "zero", "optimizer_state.pt"))
+            if repaired and self.rank == 0:
+                print(f"note: repaired what DeepSpeed's universal loader restored wrongly ({'; '.join(repaired)})",
+                      flush=True)
         if ema is not None:
             ema_path = os.path.join(tag_dir, layout.EMA_FILE)
             if os.path.isfile(ema_path):
@@ -142,6 +173,45 @@ class Checkpointer:
         return client_state
 
 
+def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
+    """Undo what DeepSpeed's ZeRO-3 universal loader gets wrong; returns what was repaired (nothing where
+    DeepSpeed got it right, so this switches itself off once DeepSpeed is fixed).
+
+    Seen on DeepSpeed 0.19.8, in `load_hp_checkpoint_state_from_checkpoint_dir_stage3` (ZeRO-1/2's loader is
+    right); tests/test_resume_exact.py reproduces both with DeepSpeed alone:
+    - it copies the saved *first* group's hyperparameters into every group, so the no-weight-decay group (biases,
+      norms, A_log, D, the position embedding, the class token) resumed with weight decay 0.05;
+    - it gives every parameter group's optimizer state the *same* `step` tensor, which torch's Adam increments in
+      place once per group, so with two groups the step count ran twice as fast after the resume (wrong bias
+      corrections from the first resumed step on).
+    """
+    from ..checkpoint import safe_load
+
+    saved = safe_load.load(optimizer_state_path).get("param_groups") or []
+    base = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    groups = base.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{optimizer_state_path} has {len(saved)} parameter groups, the optimizer "
+                              f"{len(groups)}: the checkpoint was written for another model or recipe")
+    repaired = []
+    for i, (group, saved_group) in enumerate(zip(groups, saved)):
+        wrong = {k: v for k, v in saved_group.items() if k != "params" and group.get(k) != v}
+        if wrong:
+            group.update(wrong)
+            repaired.append(f"group {i}: {', '.join(sorted(wrong))}")
+    seen, shared = set(), False
+    for state in base.state.values():  # keyed by ZeRO-3's flat fp32 partitions (not in `params` between steps)
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared = True
+            seen.add(id(state["step"]))
+    if shared:
+        repaired.append("a step tensor shared between groups")
+    return repaired
+
+
 def universal_copy(save_dir: str, tag: str) -> str:
     """Re-partition a ZeRO-1/2/3 checkpoint for any rank count with DeepSpeed's `ds_to_universal` (once; run on one
     rank), next to the original as `<tag>_universal`; returns the new tag. The EMA and the completion marker are
@@ -149,7 +219,7 @@ def universal_copy(save_dir: str, tag: str) -> str:
     import subprocess
     import sys
 
-    universal = f"{tag}_universal"
+    universal = tag + UNIVERSAL_SUFFIX
     src, dst = os.path.join(save_dir, tag), os.path.join(save_dir, universal)
     if layout.is_complete(dst):
         return universal

@@ -181,6 +181,11 @@ class Trainer:
         self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
                                          args.keep_checkpoints) if saves else None
 
+        # which run this is: a resumed run continues its checkpoint's lineage, and prunes only that lineage's
+        # checkpoints (see Checkpointer._prune)
+        import uuid
+
+        self.run_id = distributed.broadcast_object(uuid.uuid4().hex[:16])
         # position in the run
         self.epoch = 0
         self.step = 0            # optimizer steps done
@@ -243,6 +248,7 @@ class Trainer:
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
                 "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
                 "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args),
+                "run_id": self.run_id,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
                 # (pure data parallelism: no tensor-parallel patterns to declare)
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -252,12 +258,14 @@ class Trainer:
             return
         self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
                                                       summary={"model": self.args.model, "world_size": self.dist.world_size,
-                                                               "zero_stage": self.ds.zero_stage})
+                                                               "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
 
     def resume(self, path: str):
         from ..checkpoint.files import CheckpointError
 
         state = self.checkpointer_for(path).load(path, self.ema)
+        if self.checkpointer is not None:
+            self.checkpointer.protect(path)
         if state.get("batch") and state["batch"]["micro"] * state["batch"]["accum"] * state["batch"]["world"] \
                 != self.batch.global_:
             raise CheckpointError(f"{path} was trained with a global batch of "
@@ -266,6 +274,7 @@ class Trainer:
         self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
         self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
         self.best_acc1 = state.get("best_acc1", 0.0)
+        self.run_id = state.get("run_id") or self.run_id  # checkpoints of vim_ds before run ids start a lineage
         if self.dist.is_main:
             print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
 
