@@ -97,7 +97,8 @@ class Checkpointer:
             raise SaveError(f"cannot save checkpoint {tag_dir}: {cause}; {kept}") from exc
         distributed.barrier()  # every rank's files are on disk
         if self.rank == 0:
-            marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **(summary or {})}
+            marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **(summary or {}),
+                      "files": layout.file_checksums(tag_dir)}  # checked before the checkpoint is used
             layout.write_atomic(os.path.join(tag_dir, layout.MARKER), json.dumps(marker, indent=1))
             layout.write_atomic(os.path.join(self.save_dir, "latest"), tag)
             self._prune(keep=tag)
@@ -134,7 +135,7 @@ class Checkpointer:
 
     def protect(self, path: str):
         """The checkpoint (directory, or save directory + `latest`) this run resumed from: see `_prune`."""
-        save_dir, tag = layout.resolve(path)
+        save_dir, tag = layout.resolve(path, verify=False)
         if os.path.realpath(save_dir) == os.path.realpath(self.save_dir):
             self.resumed_from = tag[:-len(UNIVERSAL_SUFFIX)] if tag.endswith(UNIVERSAL_SUFFIX) else tag
 
@@ -142,7 +143,7 @@ class Checkpointer:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
         from ..checkpoint import safe_load
 
-        save_dir, tag = layout.resolve(path)
+        save_dir, tag = layout.resolve(path, verify=False)  # the trainer chose (and verified) it: _plan_resume
         try:  # DeepSpeed unpickles with weights_only=False: forced to weights-only loads here
             with safe_load.deepspeed_loads(os.path.join(save_dir, tag)):
                 loaded, client_state = self.engine.load_checkpoint(save_dir, tag=tag, load_module_strict=True,
@@ -233,5 +234,6 @@ def universal_copy(save_dir: str, tag: str) -> str:
         raise CheckpointError(f"cannot convert {src} to a universal checkpoint: {last}")
     if os.path.isfile(os.path.join(src, layout.EMA_FILE)):
         shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
-    shutil.copy2(os.path.join(src, layout.MARKER), os.path.join(dst, layout.MARKER))
+    marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
+    layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
     return universal
