@@ -1,0 +1,98 @@
+"""An output folder belongs to one run: claimed before anything is trained or written.
+
+- A run started without `--resume` into a folder that already holds checkpoints is refused: it would write its
+  metrics into the earlier run's and, through `--keep-checkpoints`, delete that run's checkpoints.
+- A lock (`OUTPUT_DIR/.vim_ds.lock`, an exclusive `flock` held by rank 0 for the life of the run) stops a second
+  live run in the same folder; the kernel drops it when the holder dies, however it dies, and the next run says
+  whose lock it took over. (flock is per host: two runs on different hosts sharing the folder over NFS are not
+  told apart.)
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+
+from . import distributed
+
+LOCK_FILE = ".vim_ds.lock"
+_held = None  # the open lock file: the lock lasts as long as this process
+
+
+def _holder(text: str) -> dict:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        return {}
+
+
+def _lock(output_dir: str) -> tuple[str | None, str | None]:
+    """(error, note) of taking the folder's lock on this process."""
+    global _held
+    os.makedirs(output_dir, exist_ok=True)
+    f = open(os.path.join(output_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = _holder(f.read())
+        f.close()
+        who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started " \
+              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('time', 0)))}" if holder else "a process"
+        return (f"{output_dir} is in use by another run ({who}); wait for it to end or give another --output_dir",
+                None)
+    f.seek(0)
+    previous = _holder(f.read())
+    note = None
+    if previous.get("pid") not in (None, os.getpid()):
+        note = (f"note: {output_dir} was locked by process {previous['pid']} on {previous.get('host', '?')}, which "
+                f"is no longer running; taking it over")
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
+    f.flush()
+    _held = f
+    return None, note
+
+
+def release() -> None:
+    """End of the run (whatever its outcome, short of being killed): the lock file is emptied, so the next run in
+    the folder does not report a dead holder, and the lock is dropped."""
+    global _held
+    if _held is not None:
+        _held.seek(0)
+        _held.truncate()
+        _held.close()
+        _held = None
+
+
+def _earlier_checkpoints(output_dir: str) -> str | None:
+    from ..checkpoint import deepspeed_dir
+
+    save_dir = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(save_dir):
+        return None
+    tags = sorted((e for e in os.listdir(save_dir) if deepspeed_dir.tag_step(e) >= 0), key=deepspeed_dir.tag_step)
+    return tags[-1] if tags else None
+
+
+def claim(args, dist_info) -> None:
+    """Refuse (ValueError, on every rank) a folder holding another run's checkpoints or in use by a live run."""
+    output_dir = args.output_dir
+    if not output_dir or args.eval:
+        return
+    error = None
+    if dist_info.is_main:
+        newest = None if args.resume else _earlier_checkpoints(output_dir)
+        if newest:
+            error = (f"{output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
+                     f"--resume auto, or start anew with another --output_dir")
+        else:
+            error, note = _lock(output_dir)
+            if note:
+                print(note, flush=True)
+    error = distributed.broadcast_object(error)
+    if error:
+        raise ValueError(error)
