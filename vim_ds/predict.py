@@ -71,9 +71,13 @@ def build(args):
         raise ValueError(f"{args.weights} does not name its model: give --model")
     kwargs = dict(args.model_kwargs) if args.model_kwargs is not None else dict(meta.get("model_kwargs") or {})
     input_size = args.input_size or meta.get("input_size") or 224
-    num_classes = args.num_classes or meta.get("num_classes")
-    if num_classes is None and isinstance(state.get("head.weight"), torch.Tensor):
-        num_classes = state["head.weight"].shape[0]
+    head = state.get("head.weight")
+    has_head = isinstance(head, torch.Tensor)
+    num_classes = head.shape[0] if has_head else args.num_classes or meta.get("num_classes")
+    if has_head and args.num_classes not in (None, num_classes):
+        # loading would re-initialise the head: a random classifier, different on each run
+        raise ValueError(f"{args.weights} classifies {num_classes} classes, --num-classes is {args.num_classes}: "
+                         f"omit --num-classes (or give {num_classes})")
     try:
         model = timm.create_model(name, pretrained=False, num_classes=num_classes or 1000, img_size=input_size,
                                   **kwargs)

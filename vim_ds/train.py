@@ -148,13 +148,70 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     return p
 
 
+# What a numeric option's value must be, as the error says it, and the test of it.
+RULES = {"> 0": lambda v: v > 0, "0 or more": lambda v: v >= 0, "at least 1": lambda v: v >= 1,
+         "between 0 and 1": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
+         "in (0, 1]": lambda v: 0 < v <= 1}
+# The options whose other values mean nothing (an option not given, None, is not checked): (option, rule, hint).
+RANGES = (
+    ("--lr", "> 0", ""), ("--min-lr", "0 or more", ""), ("--warmup-lr", "0 or more", ""),
+    ("--epochs", "at least 1", ""), ("--max-steps", "at least 1", "omit --max-steps for no limit"),
+    ("--batch-size", "at least 1", ""), ("--accum-steps", "at least 1", ""),
+    ("--warmup-epochs", "0 or more", ""), ("--weight-decay", "0 or more", ""),
+    ("--clip-grad", "0 or more", "0 or omitted: no clipping"), ("--opt-eps", "0 or more", ""),
+    ("--opt-betas", "in [0, 1)", ""), ("--model-ema-decay", "in (0, 1]", ""),
+    ("--color-jitter", "0 or more", ""), ("--hflip", "between 0 and 1", ""), ("--reprob", "between 0 and 1", ""),
+    ("--smoothing", "in [0, 1)", ""), ("--mixup", "0 or more", ""), ("--cutmix", "0 or more", ""),
+    ("--mixup-prob", "between 0 and 1", ""), ("--mixup-switch-prob", "between 0 and 1", ""),
+    ("--nb-classes", "at least 1", ""), ("--synthetic-size", "at least 1", ""),
+    ("--eval-crop-ratio", "in (0, 1]", ""), ("--num_workers", "0 or more", ""),
+    ("--max-bad-images", "between 0 and 1", ""), ("--save-interval", "0 or more", "0: none between epoch ends"),
+    ("--keep-checkpoints", "0 or more", "0 keeps all"), ("--max-bad-steps", "at least 1", ""),
+)
+
+
+def range_error(args) -> str | None:
+    """The first option of RANGES whose value means nothing, said in one line with the value as given."""
+    for option, rule, hint in RANGES:
+        value = getattr(args, option.lstrip("-").replace("-", "_"))
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if value is not None and not all(map(RULES[rule], values)):
+            shown = " ".join(f"{v:g}" if isinstance(v, float) and float(f"{v:g}") == v else str(v) for v in values)
+            return f"{option} must be {rule}, got {shown}" + (f" ({hint})" if hint else "")
+    return None
+
+
+def patch_grid_error(model: str, model_kwargs: dict, input_size: int) -> str | None:
+    """Why `input_size` is no whole grid of `model`'s patches (which start every `stride` pixels, so
+    (input_size - patch_size) must be a multiple of the stride, and the patch must fit), or None. Patch size and
+    stride are the registered variant's unless --model-kwargs sets them; an unknown model is left to the factory."""
+    from .models import ALIASES, VARIANTS
+
+    arch = VARIANTS.get(ALIASES.get(model, model))
+    if arch is None:
+        return None
+    arch = {**arch[0], **model_kwargs}
+    patch, stride = arch.get("patch_size"), arch.get("stride")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (patch, stride)):
+        return None  # not a plain size: the model's constructor says what is wrong
+    left = (input_size - patch) % stride
+    if input_size >= patch and not left:
+        return None
+    lower = input_size - left
+    nearest = " or ".join(str(n) for n in (lower, lower + stride) if n >= patch)
+    where = f"{model}'s patches (patch size {patch}, stride {stride})"
+    if input_size < patch:
+        return f"--input-size {input_size} is smaller than {where}; the nearest valid size is {nearest}"
+    return (f"--input-size {input_size} does not fit {where}: the last {left} pixel rows and columns would be "
+            f"dropped; the nearest valid sizes are {nearest}")
+
+
 def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.max_bad_steps < 1:
-        parser.error(f"--max-bad-steps must be at least 1, got {args.max_bad_steps}")
-    if not 0 <= args.max_bad_images <= 1:
-        parser.error(f"--max-bad-images is a fraction between 0 and 1, got {args.max_bad_images}")
+    problem = range_error(args)
+    if problem:
+        parser.error(problem)
     if args.dist_timeout <= 0:
         parser.error(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     if args.data_timeout is None:
@@ -163,8 +220,6 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
         parser.error(f"--data-timeout must be 0 (no limit) or below --dist-timeout ({args.dist_timeout:g} s), so "
                      f"that a stalled rank stops the job before its peers' collectives time out; got "
                      f"{args.data_timeout:g}")
-    if args.num_workers is not None and args.num_workers < 0:
-        parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if sum(map(bool, (args.finetune, args.init_weights, args.save_init_weights))) > 1:
         parser.error("--finetune, --init-weights and --save-init-weights each set the initial weights: pass one")
     if args.engine != "deepspeed":
@@ -178,6 +233,9 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     if args.model_ema is None:
         args.model_ema = args.engine == "deepspeed"
     args.model_kwargs = dict(args.model_kwargs)
+    problem = patch_grid_error(args.model, args.model_kwargs, args.input_size)
+    if problem:
+        parser.error(problem)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
     return args
 
@@ -187,7 +245,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
-    from .engine import distributed
+    from .engine import distributed, output_dir
     from .engine.checkpointing import SaveError
     from .engine.init_weights import first_line
     from .engine.trainer import StopRequested, Trainer, TrainingError
@@ -204,6 +262,7 @@ def run(args, prog: str = "vim-ds train") -> int:
 
             evaluate_weights(args, dist_info)
             return 0
+        output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
         trainer = Trainer(args, dist_info)
         trainer.install_signal_handlers()
         if trainer.resume_path:
@@ -227,6 +286,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        output_dir.release()
         distributed.teardown()
 
 
