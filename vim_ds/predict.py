@@ -38,7 +38,9 @@ def parse_args(argv):
 def class_names(spec: str | None, num_classes: int) -> list[str] | None:
     if spec:
         if os.path.isdir(spec):
-            names = sorted(e.name for e in os.scandir(spec) if e.is_dir())
+            from .data.datasets import class_folders  # as training numbered them: hidden folders are no classes
+
+            names = class_folders(spec)
         elif os.path.isfile(spec):
             with open(spec) as f:
                 names = [line.strip() for line in f if line.strip()]

@@ -13,6 +13,7 @@ Every dataset here answers `dataset[index]` or `dataset[(index, sample_seed)]` w
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import operator
@@ -24,8 +25,7 @@ import numpy as np
 import torch
 from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset
-from torchvision.datasets import ImageFolder
-from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, has_file_allowed_extension
 
 from .transforms import build_transform
 
@@ -126,46 +126,125 @@ def _decode_failure(path: str, exc: Exception) -> str:
 
 
 class FolderDataset(SeededDataset):
-    """One split of an ImageNet-layout folder (`root/<class>/<image>`), on top of torchvision's ImageFolder.
+    """One split of an ImageNet-layout folder (`root/<class>/**/<image>`): the classes and the sample order of
+    torchvision's ImageFolder, listed by `_FolderScan` (which also refuses symlink loops and skips hidden names)
+    and decoded by torchvision's default loader.
 
-    Files are decoded here rather than in `ImageFolder.__getitem__`, so that decoding failures (skipped) are told
-    apart from transform failures (bugs, raised).
+    Files are decoded here rather than in a transform, so that decoding failures (skipped) are told apart from
+    transform failures (bugs, raised).
     """
 
     def __init__(self, root: str, transform):
-        ignored = {"count": 0, "example": None}
-
-        def is_image(path: str) -> bool:
-            if has_file_allowed_extension(path, IMG_EXTENSIONS):
-                return True
-            ignored["count"] += 1
-            ignored["example"] = ignored["example"] or path
-            return False
-
-        # allow_empty: the class list (and so every class index) comes from the folder names alone
-        self.folder = ImageFolder(root, transform=transform, is_valid_file=is_image, allow_empty=True)
-        self.ignored_files, self.ignored_example = ignored["count"], ignored["example"]
-
-    root = property(lambda self: self.folder.root)
-    transform = property(lambda self: self.folder.transform)
-    classes = property(lambda self: self.folder.classes)
-    class_to_idx = property(lambda self: self.folder.class_to_idx)
-    samples = property(lambda self: self.folder.samples)
-    targets = property(lambda self: self.folder.targets)
+        scan = _FolderScan(root)
+        self.root, self.transform, self.loader = root, transform, default_loader
+        self.classes, self.samples = scan.classes, scan.samples
+        self.class_to_idx = {name: idx for idx, name in enumerate(self.classes)}
+        self.targets = [target for _, target in self.samples]
+        # counts and one example each, not the lists: the data set is pickled to every data-loader worker
+        self.ignored_files, self.ignored_example = len(scan.ignored), (scan.ignored or [None])[0]
+        self.hidden_entries, self.hidden_example = len(scan.hidden), (scan.hidden or [None])[0]
 
     def __len__(self) -> int:
-        return len(self.folder.samples)
+        return len(self.samples)
 
     def describe(self, index: int) -> str:
-        return self.folder.samples[index][0]
+        return self.samples[index][0]
 
     def load(self, index: int):
-        path, target = self.folder.samples[index]
+        path, target = self.samples[index]
         try:
-            image = self.folder.loader(path)
+            image = self.loader(path)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
             raise BadImage(path, _decode_failure(path, exc)) from exc
-        return self.folder.transform(image), target
+        return self.transform(image), target
+
+
+def _entries(folder: str):
+    """(hidden paths, sub-folder paths, file paths) of one folder, each sorted; symlinks are followed.
+
+    Names starting with '.' are never classes or images: `.ipynb_checkpoints` (a copy of some images, which as a
+    class folder would shift every label by one), macOS's `.DS_Store` and `._name.png` resource forks.
+    """
+    hidden, folders, files = [], [], []
+    for entry in os.scandir(folder):
+        if entry.name.startswith("."):
+            hidden.append(entry.path)
+            continue
+        try:
+            is_dir = entry.is_dir()  # follows a symlink; a dangling one is a file (undecodable, skipped later)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link to itself, or links that point at each other
+                raise DataError(f"symlink loop: {_named(entry.path)} never reaches a file or folder; "
+                                f"remove the link") from None
+            raise
+        (folders if is_dir else files).append(entry.path)
+    return sorted(hidden), sorted(folders), sorted(files)
+
+
+def _named(path: str) -> str:
+    return f"{path} (a symlink to {os.readlink(path)})" if os.path.islink(path) else path
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+class _FolderScan:
+    """Lists `split_dir/<class>/**/<image>` as ImageFolder does (class = sorted folder name; samples sorted by
+    folder path, then by name; symlinks followed), except that:
+
+    * a folder reached a second time is refused with one line naming the path that reaches it. ImageFolder walks
+      a link to an ancestor (`ln -s .. train/0/loop`) until the OS refuses the path: 40 copies of the data set,
+      all labelled with one class. A link into another class folder would list its images under two labels.
+      Folders are told apart by (st_dev, st_ino), which also catches bind mounts; files are not (a stat per file
+      would cost minutes on a network file system), so a symlinked file is listed as it is, once.
+    * hidden names are skipped (`_entries`), and counted.
+    """
+
+    def __init__(self, split_dir: str):
+        self.hidden, class_dirs, _ = _entries(split_dir)  # files beside the class folders are not samples
+        self.classes = [os.path.basename(path) for path in class_dirs]
+        self.samples, self.ignored = [], []
+        self.seen = {}  # identity -> (path, class) of every folder listed so far
+        holders = {}  # identity -> path of the split folder and of every folder above it
+        up = os.path.realpath(split_dir)
+        while up not in holders.values():
+            holders[_identity(up)] = up
+            up = os.path.dirname(up)
+        # every class folder is claimed first, so that a link from one class into another is caught either way
+        keys = [self._claim(path, name, holders) for path, name in zip(class_dirs, self.classes)]
+        for idx, (path, name, key) in enumerate(zip(class_dirs, self.classes, keys)):
+            listed = []
+            self._walk(path, name, {**holders, key: path}, listed)
+            for _, files in sorted(listed):  # ImageFolder's order: folders by path, then files by name
+                for file in files:
+                    if has_file_allowed_extension(file, IMG_EXTENSIONS):
+                        self.samples.append((file, idx))
+                    else:
+                        self.ignored.append(file)
+
+    def _claim(self, path: str, name: str, holders: dict) -> tuple:
+        key = _identity(path)
+        if key in holders:
+            raise DataError(f"symlink loop: {_named(path)} leads back to {holders[key]}, which holds it, so its "
+                            f"images would be listed over and over; remove the link")
+        if key in self.seen:
+            first, first_class = self.seen[key]
+            where = f"under classes {first_class!r} and {name!r}" if first_class != name else f"in class {name!r}"
+            raise DataError(f"{_named(path)} is the same folder as {_named(first)}: its images would be listed "
+                            f"twice, {where}; remove the link or copy the folder")
+        self.seen[key] = path, name
+        return key
+
+    def _walk(self, folder: str, name: str, holders: dict, listed: list) -> None:
+        """Depth first below `folder` of class `name`; `holders`: identity -> path of the folders holding it."""
+        hidden, folders, files = _entries(folder)
+        self.hidden += hidden
+        listed.append((folder, files))
+        for path in folders:
+            key = self._claim(path, name, holders)
+            self._walk(path, name, {**holders, key: path}, listed)
 
 
 class SyntheticDataset(SeededDataset):
@@ -185,9 +264,9 @@ class SyntheticDataset(SeededDataset):
         return image, int(torch.randint(self.num_classes, (), generator=g))
 
 
-def _class_folders(split_dir: str) -> list:
-    """Class folders as ImageFolder finds them (sorted directory names), so the two lists agree."""
-    return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
+def class_folders(split_dir: str) -> list:
+    """Class folders as `_FolderScan` finds them (sorted folder names, hidden ones left out), so the two agree."""
+    return [os.path.basename(path) for path in _entries(split_dir)[1]]
 
 
 def _checked_split(root, split: str) -> list:
@@ -199,7 +278,7 @@ def _checked_split(root, split: str) -> list:
     split_dir = os.path.join(root, split)
     if not os.path.isdir(split_dir):
         raise DataError(f"{split_dir} is missing: the data path must hold train/<class>/* and val/<class>/*")
-    classes = _class_folders(split_dir)
+    classes = class_folders(split_dir)
     if not classes:
         raise DataError(f"{split_dir} has no class folders (expected {split_dir}/<class>/<image files>)")
     return classes
@@ -218,6 +297,9 @@ def _folder_dataset(root: str, is_train: bool, transform) -> FolderDataset:
     if dataset.ignored_files and _is_rank0():
         log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",
                     dataset.ignored_files, dataset.root, " ".join(IMG_EXTENSIONS), dataset.ignored_example)
+    if dataset.hidden_entries and _is_rank0():
+        log.warning("warning: skipped %d hidden file(s) and folder(s) in %s (names starting with '.' are neither "
+                    "classes nor images), e.g. %s", dataset.hidden_entries, dataset.root, dataset.hidden_example)
     counts = Counter(dataset.targets)
     for idx, name in enumerate(dataset.classes):
         if counts[idx]:
