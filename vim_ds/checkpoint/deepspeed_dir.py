@@ -106,9 +106,11 @@ def _warn(text: str):
         print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
-def resolve(path: str, verify: bool = True) -> tuple[str, str]:
-    """(save_dir, tag) of the checkpoint to load from a save directory (the newest complete and intact one) or a
-    tag directory (refused when its files do not match their recorded checksums; see `damage`)."""
+def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[str, str]:
+    """(save_dir, tag) of the checkpoint to load from a save directory (its newest complete one) or a tag
+    directory. With `verify`, a checkpoint whose files do not match their recorded checksums (see `damage`) is
+    refused naming the file; with `fall_back` too (resuming), a save directory's newest *intact* checkpoint is
+    taken instead, with a warning."""
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory not found: {path}")
@@ -132,6 +134,8 @@ def resolve(path: str, verify: bool = True) -> tuple[str, str]:
         problem = damage(os.path.join(path, tag)) if verify else None
         if not problem:
             return path, tag
+        if not fall_back:
+            raise CheckpointError(f"{os.path.join(path, tag)} cannot be used: {problem}")
         _warn(f"{os.path.join(path, tag)} cannot be used: {problem}; trying the checkpoint before it")
     raise CheckpointError(f"no intact checkpoint in {path}: every complete one has damaged files")
 

@@ -299,7 +299,7 @@ class Trainer:
         if deepspeed_dir.is_tag_dir(path) and not deepspeed_dir.is_complete(path):
             raise CheckpointError(f"--resume {path}: an interrupted save (no {deepspeed_dir.MARKER}), never "
                                   f"resumed; resume its save directory for the newest complete checkpoint")
-        save_dir, tag = deepspeed_dir.resolve(path)  # intact: each file as its checksum recorded
+        save_dir, tag = deepspeed_dir.resolve(path, fall_back=True)  # the newest intact one (checksums)
         if self.dist.is_main:
             for broken in deepspeed_dir.incomplete_tags(save_dir):
                 if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
