@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -103,8 +104,9 @@ def test_workers_start_while_other_threads_hold_locks():
     """tools/fork_stress.py: threads that hold locks (and thread-local state whose finalizer takes one) while
     loaders start workers. Forked workers hang (the negative control, which shows the test can see the bug);
     vim_ds's loaders never do."""
-    control = stress("fork", loaders=2)
-    assert "2 hangs of 2 loaders" in control.stdout, control.stdout + control.stderr[-3000:]
+    control = stress("fork", loaders=3)  # each forked loader hangs with high probability, not always: ask for one
+    hung = re.search(r"(\d+) hangs of 3 loaders", control.stdout)
+    assert hung and int(hung.group(1)) >= 1, control.stdout + control.stderr[-3000:]
     fixed = stress("vim_ds", loaders=6)
     assert fixed.returncode == 0 and "0 hangs of 6 loaders" in fixed.stdout, fixed.stdout + fixed.stderr[-3000:]
 
