@@ -3,7 +3,7 @@ writes at its last step is compared with the uninterrupted run's at the same ste
 weight, both Adam moments, each parameter's Adam step count, each group's lr / weight decay / betas / eps and
 members, the EMA, the lr scheduler, and the position (epoch, step, step in epoch, images seen).
 
-The paths, for ZeRO 0/1/2/3 in fp32 and ZeRO 0/2/3 in bf16 and autocast-bf16 (EMA on everywhere):
+The paths, for ZeRO 0/1/2/3 in fp32 and bf16, ZeRO 2/3 in autocast-bf16 (EMA on everywhere):
 - `2->2`: saved and resumed by 2 ranks, mid-epoch, `--resume auto`;
 - `2->1`: saved by 2 ranks, resumed by 1 rank with accumulation 2 (the same global batch of 16) at an epoch
   boundary, the tag given by hand (ZeRO 1-3 go through DeepSpeed's universal checkpoint);
@@ -33,12 +33,14 @@ STEPS = 7          # the last step, compared
 EPOCH_END = 5      # 80 images / global batch 16
 MID_EPOCH = 6      # 2 -> 2 and 1 -> 2 resume here (1 step into epoch 1), 2 -> 1 at EPOCH_END
 
-# (config file, --precision): fp32 on every stage; bf16 and autocast where their optimizers differ (ZeRO-0's
-# FP16_Optimizer, ZeRO-1/2's partitioned optimizer, ZeRO-3's)
+# (config file, --precision): fp32 and bf16 on every stage, for each has its own optimizer wrapper in bf16 (ZeRO-0's
+# FP16_Optimizer, ZeRO-1's BF16_Optimizer with its bf16_zero_pp_* files and own universal loader, ZeRO-2's
+# partitioned optimizer, ZeRO-3's); autocast-bf16 (fp32 weights, so ZeRO-2/3's fp32 optimizers) on ZeRO-2 and 3
 CASES = {
     "zero0-fp32": ("zero0", "fp32"), "zero1-fp32": ("zero1", "fp32"), "zero2-fp32": ("zero2", "fp32"),
     "zero3-fp32": ("zero3", "fp32"),
-    "zero0-bf16": ("zero0", "bf16"), "zero2-bf16": ("zero2", "bf16"), "zero3-bf16": ("zero3", "bf16"),
+    "zero0-bf16": ("zero0", "bf16"), "zero1-bf16": ("zero1", "bf16"), "zero2-bf16": ("zero2", "bf16"),
+    "zero3-bf16": ("zero3", "bf16"),
     "zero2-autocast": ("zero2_autocast", "autocast-bf16"), "zero3-autocast": ("zero3_autocast", "autocast-bf16"),
 }
 

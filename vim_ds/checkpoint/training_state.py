@@ -9,7 +9,8 @@ Where DeepSpeed 0.19 keeps the optimizer's state:
   `param_groups`, rebuilt from the model description in the client state to name them.
 - ZeRO-1/2: each group is one flat vector (its parameters in `param_shapes[group]` order, each followed by its
   alignment padding) cut into one contiguous slice per rank: the moments in `base_optimizer_state.state[group]`,
-  the weights in `single_partition_of_fp32_groups[group]`.
+  the weights in `single_partition_of_fp32_groups[group]`. ZeRO-1 in bf16 (DeepSpeed's BF16_Optimizer, files
+  `bf16_zero_pp_rank_*`) keeps the same layout under the same keys.
 - ZeRO-3: each rank holds ceil(numel / ranks) elements of every parameter, concatenated in `param_shapes` order
   (and cut into sub-groups): the moments in `optimizer_state_dict.state[sub_group]`, the weights in
   `fp32_flat_groups`.
