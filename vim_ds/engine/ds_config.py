@@ -531,17 +531,31 @@ def _torch_adam_class(kind: str):
 
 
 def _check_optimizer(config: dict, src: str, offload_optimizer: bool) -> None:
-    """Adam/AdamW params must be accepted by the class DeepSpeed will construct with them."""
+    """An Adam-family optimizer (the recipe, the --engine ddp/fsdp baselines and the exact-resume state reader are
+    built on Adam's moments) with numbers where numbers go, and params the class DeepSpeed constructs accepts."""
     optimizer = config.get("optimizer")
     if not optimizer:
         return
+    kind = _adam_kind(optimizer)
+    if kind is None:
+        given = f"{_show(optimizer['type'])} is not supported" if "type" in optimizer else "is missing"
+        raise ConfigError(f"{src}: optimizer.type {given}; use \"AdamW\" (or \"Adam\"): vim_ds's recipe, its "
+                          f"ddp/fsdp baselines and its resume checks are built on Adam's moments")
     params = optimizer.get("params", {})
+    for key in ("lr", "weight_decay", "eps", "betas"):
+        if key not in params:
+            continue
+        value = params[key]
+        if key == "betas":
+            ok, what = isinstance(value, list) and len(value) == 2 and all(map(_is_number, value)), \
+                "a list of two numbers like [0.9, 0.999]"
+        else:
+            ok, what = _is_number(value), "a number"
+        if not ok:
+            raise ConfigError(f"{src}: optimizer.params.{key} must be {what} or \"auto\", not {_show(value)}")
     if "max_grad_norm" in params:
         raise ConfigError(f"{src}: optimizer.params.max_grad_norm is not supported by DeepSpeed; "
                           f"use the top-level gradient_clipping instead")
-    kind = _adam_kind(optimizer)
-    if kind is None:
-        return
     if params.get("torch_adam"):
         cls, passed_by_deepspeed = _torch_adam_class(kind), set()
     elif offload_optimizer:
@@ -557,6 +571,10 @@ def _check_optimizer(config: dict, src: str, offload_optimizer: bool) -> None:
     if unknown:
         raise ConfigError(f"{src}: optimizer.params {_with_suggestions(unknown, accepted)} not accepted by "
                           f"{cls.__name__} (accepted: {', '.join(sorted(accepted))})")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _signature_keys(cls) -> set[str]:
