@@ -30,14 +30,16 @@ def parse_args(argv):
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
     p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
     p.add_argument("--input-size", type=int, default=None, help="image side (default: the file's, else 224)")
-    p.add_argument("--num-classes", type=int, default=None)
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="the head's classes (default: the file's); 0 with a backbone's weights (no head): the "
+                        "program returns the pooled features instead of logits")
     p.add_argument("--ema", action="store_true", help="export the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--static-batch", action="store_true", help="fix the batch size at 2 instead of dynamic")
     return p.parse_args(argv)
 
 
-def export(args) -> tuple[str, int]:
-    """Write the program; return (path, input size)."""
+def export(args) -> tuple[str, int, int]:
+    """Write the program; return (path, input size, classes: 0 for a backbone's features)."""
     import torch
 
     from .predict import build
@@ -45,13 +47,13 @@ def export(args) -> tuple[str, int]:
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):  # before the (slow) export, not after it
         raise ValueError(f"--out: no such directory: {directory}")
-    model, input_size, _ = build(args)
+    model, input_size, num_classes = build(args, backbone_ok=True)
     example = torch.randn(2, 3, input_size, input_size)
     dynamic = None if args.static_batch else {"x": {0: torch.export.Dim("batch", min=1, max=4096)}}
     with torch.no_grad():
         program = torch.export.export(model, (example,), dynamic_shapes=dynamic)
     torch.export.save(program, args.out)
-    return args.out, input_size
+    return args.out, input_size, num_classes
 
 
 def main(argv=None) -> int:
@@ -60,11 +62,12 @@ def main(argv=None) -> int:
         print(f"vim-ds export: error: --weights: no such file: {args.weights}", file=sys.stderr)
         return 2
     try:
-        path, size = export(args)
+        path, size, num_classes = export(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"vim-ds export: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {path}: images (batch, 3, {size}, {size}) -> logits; load with `import vim_ds` then "
+    returns = "logits" if num_classes else "pooled features (no head)"
+    print(f"wrote {path}: images (batch, 3, {size}, {size}) -> {returns}; load with `import vim_ds` then "
           f"torch.export.load")
     return 0
 

@@ -57,7 +57,10 @@ def class_names(spec: str | None, num_classes: int) -> list[str] | None:
     return None
 
 
-def build(args):
+def build(args, backbone_ok: bool = False):
+    """(model, input size, classes) from --weights and the model options. A file without a classification head is
+    refused (a random head would be built in its place), unless `backbone_ok` and --num-classes 0 ask for the
+    backbone alone (timm's convention: the model then returns its pooled features)."""
     import timm
     import torch
 
@@ -75,13 +78,17 @@ def build(args):
     input_size = args.input_size or meta.get("input_size") or 224
     head = state.get("head.weight")
     has_head = isinstance(head, torch.Tensor)
-    num_classes = head.shape[0] if has_head else args.num_classes or meta.get("num_classes")
+    if not has_head and not (backbone_ok and args.num_classes == 0):
+        hint = "; or pass --num-classes 0 to export the backbone's features" if backbone_ok else ""
+        raise ValueError(f"{args.weights} has no classification head (no head.weight): it holds a backbone, and a "
+                         f"random head would classify in its place; give the weights of a trained classifier{hint}")
+    num_classes = head.shape[0] if has_head else 0
     if has_head and args.num_classes not in (None, num_classes):
         # loading would re-initialise the head: a random classifier, different on each run
         raise ValueError(f"{args.weights} classifies {num_classes} classes, --num-classes is {args.num_classes}: "
                          f"omit --num-classes (or give {num_classes})")
     try:
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes or 1000, img_size=input_size,
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=input_size,
                                   **kwargs)
     except RuntimeError as exc:
         raise ValueError(f"unknown model {name!r}") from exc
@@ -91,10 +98,13 @@ def build(args):
     return model.eval(), input_size, model.num_classes
 
 
-def predict(args) -> list[tuple[str, list[tuple[str, float]]]]:
+def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
+    """(image path, its top classes with probabilities) per image, or (path, why it cannot be read): an image that
+    does not decode, like one PIL refuses as a decompression bomb, does not stop the others."""
     import torch
     from PIL import Image
 
+    from .data.datasets import decode_failure
     from .data.transforms import build_transform
 
     model, input_size, num_classes = build(args)
@@ -105,9 +115,11 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]]]]:
     for path in args.images:
         try:
             with Image.open(path) as img:
-                x = transform(img.convert("RGB")).unsqueeze(0)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read image {path}: {exc}") from exc
+                image = img.convert("RGB")
+        except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, DecompressionBombError, ...
+            results.append((path, "no such file" if isinstance(exc, FileNotFoundError) else decode_failure(path, exc)))
+            continue
+        x = transform(image).unsqueeze(0)
         with torch.no_grad():
             probs = model(x).float().softmax(-1)[0]
         top = probs.topk(min(args.topk, num_classes))
@@ -123,9 +135,14 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
         print(f"vim-ds predict: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    unreadable = 0
     for path, top in results:
-        print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
-    return 0
+        if isinstance(top, str):
+            print(f"vim-ds predict: error: cannot read image {path} ({' '.join(top.split())})", file=sys.stderr)
+            unreadable += 1
+        else:
+            print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
+    return 2 if unreadable else 0
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_s
 META_KEYS = ("model", "model_kwargs", "num_classes", "input_size", "step", "epoch", "zero_stage", "precision")
 
 
-def _client_state(tag_dir: str) -> dict:
+def client_state(tag_dir: str, mmap: bool = False) -> dict:
+    """Rank 0's model states file of a DeepSpeed checkpoint: the trainer's client state (model description, ZeRO
+    stage, precision, position, ...) at its top level beside DeepSpeed's entries. With `mmap` its tensors are not
+    read (for a look at the description)."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         path = os.path.join(tag_dir, name)
         if os.path.isfile(path):
-            return safe_load.load(path)
+            return safe_load.load(path, mmap=mmap)
     files = sorted(glob.glob(os.path.join(tag_dir, "*model_states.pt")))
     if files:
         raise CheckpointError(f"incomplete checkpoint {tag_dir}: rank 0's model states are missing "
@@ -76,6 +79,9 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     `progress(message)`, when given, is told what is being read and written (large models take minutes)."""
     progress = progress or (lambda message: None)
     ckpt_path = os.fspath(ckpt_path)
+    if os.path.isdir(out_path):  # before the (long) read; os.replace cannot put a file there
+        raise CheckpointError(f"{os.fspath(out_path)} is a folder: OUT is the file to write, e.g. "
+                              f"{os.path.join(out_path, 'weights.pth')}")
     if tag:
         save_dir = os.path.normpath(ckpt_path)
         if not os.path.isdir(os.path.join(save_dir, tag)):
@@ -88,7 +94,7 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     tag_dir = os.path.join(save_dir, tag)
     if not deepspeed_dir.is_tag_dir(tag_dir):
         raise CheckpointError(f"{tag_dir} is not a vim-ds checkpoint (no *model_states.pt)")
-    state = _client_state(tag_dir)
+    state = client_state(tag_dir)
     check_complete(tag_dir, state)
     ema_path = os.path.join(tag_dir, deepspeed_dir.EMA_FILE)
     if ema and not os.path.isfile(ema_path):
@@ -124,20 +130,25 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
         safetensors = out_path.endswith(".safetensors")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp{os.getpid()}"
-    if safetensors:
-        from safetensors.torch import save_file
+    try:
+        if safetensors:
+            from safetensors.torch import save_file
 
-        config = {"model_kwargs": meta["model_kwargs"], "num_classes": meta["num_classes"],
-                  "input_size": meta["input_size"]}
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
-                  metadata={"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
-                            "weights": which})
-    else:
-        obj = {"model": weights, "vim_ds": {**meta, "weights": which}}
-        if ema_sd is not None:
-            obj["model_ema"] = ema_sd
-        torch.save(obj, tmp)
-    os.replace(tmp, out_path)
+            config = {"model_kwargs": meta["model_kwargs"], "num_classes": meta["num_classes"],
+                      "input_size": meta["input_size"]}
+            save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                      metadata={"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
+                                "weights": which})
+        else:
+            obj = {"model": weights, "vim_ds": {**meta, "weights": which}}
+            if ema_sd is not None:
+                obj["model_ema"] = ema_sd
+            torch.save(obj, tmp)
+        os.replace(tmp, out_path)
+    except BaseException:  # a full disk, a folder at out_path, Ctrl-C: no half-written file is left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_vim_ds_meta(obj_or_path) -> dict | None:

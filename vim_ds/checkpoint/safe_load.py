@@ -57,11 +57,12 @@ def numpy_rng_globals() -> list:
     return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
 
 
-def load(path: str, extra_globals=()):
-    """torch.load(path, weights_only=True) on CPU, allowing vim_ds's and DeepSpeed's types (and `extra_globals`)."""
+def load(path: str, extra_globals=(), mmap: bool = False):
+    """torch.load(path, weights_only=True) on CPU, allowing vim_ds's and DeepSpeed's types (and `extra_globals`);
+    with `mmap` the tensors are mapped, not read."""
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS + deepspeed_globals() + list(extra_globals)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file not found: {path}") from None
     except Exception as exc:

@@ -110,7 +110,7 @@ class SeededDataset(Dataset):
         return f"index {index}"
 
 
-def _decode_failure(path: str, exc: Exception) -> str:
+def decode_failure(path: str, exc: Exception) -> str:
     """A short reason: PIL's own messages repeat the file object, which the warning already names."""
     try:
         if os.path.getsize(path) == 0:
@@ -155,7 +155,7 @@ class FolderDataset(SeededDataset):
         try:
             image = self.loader(path)
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
-            raise BadImage(path, _decode_failure(path, exc)) from exc
+            raise BadImage(path, decode_failure(path, exc)) from exc
         return self.transform(image), target
 
 
@@ -273,9 +273,15 @@ def _checked_split(root, split: str) -> list:
     """Check `root/split/<class>/` exists; return its class folder names."""
     if not root:
         raise DataError("no --data-path given: it must hold train/<class>/* and val/<class>/* (the ImageNet layout)")
+    layout = f"{root}/train/<class>/* and {root}/val/<class>/*"
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"data path {root} is a file, not a folder (expected {layout})")
     if not os.path.isdir(root):
-        raise DataError(f"data path {root} does not exist (expected {root}/train/<class>/* and {root}/val/<class>/*)")
+        raise DataError(f"data path {root} does not exist (expected {layout})")
     split_dir = os.path.join(root, split)
+    if os.path.exists(split_dir) and not os.path.isdir(split_dir):
+        raise DataError(f"{split_dir} is a file, not a folder: the data path must hold train/<class>/* and "
+                        f"val/<class>/*")
     if not os.path.isdir(split_dir):
         raise DataError(f"{split_dir} is missing: the data path must hold train/<class>/* and val/<class>/*")
     classes = class_folders(split_dir)

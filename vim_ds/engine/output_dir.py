@@ -78,8 +78,25 @@ def _earlier_checkpoints(output_dir: str) -> str | None:
     return tags[-1] if tags else None
 
 
+def _unwritable(save_dir: str) -> str | None:
+    """Why checkpoints cannot be written to `save_dir` (created if missing), found by writing a file there and
+    removing it (os.access says yes to root on a read-only mount, and knows nothing of quotas), or None."""
+    if os.path.exists(save_dir) and not os.path.isdir(save_dir):
+        return f"{save_dir} is a file, not a folder; move it away or give another --output_dir"
+    probe = os.path.join(save_dir, f".vim_ds_write_test.{os.getpid()}")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("x")
+        os.remove(probe)
+    except OSError as exc:
+        return f"cannot write checkpoints to {save_dir}: {exc.strerror or exc}; give a writable --output_dir"
+    return None
+
+
 def claim(args, dist_info) -> None:
-    """Refuse (ValueError, on every rank) a folder holding another run's checkpoints or in use by a live run."""
+    """Refuse (ValueError, on every rank) a folder holding another run's checkpoints, in use by a live run, or
+    where checkpoints cannot be written (found now, not at the first save after hours of training)."""
     output_dir = args.output_dir
     if not output_dir or args.eval:
         return
@@ -90,9 +107,14 @@ def claim(args, dist_info) -> None:
             error = (f"{output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
                      f"--resume auto, or start anew with another --output_dir")
         else:
-            error, note = _lock(output_dir)
+            try:
+                error, note = _lock(output_dir)
+            except OSError as exc:
+                error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
             if note:
                 print(note, flush=True)
+            if not error and getattr(args, "engine", "deepspeed") == "deepspeed":  # the baselines save nothing
+                error = _unwritable(os.path.join(output_dir, "checkpoints"))
     error = distributed.broadcast_object(error)
     if error:
         raise ValueError(error)

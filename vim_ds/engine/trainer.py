@@ -305,6 +305,9 @@ class Trainer:
                 if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
                     print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
                           f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
+        from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
+
+        check(os.path.join(save_dir, tag), args, self.num_classes, self.ds, self.dist.world_size)
         if os.path.isdir(os.path.join(save_dir, tag, "zero")):  # already universal (`vim-ds convert --universal`)
             self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
             return os.path.join(save_dir, tag)

@@ -1,0 +1,102 @@
+"""Whether this run can resume a checkpoint, decided from what the checkpoint records before DeepSpeed's loader runs
+(which otherwise fails deep inside with `AssertionError`, `'NoneType' object has no attribute 'copy'`, a missing
+`*optim_states.pt` or a state_dict error cut to its first line).
+
+What DeepSpeed 0.19.8 can load (tried on CPU): a checkpoint goes back into a run whose optimizer state has the
+same form (`_optimizer`): the same stage, or ZeRO-1 and ZeRO-2 with each other, and bf16 on or off on both sides
+(it names the files). A universal checkpoint (`vim-ds convert --universal`, or the copy vim_ds makes when the rank
+count changes) loads into ZeRO-1 or ZeRO-2 in any precision, or into ZeRO-3 when ZeRO-3 wrote it; never into
+ZeRO-0. The model must have the checkpoint's parameter shapes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..checkpoint.files import CheckpointError
+
+
+def _optimizer(stage: int, precision: str) -> str:
+    """The form in which a run of this stage and precision writes and reads its optimizer state. ZeRO-1 and ZeRO-2
+    share it (BF16_Optimizer, which ZeRO-1 runs in bf16, keeps the same keys); with bf16 on, DeepSpeed reads ZeRO
+    partitions named `bf16_zero_pp_rank_*` only, and without it `zero_pp_rank_*` only."""
+    if stage == 0:
+        return "FP16_Optimizer" if precision in ("bf16", "fp16") else "torch"
+    return ("ZeRO-3" if stage == 3 else "ZeRO-1/2") + (" bf16" if precision == "bf16" else "")
+
+
+def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, world_size: int) -> str | None:
+    saved_stage, saved_precision = int(saved.get("zero_stage") or 0), saved.get("precision")
+    saved_world = saved.get("world_size")
+    if saved_precision is None:
+        return None  # not written by vim_ds's trainer: left to DeepSpeed
+    universal = os.path.isdir(os.path.join(tag_dir, "zero")) or (saved_world not in (None, world_size)
+                                                                 and saved_stage > 0)  # as Trainer._plan_resume
+    both_1_or_2 = stage in (1, 2) and saved_stage in (1, 2)  # the universal format loads there in any precision
+    if universal:
+        if both_1_or_2 or stage == saved_stage == 3:
+            return None
+        cannot, convert = "DeepSpeed cannot load its universal checkpoint into that", ""
+    else:
+        if _optimizer(stage, precision) == _optimizer(saved_stage, saved_precision):
+            return None
+        cannot = "DeepSpeed cannot load the optimizer state of one into the other"
+        convert = f", or convert it with `vim-ds convert --universal {tag_dir}` and resume {tag_dir}_universal" \
+            if both_1_or_2 else ""
+    ranks = f" on {saved_world} rank{'s' if saved_world != 1 else ''}" if saved_world else ""
+    same = f"ZeRO-{saved_stage} --deepspeed_config" + ("" if saved_precision == precision else
+                                                      f" and --precision {saved_precision}")
+    return (f"{tag_dir} was saved by ZeRO-{saved_stage} {saved_precision}{ranks}; this run uses ZeRO-{stage} "
+            f"{precision}, and {cannot}: resume with a {same}{convert}")
+
+
+def _description(model: str, model_kwargs: dict, num_classes: int, input_size: int) -> str:
+    kwargs = "".join(f" {k}={v}" for k, v in sorted(model_kwargs.items()))
+    return f"{model}{kwargs}, {num_classes} classes, input size {input_size}"
+
+
+def _shapes(model: str, model_kwargs: dict, num_classes: int, input_size: int) -> dict[str, tuple]:
+    import argparse
+
+    from ..models import build_model
+
+    args = argparse.Namespace(model=model, model_kwargs=dict(model_kwargs), input_size=input_size, drop=0.0,
+                              drop_path=0.0)
+    with torch.random.fork_rng(devices=[]):  # on CPU: the Vim constructor cannot run on the meta device
+        return {k: tuple(v.shape) for k, v in build_model(args, num_classes).state_dict().items()}
+
+
+def _model_refusal(tag_dir: str, saved: dict, args, num_classes: int) -> str | None:
+    keys = ("model", "model_kwargs", "num_classes", "input_size")
+    if any(saved.get(k) is None for k in keys):
+        return None  # no description: DeepSpeed's strict load still refuses another model
+    from ..models import ALIASES
+
+    there = (saved["model"], saved["model_kwargs"], saved["num_classes"], saved["input_size"])
+    here = (args.model, args.model_kwargs, num_classes, args.input_size)
+    if (ALIASES.get(there[0], there[0]), *there[1:]) == (ALIASES.get(here[0], here[0]), *here[1:]):
+        return None  # the same description (a model built twice to compare costs seconds for Vim-base)
+    saved_shapes, shapes = _shapes(*there), _shapes(*here)
+    differ = [k for k in saved_shapes if saved_shapes[k] != shapes.get(k)] + \
+        [k for k in shapes if k not in saved_shapes]
+    if not differ:
+        return None  # another name for the same architecture
+    first = differ[0]
+    shown = lambda table: str(table[first]) if first in table else "absent"  # noqa: E731
+    more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+    return (f"{tag_dir} holds another model ({first}: {shown(saved_shapes)} there, {shown(shapes)} in this run{more}): "
+            f"it was {_description(*there)}; this run builds {_description(*here)}; resume with its --model, "
+            f"--model-kwargs, --input-size and data")
+
+
+def check(tag_dir: str, args, num_classes: int, ds, world_size: int) -> None:
+    """Raise CheckpointError (one line: what the checkpoint was saved by, what this run is, what to do) when this
+    run's DeepSpeed engine could not load the checkpoint in `tag_dir`."""
+    from ..checkpoint.convert import client_state
+
+    saved = client_state(tag_dir, mmap=True)
+    problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, world_size) or \
+        _model_refusal(tag_dir, saved, args, num_classes)
+    if problem:
+        raise CheckpointError(problem)
