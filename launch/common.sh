@@ -83,7 +83,7 @@ _group_alive() {
 # Run a launcher (deepspeed, torchrun) in its own process group and wait until every process of that group is
 # gone. SIGTERM/SIGINT sent to this script go to the whole group: the deepspeed runner itself dies at once, but
 # its per-node launcher passes SIGTERM on to the ranks (and SIGKILLs them 30 s later), and vim-ds train saves a
-# checkpoint and exits on SIGTERM. Waiting for the group (not only the runner) matters under SLURM: a job step
+# checkpoint and exits on SIGTERM or SIGINT. Waiting for the group (not only the runner) matters under SLURM: a job step
 # ends, killing what is left of it, as soon as its task (this script) exits. Returns the launcher's exit status.
 run_in_group() {
     local pid rc=0

@@ -242,10 +242,13 @@ def test_when_one_node_dies_the_other_nodes_launcher_exits_instead_of_hanging(sm
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_it_exits(small_digits, tmp_path):
-    """What SLURM's `--signal=TERM@120` does to a node: SIGTERM to `single_node.sh` goes to the deepspeed launcher
-    and the rank; the trainer saves a complete checkpoint, and the script returns only after every process of the
-    launch is gone (a SLURM step ends, killing what is left, when its task exits)."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_it_exits(small_digits, tmp_path,
+                                                                                          sig):
+    """What SLURM's `--signal=TERM@120` does to a node, and Ctrl-C in the script's terminal: the signal to
+    `single_node.sh` goes to the deepspeed launcher and the rank; the trainer saves a complete checkpoint, and the
+    script returns only after every process of the launch is gone (a SLURM step ends, killing what is left, when its
+    task exits)."""
     out = tmp_path / "run"
     log_path = tmp_path / "log"
     with open(log_path, "w") as log:
@@ -256,7 +259,7 @@ def test_sigterm_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_
         wait_for_first_step([proc], [log_path], str(out))
         launched = psutil.Process(proc.pid).children(recursive=True)  # runner, per-node launcher, rank
         assert any("vim_ds.train" in p.cmdline() for p in launched)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert proc.wait(timeout=90) != 0
         gone, alive = psutil.wait_procs(launched, timeout=1)
         alive = [p for p in alive if _running(p)]  # an exited child nobody has reaped yet (a zombie) has stopped
@@ -269,9 +272,13 @@ def test_sigterm_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_
                 p.kill()
             except psutil.Error:
                 pass
-    assert "passed on to the launcher and its ranks" in log_path.read_text()
-    complete = glob.glob(str(out / "checkpoints" / "global_step*" / "vim_ds_complete.json"))
-    assert complete, log_path.read_text()[-3000:]
+    log = log_path.read_text()
+    if sig == signal.SIGTERM:
+        assert "passed on to the launcher and its ranks" in log
+    stopped = [line for line in log.splitlines() if line.startswith(f"stopping on {sig.name} after step ")]
+    assert stopped, log[-3000:]
+    step = int(stopped[0].split("after step ")[1].split()[0])
+    assert os.path.isfile(out / "checkpoints" / f"global_step{step}" / "vim_ds_complete.json"), log[-3000:]
 
 
 @pytest.mark.slow

@@ -48,7 +48,8 @@ def test_explicit_num_workers_is_kept_and_the_default_resolved(monkeypatch):
 def test_workers_come_from_the_fork_server_and_give_the_batches_of_no_workers():
     dataset, _ = build_dataset(synthetic_args(), is_train=True)
     sampler = GlobalBatchSampler(len(dataset), micro_batch=4, accum_steps=2, rank=1, world_size=2, seed=3)
-    with_workers = build_loader(dataset, sampler, synthetic_args(), "train", persistent=True, ignore_sigterm=True)
+    with_workers = build_loader(dataset, sampler, synthetic_args(), "train", persistent=True,
+                                leave_signals_to_owner=True)
     assert with_workers.multiprocessing_context.get_start_method() == "forkserver"
     try:
         for epoch in range(2):  # persistent workers, a new epoch order

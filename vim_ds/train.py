@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import signal
 import sys
 from typing import NoReturn
 
@@ -245,10 +244,11 @@ def run(args, prog: str = "vim-ds train") -> int:
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
-    from .engine import distributed, output_dir
+    from .engine import distributed, output_dir, signals
     from .engine.checkpointing import SaveError
     from .engine.init_weights import first_line
-    from .engine.trainer import StopRequested, Trainer, TrainingError
+    from .engine.signals import StopRequested
+    from .engine.trainer import Trainer, TrainingError
 
     try:
         dist_info = distributed.setup(args.local_rank, args.dist_timeout)
@@ -262,9 +262,9 @@ def run(args, prog: str = "vim-ds train") -> int:
 
             evaluate_weights(args, dist_info)
             return 0
+        signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
         trainer = Trainer(args, dist_info)
-        trainer.install_signal_handlers()
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         record = trainer.fit()
@@ -273,8 +273,8 @@ def run(args, prog: str = "vim-ds train") -> int:
             print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
                   f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
         return 0
-    except StopRequested:
-        return 128 + signal.SIGTERM  # what a shell reports for SIGTERM: stopped early, on purpose, state saved
+    except StopRequested as stop:
+        return 128 + stop.signum  # what a shell reports for the signal: stopped early, on purpose, state saved
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
         message = first_line(exc)
         if os.environ.get("VIM_DS_TRACEBACK"):

@@ -53,16 +53,19 @@ def default_num_workers(local_world_size: int | None = None) -> int:
     return max(1, min(DEFAULT_WORKERS, cores // max(1, local_world_size)))
 
 
-def _worker_init(ignore_sigterm: bool, owner_pid: int, _worker_id: int):
-    """SIGTERM in a worker. Trainer workers ignore it: the training process stops at the next step boundary and
-    shuts them down itself, and a launcher signalling the whole process tree must not kill them in the middle of a
-    step. Other workers die with it. Either way SIGTERM is unblocked (see `_worker_context`).
+def _worker_init(leave_signals_to_owner: bool, owner_pid: int, _worker_id: int):
+    """SIGTERM and SIGINT in a worker. A trainer's workers ignore both: the rank decides (it saves and stops, see
+    `vim_ds/engine/signals.py`, and shuts them down itself), and a signal to the whole process group (SLURM, Ctrl-C,
+    a launcher's tree kill) must not kill them under a rank that is still saving. Other workers die of SIGTERM and
+    leave SIGINT to torch's worker loop. Either way SIGTERM is unblocked (see `_worker_context`).
 
     A worker also exits when the process that owns its loader (`owner_pid`) is gone, e.g. a rank killed with
     SIGKILL. torch's own check does not see that: it watches the worker's parent, which is the fork server, and the
     fork server lives as long as any worker holds its "alive" pipe, which every worker inherits. Without this a
     killed rank would leave its workers and fork server running for good."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if leave_signals_to_owner else signal.SIG_DFL)
+    if leave_signals_to_owner:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     threading.Thread(target=_exit_with, args=(owner_pid,), name="vim_ds-owner-watch", daemon=True).start()
 
@@ -91,7 +94,8 @@ def _worker_context():
     The server is started with SIGTERM blocked, as the standard library starts its resource tracker: it is in the
     rank's process group, and a SIGTERM to the whole job (SLURM, the launcher) must not kill it, because workers
     whose server died look dead to the DataLoader. Blocking rather than ignoring keeps a SIGTERM that arrives
-    meanwhile pending for this process instead of losing it. The server exits when this process does.
+    meanwhile pending for this process instead of losing it. SIGINT (Ctrl-C) the standard library's server ignores
+    itself. The server exits when this process does.
     """
     from multiprocessing import forkserver
 
@@ -152,6 +156,28 @@ class Loader(DataLoader):
         self._iterator = None
 
 
+class _SignalAt(Dataset):
+    """Fault injection (`VIM_DS_INJECT="signal_in_train@N:RANK"`, see engine/faults.py): at the N-th sample it
+    loads, a worker sends `signum` to `pid` (0: its whole process group), then takes 2 s over the sample, so the
+    signal arrives while the rank waits for data."""
+
+    def __init__(self, dataset, at: int, signum: int, pid: int):
+        self.dataset, self.at, self.signum, self.pid, self.loaded = dataset, at, signum, pid, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        self.loaded += 1
+        if self.loaded == self.at:
+            if self.pid:
+                os.kill(self.pid, self.signum)
+            else:
+                os.killpg(os.getpgid(0), self.signum)
+            time.sleep(2)
+        return self.dataset[key]
+
+
 class _StallAt(Dataset):
     """Fault injection (`VIM_DS_INJECT="stall_val@N:RANK"`, see engine/faults.py): the N-th sample a worker loads
     blocks for good, as a read from a hung file system does."""
@@ -170,19 +196,23 @@ class _StallAt(Dataset):
 
 
 def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: int | None = None,
-                 persistent: bool = False, pin_memory: bool = False, ignore_sigterm: bool = False,
-                 stall_at: int | None = None, owner_pid: int | None = None) -> Loader:
+                 persistent: bool = False, pin_memory: bool = False, leave_signals_to_owner: bool = False,
+                 stall_at: int | None = None, signal_at: tuple[int, int, int] | None = None,
+                 owner_pid: int | None = None) -> Loader:
     """The DataLoader for `dataset` (read in `batch_sampler`'s batches) with `args.num_workers` workers (None: the
     machine's default, `default_num_workers`) started from the fork server, and `args.data_timeout` seconds (0 or
-    absent: no limit) to deliver each batch. `stall_at` (fault injection, chosen by the engine): the sample count
-    at which a worker blocks for good. Workers exit when `owner_pid` (default: this process) is gone."""
+    absent: no limit) to deliver each batch. Fault injection, chosen by the engine: `stall_at`, the sample count at
+    which a worker blocks for good; `signal_at`, (sample count, signal, pid or 0 for the process group) a worker
+    sends. Workers exit when `owner_pid` (default: this process) is gone."""
     workers = args.num_workers if getattr(args, "num_workers", None) is not None \
         else default_num_workers(local_world_size)
     if stall_at is not None:
         dataset = _StallAt(dataset, stall_at)
+    if signal_at is not None:
+        dataset = _SignalAt(dataset, *signal_at)
     if workers == 0:
         return Loader(dataset, batch_sampler=batch_sampler, name=name)
     return Loader(dataset, batch_sampler=batch_sampler, name=name, num_workers=workers, pin_memory=pin_memory,
                   persistent_workers=persistent, prefetch_factor=4, multiprocessing_context=_worker_context(),
-                  worker_init_fn=functools.partial(_worker_init, ignore_sigterm, owner_pid or os.getpid()),
+                  worker_init_fn=functools.partial(_worker_init, leave_signals_to_owner, owner_pid or os.getpid()),
                   timeout=float(getattr(args, "data_timeout", 0) or 0))

@@ -83,6 +83,8 @@ class Checkpointer:
             ema_state = ema.full_state_dict() if ema is not None else None  # collective under ZeRO-3
             if faults.active("kill_in_save", step, self.rank):
                 faults.kill_self()
+            if faults.active("signal_in_save", step, self.rank):
+                faults.send_signal()
             torch.save(rng_state(), os.path.join(tag_dir, layout.rng_file(self.rank)))
             if self.rank == 0 and ema_state is not None:
                 torch.save(ema_state, os.path.join(tag_dir, layout.EMA_FILE))

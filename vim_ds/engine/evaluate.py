@@ -26,18 +26,28 @@ def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
 
 @torch.no_grad()
 def evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple,
-             autocast_dtype: torch.dtype | None = None) -> dict:
+             autocast_dtype: torch.dtype | None = None, stop=None) -> dict:
     """dtype: the inputs' (the parameters'); autocast_dtype: run the forward under torch.autocast in it (the
-    autocast-bf16 precision; a DeepSpeed engine with torch_autocast enters the same context itself)."""
+    autocast-bf16 precision; a DeepSpeed engine with torch_autocast enters the same context itself). `stop`: asked
+    before each batch, the same number of times on every rank (it may be a collective); True ends the evaluation
+    there, and the result covers the batches seen."""
     with autocast_context(device, autocast_dtype):
-        return _evaluate(forward, loader, device, dtype, input_shape)
+        return _evaluate(forward, loader, device, dtype, input_shape, stop)
 
 
-def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple) -> dict:
+def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple, stop=None) -> dict:
     correct1 = correct5 = loss_sum = count = bad = 0.0
     batches = len(loader)
     most = int(distributed.all_reduce_max([batches], device)[0])
-    for images, targets, ok in loader:
+    # every rank runs `most` forwards (ZeRO-3 gathers parameters in each): its own batches, then dummy ones
+    mine = iter(loader)
+    for i in range(most):
+        if stop is not None and stop():
+            break
+        if i >= batches:
+            forward(torch.zeros((1, *input_shape), device=device, dtype=dtype))
+            continue
+        images, targets, ok = next(mine)
         images = images.to(device, dtype, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         keep = ok.to(device, non_blocking=True).bool()
@@ -49,8 +59,6 @@ def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_s
         loss_sum += (F.cross_entropy(logits, targets, reduction="none") * keep).sum().item()
         count += keep.sum().item()
         bad += (~keep).sum().item()
-    for _ in range(most - batches):
-        forward(torch.zeros((1, *input_shape), device=device, dtype=dtype))
     correct1, correct5, loss_sum, count, bad = distributed.all_reduce_sum(
         [correct1, correct5, loss_sum, count, bad], device)
     n = max(count, 1.0)

@@ -14,6 +14,13 @@ Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gr
 does: its peers must fail after --dist-timeout), and
 `stall_train`/`stall_val`, whose number counts samples, not steps: a worker of that data loader blocks for good at
 the N-th sample it loads (`vim_ds/data/loader.py`), as a read from a hung file system does.
+
+Signals at a precise phase, for tests/faults/test_signals.py: a real signal (VIM_DS_INJECT_SIGNAL: `SIGTERM`, the
+default, or `SIGINT`; with `:rank`, to the injecting rank only instead of its whole process group, launcher and
+workers included) sent by `signal_in_step@N` at the start of optimizer step N, `signal_in_eval@N` at the first
+batch of the evaluation after step N, `signal_in_save@N` half-way through saving the step-N checkpoint, and
+`signal_in_train@N` by a training data-loader worker at its N-th sample, which it then takes 2 s over (the rank is
+waiting for data when the signal arrives).
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ import os
 import signal
 import time
 
-KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val")
+KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
+         "signal_in_save", "signal_in_train")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -56,3 +64,29 @@ def hang():
     """Block this thread for good (signals still run their handlers; only SIGKILL or the handlers end it)."""
     while True:
         time.sleep(3600)
+
+
+def _signal_target() -> tuple[int, bool]:
+    """(signal, to this process only) from VIM_DS_INJECT_SIGNAL."""
+    name, _, target = os.environ.get("VIM_DS_INJECT_SIGNAL", "SIGTERM").partition(":")
+    if name not in ("SIGTERM", "SIGINT") or target not in ("", "rank"):
+        raise ValueError(f"VIM_DS_INJECT_SIGNAL: cannot read {name}{':' + target if target else ''} (expected "
+                         f"SIGTERM or SIGINT, optionally followed by :rank)")
+    return getattr(signal, name), target == "rank"
+
+
+def send_signal():
+    """Send the injected signal now, to this process or to its whole process group."""
+    signum, rank_only = _signal_target()
+    if rank_only:
+        os.kill(os.getpid(), signum)
+    else:
+        os.killpg(os.getpgid(0), signum)
+
+
+def signal_at(sample: int | None) -> tuple[int, int, int] | None:
+    """For a data loader: (sample count, signal, pid or 0 for the process group) its worker sends, or None."""
+    if sample is None:
+        return None
+    signum, rank_only = _signal_target()
+    return sample, int(signum), os.getpid() if rank_only else 0

@@ -21,17 +21,13 @@ import numpy as np
 import torch
 
 from ..models import build_model, param_groups
-from . import distributed, faults
+from . import distributed, faults, signals
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .init_weights import first_line
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (the loss diverged, too many unreadable images, ...)."""
-
-
-class StopRequested(Exception):
-    """SIGTERM arrived (SLURM before a time limit or preemption, the launcher, `kill`): a checkpoint was saved."""
 
 
 def _declare_direct_weight_reads(model: torch.nn.Module):
@@ -194,7 +190,9 @@ class Trainer:
         self.best_acc1 = 0.0
         self.last_checkpoint = None
         self.bad_steps = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
-        self.stop_signal = None  # set by the SIGTERM handler, acted on by all ranks at the next step boundary
+        self._started_at = 0     # the step this process started from (stopping: was anything trained since?)
+        self._stop_signal = None  # the signal the ranks agreed on during an evaluation, which it cut short
+        self._eval_batches = 0
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
     # -- construction helpers -----------------------------------------------------------------------------------
@@ -216,7 +214,8 @@ class Trainer:
 
         return build_loader(dataset, batch_sampler, self.args, name, local_world_size=self.dist.local_world_size,
                             persistent=True, pin_memory=self.args.pin_mem and self.device.type != "cpu",
-                            ignore_sigterm=True, stall_at=faults.number(f"stall_{name}", self.dist.rank))
+                            leave_signals_to_owner=True, stall_at=faults.number(f"stall_{name}", self.dist.rank),
+                            signal_at=faults.signal_at(faults.number(f"signal_in_{name}", self.dist.rank)))
 
     def _build_mixup(self):
         args = self.args
@@ -259,6 +258,7 @@ class Trainer:
         self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
                                                       summary={"model": self.args.model, "world_size": self.dist.world_size,
                                                                "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
+        signals.STOP.last_checkpoint = self.last_checkpoint
 
     def resume(self, path: str):
         from ..checkpoint.files import CheckpointError
@@ -275,6 +275,7 @@ class Trainer:
         self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
         self.best_acc1 = state.get("best_acc1", 0.0)
         self.run_id = state.get("run_id") or self.run_id  # checkpoints of vim_ds before run ids start a lineage
+        signals.STOP.last_checkpoint = path
         if self.dist.is_main:
             print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
 
@@ -335,6 +336,8 @@ class Trainer:
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
         seed_everything(derived_seed(self.args.seed, self.step, micro, self.dist.rank))  # Mixup, drop path
+        if micro == 0 and faults.active("signal_in_step", self.step + 1, self.dist.rank):
+            faults.send_signal()
         if micro == 0 and faults.active("hang", self.step + 1, self.dist.rank):
             faults.hang()
         images = images.to(self.device, non_blocking=True)
@@ -410,8 +413,9 @@ class Trainer:
             spent["compute"] += t_mark - t_data
             if micro < accum - 1:
                 continue
-            stop = float(self.stop_signal is not None)
-            loss_total, bad, seen, stop = distributed.all_reduce_sum([float(loss_sum), bad, seen, stop], self.device)
+            loss_total, bad, seen, *votes = distributed.all_reduce_sum(
+                [float(loss_sum), bad, seen, *signals.STOP.votes()], self.device)  # and agree on a stop signal
+            stop = signals.STOP.agreed(votes)
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
             self.step += 1
             self.step_in_epoch += 1
@@ -432,7 +436,7 @@ class Trainer:
             done = self.step >= self.total_steps
             at_epoch_end = self.step_in_epoch == self.steps_per_epoch
             if stop:
-                self._stop()
+                self._stop(stop)
             if self.args.save_interval and self.step % self.args.save_interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
@@ -480,28 +484,33 @@ class Trainer:
                       f"{self.args.max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
         return applied
 
-    # -- stopping on a signal -----------------------------------------------------------------------------------
-
-    def _on_signal(self, signum, _frame):
-        self.stop_signal = signum  # only a flag: the step in flight finishes, then every rank stops together
-
-    def install_signal_handlers(self):
-        signal.signal(signal.SIGTERM, self._on_signal)
+    # -- stopping on a signal (see signals.py) -------------------------------------------------------------------
 
     def close(self):
-        """Stop the data-loader workers now. They ignore SIGTERM (see `data/loader.py`), so they must be told to
-        exit, not left to multiprocessing's exit handler, which would SIGTERM and then wait for them forever."""
+        """Stop the data-loader workers now. They ignore SIGTERM and SIGINT (see `data/loader.py`), so they must be
+        told to exit, not left to multiprocessing's exit handler, which would SIGTERM and then wait for good."""
         for loader in (self.train_loader, self.val_loader):
             loader.shutdown()
 
-    def _stop(self):
-        """SIGTERM reached some rank: all ranks (they agreed through the step's all-reduce) save and stop."""
-        self.save()
+    def _agreed_stop(self) -> int | None:
+        """The signal all ranks stop on, agreed now (a collective: every rank calls it at the same point)."""
+        return signals.STOP.agreed(distributed.all_reduce_sum(signals.STOP.votes(), self.device))
+
+    def _stop(self, signum: int, saved: bool = False):
+        """The ranks agreed to stop on `signum`: save (unless this step was just saved) and stop, all together."""
+        if not saved and self.step > self._started_at:
+            self.save()
         if self.dist.is_main:
-            where = f"saved {self.last_checkpoint}; continue with --resume auto" if self.last_checkpoint else \
-                "nothing saved (no --output_dir)"
-            print(f"stopping on SIGTERM after step {self.step} of {self.total_steps}: {where}", flush=True)
-        raise StopRequested(self.last_checkpoint)
+            name = signal.Signals(signum).name
+            if self.checkpointer is None:
+                where = "nothing saved (no --output_dir)"
+            elif self.step == self._started_at and not saved:
+                where = "no step taken yet, nothing to save" + \
+                    ("; continue with --resume auto" if self.resume_path else "")
+            else:
+                where = f"saved {self.last_checkpoint}; continue with --resume auto"
+            print(f"stopping on {name} after step {self.step} of {self.total_steps}: {where}", flush=True)
+        raise signals.StopRequested(signum, self.last_checkpoint)
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
@@ -515,19 +524,34 @@ class Trainer:
         load_state_dict_into(replica, state, strict=True)
         return replica.to(self.device, self.dtype).eval()
 
-    def evaluate(self, metrics, epoch: int) -> dict:
+    def _stop_during_evaluation(self) -> bool:
+        """Asked by the evaluation at each batch: have the ranks agreed to stop on a signal? A full evaluation can
+        outlast the 30 s a launcher leaves between SIGTERM and SIGKILL, so a stop cuts it short."""
+        if faults.active("signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0:
+            faults.send_signal()
+        self._eval_batches += 1
+        self._stop_signal = self._agreed_stop()
+        return self._stop_signal is not None
+
+    def evaluate(self, metrics, epoch: int) -> dict | None:
+        """Evaluate (and log) the model and its EMA; None when a stop signal cut the evaluation short (see
+        `_stop_signal`: nothing is logged then)."""
         from .evaluate import evaluate
 
         shape = (3, self.args.input_size, self.args.input_size)
+        self._eval_batches, self._stop_signal = 0, None
         self.engine.eval()
         record = {"step": self.step, "epoch": epoch}
-        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape)  # autocasts itself
+        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape,  # autocasts itself
+                          stop=self._stop_during_evaluation)
         record.update({f"eval_{k}": v for k, v in result.items()})
-        if self.ema is not None:
+        if self.ema is not None and self._stop_signal is None:
             ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape,
-                                  self.autocast_dtype)
+                                  self.autocast_dtype, stop=self._stop_during_evaluation)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
+        if self._stop_signal is not None:
+            return None
         if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
             raise TrainingError(f"{result['bad_images']} validation images did not decode (more than "
                                 f"--max-bad-images {self.args.max_bad_images:g}); check the dataset")
@@ -582,14 +606,22 @@ class Trainer:
                   f"accumulation x {self.dist.world_size} ranks, {self.steps_per_epoch} steps/epoch, lr {self.lr:.3e}",
                   flush=True)
         record = None
+        self._started_at = self.step
         try:
+            stop = self._agreed_stop()  # a signal while the run was being built
+            if stop:
+                self._stop(stop)
             while self.epoch < args.epochs and self.step < self.total_steps:
                 epoch = self.epoch
                 if self.train_epoch(metrics):
                     self.epoch += 1
                     self.step_in_epoch = 0
-                record = self.evaluate(metrics, epoch)
+                record = self.evaluate(metrics, epoch) or record
                 self.save()
+                stop = self._stop_signal or self._agreed_stop()  # a signal during the evaluation or the save
+                finished = self.step >= self.total_steps or self.epoch >= args.epochs
+                if stop and (self._stop_signal or not finished):  # a finished run whose evaluation is whole: done
+                    self._stop(stop, saved=True)
             if record is None and self.dist.is_main:
                 print(f"nothing to train: the run is already at step {self.step} of {self.total_steps}", flush=True)
             metrics.summary(self.run_summary())
