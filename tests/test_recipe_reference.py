@@ -1,0 +1,131 @@
+"""Parts of the published recipe checked against an independent computation (issue 21, items 3 and 4):
+
+- evaluation's top-1, top-5 and loss over a whole validation set against `timm.utils.accuracy` and
+  `F.cross_entropy` on the concatenated logits, with an uneven last batch and undecodable images left out;
+- finetuning at another resolution: the position embeddings resampled as the published `interpolate_pos_embed`
+  does it (bicubic on the patch grid, no antialiasing), here with timm's `resample_abs_pos_embed` as the reference
+  and the class token kept in the middle (Vim's middle class token), for square, non-square and stride-8 grids;
+  the head re-initialised when the class count differs.
+
+Each comparison has its negative control: the one-line bug it stands for (top-5 counting 4 predictions, `nearest`
+instead of bicubic) differs from the reference by far more than the tolerance."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed
+from timm.utils import accuracy
+
+from vim_ds.engine.evaluate import evaluate
+from vim_ds.models import resample_pos_embed
+
+CLASSES = 12
+
+
+def _validation_set(seed: int):
+    """Batches (images, targets, ok) of 7, 7, 7 and 3 images (an uneven last batch), 3 of them undecodable."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for size in (7, 7, 7, 3):
+        images = torch.randn(size, 3, 4, 4, generator=g)
+        targets = torch.randint(0, CLASSES, (size,), generator=g)
+        batches.append([images, targets, torch.ones(size, dtype=torch.int64)])
+    for b, i in ((0, 2), (2, 6), (3, 0)):
+        batches[b][2][i] = 0
+        batches[b][0][i] = 0.0  # what the loader gives for an image that does not decode
+    return batches
+
+
+def _classifier(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(CLASSES, 48, generator=g) * 0.5
+    return lambda images: images.flatten(1) @ weight.T
+
+
+def _reference(forward, batches, top5=5) -> dict:
+    kept = [(forward(x)[ok.bool()], y[ok.bool()]) for x, y, ok in batches]
+    logits, targets = torch.cat([k[0] for k in kept]), torch.cat([k[1] for k in kept])
+    acc1, acc5 = accuracy(logits, targets, topk=(1, top5))
+    return {"acc1": float(acc1), "acc5": float(acc5), "loss": float(F.cross_entropy(logits, targets)),
+            "images": len(targets), "bad_images": sum(int((ok == 0).sum()) for _, _, ok in batches)}
+
+
+class _Loader(list):
+    """What evaluate() reads: an iterable of batches with a length."""
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_evaluation_metrics_equal_timms_accuracy_and_cross_entropy_on_the_concatenated_logits(seed):
+    batches, forward = _validation_set(seed), _classifier(seed + 10)
+    got = evaluate(forward, _Loader(batches), torch.device("cpu"), torch.float32, (3, 4, 4))
+    want = _reference(forward, batches)
+    assert got["images"] == want["images"] == 21 and got["bad_images"] == want["bad_images"] == 3
+    for key in ("acc1", "acc5", "loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (key, got, want)
+    # control: top-5 that counts the first 4 predictions moves acc5 by >= one image in 21 (4.8 points) on these
+    # sets, far above the tolerance
+    assert abs(_reference(forward, batches, top5=4)["acc5"] - want["acc5"]) >= 0.999 * 100 / 21
+
+
+def test_an_evaluation_cut_short_counts_the_batches_it_saw():
+    """A stop signal agreed at the third batch (vim_ds/engine/signals.py): the result covers the first two."""
+    batches, forward = _validation_set(5), _classifier(6)
+    asked = []
+    got = evaluate(forward, _Loader(batches), torch.device("cpu"), torch.float32, (3, 4, 4),
+                   stop=lambda: asked.append(1) or len(asked) == 3)
+    want = _reference(forward, batches[:2])
+    assert len(asked) == 3 and got["images"] == want["images"] == 13
+    assert got["acc1"] == pytest.approx(want["acc1"]) and got["loss"] == pytest.approx(want["loss"])
+
+
+def _published_resample(pos_embed, old_grid, new_grid, mode="bicubic"):
+    """The published semantics through timm: the patch tokens resized on their grid (bicubic, no antialiasing, as
+    `F.interpolate` in the published `interpolate_pos_embed`), the class token's embedding kept, in the middle."""
+    n = old_grid[0] * old_grid[1]
+    mid = n // 2
+    cls = pos_embed[:, mid:mid + 1]
+    patches = torch.cat((pos_embed[:, :mid], pos_embed[:, mid + 1:]), dim=1)
+    patches = resample_abs_pos_embed(patches, list(new_grid), list(old_grid), num_prefix_tokens=0,
+                                     interpolation=mode, antialias=False)
+    new_mid = new_grid[0] * new_grid[1] // 2
+    return torch.cat((patches[:, :new_mid], cls, patches[:, new_mid:]), dim=1)
+
+
+GRIDS = {  # (published grid, finetuning grid)
+    "14->24 (224 -> 384, patch 16)": ((14, 14), (24, 24)),
+    "24->14 (down)": ((24, 24), (14, 14)),
+    "27->39 (stride 8: 224 -> 320)": ((27, 27), (39, 39)),
+    "14->(10,18) (non-square)": ((14, 14), (10, 18)),
+    "27->(31,20) (stride 8, non-square)": ((27, 27), (31, 20)),
+}
+
+
+@pytest.mark.parametrize("grids", list(GRIDS))
+def test_position_embeddings_resample_as_the_published_finetuning_does(grids):
+    old, new = GRIDS[grids]
+    pos = torch.randn(1, old[0] * old[1] + 1, 24, generator=torch.Generator().manual_seed(len(grids)))
+    got = resample_pos_embed(pos, old, new)
+    want = _published_resample(pos, old, new)
+    assert got.shape == (1, new[0] * new[1] + 1, 24)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(got[:, new[0] * new[1] // 2], pos[:, old[0] * old[1] // 2])  # the class token's, as it was
+    # control: `nearest` instead of bicubic differs by far more than the tolerance
+    assert (_published_resample(pos, old, new, mode="nearest") - want).abs().max() > 0.1
+
+
+def test_finetuning_into_another_class_count_resets_the_head_and_resamples():
+    from argparse import Namespace
+
+    from vim_ds.models import build_model, load_state_dict_into
+
+    kwargs = {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
+    torch.manual_seed(0)
+    source = build_model(Namespace(model="vim_tiny", model_kwargs=kwargs, input_size=32, drop=0.0, drop_path=0.0), 10)
+    target = build_model(Namespace(model="vim_tiny", model_kwargs=kwargs, input_size=48, drop=0.0, drop_path=0.0), 5)
+    load_state_dict_into(target, source.state_dict())  # strict: every other tensor is loaded
+    assert target.head.weight.shape == (5, 32)  # re-initialised for 5 classes, nothing of the 10-class head kept
+    assert not torch.equal(target.head.weight, source.head.weight[:5].detach())
+    torch.testing.assert_close(target.pos_embed, _published_resample(source.pos_embed.detach(), (8, 8), (12, 12)),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(target.layers[0].mixer.A_log, source.layers[0].mixer.A_log)  # the rest as it was
