@@ -25,7 +25,8 @@ import sys
 import pytest
 import torch
 
-from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, rerecord_checksums, run_train
+from train_utils import (QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, digits80, rerecord_checksums,
+                         run_train)
 
 pytestmark = pytest.mark.slow
 
@@ -63,16 +64,6 @@ TOLERANCE = {  # (precision kind, same rank count) -> {kind: tolerance}
 }
 
 
-def _digits80(digits: str, root) -> str:
-    """8 training and 3 validation images of each digit, from the suite's digits folder."""
-    for split, count in (("train", 8), ("val", 3)):
-        for cls in sorted(os.listdir(os.path.join(digits, split))):
-            os.makedirs(os.path.join(root, split, cls))
-            for name in sorted(os.listdir(os.path.join(digits, split, cls)))[:count]:
-                shutil.copy(os.path.join(digits, split, cls, name), os.path.join(root, split, cls, name))
-    return str(root)
-
-
 def _args(data, out, cfg, precision, *extra):
     return ["--data-set", "folder", "--data-path", data, "--output_dir", str(out), "--num_workers", "0",
             "--seed", "3", *TINY, *QUIET_AUG, "--no-repeated-aug", "--deepspeed_config", config(cfg),
@@ -104,7 +95,7 @@ def _check(resumed_out, straight_out, kind: str, same_ranks: bool, step=STEPS) -
 
 @pytest.fixture(scope="module")
 def data(digits, tmp_path_factory):
-    return _digits80(digits, tmp_path_factory.mktemp("digits80"))
+    return digits80(digits, tmp_path_factory.mktemp("digits80"))
 
 
 @pytest.fixture(scope="module")

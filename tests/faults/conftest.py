@@ -37,6 +37,13 @@ def start_train(args, nproc: int = 2, launcher: str = "deepspeed", env=None) -> 
                             text=True, env=train_env(env), cwd=ROOT, start_new_session=True)
 
 
+def complete_tags(out) -> list[str]:
+    """The complete checkpoints of the run in `out`, oldest first."""
+    from vim_ds.checkpoint.deepspeed_dir import complete_tags as tags
+
+    return tags(os.path.join(out, "checkpoints"))
+
+
 def steps_logged(out) -> int:
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.isfile(path):

@@ -7,16 +7,10 @@ import signal
 
 import pytest
 
-from conftest import STEPS, fault_args, finish, rank_pid, start_train, steps_logged, wait_for_step
+from conftest import STEPS, complete_tags, fault_args, finish, rank_pid, start_train, steps_logged, wait_for_step
 from train_utils import rel_diff, run_train, step_losses
 
 pytestmark = pytest.mark.slow
-
-
-def complete_tags(out) -> list[str]:
-    from vim_ds.checkpoint.deepspeed_dir import complete_tags as tags
-
-    return tags(os.path.join(out, "checkpoints"))
 
 
 def resume_and_compare(digits, out, reference, resumed_at: int, *extra) -> str:

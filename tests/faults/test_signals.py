@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -21,22 +20,16 @@ import time
 import psutil
 import pytest
 
-from conftest import finish, start_train, steps_logged, wait_for_step
-from train_utils import QUIET_AUG, ROOT, TINY, config, evals, run_train, train_env
+from conftest import complete_tags, finish, start_train, steps_logged, wait_for_step
+from train_utils import QUIET_AUG, ROOT, TINY, config, digits80, evals, run_train, train_env
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def digits80(digits, tmp_path_factory):
-    """8 training and 3 validation images per digit: 5 steps an epoch, an evaluation of 2 batches per rank."""
-    root = tmp_path_factory.mktemp("digits80")
-    for split, count in (("train", 8), ("val", 3)):
-        for cls in sorted(os.listdir(os.path.join(digits, split))):
-            os.makedirs(root / split / cls)
-            for name in sorted(os.listdir(os.path.join(digits, split, cls)))[:count]:
-                shutil.copy(os.path.join(digits, split, cls, name), root / split / cls / name)
-    return str(root)
+def small(digits, tmp_path_factory):
+    """80 training images (5 steps an epoch), an evaluation of 2 batches per rank."""
+    return digits80(digits, tmp_path_factory.mktemp("digits80"))
 
 
 def args(data, out, ranks: int, *extra) -> list[str]:
@@ -44,12 +37,6 @@ def args(data, out, ranks: int, *extra) -> list[str]:
             "--seed", "3", *TINY, *QUIET_AUG, "--deepspeed_config", config("zero2"), "--precision", "fp32",
             "--batch-size", str(16 // ranks), "--no-repeated-aug", "--epochs", "3", "--save-interval", "2",
             "--log-interval", "1", *extra]
-
-
-def complete_tags(out) -> list[str]:
-    from vim_ds.checkpoint.deepspeed_dir import complete_tags as tags
-
-    return tags(os.path.join(out, "checkpoints"))
 
 
 def launch(form: str, ranks: int, argv: list[str], env: dict):
@@ -89,11 +76,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_signal_at_any_phase_saves_one_checkpoint_and_stops_every_rank(digits80, tmp_path, case):
+def test_a_signal_at_any_phase_saves_one_checkpoint_and_stops_every_rank(small, tmp_path, case):
     form, ranks, name, to, fault, expected_step = CASES[case]
     out = tmp_path / "run"
     env = {"VIM_DS_INJECT": fault, "VIM_DS_INJECT_SIGNAL": name + (":rank" if to == "rank" else "")}
-    proc = launch(form, ranks, args(digits80, out, ranks), env)
+    proc = launch(form, ranks, args(small, out, ranks), env)
     waited, stdout, stderr = finish(proc, timeout=240)
     code = 128 + getattr(signal, name)
     if form in ("vim-ds", "python"):
@@ -120,7 +107,7 @@ def test_a_signal_at_any_phase_saves_one_checkpoint_and_stops_every_rank(digits8
         assert "global_step2" in complete_tags(out)
     assert not _left_over(proc.pid), "processes of the job are still running"
     if case == "python-1rank-SIGTERM-eval":  # the checkpoint continues the run where it stopped: the next epoch
-        resumed = run_train(args(digits80, out, 1, "--resume", "auto", "--max-steps", str(step + 1)))
+        resumed = run_train(args(small, out, 1, "--resume", "auto", "--max-steps", str(step + 1)))
         assert f"global_step{step} at epoch 1, step {step}" in resumed.stdout, resumed.stdout[-2000:]
 
 
@@ -136,12 +123,12 @@ def _left_over(session: int) -> list[psutil.Process]:
     return found
 
 
-def test_a_second_ctrl_c_stops_at_once_without_saving(digits80, tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_saving(small, tmp_path):
     """Ctrl-C at step 3 while the rank is stuck in that step (`hang@3`: a step that will not end), then Ctrl-C
     again 2 s later: the run stops at once with exit 130 and no step-3 checkpoint; global_step2 is what it names."""
     out = tmp_path / "run"
     env = {"VIM_DS_INJECT": "signal_in_step@3,hang@3", "VIM_DS_INJECT_SIGNAL": "SIGINT"}
-    proc = launch("python", 1, args(digits80, out, 1), env)
+    proc = launch("python", 1, args(small, out, 1), env)
     wait_for_step(proc, out, 2)
     deadline = time.monotonic() + 60
     while "global_step2" not in complete_tags(out) and time.monotonic() < deadline:
@@ -158,7 +145,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(digits80, tmp_path):
     assert not _left_over(proc.pid), "processes of the job are still running"
 
 
-def test_control_workers_that_die_of_the_signal_lose_the_run(digits80, tmp_path):
+def test_control_workers_that_die_of_the_signal_lose_the_run(small, tmp_path):
     """The fault these tests exist for, put back: data-loader workers that die of SIGTERM (a sitecustomize makes
     the trainer's workers keep the default action, as before the fix). SIGTERM to the process group while the rank
     waits for data then kills the worker making its batch, and the rank fails instead of saving: the checks above
@@ -175,7 +162,7 @@ def test_control_workers_that_die_of_the_signal_lose_the_run(digits80, tmp_path)
     env = {"VIM_DS_INJECT": "signal_in_train@81", "VIM_DS_INJECT_SIGNAL": "SIGTERM",
            "PYTHONPATH": os.pathsep.join([str(site), ROOT, os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "run"
-    proc = launch("python", 1, args(digits80, out, 1, "--data-timeout", "10"), env)
+    proc = launch("python", 1, args(small, out, 1, "--data-timeout", "10"), env)
     _, stdout, stderr = finish(proc, timeout=240)
     assert proc.returncode != 143, stdout[-2000:]
     assert "stopping on SIGTERM" not in stdout
