@@ -10,8 +10,6 @@ ZeRO-0. The model must have the checkpoint's parameter shapes.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..checkpoint.files import CheckpointError
@@ -26,13 +24,12 @@ def _optimizer(stage: int, precision: str) -> str:
     return ("ZeRO-3" if stage == 3 else "ZeRO-1/2") + (" bf16" if precision == "bf16" else "")
 
 
-def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, world_size: int) -> str | None:
+def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, universal: bool) -> str | None:
+    """`universal`: the run loads it through a universal checkpoint (decided by Trainer._plan_resume)."""
     saved_stage, saved_precision = int(saved.get("zero_stage") or 0), saved.get("precision")
     saved_world = saved.get("world_size")
     if saved_precision is None:
         return None  # not written by vim_ds's trainer: left to DeepSpeed
-    universal = os.path.isdir(os.path.join(tag_dir, "zero")) or (saved_world not in (None, world_size)
-                                                                 and saved_stage > 0)  # as Trainer._plan_resume
     both_1_or_2 = stage in (1, 2) and saved_stage in (1, 2)  # the universal format loads there in any precision
     if universal:
         if both_1_or_2 or stage == saved_stage == 3:
@@ -90,13 +87,14 @@ def _model_refusal(tag_dir: str, saved: dict, args, num_classes: int) -> str | N
             f"--model-kwargs, --input-size and data")
 
 
-def check(tag_dir: str, args, num_classes: int, ds, world_size: int) -> None:
+def check(tag_dir: str, args, num_classes: int, ds, universal: bool) -> None:
     """Raise CheckpointError (one line: what the checkpoint was saved by, what this run is, what to do) when this
-    run's DeepSpeed engine could not load the checkpoint in `tag_dir`."""
+    run's DeepSpeed engine could not load the checkpoint in `tag_dir` (`universal`: loaded as a universal
+    checkpoint, already one or converted for another rank count)."""
     from ..checkpoint.convert import client_state
 
     saved = client_state(tag_dir, mmap=True)
-    problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, world_size) or \
+    problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, universal) or \
         _model_refusal(tag_dir, saved, args, num_classes)
     if problem:
         raise CheckpointError(problem)

@@ -308,15 +308,17 @@ class Trainer:
                           f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
         from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
 
-        check(os.path.join(save_dir, tag), args, self.num_classes, self.ds, self.dist.world_size)
-        if os.path.isdir(os.path.join(save_dir, tag, "zero")):  # already universal (`vim-ds convert --universal`)
-            self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
-            return os.path.join(save_dir, tag)
-        marker = deepspeed_dir.read_marker(os.path.join(save_dir, tag)) \
-            if deepspeed_dir.is_complete(os.path.join(save_dir, tag)) else {}
+        tag_dir = os.path.join(save_dir, tag)
+        already_universal = os.path.isdir(os.path.join(tag_dir, "zero"))  # `vim-ds convert --universal`
+        marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
         saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
-        if saved_world in (None, self.dist.world_size) or not saved_stage:
-            return os.path.join(save_dir, tag)
+        to_convert = not already_universal and saved_world not in (None, self.dist.world_size) and bool(saved_stage)
+        check(tag_dir, args, self.num_classes, self.ds, universal=already_universal or to_convert)
+        if already_universal:
+            self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
+            return tag_dir
+        if not to_convert:
+            return tag_dir
         if self.dist.is_main:
             print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
                   f"converting it to a universal checkpoint for {self.dist.world_size}", flush=True)
