@@ -319,3 +319,38 @@ def test_converted_model_gives_the_logits_of_the_deepspeed_engine(config_run, di
     off = (file_logits(stale) - engine).abs().max().item()
     print(f"{name}: the step-{CONFIG_STEPS - 1} file's logits differ by {off:.3g}")
     assert off >= 10 * LOGITS_TOLERANCE, off
+
+
+@pytest.mark.slow
+def test_bench_convert_reports_memory_and_the_verification_of_every_checkpoint_file(config_run, tmp_path):
+    """`vim-ds bench convert --checkpoint RUN` on the shared ZeRO-3 run: the conversion's peak memory, and the time
+    to verify the checkpoint as resume, eval and convert do, over exactly the bytes of its files (the marker
+    aside). Control: a copy with one byte of a file changed is refused, naming the file."""
+    import json
+
+    from vim_ds.checkpoint.deepspeed_dir import MARKER
+
+    run = config_run("zero3")
+    tag_dir = os.path.join(run, "checkpoints", f"global_step{CONFIG_STEPS}")
+    on_disk = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tag_dir)
+                  for name in names if name != MARKER)
+    report = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", run,
+                           "--json", report], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["verified_bytes"] == on_disk > 0 and 0 < result["verify_seconds"] < 60, result
+    assert result["source"] == tag_dir and result["peak_bytes"] >= result["floor_bytes"] > 0, result
+    assert "checkpoint verification" in proc.stdout and f"{on_disk / 2**30:.2f} GiB" in proc.stdout, proc.stdout
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run, damaged, ignore=shutil.ignore_patterns(".vim_ds.lock"))
+    victim = sorted(glob.glob(str(damaged / "checkpoints" / f"global_step{CONFIG_STEPS}" / "*model_states.pt")))[0]
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", damaged],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0 and os.path.basename(victim) in proc.stderr, proc.stderr[-2000:]

@@ -6,7 +6,8 @@ model  a Vim training step vs timm's DeiT of the same size, eager and torch.comp
        inference (time and peak memory), each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
        (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
-convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size.
+convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size, and the
+         time to verify the checkpoint's files against their recorded checksums.
 """
 from __future__ import annotations
 
@@ -81,10 +82,12 @@ def main(argv=None) -> int:
     t.add_argument("--keep", metavar="DIR", help="keep each run's output directory as DIR/<config> (replaced if "
                    "present) [a temporary directory, removed]")
     t.add_argument("--json", metavar="FILE", help="also write the settings and every run's results as JSON")
-    c = sub.add_parser("convert", help="peak memory of `vim-ds convert` against the fp32 model size",
+    c = sub.add_parser("convert", help="peak memory of `vim-ds convert` against the fp32 model size, "
+                       "and the checkpoint verification's time",
                        description="Make a checkpoint (1 training step on synthetic data through torchrun), or take "
                        "--checkpoint, convert it in a fresh process and print its peak resident memory beside the "
-                       "fp32 size of the model.")
+                       "fp32 size of the model, and what verifying the checkpoint's files costs (as resume, eval "
+                       "and convert do before using it).")
     c.add_argument("--checkpoint", metavar="DIR", help="convert this checkpoint instead of training one")
     c.add_argument("--model", default="vim_base")
     c.add_argument("--input-size", type=int, default=64, help="training resolution (small: only the weights count)")

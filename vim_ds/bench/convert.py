@@ -19,7 +19,9 @@ def child(ckpt: str, out: str) -> dict:
         import deepspeed.utils.zero_to_fp32  # noqa: F401
     import torch
 
+    from ..checkpoint import deepspeed_dir
     from ..checkpoint.convert import convert
+    from ..checkpoint.files import CheckpointError
     from ..engine.trainer import peak_memory_mb
 
     def peak_bytes() -> int:  # this process's peak resident set so far, as the trainer's run summary reports it
@@ -27,9 +29,24 @@ def child(ckpt: str, out: str) -> dict:
 
     floor = peak_bytes()
     t0 = time.perf_counter()
-    summary = convert(ckpt, out)
-    return {"floor_bytes": floor, "peak_bytes": peak_bytes(), "seconds": time.perf_counter() - t0,
-            "parameters": summary["parameters"], "has_ema": summary["has_ema"], "source": summary["source"]}
+    try:
+        summary = convert(ckpt, out)
+    except CheckpointError as exc:  # one line for the parent to report
+        raise SystemExit(str(exc)) from None
+    seconds = time.perf_counter() - t0
+    # what resume, eval and convert pay before using a checkpoint: the sizes and CRC-32s of its files re-read and
+    # compared with its marker (convert above read them once, so this reads them from the page cache, as a resume
+    # soon after the save does)
+    tag_dir = summary["source"]
+    t0 = time.perf_counter()
+    problem = deepspeed_dir.damage(tag_dir)
+    verify_seconds = time.perf_counter() - t0
+    if problem:
+        raise SystemExit(problem)
+    checked = sum(size for size, _ in deepspeed_dir.read_marker(tag_dir).get("files", {}).values())
+    return {"floor_bytes": floor, "peak_bytes": peak_bytes(), "seconds": seconds, "verify_seconds": verify_seconds,
+            "verified_bytes": checked, "parameters": summary["parameters"], "has_ema": summary["has_ema"],
+            "source": tag_dir}
 
 
 def run_convert(args) -> dict:
@@ -66,5 +83,7 @@ def run_convert(args) -> dict:
           f"  peak RSS {r['peak_bytes'] / 2**20:.0f} MiB, of which {r['floor_bytes'] / 2**20:.0f} MiB is the "
           f"interpreter, torch and DeepSpeed before converting\n"
           f"  conversion's own peak: {(r['peak_bytes'] - r['floor_bytes']) / 2**20:.0f} MiB = "
-          f"{r['peak_over_fp32']:.2f} x the fp32 model size")
+          f"{r['peak_over_fp32']:.2f} x the fp32 model size\n"
+          f"  checkpoint verification (sizes and CRC-32s against vim_ds_complete.json, as resume, eval and convert "
+          f"do): {r['verify_seconds']:.2f} s for {r['verified_bytes'] / 2**30:.2f} GiB of files")
     return r
