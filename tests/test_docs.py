@@ -25,6 +25,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MODULES = {module: name for name, (module, _) in SUBCOMMANDS.items()}  # vim_ds.train -> train
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}  # fenced blocks read as commands (not python, not output)
 SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
+COMMAND_SPAN = re.compile(r"^(\w+=\S*\s+)*(vim-ds\b|python3? -m vim_ds|bash launch/|(deepspeed|torchrun|sbatch|srun) )")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -58,7 +59,7 @@ def inline_commands(prose: str):
     spans = []
     for match in SPAN.finditer(prose):
         code = " ".join(match.group(2).split())
-        if re.match(r"^(\w+=\S*\s+)*(vim-ds\b|python3? -m vim_ds|bash launch/|deepspeed |torchrun |sbatch |srun )", code):
+        if COMMAND_SPAN.match(code):
             spans.append((prose.count("\n", 0, match.start()) + 1, code))
     return spans
 
@@ -141,6 +142,8 @@ def check_module(module_name: str, args: list[str]) -> list[str]:
 
 
 def check_launch(path: str, args: list[str]) -> list[str]:
+    if placeholder(path):  # bash launch/...
+        return []
     script = REPO / path
     if not script.is_file():
         return [f"{path}: no such script"]
