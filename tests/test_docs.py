@@ -242,7 +242,7 @@ def link_problems(text: str, page: Path) -> list[str]:
         if re.match(r"^[a-z][a-z0-9+.-]*:|^//", target):  # https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        resolved = (page.parent / path).resolve()
+        resolved = (page.parent / path).resolve() if path else page
         where = f"{page.relative_to(REPO)}:{prose.count(chr(10), 0, match.start()) + 1}"
         if path and not resolved.exists():
             problems.append(f"{where}: link to {target}: no such file")
@@ -283,7 +283,7 @@ def test_the_checker_reports_each_kind_of_mistake():
         "NPROC=4 bash launch/single_node.sh --dry-run --model vim_tiny --no-such-flag",
         "```",
         "Evaluate with `vim-ds eval --resume CKPT --ema-only`; see [training](no_such_page.md) and",
-        "[the recipe](../README.md#no-such-heading).",
+        "[the recipe](../README.md#no-such-heading), [below](#no-such-section).",
     ])
     problems, _ = command_problems(text, "made_up.md")
     links = link_problems(text, page)
@@ -297,8 +297,9 @@ def test_the_checker_reports_each_kind_of_mistake():
         assert any(p.startswith(expected) for p in problems), (expected, problems)
     assert len(problems) == 7, problems
     assert [p.split(": ", 1)[1] for p in links] == [
-        "link to no_such_page.md: no such file", "link to ../README.md#no-such-heading: no heading "
-        "#no-such-heading in README.md"], links
+        "link to no_such_page.md: no such file",
+        "link to ../README.md#no-such-heading: no heading #no-such-heading in README.md",
+        "link to #no-such-section: no heading #no-such-section in made_up.md"], links
     # and what is right passes
     right = "\n".join(["## Comparing stages", "```bash",
                        "vim-ds zero-compare --model M --stages 0 1 2 3 [--baselines ddp fsdp] --out $OUT ...",
