@@ -33,23 +33,19 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 def split_page(text: str):
     """(prose with code blocks blanked, [(line, shell command line)]): continuation lines joined."""
-    prose, commands, fence, block, start = [], [], None, [], 0
+    prose, commands, fence, info, continued = [], [], None, "", False
     for number, line in enumerate(text.split("\n"), 1):
         opening = re.match(r"^\s*(```+|~~~+)\s*(\S*)", line)
         if fence is None and opening:
-            fence, info, block = opening.group(1), opening.group(2), []
+            fence, info, continued = opening.group(1), opening.group(2), False
         elif fence is not None and line.strip().startswith(fence):
             fence = None
-        elif fence is not None:
-            if info in SHELL_BLOCKS:
-                if not block or not block[-1][1].endswith("\\"):
-                    block.append((number, line.rstrip()))
-                    commands.append(block[-1])
-                else:  # a continuation line: one command with the line before
-                    block[-1] = (block[-1][0], block[-1][1][:-1] + " " + line.strip())
-                    commands[-1] = block[-1]
-            prose.append("")
-            continue
+        elif fence is not None and info in SHELL_BLOCKS:
+            if continued:  # one command with the line before
+                commands[-1] = (commands[-1][0], commands[-1][1][:-1] + " " + line.strip())
+            else:
+                commands.append((number, line.rstrip()))
+            continued = commands[-1][1].endswith("\\")
         prose.append(line if fence is None and not opening else "")
     return "\n".join(prose), commands
 
@@ -174,9 +170,9 @@ def check_tokens(tokens: list[str]) -> list[str]:
             if word in ("bash", "sh") and rest[:1] == ["-c"] and len(rest) > 1:
                 problems += check_tokens(tokens_of(rest[1]))
                 break
-            if word == "vim-ds" and not rest[:1] or word == "vim-ds" and rest[0].endswith(":"):
-                break  # `vim-ds`, or a message: `vim-ds train: error: ...`
             if word == "vim-ds":
+                if not rest or rest[0].endswith(":"):  # `vim-ds` alone, or a message: `vim-ds train: error: ...`
+                    break
                 if rest[0] in SUBCOMMANDS:
                     problems += check_module(SUBCOMMANDS[rest[0]][0], rest[1:])
                 elif not placeholder(rest[0]):
