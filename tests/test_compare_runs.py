@@ -251,9 +251,9 @@ def digits_args(digits, out, *extra):
 
 @pytest.mark.slow
 def test_zero3_on_two_ranks_matches_one_rank_with_accumulation_and_another_lr_is_flagged(digits, tmp_path, capsys):
-    """The README's recipe, for real: the reference (2 ranks, ZeRO-3) saves its initial weights; a run with another
-    layout of the same global batch of 16 (1 rank, micro batch 8 x accumulation 2, ZeRO-0) starts from them and
-    agrees to rounding; the same run with another learning rate (the negative control) is flagged."""
+    """docs/clusters.md's example, for real: the reference (2 ranks, ZeRO-3) saves its initial weights; a run with
+    another layout of the same global batch of 16 (1 rank, micro batch 8 x accumulation 2, ZeRO-0) starts from them
+    and agrees to rounding; the same run with another learning rate (the negative control) is flagged."""
     init = tmp_path / "init.pth"
     ref, same, other_lr = tmp_path / "zero3_2ranks", tmp_path / "zero0_1rank_accum2", tmp_path / "lr4e-3"
     run_train(digits_args(digits, ref, "--deepspeed_config", config("zero3"), "--batch-size", "8", "--lr", "2e-3",

@@ -263,7 +263,7 @@ def test_fx_feature_extraction_timm_and_torchvision():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchvision: train/eval graphs differ (stochastic depth)
         nodes = get_graph_node_names(m)[1]
-    # the residual stream after block i is the `add` node that follows block i (listed in the README)
+    # the residual stream after block i is the `add` node that follows block i (listed in docs/models.md)
     blocks = [f"add_{i + 1}" for i in range(3)]
     assert all(b in nodes for b in blocks) and "layers.0" not in nodes and "layers.0.mixer.ssm_branch_fn" in nodes
     for create_extractor in (create_feature_extractor, tv.create_feature_extractor):

@@ -22,7 +22,7 @@ def train(data, out, *extra, check=False, cfg="zero0"):
 
 
 def assert_one_line_error(proc, *words, code=2):
-    """The README's contract: bad input exits 2 (a run that failed while training exits 1)."""
+    """docs/training.md's contract: bad input exits 2 (a run that failed while training exits 1)."""
     assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     line = error_line(proc)
     assert line, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA (or AMD) GPU: build the GPU kernel, run the GPU tests and the GPU benchmarks.
 # Logs and JSON results go to $OUT (default gpu_results/). Each step has its own time limit so that one slow step
-# cannot eat the others; the README's performance section is written from these files.
+# cannot eat the others; docs/performance.md is written from these files.
 #
 #   bash tools/gpu_check.sh                 # everything
 #   STEPS="tests scan" bash tools/gpu_check.sh

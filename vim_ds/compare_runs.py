@@ -277,7 +277,7 @@ def labels_for(paths: list[str]) -> list[str]:
     return [s if short.count(s) == 1 else p for s, p in zip(short, paths)]
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0].split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[3:]))
@@ -286,6 +286,11 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="largest relative loss difference per step accepted (default %(default)g)")
     p.add_argument("--out", default="", help="write compare_runs.png/.csv/.md into this directory")
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         p.error("give at least two runs: the reference first, then the runs to compare with it")

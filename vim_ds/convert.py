@@ -8,7 +8,7 @@ import contextlib
 import sys
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds convert", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", metavar="CKPT_DIR", help="save directory (newest complete checkpoint), "
                    "tag directory (checkpoints/global_stepN) or training --output_dir")
@@ -20,6 +20,11 @@ def parse_args(argv):
     p.add_argument("--universal", action="store_true",
                    help="instead: write DeepSpeed's universal checkpoint next to it (<tag>_universal), which any "
                         "rank count can resume (vim-ds train does this by itself when the rank count changes)")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     if not args.universal and not args.out:
         p.error("OUT is required (or --universal)")

@@ -10,12 +10,16 @@ import sys
 import time
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vim-ds demo", description=__doc__)
     parser.add_argument("--model", default="vim_tiny", help="a Vim name or alias (default: vim_tiny)")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--input-size", type=int, default=224)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     import timm
     import torch

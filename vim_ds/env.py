@@ -70,10 +70,14 @@ def format_report(info: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vim-ds env", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0

@@ -12,6 +12,13 @@ import sys
 from typing import NoReturn
 
 
+def build_parser():
+    """`vim-ds train`'s parser under this command's name (main adds `--eval`)."""
+    from .train import build_parser
+
+    return build_parser(prog="vim-ds eval")
+
+
 def main(argv=None) -> NoReturn:
     from .engine import distributed
     from .train import parse_args, run

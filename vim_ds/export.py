@@ -22,7 +22,7 @@ def _key_value(text: str):
     return kv(text)
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds export", description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
@@ -35,7 +35,11 @@ def parse_args(argv):
                         "program returns the pooled features instead of logits")
     p.add_argument("--ema", action="store_true", help="export the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--static-batch", action="store_true", help="fix the batch size at 2 instead of dynamic")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def export(args) -> tuple[str, int, int]:

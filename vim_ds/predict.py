@@ -19,7 +19,7 @@ def _key_value(text: str):
     return kv(text)
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds predict", description=__doc__.split("\n\n")[0])
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--weights", required=True,
@@ -32,7 +32,11 @@ def parse_args(argv):
     p.add_argument("--classes", default=None, help="ImageFolder root (class folder names) or a file of names")
     p.add_argument("--ema", action="store_true", help="use the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--topk", type=int, default=5)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def class_names(spec: str | None, num_classes: int) -> list[str] | None:

@@ -359,7 +359,7 @@ def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dic
 
 # -- the command ------------------------------------------------------------------------------------------------
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds zero-compare", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE")
@@ -382,7 +382,11 @@ def parse_args(argv=None):
                         "the first step, so that the loss comparison sees real updates")
     p.add_argument("--timeout", type=float, default=None, help="seconds per configuration")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def _baseline_precision(precision: str) -> str:

@@ -3,7 +3,7 @@ preemption, `kill`, a launcher's tree kill) and SIGINT (Ctrl-C: the terminal sig
 group), to the whole process group of the job (launcher, ranks, data-loader workers, fork servers) or to one rank,
 arriving in a training step, while a rank waits for data, in an evaluation, or while a checkpoint is being saved.
 Every time the ranks save one complete checkpoint together and stop with one line and exit code 143 (SIGTERM) or
-130 (SIGINT), under each launch form the README shows (`vim-ds train`, `python -m vim_ds.train`, torchrun, the
+130 (SIGINT), under each launch form docs/training.md shows (`vim-ds train`, `python -m vim_ds.train`, torchrun, the
 deepspeed launcher; `launch/single_node.sh` in tests/test_launch.py), for 1 and 2 ranks; a second Ctrl-C stops at
 once without saving.
 

@@ -25,14 +25,7 @@ __all__ = ["DEFAULT_TRAIN_CONFIGS", "LOOP_OVERHEAD_GOAL", "MI210_FP32_FINETUNE_I
            "REFERENCE_SPEEDUP_GOAL", "error_line", "main", "reference_lines", "run_train_config", "summarise_metrics"]
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["_child"]:
-        print(json.dumps(model.child(json.loads(argv[1]))))
-        return 0
-    if argv[:1] == ["_convert_child"]:
-        print(json.dumps(convert.child(argv[1], argv[2])))
-        return 0
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vim-ds bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -96,6 +89,18 @@ def main(argv=None) -> int:
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
     c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_child"]:
+        print(json.dumps(model.child(json.loads(argv[1]))))
+        return 0
+    if argv[:1] == ["_convert_child"]:
+        print(json.dumps(convert.child(argv[1], argv[2])))
+        return 0
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.what == "convert":
         results = convert.run_convert(args)

@@ -60,7 +60,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vim-ds data digits",
         description="Write scikit-learn's 1,797 handwritten 8x8 digit images as PNG files in the ImageNet layout "
@@ -72,7 +72,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
