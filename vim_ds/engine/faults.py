@@ -21,6 +21,11 @@ workers included) sent by `signal_in_step@N` at the start of optimizer step N, `
 batch of the evaluation after step N, `signal_in_save@N` half-way through saving the step-N checkpoint, and
 `signal_in_train@N` by a training data-loader worker at its N-th sample, which it then takes 2 s over (the rank is
 waiting for data when the signal arrives).
+
+One recording hook, for tests/test_recipe_step.py (an independent reference of the training step replays what the
+trainer consumed): `VIM_DS_RECORD_BATCHES=DIR` makes every rank save each training micro batch as the loader
+delivered it (before Mixup), with the seed its micro step was seeded with, to `DIR/step{S}_micro{M}_rank{R}.pt`
+(S counts optimizer steps from 1). Off unless set.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ def _parse(text: str) -> set[tuple[str, int, int | None]]:
 
 
 _FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+_RECORD_DIR = os.environ.get("VIM_DS_RECORD_BATCHES", "")
 
 
 def active(name: str, step: int, rank: int) -> bool:
@@ -90,3 +96,14 @@ def signal_at(sample: int | None) -> tuple[int, int, int] | None:
         return None
     signum, rank_only = _signal_target()
     return sample, int(signum), os.getpid() if rank_only else 0
+
+
+def record_batch(step: int, micro: int, rank: int, seed: int, images, targets) -> None:
+    """Under VIM_DS_RECORD_BATCHES=DIR, save one micro batch (see the module docstring); otherwise nothing."""
+    if not _RECORD_DIR:
+        return
+    import torch
+
+    os.makedirs(_RECORD_DIR, exist_ok=True)
+    torch.save({"images": images.detach().cpu().clone(), "targets": targets.detach().cpu().clone(), "seed": seed},
+               os.path.join(_RECORD_DIR, f"step{step}_micro{micro}_rank{rank}.pt"))

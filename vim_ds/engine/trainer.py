@@ -337,7 +337,9 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------------------------
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
-        seed_everything(derived_seed(self.args.seed, self.step, micro, self.dist.rank))  # Mixup, drop path
+        seed = derived_seed(self.args.seed, self.step, micro, self.dist.rank)
+        seed_everything(seed)  # Mixup, drop path
+        faults.record_batch(self.step + 1, micro, self.dist.rank, seed, images, targets)  # VIM_DS_RECORD_BATCHES
         if micro == 0 and faults.active("signal_in_step", self.step + 1, self.dist.rank):
             faults.send_signal()
         if micro == 0 and faults.active("hang", self.step + 1, self.dist.rank):
