@@ -73,6 +73,10 @@ def test_broken_files_are_skipped_counted_and_named(small, tmp_path):
     empty = [line for line in proc.stderr.splitlines() if "has no image files" in line]
     assert len(empty) == 1 and str(small / "val" / "9") in empty[0], proc.stderr
     assert "validation top-1" in proc.stdout
+    # what train_args asks besides (tests/README.md, the option audit): no EMA (--no-model-ema), a log line for
+    # every step (--log-interval 1; the default prints every 10th and the last)
+    assert not any("ema_eval_acc1" in r for r in records(out)) and ", EMA " not in proc.stdout
+    assert all(f" step {n}/15 " in proc.stdout for n in range(1, 16)), proc.stdout[-3000:]
 
     # the empty validation folder keeps its class index, and the classes after it theirs (no silent shift)
     from vim_ds.data import build_dataset
