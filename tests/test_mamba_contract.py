@@ -130,9 +130,10 @@ def rel_err(got, want):
 # Bounds: float64 as tests/test_selective_scan.py (gradients 1e-9, which covers its forward's 1e-10); float32 2e-4
 # as there. bf16 / fp16: the error beyond rounding the float64 result once to the output's dtype, as there (the
 # kernels compute in float32 and round each result once; fp16 on the CPU runs the float32 kernel). Measured on the
-# CPU kernel over 30 seeds x every form at these shapes: <= 1.1e-6 (bf16), <= 1.6e-6 (fp16; the float32 gradients
-# of sliced or broadcast B / C are sums over slices, batch and time), so 5e-6; the last state (float32 for every
-# low-precision input) <= 3.3e-7 relative, so 2e-6. Every negative control errs by >= 0.27 on every seed measured.
+# CPU kernel over 150 seeds x every form at these shapes (2026-11-25; 30 seeds had said 1.6e-6): <= 1.7e-7 on the
+# bf16/fp16 results, <= 1.9e-6 (p99 7.1e-7) on the float32 gradients (dA, dD, ddelta_bias: sums over batch and time),
+# so 5e-6; the last state (float32 for every low-precision input) <= 6.8e-7 relative (p99 4.5e-7), so 2e-6. Every
+# negative control errs by >= 0.27 on every seed measured.
 LOW_EXCESS = 5e-6
 LOW_LAST = 2e-6
 PRECISIONS = {torch.float64: (rel_err, 1e-9, 1e-10), torch.float32: (rel_err, 2e-4, LOW_LAST),
@@ -203,7 +204,7 @@ def test_gpu_every_form(forms, dtype, seed):
     dout = torch.randn(BATCH, DIM, SEQLEN, dtype=torch.float64, device="cuda").to(dtype)
     err, bound, last_rtol = PRECISIONS[dtype]
     if dtype in (torch.bfloat16, torch.float16):
-        bound = GPU_BF16_EXCESS
+        bound = max(GPU_BF16_EXCESS)  # one bound for the bf16/fp16 and the float32 results alike
     for reverse in (False, True):
         got = run(on_backend("cuda"), inputs, dout, reverse)
         check_against_reference(got, inputs, dout, reverse, err, bound, last_rtol)
