@@ -83,12 +83,19 @@ def extensions():
 
 
 class BuildPyWithSources(build_py):
-    """Ship csrc/ inside the package, so an installed vim_ds can JIT-build a kernel that failed to build here."""
+    """Ship csrc/ inside the package, so an installed vim_ds can JIT-build a kernel that failed to build here; and
+    the DeepSpeed configs of ds_configs/ (their source) as vim_ds/ds_configs/, so `--deepspeed_config zero2` and
+    `vim-ds configs` work wherever the package is installed (vim_ds/engine/shipped_configs.py)."""
 
     def run(self):
         super().run()
         target = os.path.join(self.build_lib, "vim_ds", "csrc")
         shutil.copytree(os.path.join(ROOT, "csrc"), target, dirs_exist_ok=True)
+        configs = os.path.join(self.build_lib, "vim_ds", "ds_configs")
+        os.makedirs(configs, exist_ok=True)
+        for name in sorted(os.listdir(os.path.join(ROOT, "ds_configs"))):
+            if name.endswith(".json"):
+                shutil.copyfile(os.path.join(ROOT, "ds_configs", name), os.path.join(configs, name))
 
 
 def cmdclass():

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "zero-compare": ("vim_ds.zero_compare", "ZeRO stages side by side: model-state bytes per rank vs theory"),
     "compare-runs": ("vim_ds.compare_runs", "loss curves of runs (clusters, vendors, layouts) vs a reference run"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
+    "configs": ("vim_ds.configs", "the DeepSpeed configs shipped with vim_ds (--deepspeed_config NAME), and copies"),
     "data": ("vim_ds.data", "datasets: write the digits ImageFolder (vim-ds data digits --out DIR)"),
 }
 

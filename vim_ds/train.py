@@ -30,8 +30,6 @@ def _key_value(text: str):
 
 
 def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
-    import deepspeed
-
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
@@ -143,8 +141,24 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
                         "save no checkpoints and keep no EMA: --resume, --save-interval and --model-ema are refused")
     g.add_argument("--local_rank", "--local-rank", type=int, default=-1, dest="local_rank",
                    help="set by the deepspeed launcher")
-    deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
+    add_deepspeed_arguments(p)
     return p
+
+
+def add_deepspeed_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `deepspeed.add_config_arguments` adds (the same names, defaults and types:
+    tests/test_configs.py holds them against DeepSpeed's), written here so that `vim-ds train` parses and checks
+    its command line without importing DeepSpeed: a typo is reported in seconds."""
+    from .engine.shipped_configs import DEFAULT
+
+    g = p.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    g.add_argument("--deepspeed", default=False, action="store_true",
+                   help="accepted for DeepSpeed's launchers and scripts; vim_ds always runs DeepSpeed")
+    g.add_argument("--deepspeed_config", default=None, type=str, metavar="NAME|FILE",
+                   help=f"a DeepSpeed JSON config file, or the name of one shipped with vim_ds (`vim-ds configs` "
+                        f"lists them) [{DEFAULT}, said at the start of the run]")
+    g.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
 
 
 # What a numeric option's value must be, as the error says it, and the test of it.
@@ -211,6 +225,11 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     problem = range_error(args)
     if problem:
         parser.error(problem)
+    if args.deepscale_config:  # DeepSpeed's deprecated spelling, which its own scripts may still pass
+        if args.deepspeed_config and args.deepspeed_config != args.deepscale_config:
+            parser.error(f"--deepscale_config {args.deepscale_config} and --deepspeed_config {args.deepspeed_config} "
+                         f"disagree: pass --deepspeed_config alone")
+        args.deepspeed_config = args.deepscale_config
     if args.dist_timeout <= 0:
         parser.error(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     if args.data_timeout is None:
@@ -244,12 +263,18 @@ def run(args, prog: str = "vim-ds train") -> int:
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
-    from .engine import distributed, output_dir, signals
+    from .engine import distributed, output_dir, preflight, signals
     from .engine.checkpointing import SaveError
     from .engine.init_weights import first_line
     from .engine.signals import StopRequested
     from .engine.trainer import Trainer, TrainingError
 
+    rank = os.environ.get("RANK", "0")
+    try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
+        preflight.check(args, is_main=rank == "0")
+    except (ValueError, CheckpointError) as exc:
+        print(f"{prog}: error (rank {rank}): {first_line(exc)}", file=sys.stderr, flush=True)
+        return 2
     try:
         dist_info = distributed.setup(args.local_rank, args.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line

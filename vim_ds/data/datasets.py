@@ -290,15 +290,27 @@ def _checked_split(root, split: str) -> list:
     return classes
 
 
-def _folder_dataset(root: str, is_train: bool, transform) -> FolderDataset:
-    split = "train" if is_train else "val"
-    train_classes = _checked_split(root, "train")
-    classes = train_classes if is_train else _checked_split(root, "val")
+def check_layout(root: str, need_train: bool = True) -> None:
+    """The ImageNet layout's folders, without listing an image: root/train/<class>/ (when `need_train`) and
+    root/val/<class>/, the same class folders in both; a DataError with the one-line cause otherwise."""
+    classes = _checked_split(root, "val")
+    if need_train:
+        _same_classes(root, _checked_split(root, "train"), classes)
+
+
+def _same_classes(root: str, train_classes: list, classes: list) -> None:
     if classes != train_classes:  # both sorted: equal sets give equal lists
         first = sorted(set(train_classes) ^ set(classes))[0]
         has, lacks = ("train", "val") if first in train_classes else ("val", "train")
         raise DataError(f"class folders of {os.path.join(root, 'train')} and {os.path.join(root, 'val')} differ: "
                         f"{first!r} is in {has}/ but not in {lacks}/")
+
+
+def _folder_dataset(root: str, is_train: bool, transform) -> FolderDataset:
+    split = "train" if is_train else "val"
+    train_classes = _checked_split(root, "train")
+    classes = train_classes if is_train else _checked_split(root, "val")
+    _same_classes(root, train_classes, classes)
     dataset = FolderDataset(os.path.join(root, split), transform)
     if dataset.ignored_files and _is_rank0():
         log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",

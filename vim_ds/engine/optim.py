@@ -41,3 +41,11 @@ class PerStepScheduler:
     def load_state_dict(self, state: dict):
         self.num_updates = int(state["num_updates"])
         self.schedule.step_update(self.num_updates)
+
+
+def ds_auto_values(args, batch) -> dict:
+    """The command line's values for a DeepSpeed config's "auto" entries ({dotted.path: value}), the lr scaled to
+    the resolved global batch (`batch`: ds_config.BatchSizes)."""
+    return {"optimizer.params.lr": scaled_lr(args.lr, batch.global_, args.unscale_lr),
+            "optimizer.params.weight_decay": args.weight_decay, "optimizer.params.betas": list(args.opt_betas),
+            "optimizer.params.eps": args.opt_eps, "gradient_clipping": args.clip_grad or 0.0}

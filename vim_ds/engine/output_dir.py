@@ -94,6 +94,25 @@ def _unwritable(save_dir: str) -> str | None:
     return None
 
 
+def _earlier_run(args) -> str | None:
+    newest = None if args.resume else _earlier_checkpoints(args.output_dir)
+    if newest:
+        return (f"{args.output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
+                f"--resume auto, or start anew with another --output_dir")
+    return None
+
+
+def check(args) -> str | None:
+    """Why `args.output_dir` cannot take this run (an earlier run's checkpoints without --resume; not writable),
+    or None: what `claim` finds, without taking the lock, for any rank to tell before the process group exists."""
+    if not args.output_dir or args.eval:
+        return None
+    problem = _earlier_run(args)
+    if problem or getattr(args, "engine", "deepspeed") != "deepspeed":  # the baselines save nothing
+        return problem
+    return _unwritable(os.path.join(args.output_dir, "checkpoints"))
+
+
 def claim(args, dist_info) -> None:
     """Refuse (ValueError, on every rank) a folder holding another run's checkpoints, in use by a live run, or
     where checkpoints cannot be written (found now, not at the first save after hours of training)."""
@@ -102,11 +121,8 @@ def claim(args, dist_info) -> None:
         return
     error = None
     if dist_info.is_main:
-        newest = None if args.resume else _earlier_checkpoints(output_dir)
-        if newest:
-            error = (f"{output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
-                     f"--resume auto, or start anew with another --output_dir")
-        else:
+        error = _earlier_run(args)
+        if not error:
             try:
                 error, note = _lock(output_dir)
             except OSError as exc:

@@ -89,7 +89,7 @@ class Trainer:
         from .ds_config import prepare_ds_config
         from .ema import ShardedEMA
         from .checkpointing import Checkpointer
-        from .optim import PerStepScheduler, scaled_lr
+        from .optim import PerStepScheduler, ds_auto_values
 
         self.args, self.dist = args, dist_info
         self.device = dist_info.device
@@ -100,10 +100,9 @@ class Trainer:
         self.num_classes = num_classes
 
         def auto_values(batch):
-            self.lr = scaled_lr(args.lr, batch.global_, args.unscale_lr)
-            return {"optimizer.params.lr": self.lr, "optimizer.params.weight_decay": args.weight_decay,
-                    "optimizer.params.betas": list(args.opt_betas), "optimizer.params.eps": args.opt_eps,
-                    "gradient_clipping": args.clip_grad or 0.0}
+            values = ds_auto_values(args, batch)
+            self.lr = values["optimizer.params.lr"]
+            return values
 
         if not args.deepspeed_config:
             raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")

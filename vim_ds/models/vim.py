@@ -196,7 +196,7 @@ class VisionMamba(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(p=drop_rate)
 
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]  # stochastic depth per mixer
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]  # cpu: also under meta
         ssm_cfg = dict(ssm_cfg or {})
         self.layers = nn.ModuleList([
             Block(embed_dim,

@@ -1,0 +1,237 @@
+"""The DeepSpeed configs that travel with the package (`--deepspeed_config NAME`, `vim-ds configs`), and bad input
+reported before the process group or DeepSpeed starts (vim_ds/engine/preflight.py)."""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from train_utils import QUIET_AUG, ROOT, TINY
+
+SHIPPED = sorted(name[:-len(".json")] for name in os.listdir(os.path.join(ROOT, "ds_configs")) if name.endswith(".json"))
+
+
+def vim_ds(*args, cwd=ROOT, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_configs_lists_every_shipped_file_with_what_it_holds():
+    proc = vim_ds("configs")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert sorted(lines) == SHIPPED
+    for name, line in lines.items():
+        with open(os.path.join(ROOT, "ds_configs", f"{name}.json")) as f:
+            config = json.load(f)
+        assert f"ZeRO-{config['zero_optimization']['stage']}" in line, line
+    assert "bf16" in lines["zero2"] and "[the default]" in lines["zero2"]
+    assert "fp16" in lines["zero2_fp16"] and "autocast-bf16" in lines["zero3_autocast"]
+    assert "parameters and optimizer states offloaded" in lines["zero3_offload"]
+    assert "optimizer states offloaded" in lines["zero2_offload"] and "offloaded" not in lines["zero2"]
+
+
+def test_configs_write_copies_them_and_never_replaces_a_file(tmp_path):
+    out = tmp_path / "mine"
+    proc = vim_ds("configs", "--write", out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [f"{name}.json" for name in SHIPPED]
+    for name in SHIPPED:
+        assert filecmp.cmp(out / f"{name}.json", os.path.join(ROOT, "ds_configs", f"{name}.json"), shallow=False)
+    (out / "zero2.json").write_text("{}")  # the user's edit
+    proc = vim_ds("configs", "--write", out)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "already holds" in proc.stderr and (out / "zero2.json").read_text() == "{}"
+
+
+def test_a_name_resolves_to_the_shipped_file_and_a_path_wins(tmp_path, monkeypatch):
+    from vim_ds.engine.shipped_configs import resolve
+
+    for given in ("zero3_offload", "zero3_offload.json", "ds_configs/zero3_offload.json"):
+        monkeypatch.chdir(tmp_path)  # outside the repository: no ds_configs/ folder here
+        assert filecmp.cmp(resolve(given), os.path.join(ROOT, "ds_configs", "zero3_offload.json"), shallow=False)
+    (tmp_path / "zero2").write_text("{}")  # a file of the same name in the working folder is the user's file
+    assert resolve("zero2") == "zero2"
+    with pytest.raises(ValueError, match=r"^DeepSpeed config not found: zero9 .*shipped: zero0, zero1"):
+        resolve("zero9")
+    with pytest.raises(ValueError, match="not found"):
+        resolve("elsewhere/zero2.json")  # a path into another folder is a path, not a name
+
+
+def test_our_deepspeed_options_are_deepspeeds():
+    """vim-ds train defines DeepSpeed's four options itself (so that it parses without importing DeepSpeed): the
+    same option strings, defaults, types and actions as deepspeed.add_config_arguments."""
+    import deepspeed
+
+    from vim_ds.train import add_deepspeed_arguments
+
+    def options(parser):
+        return {a.dest: (tuple(a.option_strings), a.default, a.type, type(a).__name__) for a in parser._actions
+                if a.dest != "help"}
+
+    ours, theirs = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_deepspeed_arguments(ours)
+    deepspeed.add_config_arguments(theirs)
+    assert options(ours) == options(theirs)
+
+
+def test_deepscale_config_is_read_as_deepspeeds_deprecated_spelling():
+    from vim_ds.train import parse_args
+
+    assert parse_args(["--deepscale_config", "zero3"]).deepspeed_config == "zero3"
+    assert parse_args(["--deepscale_config", "zero3", "--deepspeed_config", "zero3"]).deepspeed_config == "zero3"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--deepscale_config", "zero3", "--deepspeed_config", "zero1"])
+    assert exit_.value.code == 2
+
+
+# -- fail fast --------------------------------------------------------------------------------------------------
+
+# The trainer's entry as a launcher runs it, then what had happened by the time it returned. VIM_DS_NO_PREFLIGHT=1
+# (the negative control) replaces the preflight checks with nothing, as if they did not exist.
+DRIVER = r'''
+import gc, json, os, sys
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+started = []
+def recording(real):
+    def init_process_group(*args, **kwargs):
+        started.append(1)
+        return real(*args, **kwargs)
+    return init_process_group
+dist.init_process_group = c10d.init_process_group = recording(c10d.init_process_group)
+import vim_ds.train as train
+if os.environ.get("VIM_DS_NO_PREFLIGHT"):
+    import vim_ds.engine.preflight as preflight
+    preflight.check = lambda args, is_main: None
+rc = train.run(train.parse_args(sys.argv[1:]))
+engines = [o for o in gc.get_objects() if type(o).__name__ in ("DeepSpeedEngine", "Trainer")]
+print("RESULT " + json.dumps({"rc": rc, "deepspeed_imported": "deepspeed" in sys.modules,
+                              "process_group": bool(started), "engines": len(engines)}))
+'''
+
+
+def _earlier_run(tmp_path):
+    out = tmp_path / "earlier"
+    (out / "checkpoints" / "global_step4").mkdir(parents=True)
+    return out
+
+
+# (case, extra arguments, the error's words, whether the check needs DeepSpeed's own config schema)
+BAD_INPUT = [
+    ("config name", lambda p: ["--deepspeed_config", "zero9"], "DeepSpeed config not found: zero9", False),
+    ("config JSON", lambda p: ["--deepspeed_config", _write(p / "bad.json", '{"zero_optimization": {"stage": 5}')],
+     "invalid JSON", False),
+    ("config type", lambda p: ["--deepspeed_config",
+                               _write(p / "t.json", '{"zero_optimization": {"stage": "two"}}')], "stage", True),
+    ("data path", lambda p: ["--data-set", "folder", "--data-path", p / "nowhere"], "does not exist", False),
+    ("data layout", lambda p: ["--data-set", "folder", "--data-path", _mkdir(p / "d" / "train" / "a")],
+     "val is missing", False),
+    ("model name", lambda p: ["--model", "vim_huge"], "unknown model 'vim_huge'", False),
+    ("model kwargs", lambda p: ["--model-kwargs", "depth=2", "bogus=3"], "unexpected keyword argument 'bogus'",
+     False),
+    ("finetune file", lambda p: ["--finetune", p / "no.pth"], "--finetune", False),
+    ("resume path", lambda p: ["--resume", p / "no_run"], "--resume", False),
+    ("earlier run", lambda p: ["--output_dir", _earlier_run(p)], "holds the checkpoints of an earlier run", False),
+    ("unwritable", lambda p: ["--output_dir", _write(p / "a_file", "") / "run"], "cannot write checkpoints",
+     False),  # a file in the way (a read-only folder would not stop root, who runs CI)
+]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _mkdir(path):
+    path.mkdir(parents=True)
+    return path.parent.parent
+
+
+def _drive(tmp_path, extra, env=None):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    base = ["--data-set", "synthetic", "--synthetic-size", 16, "--nb-classes", 4, *TINY, *QUIET_AUG,
+            "--batch-size", 4, "--max-steps", 1, "--num_workers", 0, "--deepspeed_config", "zero0", "--precision",
+            "fp32", "--output_dir", tmp_path / "run"]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), *map(str, base), *map(str, extra)], capture_output=True,
+                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                          timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT "):]), proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("case,extra,words,needs_deepspeed", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_before_the_process_group_and_deepspeed(tmp_path, case, extra, words,
+                                                                      needs_deepspeed):
+    """Each is refused with exit 2 and one error line, with no process group and no DeepSpeed engine; all but a
+    config whose values DeepSpeed's own schema checks also before DeepSpeed is imported at all."""
+    result, proc, seconds = _drive(tmp_path, extra(tmp_path))
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert result["rc"] == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("vim-ds train: error (rank 0): ") and words in errors[0], errors
+    assert not result["process_group"] and not result["engines"], result
+    assert result["deepspeed_imported"] == needs_deepspeed, result
+    print(f"{case}: refused {seconds:.2f} s after the start of the process: {errors[0]}")
+
+
+def test_control_without_the_checks_the_same_error_comes_after_the_process_group(tmp_path):
+    """The negative control of the test above: with the preflight checks taken out, a missing data path is still
+    refused (by the trainer), but only once DeepSpeed is imported and the process group is up."""
+    result, proc, _ = _drive(tmp_path, ["--data-set", "folder", "--data-path", tmp_path / "nowhere"],
+                             env={"VIM_DS_NO_PREFLIGHT": "1"})
+    assert result["rc"] == 2 and "does not exist" in proc.stderr, proc.stderr[-2000:]
+    assert result["deepspeed_imported"] and result["process_group"], result
+
+
+def test_without_deepspeed_config_the_default_is_said_and_trains(tmp_path):
+    result, proc, _ = _drive(tmp_path, ["--deepspeed_config", ""])
+    assert result["rc"] == 0, proc.stderr[-3000:]
+    assert "note: no --deepspeed_config given: using the shipped zero2 (" in proc.stdout
+    assert "ZeRO-2" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_wheel_outside_the_repository_trains_from_a_shipped_name(tmp_path):
+    """`pip wheel` of the repository, installed with `pip install --target` (the project's dependencies are
+    those of this environment; a fresh venv would download torch), run from a folder outside the repository:
+    `vim-ds configs` lists the wheel's copies and `--deepspeed_config zero1` trains from the wheel's file. The
+    kernels are not built (VIM_DS_BUILD_CPU=0: the configs do not depend on them; the scan falls back to the
+    reference). The source is copied first so that nothing built earlier in the checkout (build/) goes in."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.so", "__pycache__",
+                                                                 "*.egg-info", ".pytest_cache", "output"))
+    env = {**os.environ, "VIM_DS_BUILD_CPU": "0", "VIM_DS_BUILD_GPU": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "wheels")], cwd=source, capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").iterdir()
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                           str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {"PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
+    where = subprocess.run([sys.executable, "-c", "import vim_ds; print(vim_ds.__file__)"], capture_output=True,
+                           text=True, cwd=work, env={**os.environ, **env})
+    assert where.stdout.strip() == str(site / "vim_ds" / "__init__.py"), (where.stdout, where.stderr[-2000:])
+    listed = vim_ds("configs", cwd=work, env=env)
+    assert listed.returncode == 0 and str(site / "vim_ds" / "ds_configs") in listed.stdout, listed.stderr
+    assert sorted(line.split()[0] for line in listed.stdout.splitlines()[1:]) == SHIPPED
+    run = vim_ds("train", "--deepspeed_config", "zero1", "--precision", "fp32", "--data-set", "synthetic",
+                 "--synthetic-size", 16, "--nb-classes", 4, *TINY, *QUIET_AUG, "--batch-size", 4, "--max-steps", 1,
+                 "--num_workers", 0, "--output_dir", work / "run", cwd=work, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"DeepSpeed config: zero1 = {site / 'vim_ds' / 'ds_configs' / 'zero1.json'}" in run.stdout, run.stdout
+    assert "ZeRO-1" in run.stdout

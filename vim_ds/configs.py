@@ -1,0 +1,56 @@
+"""`vim-ds configs` = `python -m vim_ds.configs`: the DeepSpeed configs that ship with vim_ds.
+
+    vim-ds configs                 # one line each: name, ZeRO stage, precision, offload
+    vim-ds configs --write DIR     # copy them to DIR to edit; then --deepspeed_config DIR/zero2.json
+
+`vim-ds train --deepspeed_config NAME` takes a shipped name as well as a path.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+
+def build_parser(prog: str = "vim-ds configs") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", metavar="DIR", default="",
+                   help="copy the shipped configs into DIR (created if missing; existing files are not replaced)")
+    return p
+
+
+def main(argv=None, prog: str = "vim-ds configs") -> int:
+    from .engine.shipped_configs import DEFAULT, describe, shipped, shipped_dir
+
+    args = build_parser(prog).parse_args(argv)
+    configs = shipped()
+    if not configs:
+        print(f"{prog}: error: no shipped DeepSpeed configs found (looked for vim_ds/ds_configs/ and the source "
+              f"checkout's ds_configs/): reinstall vim_ds", file=sys.stderr)
+        return 2
+    if args.write:
+        try:
+            os.makedirs(args.write, exist_ok=True)
+            existing = [name for name in configs if os.path.exists(os.path.join(args.write, f"{name}.json"))]
+            if existing:
+                print(f"{prog}: error: {args.write} already holds {', '.join(f'{n}.json' for n in existing)}; "
+                      f"nothing was written (move them away or give another folder)", file=sys.stderr)
+                return 2
+            for name, path in configs.items():
+                shutil.copyfile(path, os.path.join(args.write, f"{name}.json"))
+        except OSError as exc:
+            print(f"{prog}: error: cannot write to {args.write}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(configs)} DeepSpeed configs to {args.write}: {', '.join(configs)}")
+        return 0
+    width = max(map(len, configs))
+    print(f"DeepSpeed configs shipped with vim_ds ({shipped_dir()}); pass one as --deepspeed_config NAME:")
+    for name, path in configs.items():
+        default = "  [the default]" if name == DEFAULT else ""
+        print(f"  {name:<{width}}  {describe(path)}{default}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
