@@ -202,6 +202,7 @@ def test_bounds_take_the_busiest_unit_and_predictions_cover_the_bench():
             assert 0 < b["fwd_ms"] < b["fwd_bwd_ms"]
             assert b["fwd_bwd_ms"] == pytest.approx(b["fwd_ms"] + b["bwd_ms"])
     assert m.gpu_for_device("NVIDIA H100 80GB HBM3") is h100
-    assert m.gpu_for_device("NVIDIA H100 PCIe") is None and m.gpu_for_device("NVIDIA H200") is None
+    assert m.gpu_for_device("NVIDIA H100 PCIe") is None and m.gpu_for_device("AMD Instinct MI210") is None
+    assert m.gpu_for_device("NVIDIA H200").name == "H200 SXM"
     assert m.gpu_for_device("AMD Instinct MI300X").name == "MI300X"
     assert m.compare(2.0, 0.5) == 4.0 and m.compare(None, 0.5) is None

@@ -1,5 +1,6 @@
 """A performance model of the selective scan on paper: the bytes each kernel must move at the least, its
-exponentials and FMAs, and from them a lower bound on its time on a GPU of published peak rates.
+exponentials and FMAs, and from them a lower bound on its time on a GPU of published peak rates (H100 SXM,
+MI250X (one GCD), MI300X, and the H200 SXM, which this project's GPU sessions may get).
 
 What is counted (Vim's call: D, z, delta_bias and softplus present; B and C input-dependent; the reasoning is in
 the "Performance model" paragraph of ``csrc/selective_scan_kernel.cuh``):
@@ -69,6 +70,8 @@ GPUS = (
     GPU("H100 SXM", 3.35e12, 67e12, 67e12 / 2 / 8,
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 3.35 TB/s HBM3, FP32 67 TFLOPS); exp at 1/8 of the "
         "FMA rate (CUDA C++ Programming Guide, throughput table, cc 9.0)"),
+    GPU("H200 SXM", 4.8e12, 67e12, 67e12 / 2 / 8,
+        "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: 4.8 TB/s HBM3e, FP32 67 TFLOPS); exp as on the H100"),
     GPU("MI250X (one GCD)", 3.2768e12 / 2, 95.7e12 / 2, 110 * 64 * 1.7e9 / 4,
         "AMD Instinct MI250X datasheet (3.2768 TB/s HBM2e, packed FP32 95.7 TFLOPS, 220 CUs at 1.7 GHz, for two "
         "GCDs: halved here); exp at a quarter of the lane rate, 110 CUs x 64 x 1.7 GHz / 4"),
@@ -79,15 +82,20 @@ GPUS = (
 
 
 def gpu_for_device(device_name: str):
-    """The modelled GPU that a torch.cuda device name denotes, or None (an H100 PCIe, an H200, ... are not
-    modelled: their bandwidth differs from the SXM part's)."""
+    """The modelled GPU that a torch.cuda device name denotes, or None (an H100 PCIe or NVL, an MI210, ... are
+    not modelled: their bandwidth and rates differ)."""
     n = device_name.lower()
-    if "h100" in n and "pcie" not in n and "nvl" not in n:
-        return GPUS[0]
-    if "mi250x" in n or "mi250" in n:
-        return GPUS[1]
+    by_name = {g.name: g for g in GPUS}
+    if "pcie" in n or "nvl" in n:
+        return None
+    if "h100" in n:
+        return by_name["H100 SXM"]
+    if "h200" in n:
+        return by_name["H200 SXM"]
+    if "mi250x" in n:
+        return by_name["MI250X (one GCD)"]
     if "mi300x" in n:
-        return GPUS[2]
+        return by_name["MI300X"]
     return None
 
 
