@@ -206,3 +206,28 @@ def test_bounds_take_the_busiest_unit_and_predictions_cover_the_bench():
     assert m.gpu_for_device("NVIDIA H200").name == "H200 SXM"
     assert m.gpu_for_device("AMD Instinct MI300X").name == "MI300X"
     assert m.compare(2.0, 0.5) == 4.0 and m.compare(None, 0.5) is None
+
+
+def test_the_kernel_comment_quotes_the_models_bounds():
+    """The "Performance model" paragraph of csrc/selective_scan_kernel.cuh quotes the bounds; they must stay the
+    model's (a change to the model or the rates without the comment fails here)."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
+                        "selective_scan_kernel.cuh")
+    text = open(path).read()
+    assert "// Performance model" in text
+    row = re.compile(r"^//\s+(?:B=(\d+)\s+D=(\d+)\s+L=(\d+))?\s+(fp32|bf16)\s+" + r"\s+".join([r"([\d.]+) / ([\d.]+)"] * 3))
+    quoted, shape = [], None
+    for line in text.splitlines():
+        hit = row.match(line)
+        if hit:
+            shape = tuple(int(g) for g in hit.groups()[:3]) + (16,) if hit.group(1) else shape
+            dtype = {"fp32": "float32", "bf16": "bfloat16"}[hit.group(4)]
+            quoted.append((shape, dtype, [float(x) for x in hit.groups()[4:]]))
+    assert len(quoted) == 2 * len(m.BENCH_SHAPES)
+    for shape, dtype, values in quoted:
+        b = m.predict(*shape, dtype)["bounds"]
+        want = [v for g in ("H100 SXM", "MI250X (one GCD)", "MI300X") for v in (b[g]["fwd_ms"], b[g]["fwd_bwd_ms"])]
+        assert values == [round(v, 3) for v in want], (shape, dtype)
