@@ -138,3 +138,24 @@ def test_real_mamba_ssm_against_the_reference(dtype, reverse):
     scale = want[0].abs().max().item()
     bound = 1e-4 if dtype == torch.float32 else 3e-2
     assert errs.pop("out") < bound * scale and max(errs.values()) < bound * 10, errs
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_models_fused_branch_runs_on_the_adapter(mamba_module, reverse):
+    """The model calls the scan through the fused branch op (VIM_DS_SCAN=mamba picks this backend for it on a GPU):
+    on the stand-in it gives the reference backend's output and every gradient (float64)."""
+    from test_ssm_branch import weights
+
+    mamba_module(SelectiveScanCudaStandIn())
+    torch.manual_seed(7)
+    x, z = torch.randn(2, 8, 9, dtype=torch.float64), torch.randn(2, 8, 9, dtype=torch.float64)
+    args = [x, z] + weights()
+    results = {}
+    for backend in ("ref", "mamba"):
+        leaves = [a.clone().requires_grad_(True) for a in args]
+        out, _ = library.ssm_branch_fwd(*leaves, reverse, backend)
+        out.backward(torch.ones_like(out))
+        results[backend] = [out.detach()] + [a.grad for a in leaves]
+    for name, got, want in zip(["out", "x", "z", "conv_w", "conv_b", "x_proj", "dt_proj", "A", "D", "bias"],
+                               results["mamba"], results["ref"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
