@@ -112,22 +112,33 @@ class MambaBackend:
         self.module = module
 
     @staticmethod
-    def saved_numel(batch, dim, seqlen, d_state, has_z, input_size, state_size):
+    def _y_slots(batch, dim, seqlen, has_z, input_size, state_size):
+        """Input-dtype elements before x in ``saved``: the pre-gate output, padded so that x starts on a whole
+        element of its own (wider) dtype."""
+        ratio = max(1, state_size // input_size)
+        return -(-(batch * dim * seqlen if has_z else 0) // ratio) * ratio
+
+    @classmethod
+    def saved_numel(cls, batch, dim, seqlen, d_state, has_z, input_size, state_size):
         """Length of the flat ``saved`` tensor (in input-dtype elements)."""
         n_chunks = -(-seqlen // MAMBA_CHUNK)
-        return (batch * dim * seqlen if has_z else 0) + batch * dim * n_chunks * 2 * d_state * state_size // input_size
+        return (cls._y_slots(batch, dim, seqlen, has_z, input_size, state_size)
+                + batch * dim * n_chunks * 2 * d_state * state_size // input_size)
 
-    @staticmethod
-    def pack_saved(y, x, dtype):
-        parts = ([] if y is None else [y.reshape(-1)]) + [x.contiguous().reshape(-1).view(dtype)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    @classmethod
+    def pack_saved(cls, y, x, dtype):
+        x_part = x.contiguous().reshape(-1).view(dtype)
+        if y is None:
+            return x_part.clone()
+        pad = cls._y_slots(*y.shape, True, y.element_size(), x.element_size()) - y.numel()
+        return torch.cat([y.reshape(-1), y.new_zeros(pad), x_part])
 
-    @staticmethod
-    def unpack_saved(saved, u, A, has_z):
+    @classmethod
+    def unpack_saved(cls, saved, u, A, has_z):
         batch, dim, seqlen = u.shape
-        n_y = batch * dim * seqlen if has_z else 0
+        n_y = cls._y_slots(batch, dim, seqlen, has_z, u.element_size(), A.element_size())
         x = saved[n_y:].view(A.dtype).view(batch, dim, -(-seqlen // MAMBA_CHUNK), 2 * A.shape[1])
-        return (saved[:n_y].view(batch, dim, seqlen) if has_z else None), x
+        return (saved[:batch * dim * seqlen].view(batch, dim, seqlen) if has_z else None), x
 
     @staticmethod
     def _flip(*ts):
