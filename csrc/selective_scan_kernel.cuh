@@ -100,13 +100,14 @@
 //                             bf16   0.008 / 0.018    0.011 / 0.026    0.003 / 0.007
 //     B=8  D=384 L=6085       fp32   0.091 / 0.251    0.186 / 0.513    0.058 / 0.159
 //                             bf16   0.089 / 0.217    0.125 / 0.304    0.037 / 0.089
-//   What sets them: fp32 is memory-bound everywhere (16 bytes per (b, d, t) forward); in bf16 the bytes halve and
+//   What sets them: fp32 is memory-bound on all three (16 bytes per (b, d, t) forward); in bf16 the bytes halve and
 //   the exps take over the forward (N + 4 = 20 special-function ops per (b, d, t) at 1/8 or 1/4 of the FMA rate)
 //   and the FMAs the backward (13 N + 21 = 229 per (b, d, t)), so bf16 gains little over fp32 on paper (H100, B=64
 //   L=197: 0.112 vs 0.129 ms). This kernel moves more than the minimum: the backward's per-block-of-channels
 //   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (128 / G)) x N x L x 4
 //   bytes each) are 310 MB at B=64 D=768 L=197, more than the 275 MB (fp32) / 137 MB (bf16) of the minimum, so
-//   the backward cannot come within ~2x (fp32) / ~3x (bf16) of the bound until they shrink; the stored states
+//   the backward cannot come within ~2x of its bound (H100: 0.17 / 0.13 ms of traffic against bounds of 0.082 /
+//   0.066 ms, fp32 / bf16) until they shrink; the stored states
 //   (`saved`, N floats per chunk of T steps) add ~1/T of that; with segments, pass 0 reads u, delta, B once more.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
