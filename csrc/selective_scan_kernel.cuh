@@ -71,6 +71,44 @@
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
 //      dB and dC are sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the segment's
 //      steps in registers and stored as per-segment partials.
+//
+// Performance model (what the hardware allows; vim_ds/bench/scan_model.py computes it, `vim-ds bench scan
+//   --predict` prints it beside the measured times as measured / bound, tests/test_scan_model.py checks the counts).
+//   Per kernel, with BDL = batch*dim*L elements of u, e = bytes per input element (4 fp32, 2 bf16), N = d_state:
+//     bytes, at least: every input read once, every output written once, nothing else.
+//       fwd  reads u, delta, z, writes out (4 BDL e); reads B, C (2 batch N L e); A, D, delta_bias in fp32.
+//       bwd  reads u, delta, z, dout, writes du, ddelta, dz (7 BDL e); reads B, C and writes dB, dC
+//            (4 batch N L e); A, D, delta_bias and their gradients in fp32. (It recomputes the states.)
+//     exp (special-function ops): 1 exp(dl*A) per (b, d, t, n) in each kernel; per (b, d, t) 4 in fwd (softplus:
+//       exp, log; silu: exp, rcp) and 5 in bwd (the same plus softplus' = e / (1 + e)).
+//     FMA-pipe ops (mul, add or FMA, one each): per (b, d, t, n) 4 in fwd (dl*A, (dl*u)*B, h = a*h + b,
+//       y += h*C) and 13 in bwd (those 4 again to recompute h and y; C*dy, dh = a*dh' + C*dy, dC += h*dy,
+//       dB += dh*dl*u, s_B += dh*B, g = dh*a, g*h_prev, dA += g*h_prev*dl, s_A += g*h_prev*A);
+//       per (b, d, t) 6 in fwd and 21 in bwd (bias, gate, D and their derivatives).
+//   Lower bound = max(bytes / HBM bandwidth, FMA / FMA rate, exp / exp rate), the three units working in parallel.
+//   Rates (peak, as published): H100 SXM 3.35 TB/s, FP32 67 TFLOPS (NVIDIA H100 datasheet), exp at 1/8 of the
+//   FMA rate (16 vs 128 results / clock / SM, CUDA C++ Programming Guide, cc 9.0): 4.19 T/s; MI250X, one GCD:
+//   1.64 TB/s, packed FP32 47.9 TFLOPS (half of the AMD MI250X datasheet's 3.28 TB/s and 95.7 TFLOPS), exp at a
+//   quarter of the lane rate (110 CUs x 64 x 1.7 GHz / 4): 2.99 T/s; MI300X 5.3 TB/s, FP32 163.4 TFLOPS (AMD
+//   MI300X datasheet), exp 304 CUs x 64 x 2.1 GHz / 4 = 10.2 T/s. Bounds, fwd / fwd+bwd in ms:
+//     shape (N = 16)          dtype  H100 SXM         MI250X (1 GCD)   MI300X
+//     B=64 D=768 L=197        fp32   0.047 / 0.129    0.096 / 0.263    0.030 / 0.081
+//                             bf16   0.046 / 0.112    0.065 / 0.157    0.019 / 0.046
+//     B=64 D=768 L=785        fp32   0.186 / 0.513    0.381 / 1.048    0.118 / 0.324
+//                             bf16   0.184 / 0.448    0.258 / 0.627    0.076 / 0.184
+//     B=1  D=384 L=4097       fp32   0.008 / 0.021    0.016 / 0.043    0.005 / 0.013
+//                             bf16   0.008 / 0.018    0.011 / 0.026    0.003 / 0.007
+//     B=8  D=384 L=6085       fp32   0.091 / 0.251    0.186 / 0.513    0.058 / 0.159
+//                             bf16   0.089 / 0.217    0.125 / 0.304    0.037 / 0.089
+//   What sets them: fp32 is memory-bound on all three (16 bytes per (b, d, t) forward); in bf16 the bytes halve and
+//   the exps take over the forward (N + 4 = 20 special-function ops per (b, d, t) at 1/8 or 1/4 of the FMA rate)
+//   and the FMAs the backward (13 N + 21 = 229 per (b, d, t)), so bf16 gains little over fp32 on paper (H100, B=64
+//   L=197: 0.112 vs 0.129 ms). This kernel moves more than the minimum: the backward's per-block-of-channels
+//   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (128 / G)) x N x L x 4
+//   bytes each) are 310 MB at B=64 D=768 L=197, more than the 275 MB (fp32) / 137 MB (bf16) of the minimum, so
+//   the backward cannot come within ~2x of its bound (H100: 0.17 / 0.13 ms of traffic against bounds of 0.082 /
+//   0.066 ms, fp32 / bf16) until they shrink; the stored states
+//   (`saved`, N floats per chunk of T steps) add ~1/T of that; with segments, pass 0 reads u, delta, B once more.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 

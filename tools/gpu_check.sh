@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA (or AMD) GPU: build the GPU kernel, run the GPU tests and the GPU benchmarks.
-# Logs and JSON results go to $OUT (default gpu_results/). Each step has its own time limit so that one slow step
-# cannot eat the others; docs/performance.md is written from these files.
+# The first thing to run on a machine with an NVIDIA (or AMD) GPU: build the GPU kernel, run the GPU tests, time the
+# scan against the performance model's lower bounds (and mamba_ssm's kernel side by side when it is installed), the
+# model and the trainer, and write one markdown report, $OUT/report.md, to paste into the README or
+# docs/performance.md (device, versions, every number, measured / predicted). Logs and JSON results go to $OUT
+# (default gpu_results/) too. Each step has its own time limit so that one slow step cannot eat the others.
+#
+# Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
+# the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
 #
 #   bash tools/gpu_check.sh                 # everything
 #   STEPS="tests scan" bash tools/gpu_check.sh
+#   OUT=/tmp/gpu PYTHON=/path/to/python bash tools/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
 STEPS=${STEPS:-"build tests scan model train"}
+PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
+: > "$OUT/steps.tsv"
 export PYTHONUNBUFFERED=1
 # GPU images often set TORCH_CUDA_ARCH_LIST=9.0a for Hopper; DeepSpeed 0.19's op builder cannot parse the "a"
 # suffix ("invalid literal for int() with base 10: '0a'" when it JIT-builds FusedAdam), so strip it.
@@ -20,35 +28,89 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}
 # package folders under .whl/site/.
 if [ -d .whl ]; then
     mkdir -p /tmp/site
-    ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    ls .whl/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 step() { [[ " $STEPS " == *" $1 "* ]]; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || rocm-smi 2>/dev/null; \
-  python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda or torch.version.hip)"; } \
-  | tee "$OUT/device.txt"
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/steps.tsv"; }
+# run_step NAME LIMIT LOG CMD...: CMD under a time limit, its output in $OUT/LOG (the last lines shown), the outcome
+# recorded in $OUT/steps.tsv for the report.
+run_step() {
+    local name=$1 limit=$2 log=$3 start=$SECONDS rc status=ok
+    shift 3
+    echo "== $name"
+    timeout "$limit" "$@" > "$OUT/$log" 2>&1
+    rc=$?
+    tail -30 "$OUT/$log"
+    if [ "$rc" -eq 124 ]; then status="timed out after $limit s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
+    record "$name" "$status" "$((SECONDS - start))" "$log"
+}
+no_gpu() { echo "== $1: no GPU, skipped"; record "$1" "skipped (no GPU)" 0 ""; }
+
+HAVE_GPU=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+{
+    if [ "$HAVE_GPU" = 1 ]; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+            || rocm-smi --showproductname 2>/dev/null || "$PYTHON" -c "import torch; print(torch.cuda.get_device_name())"
+    else
+        echo "no GPU (torch.cuda.is_available() is False)"
+    fi
+    "$PYTHON" -c "import torch; print('torch', torch.__version__, torch.version.cuda or torch.version.hip or 'cpu-only')"
+} 2>&1 | tee "$OUT/device.txt"
 
 if step build; then
-    time (VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} timeout 420 python3 -m pip install -q --no-build-isolation --use-pep517 \
-        --no-deps -e . 2>&1 | tail -20) 2>&1 | tee "$OUT/build.log"
-    python3 -m vim_ds.env 2>&1 | tee -a "$OUT/build.log"
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step build 420 build.log bash -c "VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} '$PYTHON' -m pip install -q \
+            --no-build-isolation --use-pep517 --no-deps -e . 2>&1 | tail -20; exit \${PIPESTATUS[0]}"
+        "$PYTHON" -m vim_ds.env 2>&1 | tee -a "$OUT/build.log"
+    else
+        no_gpu build
+    fi
 fi
 if step tests; then
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py tests/test_ssm_branch.py \
-        tests/test_model.py tests/test_model_reference.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step tests 420 gpu_tests.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py \
+            tests/test_ssm_branch.py tests/test_model.py tests/test_model_reference.py tests/test_mamba_backend.py \
+            tests/test_mamba_contract.py tests/test_scan_reverse.py tests/test_ops_library.py
+    else
+        no_gpu tests
+    fi
 fi
 if step scan; then
-    timeout 240 python3 -m vim_ds.bench scan --json "$OUT/bench_scan.json" 2>&1 | tail -30 | tee "$OUT/bench_scan.log"
+    # With a GPU: our kernel (and mamba_ssm's, when installed) at the model's shapes, measured / bound per row.
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step scan 480 bench_scan.log "$PYTHON" -m vim_ds.bench scan --predict --json "$OUT/bench_scan.json"
+    else
+        echo "== scan: no GPU, measured n/a; the performance model's predictions only"
+        timeout 60 "$PYTHON" -m vim_ds.bench scan --predict-only --json "$OUT/bench_scan.json" > "$OUT/bench_scan.log" 2>&1
+        rc=$?
+        tail -5 "$OUT/bench_scan.log"
+        record scan "$([ $rc -eq 0 ] && echo "no GPU: predictions only, measured n/a" || echo "failed (exit $rc)")" 0 \
+            bench_scan.log
+    fi
 fi
 if step model; then
-    timeout 240 python3 -m vim_ds.bench model --json "$OUT/bench_model.json" 2>&1 | tail -30 | tee "$OUT/bench_model.log"
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step model 300 bench_model.log "$PYTHON" -m vim_ds.bench model --json "$OUT/bench_model.json"
+    else
+        no_gpu model
+    fi
 fi
 if step train; then
     # Vim-small stride 8 in bf16 on one GPU, as the issue's goal asks; the ZeRO stages side by side.
-    read -ra configs <<< "${TRAIN_CONFIGS:-zero0 zero2 zero3}"  # a space-separated list of ds_configs names
-    timeout 420 python3 -m vim_ds.bench train --model vim_small_s8 --precision bf16 --nproc 1 --batch-size 64 \
-        --steps "${TRAIN_STEPS:-30}" --warmup-steps "${TRAIN_WARMUP:-10}" --configs "${configs[@]}" \
-        --json "$OUT/bench_train.json" 2>&1 | tail -40 | tee "$OUT/bench_train.log"
+    if [ "$HAVE_GPU" = 1 ]; then
+        read -ra configs <<< "${TRAIN_CONFIGS:-zero0 zero2 zero3}"  # a space-separated list of ds_configs names
+        run_step train 420 bench_train.log "$PYTHON" -m vim_ds.bench train --model vim_small_s8 --precision bf16 \
+            --nproc 1 --batch-size 64 --steps "${TRAIN_STEPS:-30}" --warmup-steps "${TRAIN_WARMUP:-10}" \
+            --configs "${configs[@]}" --json "$OUT/bench_train.json"
+    else
+        no_gpu train
+    fi
 fi
+
+"$PYTHON" -m vim_ds.bench.gpu_report "$OUT" || exit 1
+echo "report: $OUT/report.md"
+if grep -qP '\t(failed|timed out)' "$OUT/steps.tsv"; then exit 1; fi
+exit 0

@@ -1,7 +1,8 @@
 """`vim-ds bench scan|model|train|convert`: how fast the kernels, the model and the trainer are, with their baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
-       forward+backward, on CPU and (when present) GPU.
+       forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
+       mamba_ssm's kernel when installed; --predict adds the model's lower bounds and measured / bound.
 model  a Vim training step vs timm's DeiT of the same size, eager and torch.compile'd, and high-resolution
        inference (time and peak memory), each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
@@ -35,7 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=197)
     p.add_argument("--d-state", type=int, default=16)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--skip-ref", action="store_true", help="time only the compiled kernels")
+    p.add_argument("--skip-ref", action="store_true", help="time only the compiled kernels (the reference is "
+                   f"never timed beyond L = {scan.REF_MAX_SEQLEN})")
+    p.add_argument("--predict", action="store_true",
+                   help="also print the performance model's lower bounds (bytes, exp, FMA on H100 SXM, H200 SXM, "
+                   "MI250X, MI300X) and, on a modelled GPU, measured / bound per row; --json then writes "
+                   "{rows, predictions, gpus}")
+    p.add_argument("--predict-only", action="store_true", help="print the model's predictions, time nothing")
+    p.add_argument("--mamba", action="store_true",
+                   help="also time mamba_ssm's kernel (an error if it is not installed or there is no GPU) "
+                   "[timed on a GPU whenever installed]; VIM_DS_SCAN=mamba asks the same")
     m = sub.add_parser("model", help="Vim vs DeiT: training step and high-resolution inference")
     m.add_argument("--train-batch", type=int, default=8)
     m.add_argument("--hires", type=int, default=1024, help="image side for the inference comparison")
@@ -116,7 +126,14 @@ def main(argv=None) -> int:
                              f"{1 if name in ('steps', 'nproc', 'batch_size') else 0}, got {value}")
         rows = train.run_train(args)
         return 1 if any("error" in r for r in rows) else 0
-    results = scan.run_scan(args) if args.what == "scan" else model.run_model(args)
+    if args.what == "scan":
+        try:
+            results = scan.run_scan(args)
+        except scan.ScanBenchError as exc:
+            print(f"vim-ds bench scan: error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        results = model.run_model(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

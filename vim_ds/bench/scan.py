@@ -1,8 +1,19 @@
 """`vim-ds bench scan`: the selective scan at a Vim layer shape, compiled kernel vs the pure-PyTorch reference,
-forward and forward+backward, on CPU and (when present) GPU."""
+forward and forward+backward, on CPU and (when present) GPU; on a GPU also at the performance model's shapes
+(``scan_model.BENCH_SHAPES``), beside mamba_ssm's kernel when it is installed, and with ``--predict`` against the
+model's lower bound (measured / bound)."""
 from __future__ import annotations
 
+import os
+
+from . import scan_model
 from .timing import timeit
+
+REF_MAX_SEQLEN = 1024  # the pure-PyTorch loop is timed only up to this length (longer ones take minutes)
+
+
+class ScanBenchError(Exception):
+    """A request the bench cannot serve (one line; `vim-ds bench` exits 2)."""
 
 
 def scan_inputs(batch, dim, seqlen, d_state, dtype, device):
@@ -39,19 +50,58 @@ def bench_scan_backend(backend, inputs, repeat):
     return timeit(fwd, device, repeat=repeat), timeit(fwd_bwd, device, repeat=repeat)
 
 
+def _mamba(args, have_gpu):
+    """mamba_ssm's backend when asked for (--mamba or VIM_DS_SCAN=mamba: an error if it cannot run) or, on a GPU,
+    when installed; else None."""
+    from vim_ds.ops import backends
+
+    asked = getattr(args, "mamba", False) or os.environ.get(backends.ENV_BACKEND, "").strip().lower() == "mamba"
+    loaded = backends.load("mamba")
+    if asked and loaded.backend is None:
+        raise ScanBenchError(f"--mamba: {loaded.reason}")
+    if asked and not have_gpu:
+        raise ScanBenchError("--mamba: mamba_ssm's kernel runs on CUDA GPUs only, and there is none here")
+    return loaded.backend if have_gpu else None
+
+
+def annotate(row, gpu):
+    """Add the model's lower bounds for the row's shape and dtype on `gpu` (a scan_model.GPU or None) and the
+    measured / bound ratios of our kernel (and mamba_ssm's when timed)."""
+    batch, dim, seqlen, d_state = row["shape_tuple"]
+    pred = scan_model.predict(batch, dim, seqlen, d_state, row["dtype"])
+    row["predicted_gpu"] = gpu.name if gpu else None
+    if gpu is None:
+        return row
+    b = pred["bounds"][gpu.name]
+    row.update(bound_fwd_ms=b["fwd_ms"], bound_fwd_bwd_ms=b["fwd_bwd_ms"], bound_fwd_by=b["fwd_bound_by"],
+               ratio_fwd=scan_model.compare(row["kernel_fwd_ms"], b["fwd_ms"]),
+               ratio_fwd_bwd=scan_model.compare(row["kernel_fwd_bwd_ms"], b["fwd_bwd_ms"]))
+    if "mamba_fwd_ms" in row:
+        row.update(mamba_ratio_fwd=scan_model.compare(row["mamba_fwd_ms"], b["fwd_ms"]),
+                   mamba_ratio_fwd_bwd=scan_model.compare(row["mamba_fwd_bwd_ms"], b["fwd_bwd_ms"]))
+    return row
+
+
 def run_scan(args):
+    """Time the kernels; returns the rows, or with --predict / --predict-only a dict with the rows, the model's
+    predictions and the peak rates it used."""
     import torch
 
     from vim_ds.ops import backends
 
+    predict = getattr(args, "predict", False) or getattr(args, "predict_only", False)
+    have_gpu = torch.cuda.is_available()
+    mamba = _mamba(args, have_gpu)
+    gpu_name = torch.cuda.get_device_name() if have_gpu else None
+    gpu = scan_model.gpu_for_device(gpu_name) if have_gpu else None
     results = []
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = [] if getattr(args, "predict_only", False) else ["cpu"] + (["cuda"] if have_gpu else [])
     for device_name in devices:
         device = torch.device(device_name)
         dtypes = [torch.float32] if device_name == "cpu" else [torch.float32, torch.bfloat16]
         shapes = [(args.batch, args.dim, args.seqlen, args.d_state)]
-        if device_name == "cuda":
-            shapes.append((64, 768, 197, 16))  # Vim-small at batch 64
+        if device_name == "cuda":  # and the model's shapes (Vim-small at batch 64 first)
+            shapes += [s for s, _ in scan_model.BENCH_SHAPES if s != shapes[0]]
         kernel = backends.load(device_name)
         if kernel.backend is None:
             print(f"[{device_name}] compiled kernel unavailable: {kernel.reason}")
@@ -61,7 +111,9 @@ def run_scan(args):
         for shape in shapes:
             for dtype in dtypes:
                 inputs = scan_inputs(*shape, dtype, device)
-                ref = None if args.skip_ref else bench_scan_backend(backends.RefBackend(), inputs, 1)
+                ref = (None if args.skip_ref or shape[2] > REF_MAX_SEQLEN
+                       else bench_scan_backend(backends.RefBackend(), inputs, 1))
+                theirs = bench_scan_backend(mamba, inputs, args.repeat) if mamba and device_name == "cuda" else None
                 for isa in isas:
                     before = kernel.backend.module.set_isa(isa) if isa else None
                     try:
@@ -69,7 +121,7 @@ def run_scan(args):
                     finally:
                         if before:
                             kernel.backend.module.set_isa(before)
-                    row = dict(device=device_name, shape="B={} D={} L={} N={}".format(*shape),
+                    row = dict(device=device_name, shape=scan_model.shape_text(*shape), shape_tuple=list(shape),
                                dtype=str(dtype).replace("torch.", ""), kernel_fwd_ms=k_f * 1e3,
                                kernel_fwd_bwd_ms=k_fb * 1e3)
                     if isa:
@@ -77,9 +129,27 @@ def run_scan(args):
                     if ref:
                         row.update(ref_fwd_ms=ref[0] * 1e3, ref_fwd_bwd_ms=ref[1] * 1e3,
                                    speedup_fwd=ref[0] / k_f, speedup_fwd_bwd=ref[1] / k_fb)
+                    if theirs:
+                        row.update(mamba_fwd_ms=theirs[0] * 1e3, mamba_fwd_bwd_ms=theirs[1] * 1e3)
+                    if device_name == "cuda":
+                        row["gpu"] = gpu_name
+                        if predict:
+                            annotate(row, gpu)
                     results.append(row)
                     print(_scan_row(row), flush=True)
-    return results
+    if not predict:
+        return results
+    preds = scan_model.predictions()
+    print("\nPerformance model: lower bounds (scan_model; bytes moved at least, exp and FMA counts, peak rates)")
+    print(scan_model.table(preds))
+    print(scan_model.sources_text())
+    if not have_gpu:
+        print("no GPU: measured n/a")
+    elif gpu is None:
+        print(f"{gpu_name}: not a modelled GPU, so no measured / bound ratio (the bounds above are for the "
+              f"modelled ones)")
+    return {"device": gpu_name or "cpu", "modelled_gpu": gpu.name if gpu else None, "rows": results,
+            "predictions": preds, "gpus": scan_model.gpus_used()}
 
 
 def _scan_row(r):
@@ -89,4 +159,14 @@ def _scan_row(r):
     if "ref_fwd_ms" in r:
         text += (f" | ref fwd {r['ref_fwd_ms']:.1f} ms, fwd+bwd {r['ref_fwd_bwd_ms']:.1f} ms"
                  f" | speedup fwd {r['speedup_fwd']:.0f}x, fwd+bwd {r['speedup_fwd_bwd']:.0f}x")
+    if "mamba_fwd_ms" in r:
+        text += (f" | mamba_ssm fwd {r['mamba_fwd_ms']:.3f} ms, fwd+bwd {r['mamba_fwd_bwd_ms']:.3f} ms"
+                 f" (ours / mamba_ssm {r['kernel_fwd_bwd_ms'] / r['mamba_fwd_bwd_ms']:.2f}x)")
+    if "bound_fwd_ms" in r:
+        text += (f" | bound ({r['predicted_gpu']}) fwd {r['bound_fwd_ms']:.3f} ms, fwd+bwd {r['bound_fwd_bwd_ms']:.3f}"
+                 f" ms; measured/bound fwd {r['ratio_fwd']:.1f}x, fwd+bwd {r['ratio_fwd_bwd']:.1f}x")
+        if "mamba_ratio_fwd" in r:
+            text += f" (mamba_ssm {r['mamba_ratio_fwd']:.1f}x, {r['mamba_ratio_fwd_bwd']:.1f}x)"
+    elif "predicted_gpu" in r:
+        text += f" | bound: n/a ({r.get('gpu')} is not a modelled GPU)"
     return text

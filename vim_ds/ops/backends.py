@@ -1,4 +1,5 @@
-"""The three selective-scan backends behind one small interface, and the choice between them.
+"""The selective-scan backends behind one small interface, and the choice between them: ours (``ref``, ``cpu``,
+``cuda``) and, when it is installed, mamba_ssm's CUDA kernel (``mamba``, never chosen unless asked for).
 
 Every backend has ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False,
 return_last_state=False) -> (out, saved, last_state or None)`` and ``bwd(u, delta, A, B, C, D, z, delta_bias, dout,
@@ -27,8 +28,10 @@ from .selective_scan_ref import selective_scan_ref
 
 log = logging.getLogger("vim_ds")
 
-BACKENDS = ("ref", "cpu", "cuda")
-ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda: force a backend
+BACKENDS = ("ref", "cpu", "cuda", "mamba")
+ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda|mamba: force a backend
+MAMBA_MODULE = "selective_scan_cuda"  # mamba_ssm's compiled kernel (pip install mamba-ssm, on a CUDA machine)
+MAMBA_CHUNK = 2048  # mamba_ssm's kernel keeps one (decay, state) pair per state and per 2048 steps
 ENV_JIT = "VIM_DS_JIT"  # 0: never JIT-build a missing kernel
 ENV_CPU_ISA = "VIM_DS_CPU_ISA"  # sse2|avx2|avx512 (x86-64): the CPU kernel's variant; default: the widest
 
@@ -84,6 +87,101 @@ class ExtensionBackend:
         return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse))
 
 
+class MambaBackend:
+    """mamba_ssm's kernel (its ``selective_scan_cuda`` extension) behind our ``fwd``/``bwd`` interface, to run the
+    model or a benchmark on it side by side with ours. Not a dependency: only used when asked for (``VIM_DS_SCAN=mamba``,
+    ``backend="mamba"``, ``vim-ds bench scan --mamba``).
+
+    Its calls, as mamba_ssm's ``selective_scan_interface.py`` makes them:
+    ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> [out, x] (+ [out_z] with z)``, where B and C are
+    4-D (batch, groups, d_state, seqlen), ``out`` is the result before the gate, ``out_z`` after it, and ``x``
+    (batch, dim, n_chunks, 2 * d_state) in A's dtype holds a (decay, state) pair per state at the end of every
+    2048-step chunk (so ``x[:, :, -1, 1::2]`` is the last state); ``bwd(u, delta, A, B, C, D, z, delta_bias, dout,
+    x, out, dz, delta_softplus, recompute_out_z) -> [du, ddelta, dA, dB, dC, dD, ddelta_bias] (+ [dz] with z)``,
+    which needs ``out`` (before the gate) when z is given. Our single ``saved`` tensor therefore carries both: out
+    before the gate (when z is given) followed by x's bytes, flat, in the input dtype (``pack_saved``).
+
+    mamba_ssm has no reverse mode: ``reverse`` flips the time-indexed inputs, scans, and flips the results back
+    (copies that our kernels avoid). Its kernel takes fp32, fp16 and bf16 inputs on CUDA tensors; anything else is
+    refused by mamba_ssm itself.
+    """
+
+    name = "mamba"
+
+    def __init__(self, module):
+        self.module = module
+
+    @staticmethod
+    def _y_slots(batch, dim, seqlen, has_z, input_size, state_size):
+        """Input-dtype elements before x in ``saved``: the pre-gate output, padded so that x starts on a whole
+        element of its own (wider) dtype."""
+        ratio = max(1, state_size // input_size)
+        return -(-(batch * dim * seqlen if has_z else 0) // ratio) * ratio
+
+    @classmethod
+    def saved_numel(cls, batch, dim, seqlen, d_state, has_z, input_size, state_size):
+        """Length of the flat ``saved`` tensor (in input-dtype elements)."""
+        n_chunks = -(-seqlen // MAMBA_CHUNK)
+        return (cls._y_slots(batch, dim, seqlen, has_z, input_size, state_size)
+                + batch * dim * n_chunks * 2 * d_state * state_size // input_size)
+
+    @classmethod
+    def pack_saved(cls, y, x, dtype):
+        x_part = x.contiguous().reshape(-1).view(dtype)
+        if y is None:
+            return x_part.clone()
+        pad = cls._y_slots(*y.shape, True, y.element_size(), x.element_size()) - y.numel()
+        return torch.cat([y.reshape(-1), y.new_zeros(pad), x_part])
+
+    @classmethod
+    def unpack_saved(cls, saved, u, A, has_z):
+        batch, dim, seqlen = u.shape
+        n_y = cls._y_slots(batch, dim, seqlen, has_z, u.element_size(), A.element_size())
+        x = saved[n_y:].view(A.dtype).view(batch, dim, -(-seqlen // MAMBA_CHUNK), 2 * A.shape[1])
+        return (saved[:batch * dim * seqlen].view(batch, dim, seqlen) if has_z else None), x
+
+    @staticmethod
+    def _flip(*ts):
+        return [None if t is None else t.flip(-1) for t in ts]
+
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False):
+        if reverse:
+            u, delta, B, C, z = self._flip(u, delta, B, C, z)
+        u, delta, B, C = (t.contiguous() for t in (u, delta, B, C))
+        z = None if z is None else z.contiguous()
+        res = self.module.fwd(u, delta, A, B.unsqueeze(1), C.unsqueeze(1), D, z, delta_bias, bool(delta_softplus))
+        y, x = res[0], res[1]
+        out = res[2] if z is not None else y
+        last = x[:, :, -1, 1::2].contiguous() if return_last_state else None
+        saved = self.pack_saved(y if z is not None else None, x, u.dtype)
+        return (out.flip(-1) if reverse else out), saved, last
+
+    def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
+        if reverse:
+            u, delta, B, C, z, dout = self._flip(u, delta, B, C, z, dout)
+        u, delta, B, C, dout = (t.contiguous() for t in (u, delta, B, C, dout))
+        z = None if z is None else z.contiguous()
+        y, x = self.unpack_saved(saved, u, A, z is not None)
+        res = self.module.bwd(u, delta, A, B.unsqueeze(1), C.unsqueeze(1), D, z, delta_bias, dout, x, y, None,
+                              bool(delta_softplus), False)
+        du, ddelta, dA, dB, dC, dD, ddelta_bias = res[:7]
+        dz = res[7] if z is not None else None
+        dB, dC = dB.squeeze(1), dC.squeeze(1)
+        if reverse:
+            du, ddelta, dB, dC, dz = self._flip(du, ddelta, dB, dC, dz)
+        return [du, ddelta, dA, dB, dC, dD if D is not None else None, dz,
+                ddelta_bias if delta_bias is not None else None]
+
+
+def _mamba_version():
+    try:
+        from importlib.metadata import version
+
+        return version("mamba_ssm")
+    except Exception:  # not installed as a distribution (a source tree on the path)
+        return "version unknown"
+
+
 @dataclass
 class _Loaded:
     backend: Optional[object] = None
@@ -135,7 +233,13 @@ def _gpu_unavailable_reason():
 
 
 def _load(kind) -> _Loaded:
-    """Load the compiled kernel of `kind` ('cpu' or 'cuda'), JIT-building it if needed; never raises."""
+    """Load the compiled kernel of `kind` ('cpu', 'cuda' or 'mamba'), JIT-building ours if needed; never raises."""
+    if kind == "mamba":
+        try:
+            return _Loaded(MambaBackend(importlib.import_module(MAMBA_MODULE)), f"mamba_ssm {_mamba_version()}")
+        except ImportError as exc:
+            return _Loaded(reason=f"mamba_ssm is not installed ({MAMBA_MODULE} does not import: {exc}); it is "
+                                  f"optional: pip install mamba-ssm on a CUDA machine")
     if kind == "cuda":
         reason = _gpu_unavailable_reason()
         if reason:
@@ -201,6 +305,14 @@ def get_backend(device: torch.device):
     name = forced_backend()
     if name == "ref":
         return RefBackend()
+    if name == "mamba":
+        if device.type == "cpu":
+            raise ValueError(f"{ENV_BACKEND}=mamba cannot run on cpu tensors (mamba_ssm's kernel is CUDA-only); "
+                             f"use {ENV_BACKEND}=cpu or ref")
+        loaded = load("mamba")
+        if loaded.backend is None:
+            raise RuntimeError(f"{ENV_BACKEND}=mamba but {loaded.reason}")
+        return loaded.backend
     if name is not None and name != kind:
         raise ValueError(f"{ENV_BACKEND}={name} cannot run on {device.type} tensors; "
                          f"use {ENV_BACKEND}={kind} or ref, or move the tensors")
@@ -217,7 +329,7 @@ def get_backend(device: torch.device):
 def report() -> dict:
     """What `vim-ds env` prints: every backend, whether it is available and how it was obtained."""
     rows = {"ref": {"available": True, "how": "pure PyTorch", "reason": ""}}
-    for kind in ("cpu", "cuda"):
+    for kind in ("cpu", "cuda", "mamba"):
         try:
             loaded = load(kind)
         except ValueError as exc:  # a forced variant this machine cannot run

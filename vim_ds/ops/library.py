@@ -15,9 +15,10 @@ compiler sees one opaque node per kernel call instead of a graph break.
 ============================  =====================================================================
 
 Every op takes a ``backend`` string: ``"auto"`` picks by device as ``backends.get_backend`` does (the compiled
-kernel for the device, ``VIM_DS_SCAN`` if set, the pure-PyTorch reference as the fallback); ``"ref"``, ``"cpu"``
-or ``"cuda"`` name one (tests and benchmarks). ``saved`` is the backend's private state for the backward: the GPU
-kernel's chunk-boundary states, an empty tensor elsewhere. Op implementations run with autocast off and cast
+kernel for the device, ``VIM_DS_SCAN`` if set, the pure-PyTorch reference as the fallback); ``"ref"``, ``"cpu"``,
+``"cuda"`` or ``"mamba"`` (mamba_ssm's kernel, when installed) name one (tests and benchmarks). ``saved`` is the
+backend's private state for the backward: the GPU kernel's chunk-boundary states, mamba_ssm's chunk states (and
+its pre-gate output), an empty tensor elsewhere. Op implementations run with autocast off and cast
 explicitly (weights to the activations' dtype), so eager, compiled and exported programs compute the same thing.
 """
 from __future__ import annotations
@@ -39,8 +40,13 @@ def resolve(backend: str, device: torch.device):
         return backends.get_backend(device)
     if backend == "ref":
         return backends.RefBackend()
+    if backend == "mamba":  # mamba_ssm's kernel, when installed; it checks its own devices and dtypes
+        loaded = backends.load("mamba")
+        if loaded.backend is None:
+            raise RuntimeError(f"vim_ds ops: backend 'mamba' is unavailable: {loaded.reason}")
+        return loaded.backend
     if backend not in backends.BACKENDS:
-        raise ValueError(f"vim_ds ops: backend must be auto, ref, cpu or cuda, got {backend!r}")
+        raise ValueError(f"vim_ds ops: backend must be auto, ref, cpu, cuda or mamba, got {backend!r}")
     kind = "cpu" if device.type == "cpu" else "cuda"
     if backend != kind:
         raise ValueError(f"vim_ds ops: the {backend} backend cannot run on {device.type} tensors")
@@ -67,8 +73,12 @@ def _no_autocast(device: torch.device):
 # Selective scan
 # ---------------------------------------------------------------------------------------------------------------
 
-def _saved_like(backend_obj, u: Tensor, A: Tensor) -> Tensor:
+def _saved_like(backend_obj, u: Tensor, A: Tensor, has_z: bool = True) -> Tensor:
     """What the backend's forward returns as `saved`, as an empty tensor of the same shape and dtype."""
+    if getattr(backend_obj, "name", None) == "mamba":
+        batch, dim, seqlen = u.shape
+        return u.new_empty((backend_obj.saved_numel(batch, dim, seqlen, A.shape[1], has_z, u.element_size(),
+                                                    A.element_size()),))
     if getattr(backend_obj, "name", None) == "cuda":
         batch, dim, seqlen = u.shape
         d_state = A.shape[1]
@@ -96,7 +106,8 @@ def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor
 
 @selective_scan_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend, return_last_state=False):
-    return (torch.empty_like(u, memory_format=torch.contiguous_format), _saved_like(resolve(backend, u.device), u, A),
+    return (torch.empty_like(u, memory_format=torch.contiguous_format),
+            _saved_like(resolve(backend, u.device), u, A, z is not None),
             _last_state_like(u, A, return_last_state))
 
 

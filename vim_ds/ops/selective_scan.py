@@ -127,7 +127,7 @@ def _slice_BC(X, s, slices, dim, batch, seqlen, dtype):
 
 def scan_with_backend(backend, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       return_last_state=False, *, reverse=False):
-    """The op on a given backend (an object from ``backends`` or a name: auto, ref, cpu, cuda), inputs already
+    """The op on a given backend (an object from ``backends`` or a name: auto, ref, cpu, cuda, mamba), inputs already
     validated (any strides; B and C in any form, see the module docstring); A, D, delta_bias cast to the kernels'
     fp32. Returns out, or (out, last_state) with ``return_last_state``."""
     name = backend if isinstance(backend, str) else backend.name
