@@ -335,7 +335,8 @@ def measure_loader(pipe, workers: int, batches: int, warmup: int) -> dict:
         stream.close()
         pipe.close(loader)
     cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-    return {"pipeline": pipe.name, "workers": workers, "images": images, "seconds": seconds,
+    return {"pipeline": pipe.name, "workers": workers, "worker_processes": len(pids), "images": images,
+            "seconds": seconds,
             "images_per_sec": images / seconds, "images_per_sec_per_worker": images / seconds / max(1, workers),
             "cpu_seconds": cpu, "images_per_cpu_second": images / cpu if cpu else None}
 
