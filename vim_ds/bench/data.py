@@ -81,15 +81,15 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
 
 
-def cpu_seconds(pids) -> float | None:
-    """CPU time of this process plus that of `pids` (None when one cannot be read)."""
-    total = time.process_time()
+def cpu_seconds(pids) -> tuple[float, float | None]:
+    """(CPU time of this process, that of the processes `pids` together, or None when one cannot be read)."""
+    workers = 0.0
     for pid in pids:
         t = process_cpu_seconds(pid)
         if t is None:
-            return None
-        total += t
-    return total
+            return time.process_time(), None
+        workers += t
+    return time.process_time(), workers
 
 
 # -- the two pipelines -------------------------------------------------------------------------------------------
@@ -334,11 +334,15 @@ def measure_loader(pipe, workers: int, batches: int, warmup: int) -> dict:
     finally:
         stream.close()
         pipe.close(loader)
-    cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+    own = cpu1[0] - cpu0[0]
+    workers_cpu = cpu1[1] - cpu0[1] if cpu0[1] is not None and cpu1[1] is not None else None
+    cpu = own + workers_cpu if workers_cpu is not None else None
     return {"pipeline": pipe.name, "workers": workers, "worker_processes": len(pids), "images": images,
             "seconds": seconds,
             "images_per_sec": images / seconds, "images_per_sec_per_worker": images / seconds / max(1, workers),
-            "cpu_seconds": cpu, "images_per_cpu_second": images / cpu if cpu else None}
+            "cpu_seconds": cpu, "images_per_cpu_second": images / cpu if cpu else None,
+            "cpu_ms_per_image_workers": 1e3 * workers_cpu / images if workers_cpu is not None else None,
+            "cpu_ms_per_image_training_process": 1e3 * own / images}
 
 
 def measure_in_process(pipe, sample: int, keys=None) -> dict:
@@ -430,7 +434,15 @@ def _summary(rows: list, rounds: list) -> dict:
     return {"loader": rows, "by_workers": by_workers, "images_per_sec_per_core": per_core,
             "in_process": rounds, "images": sum(r["images"] for r in rounds), "stages_ms": stages,
             "stages_sum_ms": sum(stages.values()), "whole_ms": whole, "in_process_images_per_sec_per_core": 1e3 / whole,
-            "transfer_ms": statistics.median(transfers) if transfers else None, "transfer_ms_each": transfers}
+            "transfer_ms": statistics.median(transfers) if transfers else None, "transfer_ms_each": transfers,
+            "loader_cpu_ms_per_image": {
+                where: _median([r[f"cpu_ms_per_image_{where}"] for r in rows])
+                for where in ("workers", "training_process")}}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
@@ -504,6 +516,10 @@ def _table(kind: str, res: dict, workers: list) -> str:
     lines.append(f"    {STAGE_LABELS['transfer'] + ' (a)':<26}{_fmt(ours['transfer_ms'], 2):>7} "
                  f"{_fmt(timm['transfer_ms'], 2):>7}")
     lines.append("    (a) the loaders' CPU time per image minus the whole in-process time")
+    for name, r in (("vim_ds", ours), ("timm", timm)):
+        c = r["loader_cpu_ms_per_image"]
+        lines.append(f"  {name} loader, CPU per image (median over its runs): workers {_fmt(c['workers'], 2)} ms, "
+                     f"training process {_fmt(c['training_process'], 2)} ms")
     return "\n".join(lines)
 
 
