@@ -345,9 +345,10 @@ def measure_loader(pipe, workers: int, batches: int, warmup: int) -> dict:
             "cpu_ms_per_image_training_process": 1e3 * own / images}
 
 
-def measure_in_process(pipe, sample: int, keys=None) -> dict:
+def measure_in_process(pipe, sample: int, keys=None, offset: int = 0) -> dict:
     """Stage times per image (ms of CPU, one thread) and the untimed whole for the same samples, alternating per
-    batch."""
+    batch. `offset` shifts the step numbers (ours: Mixup's per-step seed) and timm's per-sample seeds, so that
+    each round draws other Mixup/CutMix decisions (one per batch) and the Mixup stage is not that of one draw."""
     times = collections.defaultdict(float)  # only the stages this pipeline has
     keys = pipe.keys(sample) if keys is None else keys
     whole = 0.0
@@ -360,7 +361,7 @@ def measure_in_process(pipe, sample: int, keys=None) -> dict:
         for timed in ((True, False) if step % 2 else (False, True)):
             samples = []
             for i, key in enumerate(chunk):
-                _seed_like(pipe, first + i)  # untimed
+                _seed_like(pipe, offset * len(keys) + first + i)  # untimed
                 t0 = time.process_time()
                 samples.append(pipe.fetch_split(key, times) if timed else pipe.fetch_whole(key))
                 if not timed:
@@ -377,9 +378,9 @@ def measure_in_process(pipe, sample: int, keys=None) -> dict:
                     times["mixup"] += spent - plain
                 else:
                     times["collate"] += spent
-                pipe.post_split(batch, step, times)
+                pipe.post_split(batch, offset * len(keys) + step, times)
             else:
-                pipe.post_whole(batch, step)
+                pipe.post_whole(batch, offset * len(keys) + step)
                 whole += time.process_time() - t0
     images = sum(min(pipe.batch_size, len(keys) - f) for f in range(0, len(keys), pipe.batch_size)
                  if min(pipe.batch_size, len(keys) - f) >= 2)
@@ -466,7 +467,8 @@ def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
         for rnd in range(args.rounds):
             for p in (pipes if rnd % 2 == 0 else pipes[::-1]):
                 log(f"  {kind}: {p.name} stages in one process on {args.sample} images, round {rnd + 1} ...")
-                in_proc[p.name].append(measure_in_process(p, args.sample, keys if p is pipes[0] else same_images))
+                in_proc[p.name].append(measure_in_process(p, args.sample, keys if p is pipes[0] else same_images,
+                                                          offset=rnd))
             for j, workers in enumerate(args.workers):
                 order = pipes if (rnd + j) % 2 == 0 else pipes[::-1]
                 for p in order:
