@@ -153,3 +153,11 @@ def test_bad_data_path_is_one_line_and_non_zero(tmp_path, problem, capsys):
     assert len(lines) == 1 and lines[0].startswith("vim-ds bench data: error:") and str(path) in lines[0], lines
     assert ("does not exist" if problem == "missing" else "val is missing") in lines[0]
     assert captured.out == ""
+
+
+def test_an_odd_batch_with_mixup_is_one_line_and_non_zero(photos, capsys):
+    """The trainer's own refusal (Mixup mixes pairs), reported as the bench's one line."""
+    assert cli(["bench", "data", "--data-path", str(photos), "--batch-size", "5", "--no-eval"]) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(lines) == 1 and lines[0].startswith("vim-ds bench data: error: Mixup/CutMix"), lines

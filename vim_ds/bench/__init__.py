@@ -109,8 +109,13 @@ def main(argv=None) -> int:
         data.check_args(parser, args)
         try:
             results = data.run_data(args)
-        except data.BenchError as exc:
-            print(f"{data.PROG}: error: {exc}", file=sys.stderr)
+        except ValueError as exc:  # bad input (BenchError, the data set's DataError, Mixup's odd batch): one line
+            if os.environ.get("VIM_DS_TRACEBACK"):
+                import traceback
+
+                traceback.print_exc()
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"{data.PROG}: error: {message}", file=sys.stderr)
             return 2
         if args.json:
             with open(args.json, "w") as f:
