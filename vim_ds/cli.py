@@ -11,12 +11,12 @@ SUBCOMMANDS = {
     "predict": ("vim_ds.predict", "top-5 classes of images with a weights file"),
     "export": ("vim_ds.export", "a weights file -> a torch.export program (.pt2) for inference"),
     "env": ("vim_ds.env", "versions, accelerator and selective-scan backends"),
-    "bench": ("vim_ds.bench", "benchmarks: scan kernels and model steps"),
+    "bench": ("vim_ds.bench", "benchmarks: scan kernels, model steps, training, conversion, the input pipeline"),
     "zero-compare": ("vim_ds.zero_compare", "ZeRO stages side by side: model-state bytes per rank vs theory"),
     "compare-runs": ("vim_ds.compare_runs", "loss curves of runs (clusters, vendors, layouts) vs a reference run"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
     "configs": ("vim_ds.configs", "the DeepSpeed configs shipped with vim_ds (--deepspeed_config NAME), and copies"),
-    "data": ("vim_ds.data", "datasets: write the digits ImageFolder (vim-ds data digits --out DIR)"),
+    "data": ("vim_ds.data", "datasets: the digits ImageFolder, real-photo JPEGs (vim-ds data digits|photos --out DIR)"),
 }
 
 

@@ -1,4 +1,4 @@
-"""`vim-ds bench scan|model|train|convert`: how fast the kernels, the model and the trainer are, with their baselines.
+"""`vim-ds bench scan|model|train|convert|data`: how fast the kernels, the model and the trainer are, with their baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
@@ -9,6 +9,8 @@ train  training throughput (images/s) and peak memory per rank for each ZeRO sta
        (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
 convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size, and the
          time to verify the checkpoint's files against their recorded checksums.
+data   the input pipeline alone (decode, transform, collate, Mixup, hand-over to the training process) on a folder
+       of JPEGs: the trainer's loader vs timm's create_loader, images/s and per core, and where the time goes.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import json
 import os
 import sys
 
-from . import convert, model, scan, train
+from . import convert, data, model, scan, train
 from .runner import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
                     REFERENCE_SPEEDUP_GOAL, reference_lines)
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
     c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    data.add_parser(sub)
     return parser
 
 
@@ -112,6 +115,22 @@ def main(argv=None) -> int:
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.what == "data":
+        data.check_args(parser, args)
+        try:
+            results = data.run_data(args)
+        except ValueError as exc:  # bad input (BenchError, the data set's DataError, Mixup's odd batch): one line
+            if os.environ.get("VIM_DS_TRACEBACK"):
+                import traceback
+
+                traceback.print_exc()
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"{data.PROG}: error: {message}", file=sys.stderr)
+            return 2
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     if args.what == "convert":
         results = convert.run_convert(args)
         if args.json:

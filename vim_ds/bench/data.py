@@ -1,0 +1,612 @@
+"""`vim-ds bench data`: the input pipeline alone, ours against timm's loader, on a folder of real JPEGs.
+
+What is measured, for the training pipeline and for the evaluation pipeline:
+
+* **Loader throughput** for each `--workers` count: batches from the real loader, as the trainer builds it
+  (`build_dataset` + `build_transform` from `vim-ds train`'s own options, `GlobalBatchSampler`, `build_loader`'s
+  fork-server workers, then Mixup in the training process, seeded per step as the trainer seeds it), and from
+  `timm.data.create_loader` with its defaults (prefetcher on: uint8 batches, normalisation and random erasing in
+  the consuming process; Mixup in the workers through `FastCollateMixup`, as timm's train.py sets it up) with the
+  same transform arguments, batch size and worker count. The two run back to back in alternating order, once per
+  round, so that a busy machine slows both alike. Reported: images/s (wall clock), and images per CPU-second of
+  all the pipeline's processes (workers and the consuming process, read from /proc), i.e. the images/s one core
+  sustains when it does nothing else. The per-core figure does not depend on how many cores other programs leave
+  free, which is why the summary line uses it.
+* **Where the time goes**, in one process with one thread (as a worker runs), on `--sample` images: each sample
+  decoded, then each step of the transform timed on its own (resize/crop, RandAugment, tensor conversion and
+  normalisation, random erasing), then collation and Mixup per batch, and for ours the per-sample seeding; CPU
+  time. The same samples are also run untimed step by step (`dataset[key]`, the real collate and Mixup), which
+  checks that the stages add up. The inter-process transfer (workers -> training process: shared memory, pickling,
+  the queues) is what the loader's CPU time per image adds to that in-process time.
+
+The batches reach the training process's memory; a host-to-device copy is not part of this benchmark.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+PROG = "vim-ds bench data"
+STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",
+          "mixup")
+STAGE_LABELS = {"seeding": "per-sample seeding", "decode": "decode (JPEG -> RGB)", "resize_crop": "resize/crop/flip",
+                "augment": "RandAugment", "to_tensor_normalize": "to tensor + normalise",
+                "random_erasing": "random erasing", "collate": "collate", "mixup": "Mixup/CutMix",
+                "transfer": "inter-process transfer"}
+_AUGMENT = {"RandAugment", "AutoAugment", "AugMixAugment", "ColorJitter", "RandomGrayscale", "GaussianBlur"}
+_TENSOR = {"ToTensor", "MaybeToTensor", "PILToTensor", "MaybePILToTensor", "ToNumpy", "Normalize",
+           "ConvertImageDtype", "ToDtype"}
+
+
+class BenchError(ValueError):
+    """Bad input for the benchmark: one line."""
+
+
+def stage_of(step) -> str:
+    """The stage a transform step belongs to, by its class."""
+    name = type(step).__name__
+    if name in _AUGMENT:
+        return "augment"
+    if name in _TENSOR:
+        return "to_tensor_normalize"
+    if name == "RandomErasing":
+        return "random_erasing"
+    return "resize_crop"  # RandomResizedCrop*, Resize, CenterCrop, flips
+
+
+def transform_steps(transform) -> list:
+    return list(getattr(transform, "transforms", [transform]))
+
+
+# -- CPU time of a set of processes ------------------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process `pid` (all its threads) from /proc, or None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
+
+
+def cpu_seconds(pids) -> tuple[float, float | None]:
+    """(CPU time of this process, that of the processes `pids` together, or None when one cannot be read)."""
+    workers = 0.0
+    for pid in pids:
+        t = process_cpu_seconds(pid)
+        if t is None:
+            return time.process_time(), None
+        workers += t
+    return time.process_time(), workers
+
+
+# -- the two pipelines -------------------------------------------------------------------------------------------
+
+class VimDsPipeline:
+    """The trainer's pipeline (vim_ds.engine.trainer.Trainer builds the same pieces from the same options)."""
+
+    name = "vim_ds"
+
+    def __init__(self, train_args, is_train: bool, batch_size: int):
+        from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
+        from ..engine.trainer import Trainer
+
+        self.args, self.is_train = train_args, is_train
+        self.dataset, num_classes = build_dataset(train_args, is_train=is_train)
+        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))  # the trainer's eval batch
+        if is_train:
+            self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
+                                              world_size=1, seed=train_args.seed,
+                                              repeats=3 if train_args.repeated_aug else 1)
+            # Trainer._build_mixup reads args, the micro batch and the class count only
+            self.mixup = Trainer._build_mixup(SimpleNamespace(args=train_args, batch=SimpleNamespace(micro=batch_size),
+                                                              num_classes=num_classes))
+        else:
+            self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
+            self.mixup = None
+        self.steps = transform_steps(self.dataset.transform)
+        self.where = {"mixup": "training process"}
+
+    # loader
+    def make_loader(self, workers: int):
+        from ..data.loader import build_loader
+
+        return build_loader(self.dataset, self.sampler, SimpleNamespace(num_workers=workers, data_timeout=0),
+                            "train" if self.is_train else "val", persistent=True)
+
+    def batches(self, loader):
+        epoch, step = 0, 0
+        while True:
+            if self.is_train:
+                self.sampler.set_epoch(epoch)
+            for images, targets, _ok in loader:
+                images = self.post_whole((images, targets), step)
+                step += 1
+                yield images
+            epoch += 1
+
+    @staticmethod
+    def iterator(loader):
+        return getattr(loader, "_iterator", None)
+
+    def close(self, loader):
+        loader.shutdown()
+
+    # in-process pieces
+    def keys(self, n: int) -> list:
+        if self.is_train:
+            self.sampler.set_epoch(0)
+            keys = [key for batch in self.sampler for key in batch]
+            return [keys[i % len(keys)] for i in range(n)]
+        return spread(len(self.dataset), n)
+
+    def fetch_split(self, key, times: dict):
+        from ..data.datasets import seeded_rngs
+
+        index, seed = key if isinstance(key, tuple) else (key, None)
+        seeding = seeded_rngs(seed) if seed is not None else None
+        t0 = time.process_time()
+        if seeding is not None:
+            seeding.__enter__()
+        t1 = time.process_time()
+        if seeding is None:
+            t0 = t1
+        try:
+            path, target = self.dataset.samples[index]
+            image = self.dataset.loader(path)
+            t2 = time.process_time()
+            times["decode"] += t2 - t1
+            for step in self.steps:
+                image = step(image)
+                t3 = time.process_time()
+                times[stage_of(step)] += t3 - t2
+                t2 = t3
+        finally:
+            t4 = time.process_time()
+            if seeding is not None:
+                seeding.__exit__(None, None, None)
+            if seeding is not None:
+                times["seeding"] += (t1 - t0) + (time.process_time() - t4)
+        return image, target, 1
+
+    def fetch_whole(self, key):
+        return self.dataset[key]
+
+    def collate(self, samples):
+        from torch.utils.data import default_collate
+
+        return default_collate(samples)
+
+    def post_split(self, batch, step: int, times: dict):
+        if self.mixup is not None:
+            t0 = time.process_time()
+            self.post_whole(batch[:2], step)
+            times["mixup"] += time.process_time() - t0
+
+    def post_whole(self, batch, step: int):
+        images, targets = batch[:2]
+        if self.mixup is not None:  # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
+            from ..engine.trainer import derived_seed, seed_everything
+
+            seed_everything(derived_seed(self.args.seed, step, 0, 0))
+            images, targets = self.mixup(images, targets)
+        return images
+
+
+class TimmPipeline:
+    """`timm.data.create_loader` with its defaults and the same transform arguments; Mixup as timm's train.py
+    passes it with the prefetcher (`FastCollateMixup` as the collate function)."""
+
+    name = "timm"
+
+    def __init__(self, train_args, is_train: bool, batch_size: int):
+        import torch
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMixup, ImageDataset
+
+        from ..data.transforms import _auto_augment
+
+        a = train_args
+        self.is_train = is_train
+        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
+        self.root = os.path.join(a.data_path, "train" if is_train else "val")
+        self.dataset = ImageDataset(self.root)
+        mixup = is_train and (a.mixup > 0 or a.cutmix > 0 or a.cutmix_minmax is not None)
+        self.collate_fn = FastCollateMixup(
+            mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, cutmix_minmax=a.cutmix_minmax, prob=a.mixup_prob,
+            switch_prob=a.mixup_switch_prob, mode=a.mixup_mode, label_smoothing=a.smoothing,
+            num_classes=len(self.dataset.reader.class_to_idx)) if mixup else None
+        size = int(a.input_size)
+        if is_train:
+            self.kwargs = dict(is_training=True, scale=tuple(a.scale), ratio=tuple(a.ratio), hflip=a.hflip,
+                               color_jitter=a.color_jitter, auto_augment=_auto_augment(a.aa),
+                               interpolation=a.train_interpolation, re_prob=a.reprob, re_mode=a.remode,
+                               re_count=a.recount)
+        else:
+            self.kwargs = dict(is_training=False, interpolation="bicubic", crop_pct=a.eval_crop_ratio)
+        self.kwargs.update(input_size=(3, size, size), batch_size=self.batch_size, mean=IMAGENET_DEFAULT_MEAN,
+                           std=IMAGENET_DEFAULT_STD, collate_fn=self.collate_fn, device=torch.device("cpu"))
+        probe = self.make_loader(0)  # the transform and prefetcher create_loader builds, for the in-process part
+        self.prefetcher = probe
+        self.steps = transform_steps(self.dataset.transform)
+        self.where = {"to_tensor_normalize": "training process (normalise) + worker (to uint8 tensor)",
+                      "random_erasing": "training process", "mixup": "worker (in the collate)"}
+
+    def make_loader(self, workers: int):
+        from timm.data import create_loader
+
+        return create_loader(self.dataset, num_workers=workers, **self.kwargs)
+
+    @staticmethod
+    def batches(loader):
+        while True:
+            for images, _targets in loader:
+                yield images
+
+    @staticmethod
+    def iterator(loader):
+        return getattr(loader.loader, "_iterator", None)
+
+    def close(self, loader):
+        from ..data.loader import stop_workers
+
+        stop_workers(self.iterator(loader))
+        loader.loader._iterator = None
+
+    def keys(self, n: int) -> list:
+        return spread(len(self.dataset), n)
+
+    def fetch_split(self, key, times: dict):
+        from PIL import Image
+
+        path, target = self.dataset.reader[key][:2]
+        t0 = time.process_time()
+        image = Image.open(path).convert("RGB")
+        t1 = time.process_time()
+        times["decode"] += t1 - t0
+        for step in self.steps:
+            image = step(image)
+            t2 = time.process_time()
+            times[stage_of(step)] += t2 - t1
+            t1 = t2
+        return image, target
+
+    def fetch_whole(self, key):
+        return self.dataset[key]
+
+    def collate(self, samples):
+        return (self.collate_fn or _fast_collate)(samples)
+
+    def post_split(self, batch, step: int, times: dict):
+        pf = self.prefetcher
+        t0 = time.process_time()
+        images = batch[0].to(pf.img_dtype).sub_(pf.mean).div_(pf.std)
+        t1 = time.process_time()
+        times["to_tensor_normalize"] += t1 - t0
+        if pf.random_erasing is not None:
+            pf.random_erasing(images)
+            times["random_erasing"] += time.process_time() - t1
+
+    def post_whole(self, batch, step: int):
+        pf = copy.copy(self.prefetcher)  # the real PrefetchLoader code over one batch
+        pf.loader = [batch]
+        return next(iter(pf))[0]
+
+
+def spread(size: int, n: int) -> list:
+    """n indices spread evenly over a data set of `size` (every class folder, not the first few)."""
+    return [(i * size) // n if n <= size else i % size for i in range(n)]
+
+
+def _fast_collate(samples):
+    from timm.data.loader import fast_collate
+
+    return fast_collate(samples)
+
+
+# -- measurements ------------------------------------------------------------------------------------------------
+
+def measure_loader(pipe, workers: int, batches: int, warmup: int) -> dict:
+    """Images/s and images per CPU-second of `batches` batches after `warmup` (worker start-up excluded)."""
+    loader = pipe.make_loader(workers)
+    stream = pipe.batches(loader)
+    try:
+        for _ in range(warmup):
+            next(stream)
+        iterator = pipe.iterator(loader)
+        pids = [w.pid for w in getattr(iterator, "_workers", [])]
+        cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+        images = 0
+        for _ in range(batches):
+            images += int(next(stream).shape[0])
+        seconds, cpu1 = time.perf_counter() - t0, cpu_seconds(pids)
+    finally:
+        stream.close()
+        pipe.close(loader)
+    own = cpu1[0] - cpu0[0]
+    workers_cpu = cpu1[1] - cpu0[1] if cpu0[1] is not None and cpu1[1] is not None else None
+    cpu = own + workers_cpu if workers_cpu is not None else None
+    return {"pipeline": pipe.name, "workers": workers, "worker_processes": len(pids), "images": images,
+            "seconds": seconds,
+            "images_per_sec": images / seconds, "images_per_sec_per_worker": images / seconds / max(1, workers),
+            "cpu_seconds": cpu, "images_per_cpu_second": images / cpu if cpu else None,
+            "cpu_ms_per_image_workers": 1e3 * workers_cpu / images if workers_cpu is not None else None,
+            "cpu_ms_per_image_training_process": 1e3 * own / images}
+
+
+def measure_in_process(pipe, sample: int, keys=None, offset: int = 0) -> dict:
+    """Stage times per image (ms of CPU, one thread) and the untimed whole for the same samples, alternating per
+    batch. `offset` shifts the step numbers (ours: Mixup's per-step seed) and timm's per-sample seeds, so that
+    each round draws other Mixup/CutMix decisions (one per batch) and the Mixup stage is not that of one draw."""
+    times = collections.defaultdict(float)  # only the stages this pipeline has
+    keys = pipe.keys(sample) if keys is None else keys
+    whole = 0.0
+    warm = keys[:pipe.batch_size]  # once untimed first: lazy imports, first-call set-up, caches
+    pipe.post_whole(pipe.collate([pipe.fetch_whole(key) for key in warm]), 0)
+    for step, first in enumerate(range(0, len(keys), pipe.batch_size)):
+        chunk = keys[first:first + pipe.batch_size]
+        if len(chunk) < 2:  # Mixup needs pairs; a lone last sample is not timed
+            break
+        for timed in ((True, False) if step % 2 else (False, True)):
+            samples = []
+            for i, key in enumerate(chunk):
+                _seed_like(pipe, offset * len(keys) + first + i)  # untimed
+                t0 = time.process_time()
+                samples.append(pipe.fetch_split(key, times) if timed else pipe.fetch_whole(key))
+                if not timed:
+                    whole += time.process_time() - t0
+            t0 = time.process_time()
+            batch = pipe.collate(samples)
+            if timed:
+                spent = time.process_time() - t0
+                if pipe.name == "timm" and pipe.collate_fn is not None:  # FastCollateMixup: collate and mix
+                    t1 = time.process_time()
+                    _fast_collate(samples)  # the collation alone, to tell the two apart
+                    plain = time.process_time() - t1
+                    times["collate"] += plain
+                    times["mixup"] += spent - plain
+                else:
+                    times["collate"] += spent
+                pipe.post_split(batch, offset * len(keys) + step, times)
+            else:
+                pipe.post_whole(batch, offset * len(keys) + step)
+                whole += time.process_time() - t0
+    images = sum(min(pipe.batch_size, len(keys) - f) for f in range(0, len(keys), pipe.batch_size)
+                 if min(pipe.batch_size, len(keys) - f) >= 2)
+    per_image = {k: 1e3 * times[k] / images for k in STAGES if k in times}
+    return {"images": images, "stages_ms": per_image, "stages_sum_ms": sum(per_image.values()),
+            "whole_ms": 1e3 * whole / images}
+
+
+def _seed_like(pipe, position: int) -> None:
+    """timm's samples draw their augmentation from the global RNGs: seed them per sample (untimed), so that the
+    timed and the untimed pass do the same work. Ours seed themselves (that cost is the "seeding" stage)."""
+    if pipe.name == "timm":
+        from ..engine.trainer import seed_everything
+
+        seed_everything(position)
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+def train_namespace(args):
+    """`vim-ds train`'s parsed options for --data-path and --train-args: the transform and Mixup come from the
+    same options, with the same defaults, as in training."""
+    from ..train import parse_args
+
+    try:
+        extra = shlex.split(args.train_args)
+    except ValueError as exc:
+        raise BenchError(f"--train-args: {exc}") from None
+    return parse_args(["--data-path", args.data_path, "--batch-size", str(args.batch_size), *extra],
+                      prog=f"{PROG} --train-args")
+
+
+def _summary(rows: list, rounds: list) -> dict:
+    images = sum(r["images"] for r in rows)
+    cpu = [r["cpu_seconds"] for r in rows]
+    per_core = images / sum(cpu) if rows and all(c for c in cpu) else None
+    by_workers = {}
+    for w in sorted({r["workers"] for r in rows}):
+        mine = [r for r in rows if r["workers"] == w]
+        cpu_w = [r["cpu_seconds"] for r in mine]
+        by_workers[str(w)] = {
+            "images_per_sec": statistics.median(r["images_per_sec"] for r in mine),
+            "images_per_sec_per_worker": statistics.median(r["images_per_sec_per_worker"] for r in mine),
+            "images_per_cpu_second": (sum(r["images"] for r in mine) / sum(cpu_w)) if all(cpu_w) else None}
+    # the in-process split: the mean over the rounds (each round measured beside that round's loaders)
+    stages = {k: statistics.fmean(r["stages_ms"].get(k, 0.0) for r in rounds) for k in STAGES
+              if any(k in r["stages_ms"] for r in rounds)}
+    whole = statistics.fmean(r["whole_ms"] for r in rounds)
+    # transfer: each loader measurement's CPU time per image minus the same round's in-process time
+    transfers = [1e3 / r["images_per_cpu_second"] - rounds[r["round"]]["whole_ms"] for r in rows
+                 if r["images_per_cpu_second"]]
+    return {"loader": rows, "by_workers": by_workers, "images_per_sec_per_core": per_core,
+            "in_process": rounds, "images": sum(r["images"] for r in rounds), "stages_ms": stages,
+            "stages_sum_ms": sum(stages.values()), "whole_ms": whole, "in_process_images_per_sec_per_core": 1e3 / whole,
+            "transfer_ms": statistics.median(transfers) if transfers else None, "transfer_ms_each": transfers,
+            "loader_cpu_ms_per_image": {
+                where: _median([r[f"cpu_ms_per_image_{where}"] for r in rows])
+                for where in ("workers", "training_process")}}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
+    import torch
+
+    pipes = [VimDsPipeline(train_args, is_train, args.batch_size), TimmPipeline(train_args, is_train,
+                                                                                args.batch_size)]
+    for pipe in pipes:
+        if len(pipe.dataset) < pipe.batch_size:
+            raise BenchError(f"{pipe.dataset.root if hasattr(pipe.dataset, 'root') else args.data_path} has "
+                             f"{len(pipe.dataset)} images, fewer than one batch of {pipe.batch_size}; lower "
+                             f"--batch-size or use more images")
+    kind = "training" if is_train else "evaluation"
+    rows = {p.name: [] for p in pipes}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a worker; and no thread spin-up in the consuming process's CPU time
+    try:
+        in_proc = {p.name: [] for p in pipes}
+        keys = pipes[0].keys(args.sample)  # timm's in-process pass reads the same images
+        same_images = [k[0] if isinstance(k, tuple) else k for k in keys]
+        for rnd in range(args.rounds):
+            for p in (pipes if rnd % 2 == 0 else pipes[::-1]):
+                log(f"  {kind}: {p.name} stages in one process on {args.sample} images, round {rnd + 1} ...")
+                in_proc[p.name].append(measure_in_process(p, args.sample, keys if p is pipes[0] else same_images,
+                                                          offset=rnd))
+            for j, workers in enumerate(args.workers):
+                order = pipes if (rnd + j) % 2 == 0 else pipes[::-1]
+                for p in order:
+                    row = measure_loader(p, workers, args.batches, args.warmup_batches)
+                    row["round"] = rnd
+                    rows[p.name].append(row)
+                    log(f"  {kind}: {p.name:6s} {workers} worker(s), round {rnd + 1}: "
+                        f"{row['images_per_sec']:.1f} images/s, "
+                        f"{_fmt(row['images_per_cpu_second'])} images per CPU-second")
+    finally:
+        torch.set_num_threads(threads)
+    result = {p.name: {**_summary(rows[p.name], in_proc[p.name]), "batch_size": p.batch_size, "where": p.where,
+                       "transform": [type(s).__name__ for s in p.steps]} for p in pipes}
+    ours, timm = result["vim_ds"]["images_per_sec_per_core"], result["timm"]["images_per_sec_per_core"]
+    result["ratio"] = ours / timm if ours and timm else None
+    pairs = [a["images_per_cpu_second"] / b["images_per_cpu_second"] for a, b in zip(rows["vim_ds"], rows["timm"])
+             if a["images_per_cpu_second"] and b["images_per_cpu_second"]]
+    result["pair_ratios"] = pairs
+    return result
+
+
+def _fmt(value, digits=1) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _table(kind: str, res: dict, workers: list) -> str:
+    ours, timm = res["vim_ds"], res["timm"]
+    lines = [f"{kind} pipeline (batch {ours['batch_size']}):",
+             f"  {'workers':>7}  {'vim_ds img/s':>12}  {'timm img/s':>10}  {'vim_ds /core':>12}  {'timm /core':>10}"]
+    for w in workers:
+        a, b = ours["by_workers"][str(w)], timm["by_workers"][str(w)]
+        lines.append(f"  {w:>7}  {a['images_per_sec']:>12.1f}  {b['images_per_sec']:>10.1f}  "
+                     f"{_fmt(a['images_per_cpu_second']):>12}  {_fmt(b['images_per_cpu_second']):>10}")
+    lines.append(f"  time per image (ms of CPU, one process, {ours['images']} images; * = in the training process):")
+    lines.append(f"    {'stage':<26}{'vim_ds':>8}{'timm':>8}")
+    def cell(r, stage):
+        if stage not in r["stages_ms"]:
+            return f"{'-':>7} "
+        mark = "*" if r["where"].get(stage, "").startswith("training process") else " "
+        return f"{r['stages_ms'][stage]:>7.2f}{mark}"
+
+    for stage in STAGES:
+        if stage in ours["stages_ms"] or stage in timm["stages_ms"]:
+            lines.append(f"    {STAGE_LABELS[stage]:<26}{cell(ours, stage)}{cell(timm, stage)}")
+    lines.append(f"    {'sum of the stages':<26}{ours['stages_sum_ms']:>7.2f} {timm['stages_sum_ms']:>7.2f}")
+    lines.append(f"    {'whole, untimed steps':<26}{ours['whole_ms']:>7.2f} {timm['whole_ms']:>7.2f}")
+    lines.append(f"    {STAGE_LABELS['transfer'] + ' (a)':<26}{_fmt(ours['transfer_ms'], 2):>7} "
+                 f"{_fmt(timm['transfer_ms'], 2):>7}")
+    lines.append("    (a) the loaders' CPU time per image minus the whole in-process time")
+    for name, r in (("vim_ds", ours), ("timm", timm)):
+        c = r["loader_cpu_ms_per_image"]
+        lines.append(f"  {name} loader, CPU per image (median over its runs): workers {_fmt(c['workers'], 2)} ms, "
+                     f"training process {_fmt(c['training_process'], 2)} ms")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_data(args) -> dict:
+    import PIL
+    import timm
+    import torch
+
+    def log(text):
+        print(text, file=sys.stderr, flush=True)
+
+    from ..data.datasets import _checked_split
+
+    for split in ("train", "val") if args.eval else ("train",):
+        try:
+            _checked_split(args.data_path, split)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+    train_args = train_namespace(args)
+    settings = {"data_path": args.data_path, "workers": args.workers, "batch_size": args.batch_size,
+                "batches": args.batches, "warmup_batches": args.warmup_batches, "rounds": args.rounds,
+                "sample": args.sample, "train_args": args.train_args,
+                "recipe": {k: getattr(train_args, k) for k in (
+                    "input_size", "aa", "color_jitter", "train_interpolation", "scale", "ratio", "hflip", "reprob",
+                    "remode", "recount", "mixup", "cutmix", "cutmix_minmax", "mixup_prob", "mixup_switch_prob",
+                    "mixup_mode", "smoothing", "repeated_aug", "eval_crop_ratio", "seed")},
+                "cpu": cpu_name(), "cores_available": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+                "timm": timm.__version__, "pillow": PIL.__version__}
+    results = {"settings": settings}
+    results["train"] = run_pipeline_pair(args, train_args, True, log)
+    if args.eval:
+        results["eval"] = run_pipeline_pair(args, train_args, False, log)
+    print(f"{PROG}: {args.data_path}, {train_args.input_size} px, {settings['cpu']}, "
+          f"{settings['cores_available']} cores available; torch {torch.__version__}, timm {timm.__version__}, "
+          f"Pillow {PIL.__version__}")
+    r = settings["recipe"]
+    print(f"recipe: aa {r['aa']}, reprob {r['reprob']}, mixup {r['mixup']}, cutmix {r['cutmix']}, "
+          f"{r['train_interpolation']}; {args.rounds} round(s) of {args.batches} batches per loader, alternating")
+    print(_table("training", results["train"], args.workers))
+    if args.eval:
+        print(_table("evaluation", results["eval"], args.workers))
+    t = results["train"]
+    ours, timm_rate = t["vim_ds"]["images_per_sec_per_core"], t["timm"]["images_per_sec_per_core"]
+    print(f"training pipeline: vim_ds {_fmt(ours)} images/s per core, timm {_fmt(timm_rate)} images/s per core, "
+          f"ratio {_fmt(t['ratio'], 2)}")
+    return results
+
+
+def check_args(parser, args) -> None:
+    for name, least in (("batch_size", 2), ("batches", 1), ("warmup_batches", 1), ("rounds", 1), ("sample", 2)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    if not args.workers or min(args.workers) < 1:
+        parser.error(f"--workers must be one or more counts of at least 1, got {args.workers}")
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser(
+        "data", help="the input pipeline alone (decode, augment, collate, hand-over): ours vs timm's loader",
+        description="Time the training and evaluation input pipelines on an ImageNet-layout folder of JPEGs "
+        "(`vim-ds data photos --out DIR` writes one): the trainer's loader against timm.data.create_loader with the "
+        "same transform arguments, alternating, for each worker count; images/s and images per CPU-second "
+        "('per core'); and the time per image split into decode, resize/crop, RandAugment, tensor conversion and "
+        "normalisation, random erasing, collation, Mixup and the inter-process transfer. The last line compares "
+        "the training pipelines per core.")
+    d.add_argument("--data-path", required=True, metavar="DIR", help="ImageNet-style root with train/ and val/")
+    d.add_argument("--workers", type=int, nargs="+", default=[1, 2], metavar="N", help="worker counts [1 2]")
+    d.add_argument("--batch-size", type=int, default=64, help="training batch (evaluation: 1.5x, as the trainer's)")
+    d.add_argument("--batches", type=int, default=10, help="timed batches per loader measurement")
+    d.add_argument("--warmup-batches", type=int, default=2, help="batches before the timed ones (worker start-up)")
+    d.add_argument("--rounds", type=int, default=2, help="alternating measurements per loader and worker count")
+    d.add_argument("--sample", type=int, default=128, help="images timed stage by stage in one process")
+    d.add_argument("--train-args", default="", metavar="'ARGS'",
+                   help="vim-ds train options that shape the pipeline, one quoted string, e.g. "
+                   "'--aa none --reprob 0 --mixup 0 --cutmix 0' [the training recipe's defaults]")
+    d.add_argument("--no-eval", dest="eval", action="store_false", help="skip the evaluation pipeline")
+    d.add_argument("--json", metavar="FILE", help="also write the settings and every measurement as JSON")

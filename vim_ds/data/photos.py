@@ -1,0 +1,150 @@
+"""`vim-ds data photos`: an ImageNet-like folder of real photographs, for measuring the input pipeline.
+
+What a data-loading benchmark measures depends on the files: decoding a 500x375 JPEG of a photograph costs far
+more than decoding the 8x8 digits, and JPEG decoding time depends on the picture's content (its entropy), not only
+its size. This writes JPEGs made from the real photographs that ship with scikit-learn
+(`sklearn.datasets.load_sample_images()`: two 640x427 photos), each a different random crop, mirrored or not,
+colour-shifted, with a little sensor-like noise, resized to one of ImageNet's most common sizes and saved at JPEG
+quality 90 with 4:2:0 chroma subsampling (what most ImageNet files use). Labels carry no meaning beyond their
+folder: the data set is for timing, not for learning.
+
+Every image is a pure function of (seed, split, class, index): the same seed writes the same bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+# ImageNet-1k's most common training-image sizes (width x height); ~40% of its files are exactly 500x375 or 375x500
+DEFAULT_SIZES = ((500, 375), (500, 333), (375, 500), (500, 400), (333, 500))
+DEFAULT_QUALITY = 90
+SPLITS = ("train", "val")
+
+
+def _source_photos() -> list[np.ndarray]:
+    from sklearn.datasets import load_sample_images
+
+    return [np.asarray(image, dtype=np.uint8) for image in load_sample_images().images]
+
+
+def make_photo(source: np.ndarray, size: tuple[int, int], rng: np.random.Generator, tint: np.ndarray):
+    """One PIL image of `size` (width, height) from `source` (H, W, 3 uint8): a random crop of the source's aspect
+    -matched window (at least 40% of its largest area), mirrored half the time, per-channel gains (`tint` x a
+    random jitter), a random gamma and mild Gaussian noise."""
+    from PIL import Image
+
+    width, height = size
+    src_h, src_w = source.shape[:2]
+    aspect = width / height
+    max_w = min(src_w, int(src_h * aspect))  # the largest window of the target's aspect that fits the source
+    max_h = min(src_h, int(max_w / aspect))
+    side = np.sqrt(rng.uniform(0.4, 1.0))
+    crop_w, crop_h = max(8, int(max_w * side)), max(8, int(max_h * side))
+    x0 = int(rng.integers(0, src_w - crop_w + 1))
+    y0 = int(rng.integers(0, src_h - crop_h + 1))
+    patch = source[y0:y0 + crop_h, x0:x0 + crop_w]
+    if rng.random() < 0.5:
+        patch = patch[:, ::-1]
+    image = Image.fromarray(np.ascontiguousarray(patch)).resize((width, height), Image.Resampling.LANCZOS)
+    pixels = np.asarray(image, dtype=np.float32) / 255.0
+    gains = tint * rng.uniform(0.9, 1.1, size=3)
+    pixels = np.clip(pixels * gains, 0.0, 1.0) ** rng.uniform(0.8, 1.25)
+    pixels = pixels * 255.0 + rng.normal(0.0, 2.0, size=pixels.shape)
+    return Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))
+
+
+def class_name(index: int) -> str:
+    return f"c{index:03d}"
+
+
+def write_photos(out_dir, *, classes: int = 10, per_class: int = 50, val_per_class: int | None = None,
+                 seed: int = 0, quality: int = DEFAULT_QUALITY, sizes=DEFAULT_SIZES) -> dict:
+    """Write `out_dir/{train,val}/c<k>/<split>_<n>.jpg`; return the counts. Class k starts from source photo
+    k mod 2 with its own colour tint; every image is its own crop, flip, colour shift and size (picked from
+    `sizes`, (width, height) pairs)."""
+    if classes < 1 or per_class < 1:
+        raise ValueError(f"--classes and --per-class must be at least 1, got {classes} and {per_class}")
+    val_per_class = max(1, per_class // 5) if val_per_class is None else val_per_class
+    if val_per_class < 1:
+        raise ValueError(f"--val-per-class must be at least 1, got {val_per_class}")
+    if not 1 <= quality <= 100:
+        raise ValueError(f"--quality must be between 1 and 100, got {quality}")
+    sources = _source_photos()
+    counts = {"train": 0, "val": 0, "classes": classes}
+    for k in range(classes):
+        tint = np.random.default_rng([seed, k, 0]).uniform(0.8, 1.2, size=3)
+        for split_id, (split, n) in enumerate((("train", per_class), ("val", val_per_class))):
+            folder = Path(out_dir) / split / class_name(k)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                rng = np.random.default_rng([seed, k, 1 + split_id, i])
+                size = tuple(sizes[int(rng.integers(len(sizes)))])
+                image = make_photo(sources[k % len(sources)], size, rng, tint)
+                image.save(folder / f"{split}_{i:05d}.jpg", format="JPEG", quality=quality, subsampling="4:2:0")
+            counts[split] += n
+    return counts
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 500x375, got {text!r}") from None
+    if not (8 <= width <= 4096 and 8 <= height <= 4096):
+        raise argparse.ArgumentTypeError(f"sides must be between 8 and 4096 pixels, got {text!r}")
+    return width, height
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vim-ds data photos",
+        description="Write an ImageNet-layout folder (DIR/train/<class>/*.jpg, DIR/val/<class>/*.jpg) of JPEGs "
+                    "made from the real photographs shipped with scikit-learn: random crops, flips and colour "
+                    "shifts at ImageNet's common sizes, quality 90. For timing the input pipeline "
+                    "(`vim-ds bench data --data-path DIR`); the labels mean nothing.")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (must be empty or new)")
+    parser.add_argument("--classes", type=int, default=10, help="class folders (default 10)")
+    parser.add_argument("--per-class", type=int, default=50, help="training images per class (default 50)")
+    parser.add_argument("--val-per-class", type=int, default=None,
+                        help="validation images per class (default: a fifth of --per-class, at least 1)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default 0)")
+    parser.add_argument("--quality", type=int, default=DEFAULT_QUALITY, help="JPEG quality (default 90)")
+    parser.add_argument("--sizes", type=_size, nargs="+", default=list(DEFAULT_SIZES), metavar="WxH",
+                        help="image sizes, each image picks one "
+                             f"(default {' '.join(f'{w}x{h}' for w, h in DEFAULT_SIZES)})")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = "vim-ds data photos"
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"{prog}: error: {out} exists and is not a folder", file=sys.stderr)
+        return 2
+    if out.is_dir() and any(out.iterdir()):
+        if not args.force:
+            print(f"{prog}: error: {out} exists and is not empty; pass --force to replace its train/ and val/",
+                  file=sys.stderr)
+            return 2
+        for split in SPLITS:
+            shutil.rmtree(out / split, ignore_errors=True)
+    try:
+        counts = write_photos(out, classes=args.classes, per_class=args.per_class, val_per_class=args.val_per_class,
+                              seed=args.seed, quality=args.quality, sizes=args.sizes)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {counts['train']} training and {counts['val']} validation JPEGs (quality {args.quality}) of "
+          f"{counts['classes']} classes to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
