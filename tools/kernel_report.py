@@ -4,8 +4,8 @@ it with each target's compiler log; tests/test_compile_check.py imports it (pars
 
 usage: kernel_report.py --csrc DIR --json OUT [--compiled TARGET COMPILER LOG]... [--not-compiled TARGET REASON]...
 
-Prints one line per (target, kernel instance):
-    TARGET KERNEL regs=N spills=N smem=N occupancy=N% [sgpr_spills=N]
+Prints, per compiled target, "TARGET: compiled by COMPILER" and one line per kernel instance:
+    TARGET KERNEL regs=N spills=N smem=N occupancy=N% [sgpr_spills=N] [(exempt from the floor)]
 and one "TARGET: not compiled: REASON" line per target no available compiler supports; writes the same as JSON;
 exits 1 when an instance spills to memory, uses scratch, is missing from a compiled target, or its occupancy is
 below the floor stated in csrc/selective_scan_kernel.cuh's opening comment ("Occupancy floor ...: N%").
@@ -295,9 +295,14 @@ def mangled_of(parsed, name):
     return next((k for k in parsed if instance_name(k) == name), None)
 
 
+def pct(fraction):
+    """0.0625 -> '6.25', 0.125 -> '12.5', 0.5 -> '50': exact for the occupancies the models give."""
+    return f"{fraction * 100:.2f}".rstrip("0").rstrip(".")
+
+
 def format_row(r):
     line = (f"{r['target']} {r['kernel']} regs={r['regs']} spills={r['spills']} smem={r['smem']} "
-            f"occupancy={r['occupancy'] * 100:.1f}%")
+            f"occupancy={pct(r['occupancy'])}%")
     if "sgpr_spills" in r:
         line += f" sgpr_spills={r['sgpr_spills']}"
     if r.get("exempt"):
@@ -315,7 +320,7 @@ def check_rows(rows, floor_pct, exempt=frozenset()):
         if r.get("scratch_bytes_per_lane", 0) > 0:
             bad.append(f"{r['target']} {r['kernel']}: {r['scratch_bytes_per_lane']} bytes of scratch per lane")
         if r["occupancy"] * 100 < floor_pct - 1e-9 and (r["target"], r["kernel"]) not in exempt:
-            bad.append(f"{r['target']} {r['kernel']}: occupancy {r['occupancy'] * 100:.1f}% below the floor "
+            bad.append(f"{r['target']} {r['kernel']}: occupancy {pct(r['occupancy'])}% below the floor "
                        f"{floor_pct:g}%")
     return bad
 
@@ -342,8 +347,11 @@ def main(argv=None):
         report["targets"][target] = {"compiled": True, "compiler": compiler, "kernels": rows}
     for target, reason in a.not_compiled:
         report["targets"][target] = {"compiled": False, "reason": reason}
-    for r in rows_all:
-        print(format_row(r))
+    for target, compiler, _ in a.compiled:
+        rows = report["targets"][target]["kernels"]
+        print(f"{target}: compiled by {compiler} ({len(rows)} kernel instances reported)")
+        for r in rows:
+            print(format_row(r))
     for target, reason in a.not_compiled:
         print(f"{target}: not compiled: {reason}")
     bad = problems + check_rows(rows_all, floor_pct, exempt)
