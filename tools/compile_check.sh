@@ -256,6 +256,10 @@ PY
           | sed -n 's/.*clang version \([0-9.]*\).*/\1/p')
         echo "hipcc: $hipcc (HIP $hip_version, clang $clang_version)"
       fi
+      if [ -z "${hip_version:-}" ] && [ -f /usr/include/hip/hip_version.h ]; then  # the headers clang++ uses
+        hip_version=$(awk '/define HIP_VERSION_(MAJOR|MINOR|PATCH)/ {v = v (v ? "." : "") $3} END {print v}' \
+          /usr/include/hip/hip_version.h)
+      fi
       compilers=${hipcc:+hipcc with clang $clang_version}
       if [ -n "$clang" ]; then
         clang_ver=$("$clang" --version | sed -n 's/.*clang version \([0-9.]*\).*/\1/p;q')
@@ -296,7 +300,7 @@ PY
             -Rpass-analysis=kernel-resource-usage -c "$hipified" -o "$work/selective_scan_$arch.co" > "$log" 2>&1; then
             grep -E '(warning|error):' "$log" || true
             echo "OK: clang++ $arch"
-            record_compiled hip "$arch" "clang++ $clang_ver (HIP ${hip_version:-5.2} headers and device libraries)" \
+            record_compiled hip "$arch" "clang++ $clang_ver (HIP ${hip_version:-?} headers and device libraries)" \
               "$log"
           else
             cat "$log"
