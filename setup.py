@@ -9,12 +9,15 @@ Environment:
                               it cannot be built).
   VIM_DS_BUILD_CPU=1|0        0 skips the CPU kernel too (pure-Python install; the kernel is then JIT-built at
                               first use, or the ``ref`` backend is used).
-  TORCH_CUDA_ARCH_LIST        GPU architectures, as for any torch extension (default here: "8.0;9.0" for CUDA).
-  PYTORCH_ROCM_ARCH           AMD architectures (default here: "gfx90a;gfx942").
+  TORCH_CUDA_ARCH_LIST        GPU architectures, as for any torch extension (default here: "8.0;9.0", plus "10.0"
+                              when the nvcc found supports it: the targets tools/compile_check.sh compiles).
+  PYTORCH_ROCM_ARCH           AMD architectures (default here: "gfx90a;gfx942", the AMD targets
+                              tools/compile_check.sh compiles; gfx950 is not compiled anywhere yet).
 """
 import importlib.util
 import os
 import shutil
+import subprocess
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
@@ -58,6 +61,23 @@ def _gpu_toolchain(torch):
     return None, "torch has no GPU backend"
 
 
+# The targets tools/compile_check.sh compiles and reports (keep the two in line).
+CUDA_ARCHS = ("8.0", "9.0")
+CUDA_ARCHS_IF_SUPPORTED = ("10.0",)
+ROCM_ARCHS = ("gfx90a", "gfx942")
+
+
+def _default_cuda_arch_list(cuda_home):
+    """CUDA_ARCHS, plus those of CUDA_ARCHS_IF_SUPPORTED that this nvcc knows (nvcc --list-gpu-arch)."""
+    try:
+        known = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], capture_output=True,
+                               text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        known = []
+    extra = [a for a in CUDA_ARCHS_IF_SUPPORTED if f"compute_{a.replace('.', '')}" in known]
+    return ";".join(CUDA_ARCHS + tuple(extra))
+
+
 def extensions():
     import torch
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
@@ -75,9 +95,12 @@ def extensions():
         else:
             print(f"vim_ds: building the GPU kernel for {backend}: {reason}")
             if backend == "cuda":
-                os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+                from torch.utils.cpp_extension import CUDA_HOME
+
+                if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+                    os.environ["TORCH_CUDA_ARCH_LIST"] = _default_cuda_arch_list(CUDA_HOME)
             else:
-                os.environ.setdefault("PYTORCH_ROCM_ARCH", "gfx90a;gfx942")
+                os.environ.setdefault("PYTORCH_ROCM_ARCH", ";".join(ROCM_ARCHS))
             exts.append(CUDAExtension("vim_ds._scan_cuda", **build_config.gpu_extension_args(ROOT)))
     return exts
 

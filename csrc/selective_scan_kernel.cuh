@@ -22,9 +22,9 @@
 //     correct for 32-wide NVIDIA warps and for 64-wide AMD wavefronts (a wavefront is simply two segments),
 //     and even for wave32 AMD GPUs. The block size is a multiple of 64 so every warp/wavefront is full.
 //   * Time is processed in chunks of T steps (T = "chunk length", <= 64, chosen by the host so that the
-//     backward's shared memory stays under 48 KiB). Per chunk the block first stages the chunk's inputs in
-//     shared memory with coalesced loads (converted to the accumulation type), then every thread steps
-//     through the chunk reading only shared memory.
+//     backward's shared memory stays under kSmemBudget: 48 KiB on NVIDIA, 32 KiB on AMD). Per chunk the block
+//     first stages the chunk's inputs in shared memory with coalesced loads (converted to the accumulation
+//     type), then every thread steps through the chunk reading only shared memory.
 //
 // Sequence parallelism (a two-level chunked scan). h_t = a_t h_{t-1} + b_t is associative on (a, b) pairs, so
 //   the chunks are grouped into n_seg segments of seg_chunks chunks, each run by its own block:
@@ -109,6 +109,25 @@
 //   the backward cannot come within ~2x of its bound (H100: 0.17 / 0.13 ms of traffic against bounds of 0.082 /
 //   0.066 ms, fp32 / bf16) until they shrink; the stored states
 //   (`saved`, N floats per chunk of T steps) add ~1/T of that; with segments, pass 0 reads u, delta, B once more.
+//
+// Occupancy floor (tools/compile_check.sh fails below it): 12.5%, that is 8 of an SM's 64 warps (two per
+//   scheduler: two 128-thread blocks) on NVIDIA, and 4 of a CDNA CU's 32 wavefronts (one per SIMD: two blocks) on
+//   AMD. Below it hardware idles by construction: on AMD a SIMD holds no wavefront of the kernel at all, on NVIDIA
+//   a scheduler has one warp, which stalls on every exp -> FMA dependency of the recurrence. More is not asked
+//   for: the recurrence's latency is also hidden by the kNPL independent states of each lane, and the backward's
+//   occupancy is bounded by its shared memory (the per-thread history of chunk+1 states), which only a shorter
+//   chunk (more stored states, more barriers) would lower. tools/kernel_report.py computes occupancy from the
+//   compilers' register counts and the launcher's shared memory (formulas and sources of the limits there).
+//   Measured (nvcc 13.0; gfx90a: hipcc 5.2 / clang 15; gfx942: clang 19.1.7; docs/selective-scan.md has the
+//   table): backward 18.75% on sm_80 (3 blocks per SM, shared memory), 25% on sm_90 and sm_100 (4 blocks),
+//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-56% on NVIDIA, 37.5-87.5% on AMD.
+//   Exempt from the floor: scan_bwd<fp64,npl8> on gfx90a gfx942. For d_state 256 its shared memory at the
+//   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
+//   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
+//   Spills: none to memory on any target (the check fails on one). On AMD the scan kernels keep more uniform
+//   values (KernelParams' pointers and sizes, 64-bit offsets) than the 102 SGPRs a wavefront addresses, and the
+//   compiler parks the rest in VGPR lanes (v_writelane / v_readlane): no memory traffic (0 bytes of scratch),
+//   a few instructions each, already counted in the VGPRs. The report shows them (sgpr_spills=N) without failing.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -160,11 +179,28 @@ static_assert(kWarpSize % kSeg == 0, "the kernels assume a warp/wavefront is a w
 constexpr int kThreads = 128;
 static_assert(kThreads % 64 == 0, "block must be whole warps and whole wavefronts");
 
+// Launch bounds of every kernel. CUDA: kThreads per block and at least kMinBlocksPerSM resident blocks per SM,
+// which caps ptxas at 65536 / (4 * 128) = 128 registers per thread, enough for every instance: with the block
+// size alone, ptxas (CUDA 13.0) held some instances to 64-128 registers and spilled 8-16 bytes to local memory
+// (sm_80: scan_fwd<fp32,npl8>, scan_bwd<fp64,npl4> and 5 more; sm_90: scan_combine<fp32> and 2 more; sm_100:
+// three fp64 instances); with it none spills. 4 blocks (16 warps) is also the most the backward's shared memory
+// lets an SM hold, so registers never become the tighter limit. HIP's second argument means something else
+// (minimum wavefronts per SIMD) and is not given: there the kernels do not spill vector registers as they are.
+constexpr int kMinBlocksPerSM = 4;
+#if SS_HIP
+#define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads)
+#else
+#define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads, kMinBlocksPerSM)
+#endif
+
 // Longest chunk between two stored states.
 constexpr int kMaxChunk = 64;
 
-// Shared-memory budget per block (bytes): 48 KiB needs no opt-in on NVIDIA and fits AMD's 64 KiB LDS.
-constexpr int kSmemBudget = 48 * 1024;
+// Shared-memory budget per block (bytes), which fixes the chunk length (the launcher's make_layout). NVIDIA:
+// 48 KiB needs no opt-in, and 3 (sm_80) or 4 (sm_90, sm_100) such blocks fit an SM. AMD: 32 KiB, so that two
+// blocks, four wavefronts, fit the 64 KiB of LDS of a CDNA2/CDNA3 CU: at 48 KiB one block (two wavefronts) held
+// a CU and two of its four SIMDs had no wavefront of the backward at all (see "Occupancy floor" above).
+constexpr int kSmemBudget = SS_HIP ? 32 * 1024 : 48 * 1024;
 
 // Exchange with the lane whose index differs by `mask` (all lanes of the warp must call this together).
 // HIP: __shfl_xor(v, mask, width = warpSize) takes no lane mask; it exists from ROCm 5 through ROCm 7. The
@@ -368,7 +404,7 @@ __device__ inline void store_segment_summary(const KernelParams& p, const Thread
 // ------------------------------------------------------------------ forward --------------------------------
 
 template <typename input_t, int kNPL>
-__global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = p.group;
   const int cpb = kThreads / G;
@@ -522,7 +558,7 @@ __global__ void __launch_bounds__(kThreads) scan_fwd_kernel(const KernelParams p
 // ------------------------------------------------------------------ backward -------------------------------
 
 template <typename input_t, int kNPL>
-__global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = p.group;
   const int cpb = kThreads / G;
@@ -783,7 +819,7 @@ __global__ void __launch_bounds__(kThreads) scan_bwd_kernel(const KernelParams p
 // X_{s-1} = P_s X_s + x_s (x_s the carry leaving segment s from a zero carry-in); stores X_{s-1} over x_s, where
 // segment s-1 reads it.
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) scan_combine_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS scan_combine_kernel(const KernelParams p) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int N = p.dstate;
   if (i >= int64_t(p.batch) * p.dim * N) return;  // no barriers or shuffles in this kernel
@@ -814,7 +850,7 @@ __global__ void __launch_bounds__(kThreads) scan_combine_kernel(const KernelPara
 // element of dA (dim, N), dD (dim), ddelta_bias (dim), and when several blocks share a batch row, dB and dC
 // (batch, N, L). Each sums over batch then segments, or over blocks of channels, in index order.
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads) scan_reduce_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS scan_reduce_kernel(const KernelParams p) {
   const int64_t i0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int N = p.dstate, S = p.n_seg, NC = p.blocks_per_batch;
   const acc_t* ws = static_cast<const acc_t*>(p.ws);

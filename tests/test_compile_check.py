@@ -1,12 +1,19 @@
-"""The GPU kernel compiles for both vendors, and its real device code computes the right thing.
+"""The GPU kernel compiles for every target, its resources are within bounds, and its real device code computes the
+right thing.
 
-No GPU exists on the CI machine, so: (1) nvcc compiles the device code for sm_80/sm_90, (2) PyTorch's hipify plus
-Debian's hipcc compile it for gfx90a, (3) the torch binding compiles against torch's headers (tools/compile_check.sh),
-and (4) the kernels themselves run on the CPU under tools/kernel_emu (each GPU thread a coroutine; barriers and
-shuffles emulated) and are compared with the float64 reference. (4) needs only g++, so it runs wherever g++ does,
-with or without a GPU compiler. Real GPU runs are the `gpu`-marked tests in test_selective_scan.py.
+No GPU exists on the CI machine, so: (1) nvcc compiles the device code for sm_80/sm_90/sm_100, (2) PyTorch's hipify
+plus Debian's hipcc (gfx90a) and clang++-19 (gfx942) compile it for AMD, gfx950 being named as not compiled, (3) the
+torch binding compiles against torch's headers, (4) tools/kernel_report.py turns the compilers' resource output into
+one line per (target, kernel instance) with registers, spills, shared memory and occupancy (all in
+tools/compile_check.sh, run once and shared by the tests here), and (5) the kernels themselves run on the CPU under
+tools/kernel_emu (each GPU thread a coroutine; barriers and shuffles emulated) and are compared with the float64
+reference. (5) needs only g++, so it runs wherever g++ does, with or without a GPU compiler. Real GPU runs are the
+`gpu`-marked tests in test_selective_scan.py.
 """
+import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +23,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# The targets tools/compile_check.sh checks by default, and those CI must actually compile (sm_100 too when the
+# installed nvcc knows it; gfx950 needs LLVM 20+, newer than any compiler Debian has, so it is "not compiled").
+NVIDIA_TARGETS = ("sm_80", "sm_90", "sm_100")
+AMD_TARGETS = ("gfx90a", "gfx942", "gfx950")
+MUST_COMPILE_IN_CI = ("sm_80", "sm_90", "gfx90a", "gfx942")
+
+
+def _load_kernel_report():
+    spec = importlib.util.spec_from_file_location("kernel_report", REPO / "tools" / "kernel_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kr = _load_kernel_report()
 
 
 def gpu_compilers(env):
@@ -71,23 +94,192 @@ def test_the_emulator_is_selected_without_any_gpu_compiler(tmp_path):
     assert gpu_compilers(env) == ["hipcc"] and compile_skip_reason(env, in_ci=True) is None
 
 
-@pytest.mark.slow
-def test_gpu_kernel_compiles_for_nvidia_and_amd():
+@pytest.fixture(scope="module")
+def compile_check(tmp_path_factory):
+    """tools/compile_check.sh run once for this module: (returncode, log, report dict or None)."""
     env = dict(os.environ)
     env.setdefault("CUDA_HOME", "/usr/local/cuda")
     reason = compile_skip_reason(env, IN_CI)
     if reason:
         pytest.skip(reason)
-    out = subprocess.run(["bash", str(REPO / "tools" / "compile_check.sh")], capture_output=True,
-                         text=True, env={**env, "PYTHON": sys.executable}, timeout=1200)
+    report = tmp_path_factory.mktemp("compile_check") / "kernel_report.json"
+    out = subprocess.run(["bash", str(REPO / "tools" / "compile_check.sh"), "--report", str(report)],
+                         capture_output=True, text=True, env={**env, "PYTHON": sys.executable}, timeout=1800)
     log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    assert "FAIL" not in log, log[-4000:]
+    return out.returncode, log, json.loads(report.read_text()) if report.exists() else None
+
+
+def nvcc_knows(arch):
+    nvcc = shutil.which("nvcc", path=f"{os.environ.get('CUDA_HOME', '/usr/local/cuda')}/bin:{os.environ['PATH']}")
+    if nvcc is None:
+        return False
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
+    return f"compute_{arch.removeprefix('sm_')}" in listed
+
+
+@pytest.mark.slow
+def test_gpu_kernel_compiles_for_nvidia_and_amd(compile_check):
+    returncode, log, _ = compile_check
+    assert returncode == 0, log[-6000:]
+    assert "FAIL" not in log, log[-6000:]
     if IN_CI:  # on CI every compiler must be there: a skipped vendor would hide a kernel that does not compile
-        assert "SKIP" not in log, log[-4000:]
-    for step in ("OK: nvcc", "OK: hipcc", "OK: bindings_cuda.cpp"):
-        assert step in log or not IN_CI, f"{step!r} missing:\n{log[-4000:]}"
-    assert "3 step(s) ran, 0 failed" in log or not IN_CI, log[-4000:]
+        assert "SKIP" not in log, log[-6000:]
+    for step in ("OK: nvcc sm_80", "OK: nvcc sm_90", "OK: hipcc gfx90a", "OK: clang++ gfx942",
+                 "OK: bindings_cuda.cpp"):
+        assert step in log or not IN_CI, f"{step!r} missing:\n{log[-6000:]}"
+    assert re.search(r"== \d+ check\(s\) ran, 0 failed", log), log[-6000:]
+
+
+@pytest.mark.slow
+def test_resource_report_covers_every_target_and_instance_within_bounds(compile_check):
+    returncode, log, report = compile_check
+    assert report is not None, log[-6000:]
+    floor = report["occupancy_floor_pct"]
+    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    assert floor == kr.occupancy_floor(header) and floor >= 12.5
+    instances = kr.expected_instances()
+    assert len(instances) == 36 and report["instances"] == instances
+    targets = report["targets"]
+    # every expected target is named: compiled with one report line per instance, or not compiled with a reason
+    assert set(targets) == set(NVIDIA_TARGETS + AMD_TARGETS), sorted(targets)
+    lines = re.findall(r"^(\S+) (scan_\S+) regs=(\d+) spills=(\d+) smem=(\d+) occupancy=([0-9.]+)%", log, re.M)
+    for target, entry in targets.items():
+        if not entry["compiled"]:
+            assert entry["reason"].strip(), target
+            assert f"{target}: not compiled: {entry['reason']}" in log
+            continue
+        assert entry["compiler"].strip(), target
+        rows = entry["kernels"]
+        assert [r["kernel"] for r in rows] == instances, target
+        assert sorted(k for t, k, *_ in lines if t == target) == sorted(instances), target
+        for r in rows:
+            assert r["spills"] == 0, r
+            assert r["regs"] > 0, r
+            if r["exempt"]:
+                assert f"{target} {r['kernel']}" in report["exempt_from_floor"]
+            else:
+                assert r["occupancy"] * 100 >= floor, r
+            if target.startswith("gfx"):
+                assert r["scratch_bytes_per_lane"] == 0, r
+                # the occupancy model's register part agrees with the compiler's own waves/SIMD
+                assert r["waves_per_simd"] == r["compiler_waves_per_simd"], r
+    if IN_CI:
+        for target in MUST_COMPILE_IN_CI:
+            assert targets[target]["compiled"], (target, targets[target])
+        assert targets["sm_100"]["compiled"] == nvcc_knows("sm_100"), targets["sm_100"]
+    assert report["failures"] == []
+    # the exemptions are few and named: only the float64 backward with d_state > 128 on AMD
+    assert {e.split()[1] for e in report["exempt_from_floor"]} <= {"scan_bwd<fp64,npl8>"}
+
+
+# A compiler's output as tools/kernel_report.py parses it, for the negative controls below.
+_PTXAS = """ptxas info    : Compiling entry function '{name}' for 'sm_90'
+ptxas info    : Function properties for {name}
+    {stack} bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads
+ptxas info    : Used {regs} registers, used 1 barriers, 400 bytes cmem[0]
+"""
+_REMARKS = """x.cuh:1:1: remark: Function Name: {name} [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     SGPRs: 90 [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     VGPRs: {vgpr} [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     AGPRs: 0 [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     ScratchSize [bytes/lane]: {scratch} [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     Occupancy [waves/SIMD]: 8 [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     SGPRs Spill: 3 [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     VGPRs Spill: {vspill} [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     LDS Size [bytes/block]: 0 [-Rpass-analysis=kernel-resource-usage]
+"""
+_MANGLED = {"scan_fwd<fp32,npl1>": "_ZN3ssk15scan_fwd_kernelIfLi1EEEvNS_12KernelParamsE",
+            "scan_bwd<bf16,npl8>": "_ZN3ssk15scan_bwd_kernelI13__nv_bfloat16Li8EEEvNS_12KernelParamsE",
+            "scan_bwd<fp16,npl4>": "_ZN3ssk15scan_bwd_kernelI6__halfLi4EEEvNS_12KernelParamsE",
+            "scan_reduce<fp64>": "_ZN3ssk18scan_reduce_kernelIdEEvNS_12KernelParamsE"}
+
+
+def _fake_log(template, spill_instance=None, missing=(), **fields):
+    text = ""
+    for name in kr.expected_instances():
+        if name in missing:
+            continue
+        mangled = _MANGLED.get(name) or _mangle(name)
+        spill = name == spill_instance
+        text += template.format(name=mangled, stack=16 if spill else 0, spill=8 if spill else 0, regs=40, vgpr=40,
+                                scratch=8 if spill and fields.get("scratch") else 0,
+                                vspill=2 if spill and not fields.get("scratch") else 0)
+    return text
+
+
+def _mangle(name):
+    kind, dt, npl = re.match(r"scan_(\w+)<(\w+)(?:,npl(\d+))?>", name).groups()
+    code = {"fp32": "f", "fp64": "d", "fp16": "6__half", "bf16": "12hip_bfloat16"}[dt]
+    kernel = f"scan_{kind}_kernel"
+    return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}E' if npl else ''}EEvNS_12KernelParamsE"
+
+
+def test_report_parsers_name_every_instance():
+    for name, mangled in _MANGLED.items():
+        assert kr.instance_name(mangled) == name
+    assert kr.instance_name("_ZN3ssk15scan_fwd_kernelI12hip_bfloat16Li2EEEvNS_12KernelParamsE") == "scan_fwd<bf16,npl2>"
+    assert kr.instance_name("_Z6otherv") is None
+    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    rows, problems = kr.target_rows("sm_90", _fake_log(_PTXAS), header)
+    assert problems == [] and len(rows) == 36 and all(r["spills"] == 0 for r in rows)
+    assert kr.check_rows(rows, 12.5) == []
+
+
+def test_report_check_fails_on_spills_scratch_missing_instances_and_low_occupancy():
+    # negative controls: each defect alone must make the check fail
+    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    exempt = kr.floor_exemptions(header)
+    assert exempt == {("gfx90a", "scan_bwd<fp64,npl8>"), ("gfx942", "scan_bwd<fp64,npl8>")}
+    rows, _ = kr.target_rows("sm_90", _fake_log(_PTXAS, spill_instance="scan_bwd<bf16,npl8>"), header)
+    bad = kr.check_rows(rows, 12.5, exempt)
+    assert len(bad) == 1 and "scan_bwd<bf16,npl8>" in bad[0] and "spilled" in bad[0]
+    rows, _ = kr.target_rows("gfx942", _fake_log(_REMARKS, spill_instance="scan_bwd<fp16,npl4>"), header)
+    bad = kr.check_rows(rows, 12.5, exempt)
+    assert len(bad) == 1 and "scan_bwd<fp16,npl4>" in bad[0] and "spilled" in bad[0]
+    rows, _ = kr.target_rows("gfx90a", _fake_log(_REMARKS, spill_instance="scan_fwd<fp32,npl1>", scratch=True),
+                             header)
+    bad = kr.check_rows(rows, 12.5, exempt)
+    assert len(bad) == 1 and "scratch" in bad[0]
+    _, problems = kr.target_rows("sm_80", _fake_log(_PTXAS, missing=("scan_reduce<fp64>",)), header)
+    assert problems == ["sm_80: no resource report for scan_reduce<fp64> (not compiled?)"]
+    rows, _ = kr.target_rows("sm_80", _fake_log(_PTXAS), header)
+    assert kr.check_rows(rows, 99.0)  # no instance reaches 99%: every one fails a 99% floor
+    exempt = {("sm_80", r["kernel"]) for r in rows}
+    assert kr.check_rows(rows, 99.0, exempt) == []
+
+
+def test_occupancy_models_against_hand_computed_values():
+    # NVIDIA, 128-thread blocks (4 warps): 64 registers -> 2048 per warp -> 8 warps per sub-partition -> 32 warps,
+    # 8 blocks: 50%; 48 KiB + 1 KiB reserved of shared memory -> 3 blocks on sm_80's 164 KiB (18.75%), 4 on sm_90's
+    # 228 KiB (25%); 255 registers -> 8192 per warp -> 2 warps per sub-partition -> 2 blocks (12.5%)
+    assert kr.nvidia_occupancy("sm_80", 64, 0, 128) == 0.5
+    assert kr.nvidia_occupancy("sm_80", 32, 48 * 1024, 128) == 0.1875
+    assert kr.nvidia_occupancy("sm_90", 32, 48 * 1024, 128) == 0.25
+    assert kr.nvidia_occupancy("sm_90", 255, 0, 128) == 0.125
+    # AMD, 128-thread blocks (2 wavefronts): 56 VGPRs and 106 SGPRs -> min(8, 512/56, 800/112) = 7 waves per SIMD
+    # -> 28 per CU -> 14 blocks (87.5%); 48 KiB of LDS -> 1 block (6.25%); 32 KiB -> 2 (12.5%); 220 VGPRs ->
+    # 512/224 = 2 waves per SIMD -> 4 blocks (25%)
+    assert kr.amd_waves_per_simd(56, 0, 106) == 7
+    assert kr.amd_occupancy("gfx942", 56, 0, 106, 0, 128) == 0.875
+    assert kr.amd_occupancy("gfx90a", 56, 0, 106, 48 * 1024, 128) == 0.0625
+    assert kr.amd_occupancy("gfx90a", 56, 0, 106, 32 * 1024, 128) == 0.125
+    assert kr.amd_occupancy("gfx942", 220, 0, 60, 0, 128) == 0.25
+    # gfx950's 160 KiB of LDS holds 3 blocks of 48 KiB
+    assert kr.amd_occupancy("gfx950", 56, 0, 106, 48 * 1024, 128) == 0.1875
+
+
+def test_shared_memory_mirror_follows_the_header_per_vendor():
+    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    cuda, hip = kr.kernel_constants(header, hip=False), kr.kernel_constants(header, hip=True)
+    assert (cuda["kThreads"], cuda["kSeg"], cuda["kMaxChunk"]) == (128, 32, 64)
+    assert cuda["kSmemBudget"] == 48 * 1024 and hip["kSmemBudget"] == 32 * 1024
+    # Vim's d_state 16 in fp32: group 16, one state per lane; the backward's chunk is the longest that fits
+    assert kr.layout(cuda, 16, 4) == (16, 1, 32) and kr.layout(hip, 16, 4) == (16, 1, 16)
+    for c in (cuda, hip):
+        for name in kr.expected_instances():
+            smem = kr.dynamic_smem(c, name)
+            # within the budget, except where even a one-step chunk exceeds it (float64, d_state > 128)
+            assert smem <= c["kSmemBudget"] or name == "scan_bwd<fp64,npl8>", (name, smem)
 
 
 @pytest.mark.slow
@@ -103,3 +295,24 @@ def test_gpu_kernels_emulated_on_the_cpu_match_the_reference():
     # both branches ran (32-lane warps for CUDA, 64-lane wavefronts for HIP), each with its summary line
     for warp in (32, 64):
         assert f"warp {warp}: emulated" in log, log[-4000:]
+
+
+def test_setup_defaults_build_the_targets_the_compile_check_compiles():
+    # setup.py's default TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH are the targets tools/compile_check.sh compiles:
+    # a kernel shipped for an architecture nobody compiles here, or checked for one nobody builds, is a gap
+    import ast
+
+    consts = {}
+    for node in ast.parse((REPO / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            try:
+                consts[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    script = (REPO / "tools" / "compile_check.sh").read_text()
+    cuda = re.search(r'^cuda_archs=\$\{CUDA_ARCHS:-([^}]*)\}', script, re.M).group(1).split()
+    hip = re.search(r'^hip_archs=\$\{HIP_ARCHS:-([^}]*)\}', script, re.M).group(1).split()
+    built = [a.replace(".", "") for a in consts["CUDA_ARCHS"] + consts["CUDA_ARCHS_IF_SUPPORTED"]]
+    assert built == cuda and [f"sm_{a}" for a in cuda] == list(NVIDIA_TARGETS)
+    # AMD: every target the check compiles is built; gfx950, which no available compiler knows, is not
+    assert list(consts["ROCM_ARCHS"]) == [a for a in hip if a != "gfx950"] and hip == list(AMD_TARGETS)

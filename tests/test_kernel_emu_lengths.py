@@ -6,6 +6,7 @@ Here only the short Vim lengths (up to 197, past a chunk boundary); `tools/kerne
 them all, up to 6085.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,9 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("reverse=True") == 5 and res.stdout.count(f"warp {warp} L=") == 10, res.stdout
     assert f"warp {warp} deterministic" in res.stdout, res.stdout
-    # every length checked the kernel's last state, L = 65 and 197 with several segments along the sequence
-    assert "last_state" in res.stdout.split("worst over lengths:")[1] and "segments=  4" in res.stdout, res.stdout
+    # every length checked the kernel's last state, L = 65 and 197 with several segments along the sequence (how
+    # many depends on the chunk length, which the HIP branch keeps shorter: 32 KiB of shared memory, not 48)
+    assert "last_state" in res.stdout.split("worst over lengths:")[1], res.stdout
+    segments = {int(L): int(n) for L, n in re.findall(r"L= *(\d+) dim= *\d+ segments= *(\d+)", res.stdout)}
+    assert segments[65] > 1 and segments[197] > 1, res.stdout
     assert f"warp {warp} last_state control: the state one step early is off by" in res.stdout, res.stdout
