@@ -27,7 +27,6 @@ import collections
 import copy
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -525,19 +524,10 @@ def _table(kind: str, res: dict, workers: list) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run_data(args) -> dict:
     import PIL
+
+    from ..engine.run_info import cpu_name
     import timm
     import torch
 

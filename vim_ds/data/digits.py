@@ -75,20 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def clear_output_folder(out: Path, force: bool) -> str | None:
+    """Make `out` ready for a data set writer: why not (a file; a non-empty folder without `force`), or None after
+    removing its train/ and val/ (with `force`; nothing else in it is touched)."""
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            return f"{out} exists and is not empty; pass --force to replace its train/ and val/"
+        for split in ("train", "val"):
+            shutil.rmtree(out / split, ignore_errors=True)
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"vim-ds data digits: {out} exists and is not a folder", file=sys.stderr)
+    problem = clear_output_folder(out, args.force)
+    if problem:
+        print(f"vim-ds data digits: {problem}", file=sys.stderr)
         return 2
-    if out.is_dir() and any(out.iterdir()):
-        if not args.force:
-            print(f"vim-ds data digits: {out} exists and is not empty; pass --force to replace its train/ and val/",
-                  file=sys.stderr)
-            return 2
-        for split in ("train", "val"):
-            shutil.rmtree(out / split, ignore_errors=True)
     counts = write_digits(out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {counts['train']} training and {counts['val']} validation images of {counts['classes']} classes "
           f"to {out}")

@@ -13,11 +13,12 @@ Every image is a pure function of (seed, split, class, index): the same seed wri
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from .digits import clear_output_folder
 
 # ImageNet-1k's most common training-image sizes (width x height); ~40% of its files are exactly 500x375 or 375x500
 DEFAULT_SIZES = ((500, 375), (500, 333), (375, 500), (500, 400), (333, 500))
@@ -125,16 +126,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prog = "vim-ds data photos"
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"{prog}: error: {out} exists and is not a folder", file=sys.stderr)
+    problem = clear_output_folder(out, args.force)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    if out.is_dir() and any(out.iterdir()):
-        if not args.force:
-            print(f"{prog}: error: {out} exists and is not empty; pass --force to replace its train/ and val/",
-                  file=sys.stderr)
-            return 2
-        for split in SPLITS:
-            shutil.rmtree(out / split, ignore_errors=True)
     try:
         counts = write_photos(out, classes=args.classes, per_class=args.per_class, val_per_class=args.val_per_class,
                               seed=args.seed, quality=args.quality, sizes=args.sizes)
