@@ -142,3 +142,79 @@ def test_torch_compile_fullgraph_of_a_dynamic_model(tmp_path):
         for hw in [(160, 160), (192, 224)]:
             x = torch.randn(2, 3, *hw)
             torch.testing.assert_close(compiled(x), static_at(hw, path)(x), rtol=0, atol=TOL)
+
+
+def test_timm_scripts_input_resolution_accepts_another_size_only_when_dynamic():
+    """What timm's validate.py / benchmark.py do with `--img-size 160 --model-kwargs dynamic_img_size=True`:
+    resolve the data config against the model built at its default 224, transform, run."""
+    from PIL import Image
+    from timm.data import create_transform, resolve_input_data_config
+
+    for dynamic in (True, False):
+        model = timm.create_model("vim_tiny", dynamic_img_size=dynamic, **ARCH).eval()
+        request = dict(img_size=160, model_kwargs=dict(dynamic_img_size=dynamic))
+        if not dynamic:
+            with pytest.raises(ValueError, match=r"requires \(224, 224\)"):
+                resolve_input_data_config(model, request, use_test_size=True)
+            continue
+        cfg = resolve_input_data_config(model, request, use_test_size=True)
+        assert cfg["input_size"] == (3, 160, 160)
+        image = create_transform(**cfg)(Image.new("RGB", (300, 200), (120, 30, 200)))
+        assert image.shape == (3, 160, 160)
+        with torch.no_grad():
+            assert model(image[None]).shape == (1, 5)
+
+
+def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
+    """`vim-ds eval --input-size 48` on weights saved at 32 px: the model is built at 48 px and the weights'
+    position embeddings are resampled on load, so it scores what the static resampled model scores in-process;
+    the same with --model-kwargs dynamic_img_size=True. Negative control: nearest-neighbour resampled weights
+    score another loss."""
+    import json
+    import subprocess
+    import sys
+
+    from vim_ds.data import build_dataset
+    from vim_ds.train import parse_args
+
+    arch = dict(depth=2, embed_dim=32, patch_size=4, stride=4)
+    torch.manual_seed(0)
+    src = timm.create_model("vim_tiny", num_classes=10, img_size=32, **arch)
+    with torch.no_grad():  # positions and a head that matter (a fresh init's logits are all about 0)
+        src.pos_embed.normal_(0, 1)
+        src.head.weight.normal_(0, 1)
+    path = tmp_path / "w32.pth"
+    torch.save({"model": src.state_dict()}, path)
+    argv = ["--data-set", "folder", "--data-path", digits, "--num_workers", "0", "--model", "vim_tiny",
+            "--input-size", "48", "--precision", "fp32", "--batch-size", "64", "--resume", str(path),
+            "--model-kwargs", *[f"{k}={v}" for k, v in arch.items()]]
+
+    records = []
+    for extra in ([], ["dynamic_img_size=True"]):
+        out = tmp_path / f"eval{len(records)}"
+        proc = subprocess.run([sys.executable, "-m", "vim_ds.eval", *argv, *extra, "--output_dir", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
+
+    val, _ = build_dataset(parse_args(argv + ["--eval"], prog="vim-ds eval"), is_train=False)
+    images = torch.stack([val[i][0] for i in range(len(val))])
+    targets = torch.tensor([val[i][1] for i in range(len(val))])
+
+    def score(model):
+        with torch.no_grad():
+            logits = torch.cat([model.eval()(images[i:i + 96]) for i in range(0, len(images), 96)])
+        hits = (logits.argmax(1) == targets).sum().item()
+        return 100.0 * hits / len(targets), F.cross_entropy(logits.double(), targets).item()
+
+    static = timm.create_model("vim_tiny", num_classes=10, img_size=48, **arch)
+    load_model_weights(static, path)
+    acc1, loss = score(static)
+    for record in records:
+        assert record["eval_images"] == 360
+        assert record["eval_acc1"] == pytest.approx(acc1, abs=1e-9)
+        assert record["eval_loss"] == pytest.approx(loss, rel=1e-6)
+    with torch.no_grad():
+        static.pos_embed.copy_(wrong_pos_embed(src.pos_embed, (8, 8), (12, 12), mode="nearest"))
+    _, wrong_loss = score(static)
+    assert abs(wrong_loss - loss) > 10 * 1e-6 * loss, (wrong_loss, loss)
