@@ -144,25 +144,34 @@ def test_torch_compile_fullgraph_of_a_dynamic_model(tmp_path):
             torch.testing.assert_close(compiled(x), static_at(hw, path)(x), rtol=0, atol=TOL)
 
 
-def test_timm_scripts_input_resolution_accepts_another_size_only_when_dynamic():
-    """What timm's validate.py / benchmark.py do with `--img-size 160 --model-kwargs dynamic_img_size=True`:
-    resolve the data config against the model built at its default 224, transform, run."""
+def test_timm_validate_py_flow_with_img_size_and_a_224_checkpoint(tmp_path):
+    """What timm's validate.py does with `--img-size 160 --checkpoint FILE --model-kwargs dynamic_img_size=True`:
+    resolve_model_input_args -> create_model -> load_checkpoint (a plain load_state_dict of the 224 px file) ->
+    resolve_input_data_config -> transform -> forward. timm builds a fixed-size model at 160 px; the dynamic model
+    resamples the loaded position embeddings, so it scores what the static 160 px model loaded through the
+    checkpoint filter scores. Without dynamic_img_size the file's 224 px table is timm's size-mismatch error."""
     from PIL import Image
     from timm.data import create_transform, resolve_input_data_config
+    from timm.models import load_checkpoint, resolve_model_input_args
 
-    for dynamic in (True, False):
-        model = timm.create_model("vim_tiny", dynamic_img_size=dynamic, **ARCH).eval()
-        request = dict(img_size=160, model_kwargs=dict(dynamic_img_size=dynamic))
-        if not dynamic:
-            with pytest.raises(ValueError, match=r"requires \(224, 224\)"):
-                resolve_input_data_config(model, request, use_test_size=True)
+    src, path = weights_224(tmp_path)
+    timm_file = tmp_path / "timm_checkpoint.pth"
+    torch.save({"state_dict": src.state_dict()}, timm_file)
+    image = Image.new("RGB", (300, 200), (120, 30, 200))
+    for extra in (dict(dynamic_img_size=True), dict(dynamic_img_size=True, img_size=224), {}):
+        args = dict(img_size=160, model_kwargs={**dict(depth=2, embed_dim=32), **extra})
+        model = timm.create_model(**resolve_model_input_args("vim_tiny", args, pretrained=False, num_classes=5,
+                                                             **args["model_kwargs"]))
+        if not extra:
+            with pytest.raises(RuntimeError, match="size mismatch for pos_embed"):
+                load_checkpoint(model, str(timm_file))
             continue
-        cfg = resolve_input_data_config(model, request, use_test_size=True)
+        load_checkpoint(model, str(timm_file))
+        cfg = resolve_input_data_config(model.eval(), args, use_test_size=True)
         assert cfg["input_size"] == (3, 160, 160)
-        image = create_transform(**cfg)(Image.new("RGB", (300, 200), (120, 30, 200)))
-        assert image.shape == (3, 160, 160)
+        x = create_transform(**cfg)(image)[None]
         with torch.no_grad():
-            assert model(image[None]).shape == (1, 5)
+            torch.testing.assert_close(model(x), static_at(160, path)(x), rtol=0, atol=TOL, msg=str(extra))
 
 
 def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
@@ -218,3 +227,16 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
         static.pos_embed.copy_(wrong_pos_embed(src.pos_embed, (8, 8), (12, 12), mode="nearest"))
     _, wrong_loss = score(static)
     assert abs(wrong_loss - loss) > 10 * 1e-6 * loss, (wrong_loss, loss)
+
+
+def test_fx_feature_extractor_of_a_dynamic_model_runs_at_any_size(tmp_path):
+    """One fx trace (timm's create_feature_extractor) serves every size: the grid is read on the traced tensors."""
+    from timm.models import create_feature_extractor
+
+    src, path = weights_224(tmp_path)
+    extractor = create_feature_extractor(dynamic_from(src), ["layers.1", "head"])
+    with torch.no_grad():
+        for hw in [(160, 160), (192, 256)]:
+            x = torch.randn(1, 3, *hw)
+            out = extractor(x)
+            torch.testing.assert_close(out["head"], static_at(hw, path)(x), rtol=0, atol=TOL)

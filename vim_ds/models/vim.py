@@ -266,6 +266,20 @@ class VisionMamba(nn.Module):
             trunc_normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # dynamic_img_size: any input size is served from one position-embedding table, so a plain
+        # load_state_dict of another size's weights (timm's load_checkpoint, e.g. validate.py --checkpoint with
+        # --img-size) resamples a square grid's table to ours, as checkpoint_filter_fn does. Static models keep
+        # the strict shape check.
+        key = prefix + "pos_embed"
+        loaded = state_dict.get(key)
+        if (self.dynamic_img_size and torch.is_tensor(loaded) and loaded.ndim == 3
+                and loaded.shape != self.pos_embed.shape and loaded.shape[-1] == self.pos_embed.shape[-1]):
+            side = math.isqrt(loaded.shape[1] - 1)
+            if side * side == loaded.shape[1] - 1:
+                state_dict[key] = resample_pos_embed(loaded, (side, side), self.patch_embed.grid_size)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def token_position(self) -> int:
         """Index of the class token: the middle of the patch sequence (at the built img_size; with
@@ -312,13 +326,13 @@ class VisionMamba(nn.Module):
         """Images -> (patch tokens with the class token inserted in the middle, plus position embeddings; the
         token grid). With dynamic_img_size the position embeddings are resampled to the input's grid, exactly as
         checkpoint_filter_fn resamples them for a model built at that size."""
-        x = self.patch_embed.forward_map(x)
-        grid = tuple(x.shape[-2:]) if self.dynamic_img_size else self.patch_embed.grid_size
-        x = x.flatten(2).transpose(1, 2)
-        pos_embed = self.pos_embed
+        feature_map = self.patch_embed.forward_map(x)
+        x = feature_map.flatten(2).transpose(1, 2)
+        grid, pos_embed, pos = self.patch_embed.grid_size, self.pos_embed, self.token_position
         if self.dynamic_img_size:
-            pos_embed = _pos_embed_for_grid(pos_embed, self.patch_embed.grid_size, grid)
-        pos = x.shape[1] // 2 if self.dynamic_img_size else self.token_position
+            # shapes read on the tensor, so fx traces and torch.compile see them as the input's, not constants
+            grid, pos = feature_map.shape[-2:], x.shape[1] // 2
+            pos_embed = _pos_embed_for_map(pos_embed, self.patch_embed.grid_size, feature_map)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         x = torch.cat((x[:, :pos], cls, x[:, pos:]), dim=1)
         return self.pos_drop(x + pos_embed), grid
@@ -450,13 +464,13 @@ def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid) -> torch.Ten
     return torch.cat((patches[:, :new_mid], cls, patches[:, new_mid:]), dim=1)
 
 
-def _pos_embed_for_grid(pos_embed: torch.Tensor, built_grid, grid) -> torch.Tensor:
-    """dynamic_img_size: the position embeddings for a token `grid` (resampled when it is not the grid the model
-    was built for; the class token's moves to the middle of that grid's sequence)."""
-    return resample_pos_embed(pos_embed, built_grid, grid)
+def _pos_embed_for_map(pos_embed: torch.Tensor, built_grid, feature_map: torch.Tensor) -> torch.Tensor:
+    """dynamic_img_size: the position embeddings for the token grid of `feature_map` (batch, C, *grid), resampled
+    when it is not the grid the model was built for (the class token's moves to the middle of that sequence)."""
+    return resample_pos_embed(pos_embed, built_grid, feature_map.shape[-2:])
 
 
-torch.fx.wrap("_pos_embed_for_grid")
+torch.fx.wrap("_pos_embed_for_map")
 
 
 def _square_grid(num_tokens: int):
