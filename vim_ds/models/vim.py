@@ -58,20 +58,63 @@ def _check_image_size(x: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tenso
 torch.fx.wrap("_check_image_size")
 
 
-class PatchEmbed(nn.Module):
-    """Conv patchify; with stride < patch size the patches overlap (the stride-8 "fine granularity" variants)."""
+def _patch_pad(size: int, patch: int, stride: int) -> int:
+    """Pixels to add after `size` so that patches starting every `stride` pixels tile it exactly."""
+    return patch - size if size < patch else -(size - patch) % stride
 
-    def __init__(self, img_size=224, patch_size=16, stride=16, in_chans=3, embed_dim=192):
+
+def _fit_to_patches(x: torch.Tensor, patch_size: Tuple[int, int], stride: int, pad: bool) -> torch.Tensor:
+    """Any-size input (dynamic_img_size): zero-pad the bottom/right to a whole patch grid (dynamic_img_pad), or
+    refuse a size whose last pixel rows/columns the patches would silently drop."""
+    pads = [_patch_pad(s, p, stride) for s, p in zip(x.shape[-2:], patch_size)]
+    if not any(pads):
+        return x
+    if pad:
+        return F.pad(x, (0, pads[1], 0, pads[0]))
+    raise ValueError(f"input images are {tuple(x.shape[-2:])}: not a whole grid of {patch_size[0]}x{patch_size[1]} "
+                     f"patches at stride {stride} (each side must be patch + k*stride; pad them, or create the "
+                     f"model with dynamic_img_pad=True)")
+
+
+torch.fx.wrap("_fit_to_patches")
+
+
+class PatchEmbed(nn.Module):
+    """Conv patchify; with stride < patch size the patches overlap (the stride-8 "fine granularity" variants).
+
+    dynamic_img_size: accept any image size (the token grid follows the input); dynamic_img_pad: zero-pad the
+    bottom/right of an image whose sides are not patch + k*stride (else such a size is an error)."""
+
+    def __init__(self, img_size=224, patch_size=16, stride=16, in_chans=3, embed_dim=192, dynamic_img_size=False,
+                 dynamic_img_pad=False):
         super().__init__()
         self.img_size = to_2tuple(img_size)
         self.patch_size = to_2tuple(patch_size)
         self.stride = stride
-        self.grid_size = tuple((s - p) // stride + 1 for s, p in zip(self.img_size, self.patch_size))
+        self.dynamic_img_size = dynamic_img_size
+        self.dynamic_img_pad = dynamic_img_pad
+        self.grid_size = self.grid_for(self.img_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=stride)
 
+    def grid_for(self, img_size) -> Tuple[int, int]:
+        """The token grid of an (H, W) image (after dynamic_img_pad's padding, when set)."""
+        pads = [_patch_pad(s, p, self.stride) if self.dynamic_img_pad else 0
+                for s, p in zip(img_size, self.patch_size)]
+        return tuple((s + q - p) // self.stride + 1 for s, q, p in zip(img_size, pads, self.patch_size))
+
+    def forward_map(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> (batch, embed_dim, *grid) patch embeddings."""
+        if self.dynamic_img_size:
+            x = _fit_to_patches(x, self.patch_size, self.stride, self.dynamic_img_pad)
+        else:
+            x = _check_image_size(x, self.img_size)
+            if self.dynamic_img_pad:
+                x = _fit_to_patches(x, self.patch_size, self.stride, True)
+        return self.proj(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(_check_image_size(x, self.img_size)).flatten(2).transpose(1, 2)  # (batch, num_patches, embed_dim)
+        return self.forward_map(x).flatten(2).transpose(1, 2)  # (batch, num_patches, embed_dim)
 
 
 class BiMambaMixer(nn.Module):
@@ -177,7 +220,8 @@ class VisionMamba(nn.Module):
 
     def __init__(self, img_size=224, patch_size=16, stride=16, depth=24, embed_dim=192, d_state=16, channels=3,
                  in_chans=None, num_classes=1000, drop_rate=0.0, drop_path_rate=0.1, norm_epsilon=1e-5,
-                 drop_block_rate=None, ssm_cfg: Optional[dict] = None, divide_out=True, global_pool="token"):
+                 drop_block_rate=None, ssm_cfg: Optional[dict] = None, divide_out=True, global_pool="token",
+                 dynamic_img_size=False, dynamic_img_pad=False):
         super().__init__()
         if drop_block_rate:
             raise ValueError("drop_block_rate is not supported by Vim (it has no convolutional stages)")
@@ -189,8 +233,10 @@ class VisionMamba(nn.Module):
         self.depth = depth
         self.global_pool = global_pool
         self.grad_checkpointing = False
+        self.dynamic_img_size = dynamic_img_size
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, stride, in_chans, embed_dim)
+        self.patch_embed = PatchEmbed(img_size, patch_size, stride, in_chans, embed_dim,
+                                      dynamic_img_size=dynamic_img_size, dynamic_img_pad=dynamic_img_pad)
         num_patches = self.patch_embed.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
@@ -220,10 +266,29 @@ class VisionMamba(nn.Module):
             trunc_normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # dynamic_img_size: any input size is served from one position-embedding table, so a plain
+        # load_state_dict of another size's weights (timm's load_checkpoint, e.g. validate.py --checkpoint with
+        # --img-size) resamples a square grid's table to ours, as checkpoint_filter_fn does. Static models keep
+        # the strict shape check.
+        key = prefix + "pos_embed"
+        loaded = state_dict.get(key)
+        if (self.dynamic_img_size and torch.is_tensor(loaded) and loaded.ndim == 3
+                and loaded.shape != self.pos_embed.shape and loaded.shape[-1] == self.pos_embed.shape[-1]):
+            side = math.isqrt(loaded.shape[1] - 1)
+            if side * side == loaded.shape[1] - 1:
+                state_dict[key] = resample_pos_embed(loaded, (side, side), self.patch_embed.grid_size)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def token_position(self) -> int:
-        """Index of the class token: the middle of the patch sequence."""
+        """Index of the class token: the middle of the patch sequence (at the built img_size; with
+        dynamic_img_size, the middle of the input's own sequence: num_patches // 2 for its grid)."""
         return self.patch_embed.num_patches // 2
+
+    def _cls_index(self, tokens: torch.Tensor):
+        """Where the class token is in `tokens` (batch, num_patches + 1, C)."""
+        return (tokens.shape[1] - 1) // 2 if self.dynamic_img_size else self.token_position
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -257,13 +322,20 @@ class VisionMamba(nn.Module):
             nn.init.zeros_(self.head.bias)
         self.head.train(self.training)
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> patch tokens with the class token inserted in the middle, plus position embeddings."""
-        x = self.patch_embed(x)
-        pos = self.token_position
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Tuple[int, int]]:
+        """Images -> (patch tokens with the class token inserted in the middle, plus position embeddings; the
+        token grid). With dynamic_img_size the position embeddings are resampled to the input's grid, exactly as
+        checkpoint_filter_fn resamples them for a model built at that size."""
+        feature_map = self.patch_embed.forward_map(x)
+        x = feature_map.flatten(2).transpose(1, 2)
+        grid, pos_embed, pos = self.patch_embed.grid_size, self.pos_embed, self.token_position
+        if self.dynamic_img_size:
+            # shapes read on the tensor, so fx traces and torch.compile see them as the input's, not constants
+            grid, pos = feature_map.shape[-2:], x.shape[1] // 2
+            pos_embed = _pos_embed_for_map(pos_embed, self.patch_embed.grid_size, feature_map)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         x = torch.cat((x[:, :pos], cls, x[:, pos:]), dim=1)
-        return self.pos_drop(x + self.pos_embed)
+        return self.pos_drop(x + pos_embed), grid
 
     def _block_step(self, i: int, stream: torch.Tensor) -> torch.Tensor:
         """Residual stream before block i -> residual stream after it (fp32 or wider).
@@ -281,14 +353,14 @@ class VisionMamba(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the middle."""
-        x = self._embed(x)
+        x, _ = self._embed(x)
         for i in range(len(self.layers)):
             x = self._run_block(i, x)
         return self.norm_f(x)
 
     def _split_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(batch, num_patches + 1, C) -> (patch tokens (batch, num_patches, C), class token (batch, 1, C))."""
-        pos = self.token_position
+        pos = self._cls_index(tokens)
         return torch.cat((tokens[:, :pos], tokens[:, pos + 1:]), dim=1), tokens[:, pos:pos + 1]
 
     def forward_intermediates(
@@ -308,8 +380,9 @@ class VisionMamba(nn.Module):
         normalises — or, for the last block, the tensor ``norm_f`` normalises to give ``forward_features``. It is
         kept in fp32 (or wider) like the residual stream itself; ``norm=True`` applies ``norm_f`` to each (in the
         weights' dtype). The class token, which Vim places in the middle of the sequence (index
-        ``token_position``), is removed, so NCHW maps are (batch, embed_dim, *patch_embed.grid_size) with the
-        patches in raster order; ``return_prefix_tokens=True`` also returns it, as (map, class token) pairs.
+        ``token_position``), is removed, so NCHW maps are (batch, embed_dim, *grid), grid being
+        ``patch_embed.grid_size`` (with dynamic_img_size: the input's own grid), with the patches in raster
+        order; ``return_prefix_tokens=True`` also returns it, as (map, class token) pairs.
 
         Args:
             x: images (batch, C, H, W).
@@ -327,7 +400,7 @@ class VisionMamba(nn.Module):
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         last = max_index if stop_early and intermediates_only else len(self.layers) - 1
         intermediates = []
-        x = self._embed(x)
+        x, grid = self._embed(x)
         for i in range(last + 1):
             x = self._run_block(i, x)
             if i in take_indices:
@@ -339,7 +412,7 @@ class VisionMamba(nn.Module):
             patches, cls = self._split_tokens(y)
             prefix_tokens.append(cls)
             if output_fmt == "NCHW":
-                patches = patches.unflatten(1, self.patch_embed.grid_size).permute(0, 3, 1, 2).contiguous()
+                patches = patches.unflatten(1, grid).permute(0, 3, 1, 2).contiguous()
             maps.append(patches)
         intermediates = list(zip(maps, prefix_tokens)) if return_prefix_tokens else maps
         if intermediates_only:
@@ -363,7 +436,7 @@ class VisionMamba(nn.Module):
         return take_indices
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x[:, self.token_position]
+        x = x[:, self._cls_index(x)]
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,6 +462,15 @@ def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid) -> torch.Ten
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(pos_embed.dtype)
     new_mid = new_grid[0] * new_grid[1] // 2
     return torch.cat((patches[:, :new_mid], cls, patches[:, new_mid:]), dim=1)
+
+
+def _pos_embed_for_map(pos_embed: torch.Tensor, built_grid, feature_map: torch.Tensor) -> torch.Tensor:
+    """dynamic_img_size: the position embeddings for the token grid of `feature_map` (batch, C, *grid), resampled
+    when it is not the grid the model was built for (the class token's moves to the middle of that sequence)."""
+    return resample_pos_embed(pos_embed, built_grid, feature_map.shape[-2:])
+
+
+torch.fx.wrap("_pos_embed_for_map")
 
 
 def _square_grid(num_tokens: int):
