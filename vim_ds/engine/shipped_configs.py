@@ -74,3 +74,33 @@ def describe(path: str) -> str:
         parts.append(" and ".join({"param": "parameters", "optimizer": "optimizer states"}[w] for w in offloaded)
                      + " offloaded to the CPU")
     return ", ".join(parts)
+
+
+# -- recipes: `vim-ds train --config NAME` ------------------------------------------------------------------------
+# The published Vim runs as `vim-ds train` option files (YAML), in the recipes/ folder beside the JSON configs
+# (ds_configs/recipes/ in a checkout, vim_ds/ds_configs/recipes/ in a wheel: setup.py copies them).
+RECIPES = "recipes"
+
+
+def recipes() -> dict[str, str]:
+    """name -> path of every shipped recipe, in name order."""
+    folder = shipped_dir()
+    folder = os.path.join(folder, RECIPES) if folder else None
+    if folder is None or not os.path.isdir(folder):
+        return {}
+    return {name[:-len(".yaml")]: os.path.join(folder, name)
+            for name in sorted(os.listdir(folder)) if name.endswith(".yaml")}
+
+
+def resolve_recipe(given: str) -> str:
+    """The option file `given` names: an existing path as it is, else a shipped recipe's name (`vim_small_pretrain`
+    or `vim_small_pretrain.yaml`), else a ValueError that lists the shipped names."""
+    if os.path.isfile(given):
+        return given
+    found = recipes()
+    name = given[:-len(".yaml")] if given.endswith(".yaml") else given
+    if os.path.dirname(given) == "" and name in found:
+        return found[name]
+    names = ", ".join(found) or "none found"
+    raise ValueError(f"--config {given}: neither a file nor a shipped recipe name (shipped: {names}; "
+                     f"`vim-ds configs` describes them)")
