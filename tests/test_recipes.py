@@ -212,7 +212,7 @@ def test_configs_lists_the_recipes():
 def _tiny(out, *extra):
     return ["--data-set", "synthetic", "--synthetic-size", "24", "--nb-classes", "4", *TINY, *QUIET_AUG,
             "--batch-size", "4", "--max-steps", "3", "--num_workers", "0", "--deepspeed_config", "zero0",
-            "--precision", "fp32", "--no-model-ema", "--warmup-epochs", "0", "--lr", "2e-3", "--seed", "5",
+            "--precision", "fp32", "--no-model-ema", "--warmup-epochs", "0", "--lr", "2e-3", "--unscale-lr", "--seed", "5",
             "--output_dir", str(out), *extra]
 
 
@@ -250,9 +250,9 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     assert sorted(losses) == [1, 2, 3] and step_losses(again) == losses  # fp32, one process: the same numbers
     assert step_losses(other)[3] != losses[3]  # the control trains otherwise
 
-    code = compare_runs.main([str(first), str(again), str(other)])
+    code = compare_runs.main([str(first), str(again), str(other), "--tolerance", "1e-6"])
     out = capsys.readouterr().out
-    assert code == 1, out
+    assert code == 1 and out.strip().endswith("1 of 2 run(s) differ from first beyond 1e-06: other_lr"), out
     lines = [line.strip() for line in out.splitlines() if "options that differ" in line]
     assert lines == ["options that differ: --lr 0.002 (reference) vs 0.004 (other_lr)"], out
     print(out)
