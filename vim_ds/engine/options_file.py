@@ -20,6 +20,18 @@ META_FIELDS = {"stage", "gpus", "source", "requires", "description"}
 NOT_RECORDED = ("config", "local_rank", "deepspeed", "deepscale", "deepscale_config")
 
 
+def _derived_data_timeout(args) -> float:
+    from ..train import DATA_TIMEOUT
+
+    return min(DATA_TIMEOUT, args.dist_timeout / 2)
+
+
+# options that train.parse_args derives from others when not given: recorded as null (not given) when they hold
+# the derived value, so that a run started from the record with, say, another --dist-timeout or --engine derives
+# them again instead of being refused for a value nobody gave
+DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda args: args.engine == "deepspeed"}
+
+
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """dest -> the action that sets it with a value (for a flag pair such as --model-ema/--no-model-ema, either)."""
     actions = {}
@@ -131,6 +143,8 @@ def record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         value = getattr(args, dest)
         if dest == "deepspeed_config" and not value:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
+        elif dest in DERIVED and value == DERIVED[dest](args):
+            value = None  # derived from other options by train.parse_args: derived again from the file's
         if isinstance(value, tuple):
             value = list(value)
         if isinstance(value, dict):
