@@ -145,12 +145,19 @@ def record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
         elif dest in DERIVED and value == DERIVED[dest](args):
             value = None  # derived from other options by train.parse_args: derived again from the file's
-        if isinstance(value, tuple):
-            value = list(value)
-        if isinstance(value, dict):
-            value = dict(value)
-        out[dest] = value
+        out[dest] = _plain(value)
     return out
+
+
+def _plain(value):
+    """A value YAML's safe dumper writes: tuples as lists, anything else unusual (a Path set by a caller) as text."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return str(value)
 
 
 def write(path: str, options: dict) -> None:
