@@ -108,7 +108,8 @@ def extensions():
 class BuildPyWithSources(build_py):
     """Ship csrc/ inside the package, so an installed vim_ds can JIT-build a kernel that failed to build here; and
     the DeepSpeed configs of ds_configs/ (their source) as vim_ds/ds_configs/, so `--deepspeed_config zero2` and
-    `vim-ds configs` work wherever the package is installed (vim_ds/engine/shipped_configs.py)."""
+    `vim-ds configs` work wherever the package is installed (vim_ds/engine/shipped_configs.py), with the recipes of
+    ds_configs/recipes/ (`--config NAME`) as vim_ds/ds_configs/recipes/."""
 
     def run(self):
         super().run()
@@ -119,6 +120,12 @@ class BuildPyWithSources(build_py):
         for name in sorted(os.listdir(os.path.join(ROOT, "ds_configs"))):
             if name.endswith(".json"):
                 shutil.copyfile(os.path.join(ROOT, "ds_configs", name), os.path.join(configs, name))
+        # the published runs as `vim-ds train --config NAME` option files (vim_ds/engine/shipped_configs.py)
+        recipes = os.path.join(configs, "recipes")
+        os.makedirs(recipes, exist_ok=True)
+        for name in sorted(os.listdir(os.path.join(ROOT, "ds_configs", "recipes"))):
+            if name.endswith(".yaml"):
+                shutil.copyfile(os.path.join(ROOT, "ds_configs", "recipes", name), os.path.join(recipes, name))
 
 
 def cmdclass():
@@ -141,7 +148,7 @@ setup(
     # Every package vim_ds imports at run time (tests/test_imports.py imports every module in a subprocess).
     # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
     install_requires=["torch", "torchvision", "timm>=1.0", "deepspeed", "numpy", "pillow", "pydantic>=2", "psutil",
-                      "tqdm", "safetensors", "scikit-learn", "matplotlib"],
+                      "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],
     extras_require={"test": ["pytest"], "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
 )

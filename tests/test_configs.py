@@ -18,6 +18,13 @@ from train_utils import QUIET_AUG, ROOT, TINY
 SHIPPED = sorted(name[:-len(".json")] for name in os.listdir(os.path.join(ROOT, "ds_configs")) if name.endswith(".json"))
 
 
+def json_config_lines(stdout: str) -> list[str]:
+    """The lines of `vim-ds configs` that list DeepSpeed configs (after its first line, before the recipes')."""
+    lines = stdout.splitlines()[1:]
+    end = next((i for i, line in enumerate(lines) if line.startswith("Recipes")), len(lines))
+    return lines[:end]
+
+
 def vim_ds(*args, cwd=ROOT, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
@@ -26,7 +33,7 @@ def vim_ds(*args, cwd=ROOT, env=None, timeout=300):
 def test_configs_lists_every_shipped_file_with_what_it_holds():
     proc = vim_ds("configs")
     assert proc.returncode == 0, proc.stderr
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    lines = {line.split()[0]: line for line in json_config_lines(proc.stdout)}
     assert sorted(lines) == SHIPPED
     for name, line in lines.items():
         with open(os.path.join(ROOT, "ds_configs", f"{name}.json")) as f:
@@ -234,7 +241,8 @@ def test_without_deepspeed_config_the_default_is_said_and_trains(tmp_path):
 def test_a_wheel_outside_the_repository_trains_from_a_shipped_name(tmp_path):
     """`pip wheel` of the repository, installed with `pip install --target` (the project's dependencies are
     those of this environment; a fresh venv would download torch), run from a folder outside the repository:
-    `vim-ds configs` lists the wheel's copies and `--deepspeed_config zero1` trains from the wheel's file. The
+    `vim-ds configs` lists the wheel's copies (and recipes) and `--deepspeed_config zero1` trains from the wheel's
+    file, with the wheel's recipe `--config vim_tiny_pretrain` under the command line's options. The
     kernels are not built (VIM_DS_BUILD_CPU=0: the configs do not depend on them; the scan falls back to the
     reference). The source is copied first so that nothing built earlier in the checkout (build/) goes in."""
     source = tmp_path / "src"
@@ -258,10 +266,14 @@ def test_a_wheel_outside_the_repository_trains_from_a_shipped_name(tmp_path):
     assert where.stdout.strip() == str(site / "vim_ds" / "__init__.py"), (where.stdout, where.stderr[-2000:])
     listed = vim_ds("configs", cwd=work, env=env)
     assert listed.returncode == 0 and str(site / "vim_ds" / "ds_configs") in listed.stdout, listed.stderr
-    assert sorted(line.split()[0] for line in listed.stdout.splitlines()[1:]) == SHIPPED
-    run = vim_ds("train", "--deepspeed_config", "zero1", "--precision", "fp32", "--data-set", "synthetic",
+    assert sorted(line.split()[0] for line in json_config_lines(listed.stdout)) == SHIPPED
+    assert str(site / "vim_ds" / "ds_configs" / "recipes") in listed.stdout and "vim_small_pretrain" in listed.stdout
+    # a recipe from the wheel (its model, weight decay, ...) with the command line winning where it says otherwise
+    run = vim_ds("train", "--config", "vim_tiny_pretrain", "--deepspeed_config", "zero1", "--precision", "fp32", "--data-set", "synthetic",
                  "--synthetic-size", 16, "--nb-classes", 4, *TINY, *QUIET_AUG, "--batch-size", 4, "--max-steps", 1,
                  "--num_workers", 0, "--output_dir", work / "run", cwd=work, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"DeepSpeed config: zero1 = {site / 'vim_ds' / 'ds_configs' / 'zero1.json'}" in run.stdout, run.stdout
     assert "ZeRO-1" in run.stdout
+    recorded = (work / "run" / "options.yaml").read_text()
+    assert "weight_decay: 0.1\n" in recorded and "model: vim_tiny\n" in recorded and "batch_size: 4\n" in recorded

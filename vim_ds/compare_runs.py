@@ -10,6 +10,8 @@ batch train on other images at each step and are refused, as are runs without a 
 
 Exit status: 0 when every run's largest relative loss difference is within --tolerance, 1 when one is not, 2 when
 the runs cannot be compared (missing or malformed metrics, no common step, different global batch).
+The `vim-ds train` options that differ between the reference and a run are named from each run's options.yaml
+(`options that differ: --lr 0.002 (reference) vs 0.001 (run X)`).
 With --out, writes compare_runs.png (loss, relative difference and lr vs step), compare_runs.csv (per step) and
 compare_runs.md (one markdown row per run).
 
@@ -35,6 +37,8 @@ SHOWN = ("world_size", "micro_batch", "accum_steps", "zero_stage", "precision", 
          "input_size", "num_classes", "train_images", "device_type", "device_name", "accelerator_runtime", "vim_ds",
          "torch", "deepspeed", "timm")
 EVAL_KEYS = ("eval_acc1", "eval_acc5", "ema_eval_acc1")
+OPTIONS_FILE = "options.yaml"  # vim_ds.engine.options_file.OPTIONS_FILE, beside metrics.jsonl
+IGNORED_OPTIONS = ("output_dir",)  # differs between any two runs
 
 
 class RunError(ValueError):
@@ -50,6 +54,7 @@ class Run:
     lrs: dict = field(default_factory=dict)      # step -> lr
     evals: dict = field(default_factory=dict)    # step -> evaluation record
     global_batch: int | None = None
+    options: dict | None = None     # the run's options.yaml (`vim-ds train` writes it), None without one
 
     def describe(self) -> str:
         h = self.header or {}
@@ -117,7 +122,44 @@ def read_run(path: str, label: str) -> Run:
     if not run.losses:
         raise RunError(f"{file}: no training step recorded")
     run.global_batch = (run.header or {}).get("global_batch", summary_batch)
+    run.options = read_options(os.path.join(os.path.dirname(file), OPTIONS_FILE))
     return run
+
+
+def read_options(path: str) -> dict | None:
+    """A run's recorded `vim-ds train` options, or None when it has none (a run from before vim_ds wrote them)."""
+    if not os.path.isfile(path):
+        return None
+    from .engine.options_file import read
+
+    try:
+        return read(path)
+    except ValueError as exc:
+        raise RunError(str(exc).replace("--config ", "", 1)) from None
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(_shown, value))
+    if isinstance(value, dict):
+        return " ".join(f"{k}={_shown(v)}" for k, v in value.items())
+    return "(not set)" if value is None or value == "" else str(value)
+
+
+def option_differences(ref: Run, run: Run) -> list[str]:
+    """`--lr 0.002 (reference) vs 0.001 (run X)` for each `vim-ds train` option the two runs' options.yaml set to
+    different values (--output_dir aside: it is what tells runs apart)."""
+    if ref.options is None or run.options is None:
+        return []
+    from .engine.options_file import option_name
+    from .train import build_parser
+
+    parser = build_parser()
+    keys = list(ref.options) + [k for k in run.options if k not in ref.options]
+    return [f"{option_name(parser, k)} {_shown(ref.options.get(k))} (reference) vs {_shown(run.options.get(k))} "
+            f"({run.label})" for k in keys if k not in IGNORED_OPTIONS and ref.options.get(k) != run.options.get(k)]
 
 
 def rel_diff(reference: float, value: float) -> float:
@@ -166,11 +208,15 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
     if p_ref and p_run and p_ref != p_run:
         notes.append(f"the precisions differ ({p_ref} vs {p_run}): expect differences of half-precision "
                      f"rounding, not of fp32's")
+    unrecorded = [r.label for r in (ref, run) if r.options is None]
+    if len(unrecorded) == 1:  # both without: runs from before vim_ds recorded options, nothing to add
+        notes.append(f"no {OPTIONS_FILE} in {unrecorded[0]} (a run from before vim_ds recorded its "
+                     f"options): the options are not compared")
     if lr_diff is not None and lr_diff > 1e-6:
         notes.append(f"the learning rates differ (max relative difference {lr_diff:.2e}): another recipe")
     return {"label": run.label, "steps": common, "diffs": diffs, "max_rel": diffs[worst], "max_step": worst,
             "mean_rel": sum(diffs.values()) / len(common), "lr_rel": lr_diff, "evals": evals, "differs": differs,
-            "notes": notes, "within": diffs[worst] <= tolerance,
+            "notes": notes, "within": diffs[worst] <= tolerance, "options": option_differences(ref, run),
             "only_ref": len(set(ref.losses) - set(common)), "only_run": len(set(run.losses) - set(common))}
 
 
@@ -198,6 +244,8 @@ def report(ref: Run, runs: list[Run], results: list[dict], tolerance: float) -> 
         if res["differs"]:
             lines.append("  differs (reported, not refused): "
                          + ", ".join(f"{k} {a} vs {b}" for k, a, b in res["differs"]))
+        if res["options"]:
+            lines.append("  options that differ: " + "; ".join(res["options"]))
         for note in res["notes"]:
             lines.append(f"  warning: {note}")
         verdict = "within" if res["within"] else "OUTSIDE"

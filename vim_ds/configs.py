@@ -1,9 +1,10 @@
 """`vim-ds configs` = `python -m vim_ds.configs`: the DeepSpeed configs that ship with vim_ds.
 
-    vim-ds configs                 # one line each: name, ZeRO stage, precision, offload
+    vim-ds configs                 # one line each: name, ZeRO stage, precision, offload; then the recipes
     vim-ds configs --write DIR     # copy them to DIR to edit; then --deepspeed_config DIR/zero2.json
 
-`vim-ds train --deepspeed_config NAME` takes a shipped name as well as a path.
+`vim-ds train --deepspeed_config NAME` takes a shipped name as well as a path, and `vim-ds train --config NAME` a
+shipped recipe (a published Vim run: model, batch, lr schedule, regularisation, DeepSpeed config and precision).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def build_parser(prog: str = "vim-ds configs") -> argparse.ArgumentParser:
 
 
 def main(argv=None, prog: str = "vim-ds configs") -> int:
-    from .engine.shipped_configs import DEFAULT, describe, shipped, shipped_dir
+    from .engine.shipped_configs import RECIPES, DEFAULT, describe, describe_recipe, recipes, shipped, shipped_dir
 
     args = build_parser(prog).parse_args(argv)
     configs = shipped()
@@ -49,6 +50,17 @@ def main(argv=None, prog: str = "vim-ds configs") -> int:
     for name, path in configs.items():
         default = "  [the default]" if name == DEFAULT else ""
         print(f"  {name:<{width}}  {describe(path)}{default}")
+    found = recipes()
+    if found:
+        width = max(map(len, found))
+        print(f"Recipes of the published Vim runs ({os.path.join(shipped_dir(), RECIPES)}); pass one as "
+              f"`vim-ds train --config NAME` (the command line wins over it):")
+        for name, path in found.items():
+            try:
+                line = describe_recipe(path)
+            except ValueError as exc:  # a broken file is said, not a traceback
+                line = f"unreadable: {exc}"
+            print(f"  {name:<{width}}  {line}")
     return 0
 
 

@@ -116,6 +116,10 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     g.add_argument("--no-pin-mem", action="store_false", dest="pin_mem")
 
     g = p.add_argument_group("run")
+    g.add_argument("--config", default="", metavar="NAME|FILE",
+                   help="take the options from a YAML file: a shipped recipe of a published Vim run (`vim-ds configs` "
+                        "lists them, e.g. vim_small_pretrain) or a run's OUTPUT_DIR/options.yaml; options given on "
+                        "the command line win over the file's")
     g.add_argument("--output_dir", "--output-dir", default="", dest="output_dir",
                    help="checkpoints, metrics.jsonl, tensorboard/ (nothing is saved without it)")
     g.add_argument("--resume", default="", help="checkpoint directory, 'auto' (latest in --output_dir), or a .pth "
@@ -219,9 +223,33 @@ def patch_grid_error(model: str, model_kwargs: dict, input_size: int) -> str | N
             f"dropped; the nearest valid sizes are {nearest}")
 
 
+def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
+    """With --config: the file's options become the parser's defaults (so the command line still wins); returns the
+    file's `recipe:` description ({} without one). A bad file is a parser error (one line, exit 2)."""
+    from .engine import options_file, shipped_configs
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default="")
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return {}
+    try:
+        path = shipped_configs.resolve_recipe(known.config)
+        options, meta = options_file.load(path, parser)
+    except ValueError as exc:
+        parser.error(str(exc))
+    parser.set_defaults(**options)
+    return meta
+
+
 def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     parser = build_parser(prog)
+    meta = _apply_config(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    missing = [name for name in meta.get("requires") or () if not getattr(args, name, None)]
+    if missing and not args.eval:
+        parser.error(f"--config {args.config}: this recipe starts from a checkpoint: give "
+                     f"{' '.join('--' + m.replace('_', '-') + ' FILE' for m in missing)}")
     problem = range_error(args)
     if problem:
         parser.error(problem)
@@ -263,13 +291,14 @@ def run(args, prog: str = "vim-ds train") -> int:
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
-    from .engine import distributed, output_dir, preflight, signals
+    from .engine import distributed, options_file, output_dir, preflight, signals
     from .engine.checkpointing import SaveError
     from .engine.init_weights import first_line
     from .engine.signals import StopRequested
     from .engine.trainer import Trainer, TrainingError
 
     rank = os.environ.get("RANK", "0")
+    options = options_file.record(args, build_parser(prog))  # as parsed, before the checks resolve any name
     try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
         preflight.check(args, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
@@ -289,6 +318,8 @@ def run(args, prog: str = "vim-ds train") -> int:
             return 0
         signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
+        if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again
+            options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
         trainer = Trainer(args, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)

@@ -74,3 +74,55 @@ def describe(path: str) -> str:
         parts.append(" and ".join({"param": "parameters", "optimizer": "optimizer states"}[w] for w in offloaded)
                      + " offloaded to the CPU")
     return ", ".join(parts)
+
+
+# -- recipes: `vim-ds train --config NAME` ------------------------------------------------------------------------
+# The published Vim runs as `vim-ds train` option files (YAML), in the recipes/ folder beside the JSON configs
+# (ds_configs/recipes/ in a checkout, vim_ds/ds_configs/recipes/ in a wheel: setup.py copies them).
+RECIPES = "recipes"
+
+
+def recipes() -> dict[str, str]:
+    """name -> path of every shipped recipe, in name order."""
+    folder = shipped_dir()
+    folder = os.path.join(folder, RECIPES) if folder else None
+    if folder is None or not os.path.isdir(folder):
+        return {}
+    return {name[:-len(".yaml")]: os.path.join(folder, name)
+            for name in sorted(os.listdir(folder)) if name.endswith(".yaml")}
+
+
+def resolve_recipe(given: str) -> str:
+    """The option file `given` names: an existing path as it is, else a shipped recipe's name (`vim_small_pretrain`
+    or `vim_small_pretrain.yaml`), else a ValueError that lists the shipped names."""
+    if os.path.isfile(given):
+        return given
+    found = recipes()
+    name = given[:-len(".yaml")] if given.endswith(".yaml") else given
+    if os.path.dirname(given) == "" and name in found:
+        return found[name]
+    names = ", ".join(found) or "none found"
+    raise ValueError(f"--config {given}: neither a file nor a shipped recipe name (shipped: {names}; "
+                     f"`vim-ds configs` describes them)")
+
+
+def describe_recipe(path: str) -> str:
+    """One line from a recipe: model, stage, global batch at its documented GPU count, effective lr, epochs,
+    DeepSpeed config and precision, and where it comes from."""
+    from ..train import build_parser
+    from . import options_file
+    from .optim import scaled_lr
+
+    parser = build_parser()
+    options, meta = options_file.load(path, parser)
+    value = {a.dest: a.default for a in parser._actions}
+    value.update(options)
+    gpus = int(meta.get("gpus") or 1)
+    micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1
+    batch = gpus * micro * accum
+    lr = scaled_lr(value["lr"], batch, value["unscale_lr"])
+    accum_text = f" x {accum} accum" if accum != 1 else ""
+    return (f"{value['model']}, {meta.get('stage', '?')}: {gpus} GPUs x {micro}{accum_text} = global batch {batch}, "
+            f"lr {lr:g} (--lr {value['lr']:g} per 512), {value['epochs']} epochs, "
+            f"{value.get('deepspeed_config') or DEFAULT} {value.get('precision') or 'as its JSON'}"
+            + (f"; from {meta['source']}" if meta.get("source") else ""))
