@@ -15,7 +15,8 @@ import os
 import sys
 from typing import NoReturn
 
-DATA_TIMEOUT = 120.0  # s: far above a healthy batch (even the first, which starts the workers), far below 600
+from .engine.distributed import DATA_TIMEOUT, default_data_timeout
+
 
 
 def _key_value(text: str):
@@ -261,7 +262,7 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     if args.dist_timeout <= 0:
         parser.error(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     if args.data_timeout is None:
-        args.data_timeout = min(DATA_TIMEOUT, args.dist_timeout / 2)
+        args.data_timeout = default_data_timeout(args.dist_timeout)
     elif args.data_timeout < 0 or args.data_timeout >= args.dist_timeout:
         parser.error(f"--data-timeout must be 0 (no limit) or below --dist-timeout ({args.dist_timeout:g} s), so "
                      f"that a stalled rank stops the job before its peers' collectives time out; got "

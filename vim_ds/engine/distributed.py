@@ -18,6 +18,15 @@ import torch
 import torch.distributed as dist
 
 
+# --data-timeout's default: far above a healthy batch (even the first, which starts the workers), far below 600 s; and
+# at most half of --dist-timeout, so that a stalled rank stops the job before its peers' collectives time out
+DATA_TIMEOUT = 120.0
+
+
+def default_data_timeout(dist_timeout: float) -> float:
+    return min(DATA_TIMEOUT, dist_timeout / 2)
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int

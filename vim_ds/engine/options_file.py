@@ -21,9 +21,9 @@ NOT_RECORDED = ("config", "local_rank", "deepspeed", "deepscale", "deepscale_con
 
 
 def _derived_data_timeout(args) -> float:
-    from ..train import DATA_TIMEOUT
+    from .distributed import default_data_timeout
 
-    return min(DATA_TIMEOUT, args.dist_timeout / 2)
+    return default_data_timeout(args.dist_timeout)
 
 
 # options that train.parse_args derives from others when not given: recorded as null (not given) when they hold

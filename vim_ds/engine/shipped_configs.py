@@ -104,25 +104,3 @@ def resolve_recipe(given: str) -> str:
     names = ", ".join(found) or "none found"
     raise ValueError(f"--config {given}: neither a file nor a shipped recipe name (shipped: {names}; "
                      f"`vim-ds configs` describes them)")
-
-
-def describe_recipe(path: str) -> str:
-    """One line from a recipe: model, stage, global batch at its documented GPU count, effective lr, epochs,
-    DeepSpeed config and precision, and where it comes from."""
-    from ..train import build_parser
-    from . import options_file
-    from .optim import scaled_lr
-
-    parser = build_parser()
-    options, meta = options_file.load(path, parser)
-    value = {a.dest: a.default for a in parser._actions}
-    value.update(options)
-    gpus = int(meta.get("gpus") or 1)
-    micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1
-    batch = gpus * micro * accum
-    lr = scaled_lr(value["lr"], batch, value["unscale_lr"])
-    accum_text = f" x {accum} accum" if accum != 1 else ""
-    return (f"{value['model']}, {meta.get('stage', '?')}: {gpus} GPUs x {micro}{accum_text} = global batch {batch}, "
-            f"lr {lr:g} (--lr {value['lr']:g} per 512), {value['epochs']} epochs, "
-            f"{value.get('deepspeed_config') or DEFAULT} {value.get('precision') or 'as its JSON'}"
-            + (f"; from {meta['source']}" if meta.get("source") else ""))
