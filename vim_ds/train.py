@@ -319,11 +319,12 @@ def run(args, prog: str = "vim-ds train") -> int:
             return 0
         signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
-        if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again
-            options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
         trainer = Trainer(args, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
+        if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
+            # written once nothing can refuse the run any more (a refused resume leaves the folder as it was)
+            options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
         record = trainer.fit()
         if record and dist_info.is_main:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
