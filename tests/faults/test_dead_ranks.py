@@ -31,9 +31,12 @@ def test_a_rank_killed_mid_run_stops_the_job_within_60_s_and_the_run_resumes_exa
     os.kill(rank_pid(proc, 1), signal.SIGKILL)
     waited, _, stderr = finish(proc, timeout=90)
     # The deepspeed launcher exits with the code of the first failed rank it polls (launch.py: sys.exit(code)):
-    # the killed rank's -9, which exit() makes 247, or 2 from the survivor's collective error if it polls that
-    # first. Either way not 0 (a clean run through the same launcher exits 0: the `reference` fixture).
-    assert proc.returncode in (247, 2), (proc.returncode, stderr[-3000:])
+    # the killed rank's -9, which exit() makes 247, or the survivor's: 2 from its collective error, or 1 when the
+    # peer died inside a checkpoint save (SaveError; seen once on CI). Either way not 0 (a clean run through the
+    # same launcher exits 0: the `reference` fixture).
+    assert proc.returncode in (247, 2, 1), (proc.returncode, stderr[-3000:])
+    if proc.returncode == 1:
+        assert "cannot save checkpoint" in stderr, stderr[-3000:]
     assert waited < 60, f"the surviving rank took {waited:.0f} s to stop"
     saved = complete_tags(out)
     assert saved and saved[-1].startswith("global_step")
