@@ -86,7 +86,7 @@ _group_alive() {
 # checkpoint and exits on SIGTERM or SIGINT. Waiting for the group (not only the runner) matters under SLURM: a job step
 # ends, killing what is left of it, as soon as its task (this script) exits. Returns the launcher's exit status.
 run_in_group() {
-    local pid rc=0
+    local pid rc=0 signalled=0
     if command -v setsid >/dev/null 2>&1; then
         setsid "$@" &
     else
@@ -94,15 +94,20 @@ run_in_group() {
     fi
     pid=$!
     # shellcheck disable=SC2064  # expand $pid now
-    trap "echo 'launch: SIGTERM: passed on to the launcher and its ranks; waiting for them to exit' >&2
+    trap "signalled=143; echo 'launch: SIGTERM: passed on to the launcher and its ranks; waiting for them to exit' >&2
           kill -TERM -- -$pid 2>/dev/null || kill -TERM $pid 2>/dev/null || true" TERM
     # shellcheck disable=SC2064
-    trap "kill -INT -- -$pid 2>/dev/null || kill -INT $pid 2>/dev/null || true" INT
+    trap "signalled=130; kill -INT -- -$pid 2>/dev/null || kill -INT $pid 2>/dev/null || true" INT
     while true; do
         wait "$pid" && rc=0 || rc=$?  # returns early when a trapped signal arrives
         kill -0 "$pid" 2>/dev/null || break
     done
     while _group_alive "$pid"; do sleep 1; done
     trap - TERM INT
+    # Stopped by a signal to this script: never report success, whatever status the deepspeed runner's own signal
+    # handling leaves (seen once on CI: 0 after SIGINT); 128 + the signal, as a shell reports a process it ended.
+    if [ "$rc" -eq 0 ] && [ "$signalled" -ne 0 ]; then
+        rc=$signalled
+    fi
     return "$rc"
 }
