@@ -49,6 +49,16 @@ class BenchError(ValueError):
     """Bad input for the benchmark: one line."""
 
 
+def timed_steps(steps, image, times: dict, start: float):
+    """Apply the transform steps in turn, adding each one's CPU time (from `start`) to its stage in `times`."""
+    for step in steps:
+        image = step(image)
+        now = time.process_time()
+        times[stage_of(step)] += now - start
+        start = now
+    return image
+
+
 def stage_of(step) -> str:
     """The stage a transform step belongs to, by its class."""
     name = type(step).__name__
@@ -167,11 +177,7 @@ class VimDsPipeline:
             image = self.dataset.loader(path)
             t2 = time.process_time()
             times["decode"] += t2 - t1
-            for step in self.steps:
-                image = step(image)
-                t3 = time.process_time()
-                times[stage_of(step)] += t3 - t2
-                t2 = t3
+            image = timed_steps(self.steps, image, times, t2)
         finally:
             t4 = time.process_time()
             if seeding is not None:
@@ -274,12 +280,7 @@ class TimmPipeline:
         image = Image.open(path).convert("RGB")
         t1 = time.process_time()
         times["decode"] += t1 - t0
-        for step in self.steps:
-            image = step(image)
-            t2 = time.process_time()
-            times[stage_of(step)] += t2 - t1
-            t1 = t2
-        return image, target
+        return timed_steps(self.steps, image, times, t1), target
 
     def fetch_whole(self, key):
         return self.dataset[key]
