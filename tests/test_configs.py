@@ -238,13 +238,22 @@ def test_without_deepspeed_config_the_default_is_said_and_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_wheel_outside_the_repository_trains_from_a_shipped_name(tmp_path):
-    """`pip wheel` of the repository, installed with `pip install --target` (the project's dependencies are
-    those of this environment; a fresh venv would download torch), run from a folder outside the repository:
-    `vim-ds configs` lists the wheel's copies (and recipes) and `--deepspeed_config zero1` trains from the wheel's
-    file, with the wheel's recipe `--config vim_tiny_pretrain` under the command line's options. The
-    kernels are not built (VIM_DS_BUILD_CPU=0: the configs do not depend on them; the scan falls back to the
+def test_a_wheel_in_a_fresh_venv_outside_the_repository_trains_from_a_shipped_name(tmp_path):
+    """`pip wheel` of the repository, installed by the pip of a fresh virtual environment (`python -m venv`), run
+    through that environment's own `vim-ds` console script from a folder outside the repository: `vim-ds configs`
+    lists the wheel's copies (and recipes) and `--deepspeed_config zero1` trains from the wheel's file, with the
+    wheel's recipe `--config vim_tiny_pretrain` under the command line's options.
+
+    One thing is not fresh: the venv finds the project's dependencies (torch, deepspeed, timm, ...) in this
+    environment's site-packages, named in a .pth file, instead of downloading torch (200 MB) at every run. That
+    folder is added as a plain path, so its own .pth files (this checkout's editable install of vim_ds) are not
+    read: vim_ds can only come from the wheel, which the test checks. The venv's pip still resolves the wheel's
+    declared dependencies against what it sees, so an undeclared one is a failure of the import or of the run.
+    The kernels are not built (VIM_DS_BUILD_CPU=0: the configs do not depend on them; the scan falls back to the
     reference). The source is copied first so that nothing built earlier in the checkout (build/) goes in."""
+    import site as site_module
+    import sysconfig
+
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.so", "__pycache__",
                                                                  "*.egg-info", ".pytest_cache", "output"))
@@ -254,26 +263,45 @@ def test_a_wheel_outside_the_repository_trains_from_a_shipped_name(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (tmp_path / "wheels").iterdir()
-    site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                           str(wheel)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=300)
+    python = venv / "bin" / "python"
+    venv_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    dependencies = [p for p in dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                              *site_module.getsitepackages()]) if os.path.isdir(p)]
+    with open(os.path.join(venv_site, "dependencies_of_the_test_environment.pth"), "w") as f:
+        f.write("\n".join(dependencies) + "\n")
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    clean.update(PYTHONNOUSERSITE="1", PATH=os.pathsep.join([str(venv / "bin"), clean.get("PATH", "")]))
+    # the venv's own setuptools (python 3.11 seeds one, older than torch asks for) would hide the environment's
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], capture_output=True, env=clean,
+                   timeout=300)
+    proc = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", str(wheel)], capture_output=True,
+                          text=True, timeout=300, env=clean)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]  # --no-index: every dependency found
+    site = venv_site + "/"
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {"PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
-    where = subprocess.run([sys.executable, "-c", "import vim_ds; print(vim_ds.__file__)"], capture_output=True,
-                           text=True, cwd=work, env={**os.environ, **env})
-    assert where.stdout.strip() == str(site / "vim_ds" / "__init__.py"), (where.stdout, where.stderr[-2000:])
-    listed = vim_ds("configs", cwd=work, env=env)
-    assert listed.returncode == 0 and str(site / "vim_ds" / "ds_configs") in listed.stdout, listed.stderr
+    where = subprocess.run([python, "-c", "import vim_ds; print(vim_ds.__file__)"], capture_output=True,
+                           text=True, cwd=work, env=clean)
+    assert where.stdout.strip() == site + "vim_ds/__init__.py", (where.stdout, where.stderr[-2000:])
+
+    def console(*args):
+        return subprocess.run([str(venv / "bin" / "vim-ds"), *map(str, args)], capture_output=True, text=True,
+                              cwd=work, env=clean, timeout=300)
+
+    listed = console("configs")
+    assert listed.returncode == 0 and site + "vim_ds/ds_configs" in listed.stdout, listed.stderr
     assert sorted(line.split()[0] for line in json_config_lines(listed.stdout)) == SHIPPED
-    assert str(site / "vim_ds" / "ds_configs" / "recipes") in listed.stdout and "vim_small_pretrain" in listed.stdout
+    assert site + "vim_ds/ds_configs/recipes" in listed.stdout and "vim_small_pretrain" in listed.stdout
     # a recipe from the wheel (its model, weight decay, ...) with the command line winning where it says otherwise
-    run = vim_ds("train", "--config", "vim_tiny_pretrain", "--deepspeed_config", "zero1", "--precision", "fp32", "--data-set", "synthetic",
-                 "--synthetic-size", 16, "--nb-classes", 4, *TINY, *QUIET_AUG, "--batch-size", 4, "--max-steps", 1,
-                 "--num_workers", 0, "--output_dir", work / "run", cwd=work, env=env)
+    run = console("train", "--config", "vim_tiny_pretrain", "--deepspeed_config", "zero1", "--precision", "fp32",
+                  "--data-set", "synthetic", "--synthetic-size", 16, "--nb-classes", 4, *TINY, *QUIET_AUG,
+                  "--batch-size", 4, "--max-steps", 1, "--num_workers", 0, "--output_dir", work / "run")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"DeepSpeed config: zero1 = {site / 'vim_ds' / 'ds_configs' / 'zero1.json'}" in run.stdout, run.stdout
+    assert f"DeepSpeed config: zero1 = {site}vim_ds/ds_configs/zero1.json" in run.stdout, run.stdout
     assert "ZeRO-1" in run.stdout
     recorded = (work / "run" / "options.yaml").read_text()
     assert "weight_decay: 0.1\n" in recorded and "model: vim_tiny\n" in recorded and "batch_size: 4\n" in recorded
