@@ -9,6 +9,51 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU (skipped without one)")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="show the N tests that used the most CPU time (the test process and every process it "
+                          "started and waited for: launchers, ranks), and the whole run's CPU time against its wall "
+                          "time. Unlike --durations, barely moved by other work on a shared machine.")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_seconds()
+    yield
+    _CPU[item.nodeid] = _cpu_seconds() - start
+
+
+def pytest_sessionstart(session):
+    import time
+
+    session.config._cpu_start = (_cpu_seconds(), time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import time
+
+    count = config.getoption("--cpu-durations")
+    if not count or not _CPU:
+        return
+    cpu0, wall0 = config._cpu_start
+    cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
+    terminalreporter.section(f"most CPU time, {count} tests")
+    for nodeid, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:count]:
+        terminalreporter.write_line(f"{seconds:8.1f} s CPU  {nodeid}")
+    terminalreporter.write_line(f"the run: {cpu:.0f} s CPU in {wall:.0f} s wall on {os.cpu_count()} cores "
+                                f"({100 * cpu / max(wall * (os.cpu_count() or 1), 1e-9):.0f} % of them busy)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
