@@ -16,6 +16,7 @@ __all__ = ["DataError", "SeededDataset", "build_dataset", "build_transform", "de
 
 COMMANDS = {
     "digits": ("vim_ds.data.digits", "write scikit-learn's 8x8 handwritten digits as train/ and val/ PNG folders"),
+    "shard": ("vim_ds.data.shards", "write an ImageNet-layout folder as WebDataset tar shards with an offset index"),
     "photos": ("vim_ds.data.photos", "write JPEGs at ImageNet's sizes made from real photographs (for benchmarks)"),
 }
 

@@ -342,6 +342,8 @@ def build_dataset(args, is_train: bool):
 
     * `IMNET`, `folder`: `data_path/train/<class>/*` and `data_path/val/<class>/*` (class index = sorted folder name;
       the val split must have exactly the train split's classes).
+    * `shards`: `data_path` written by `vim-ds data shard` (`shards.py`): the folder's samples, order and labels,
+      read by offset from tar shards.
     * `synthetic`: `synthetic_size` training images (default 1280) and max(1, synthetic_size // 10) validation
       images of `nb_classes` classes at `input_size`, generated on the fly (no augmentation: they are noise).
     """
@@ -356,4 +358,11 @@ def build_dataset(args, is_train: bool):
     if kind in ("IMNET", "folder"):
         dataset = _folder_dataset(getattr(args, "data_path", None), is_train, build_transform(args, is_train))
         return dataset, len(dataset.classes)
-    raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout) or synthetic")
+    if kind == "shards":
+        from .shards import ShardDataset
+
+        dataset = ShardDataset(getattr(args, "data_path", None) or "", "train" if is_train else "val",
+                               build_transform(args, is_train))
+        return dataset, len(dataset.classes)
+    raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout), shards (written by "
+                    f"`vim-ds data shard`) or synthetic")
