@@ -1,0 +1,198 @@
+"""`vim-ds data shard` and `--data-set shards`: WebDataset tar shards of an ImageNet-layout folder, an index of
+member offsets, the folder's samples in the folder's order, and one-line refusals of damaged shards."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from argparse import Namespace
+
+import pytest
+import torch
+
+from train_utils import QUIET_AUG, ROOT, TINY, config, run_train, step_losses
+
+from vim_ds.data import build_dataset
+from vim_ds.data.datasets import DataError
+from vim_ds.data.shards import check_shards, index_path, member_ext, parse_size, write_shards
+
+SMALL_SHARDS = 200_000  # digits: ~3 MB of train shards, so several shards per split
+
+
+@pytest.fixture(scope="module")
+def shards(digits, tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards") / "digits"
+    write_shards(digits, str(out), SMALL_SHARDS)
+    return str(out)
+
+
+def columns(root, split):
+    with open(index_path(root, split)) as f:
+        return json.loads(f.readline()), json.loads(f.readline())
+
+
+def data_args(kind, path, **extra):
+    return Namespace(data_set=kind, data_path=str(path), input_size=32, eval_crop_ratio=0.875, **extra)
+
+
+def test_sizes_parse():
+    assert parse_size("1GB") == 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("4096") == 4096
+    assert parse_size("1.5 kB") == 1500 and parse_size("2g") == 2 * 10**9
+    for bad in ("", "GB", "1 parsec", "-1GB", "0"):
+        with pytest.raises(Exception):
+            parse_size(bad)
+
+
+def test_shards_read_back_with_tarfile_and_the_index_points_at_each_files_bytes(digits, shards):
+    for split in ("train", "val"):
+        header, cols = columns(shards, split)
+        folder = build_dataset(data_args("folder", digits), is_train=split == "train")[0]
+        assert header["classes"] == folder.classes and cols["label"] == folder.targets
+        assert cols["path"] == [os.path.relpath(p, digits) for p, _ in folder.samples]
+        assert len(header["shards"]) > 1 and [s["file"] for s in header["shards"]] == \
+            [f"{split}-{n:06d}.tar" for n in range(len(header["shards"]))]
+        read = []  # every member through Python's tarfile, in shard order
+        for shard in header["shards"]:
+            path = os.path.join(shards, shard["file"])
+            assert os.path.getsize(path) == shard["bytes"] <= SMALL_SHARDS + tarfile.RECORDSIZE
+            with tarfile.open(path) as tar:
+                members = tar.getmembers()
+                assert len(members) == 2 * shard["samples"]
+                for image, cls in zip(members[::2], members[1::2]):
+                    key, ext = image.name.split(".", 1)
+                    assert cls.name == f"{key}.cls" and ext in ("png", "jpg")
+                    read.append((key, tar.extractfile(image).read(), int(tar.extractfile(cls).read()),
+                                 shard["file"], image.offset_data, image.size))
+        assert [r[0] for r in read] == [f"{i:08d}" for i in range(len(folder))]
+        for i, (key, data, label, file, offset, size) in enumerate(read):
+            with open(folder.samples[i][0], "rb") as f:
+                assert data == f.read()  # the file's bytes, unchanged
+            assert label == folder.targets[i]
+            assert (header["shards"][cols["shard"][i]]["file"], cols["offset"][i], cols["size"][i]) == \
+                (file, offset, size)
+    with open(os.path.join(shards, "_info.json")) as f:  # timm's `wds` reader's split info
+        info = json.load(f)
+    header, _ = columns(shards, "train")
+    assert info["splits"]["train"]["filenames"] == [s["file"] for s in header["shards"]]
+    assert sum(info["splits"]["train"]["shard_lengths"]) == info["splits"]["train"]["num_samples"] == 1437
+
+
+def test_webdataset_reads_the_shards(digits, shards):
+    wds = pytest.importorskip("webdataset")  # not a dependency: checked where it is installed
+    header, cols = columns(shards, "val")
+    urls = [os.path.join(shards, s["file"]) for s in header["shards"]]
+    samples = list(wds.WebDataset(urls, shardshuffle=False))
+    assert [s["__key__"] for s in samples] == [f"{i:08d}" for i in range(header["num_samples"])]
+    assert [int(s["cls"]) for s in samples] == cols["label"]
+    assert all(("png" in s or "jpg" in s) for s in samples)
+
+
+def test_the_shard_dataset_is_the_folder_dataset_sample_by_sample(digits, shards):
+    for is_train in (True, False):
+        folder, n_folder = build_dataset(data_args("folder", digits), is_train=is_train)
+        sharded, n_sharded = build_dataset(data_args("shards", shards), is_train=is_train)
+        assert (len(sharded), n_sharded, sharded.classes, sharded.targets) == \
+            (len(folder), n_folder, folder.classes, folder.targets)
+        for index in (0, 1, 700 % len(folder), len(folder) - 1):
+            a, b = folder[(index, 1234 + index)], sharded[(index, 1234 + index)]
+            assert torch.equal(a[0], b[0]) and a[1:] == b[1:], index
+
+
+def test_the_command_writes_and_refuses_to_overwrite(digits, tmp_path):
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "vim_ds.data", "shard", "--data-path", digits, "--out", str(out),
+           "--shard-size", "1MB"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "train: 1437 images of 10 classes" in proc.stdout and "val: 360 images" in proc.stdout
+    check_shards(str(out))
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
+    assert "already holds split 'train'" in again.stderr and "--force" in again.stderr
+    # one folder of class folders, written as one split of its own
+    one = tmp_path / "one"
+    write_shards(os.path.join(digits, "val"), str(one), split="val")
+    assert sorted(n for n in os.listdir(one) if n.endswith(".jsonl")) == ["val.index.jsonl"]
+    assert columns(str(one), "val")[1]["path"][0] == os.path.join("0", sorted(os.listdir(f"{digits}/val/0"))[0])
+
+
+@pytest.fixture
+def damaged(shards, tmp_path):
+    out = tmp_path / "shards"
+    shutil.copytree(shards, out)
+    return out
+
+
+def test_truncated_or_mismatched_shards_and_indexes_are_one_line_errors(damaged):
+    with pytest.raises(DataError, match=r"train-000002\.tar is truncated: .* the index says"):
+        with open(damaged / "train-000002.tar", "r+b") as f:
+            f.truncate(50_000)
+        check_shards(str(damaged))
+    os.remove(damaged / "train-000002.tar")
+    with pytest.raises(DataError, match=r"train-000002\.tar is missing"):
+        check_shards(str(damaged))
+    os.remove(damaged / "val.index.jsonl")
+    with pytest.raises(DataError, match=r"val\.index\.jsonl is missing"):
+        check_shards(str(damaged), need_train=False)
+
+
+def test_an_index_pointing_past_the_end_of_its_shard_is_refused(damaged):
+    header, cols = columns(str(damaged), "val")
+    cols["offset"][5] = header["shards"][cols["shard"][5]]["bytes"] - 10
+    with open(index_path(str(damaged), "val"), "w") as f:
+        f.write(json.dumps(header) + "\n" + json.dumps(cols) + "\n")
+    check_shards(str(damaged))  # the header and the shard files are right: only the columns say where samples are
+    with pytest.raises(DataError, match=r"sample 5 \(val/.*\) points at bytes .* which has .*write the shards again"):
+        build_dataset(data_args("shards", damaged), is_train=False)
+
+
+def test_undecodable_members_are_skipped_as_undecodable_files_in_the_folder(digits, tmp_path, caplog):
+    data = tmp_path / "data"
+    shutil.copytree(digits, data)
+    files = sorted((data / "train" / "2").glob("*.png"))
+    files[0].write_bytes(files[0].read_bytes()[:60])  # a truncated PNG
+    files[3].write_text("this is not an image\n")
+    files[4].write_bytes(b"")
+    out = tmp_path / "shards"
+    write_shards(str(data), str(out), SMALL_SHARDS)
+    folder, _ = build_dataset(data_args("folder", data), is_train=True)
+    sharded, _ = build_dataset(data_args("shards", out), is_train=True)
+    first = folder.samples.index((str(files[0]), 2))
+    for index in range(first - 1, first + 6):
+        a, b = folder[(index, 99)], sharded[(index, 99)]
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:], index
+    assert [sharded[i][2] for i in range(first, first + 5)] == [0, 1, 1, 0, 0]
+    warned = [r.getMessage() for r in caplog.records if "cannot decode" in r.getMessage()]
+    member = f"train-{sharded.shard[first]:06d}.tar:{first:08d}.png (train/2/{files[0].name})"
+    assert any(member in line for line in warned), warned
+    assert any("(empty file)" in line and f"{first + 4:08d}.png" in line for line in warned), warned
+
+
+def shard_train_args(kind, data, out, *extra):
+    return ["--data-set", kind, "--data-path", data, "--output_dir", str(out), "--num_workers", "0", "--seed", "3",
+            *TINY, *QUIET_AUG, "--deepspeed_config", config("zero0"), "--precision", "fp32", "--batch-size", "8",
+            "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0", "--no-model-ema", *extra]
+
+
+@pytest.mark.slow  # two real training runs of 4 steps
+def test_training_from_shards_gives_the_losses_of_training_from_the_folder(digits, shards, tmp_path):
+    losses = {}
+    for kind, data in (("folder", digits), ("shards", shards)):
+        run_train(shard_train_args(kind, data, tmp_path / kind, "--max-steps", "4", "--save-interval", "0"))
+        losses[kind] = step_losses(tmp_path / kind)
+    assert sorted(losses["shards"]) == [1, 2, 3, 4]
+    assert max(abs(losses["folder"][s] - losses["shards"][s]) for s in losses["folder"]) <= 1e-6, losses
+
+
+def test_the_trainer_refuses_a_truncated_shard_before_deepspeed_with_one_line_and_exit_2(damaged, tmp_path):
+    with open(damaged / "val-000001.tar", "r+b") as f:
+        f.truncate(1000)
+    proc = run_train(shard_train_args("shards", damaged, tmp_path / "out", "--max-steps", "1"), check=False,
+                     timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("vim-ds train: error")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "val-000001.tar is truncated: 1000 bytes" in lines[0]
+    assert "DeepSpeed" not in proc.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
