@@ -13,11 +13,11 @@ from argparse import Namespace
 import pytest
 import torch
 
-from train_utils import QUIET_AUG, ROOT, TINY, config, run_train, step_losses
+from train_utils import QUIET_AUG, ROOT, TINY, config, records, run_train, step_losses
 
 from vim_ds.data import build_dataset
 from vim_ds.data.datasets import DataError
-from vim_ds.data.shards import check_shards, index_path, member_ext, parse_size, write_shards
+from vim_ds.data.shards import check_shards, index_path, parse_size, write_shards
 
 SMALL_SHARDS = 200_000  # digits: ~3 MB of train shards, so several shards per split
 
@@ -177,14 +177,22 @@ def shard_train_args(kind, data, out, *extra):
             "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0", "--no-model-ema", *extra]
 
 
-@pytest.mark.slow  # two real training runs of 4 steps
-def test_training_from_shards_gives_the_losses_of_training_from_the_folder(digits, shards, tmp_path):
+@pytest.mark.slow  # four real training runs of 2-4 steps: about 1 min on 2 busy cores
+def test_training_from_shards_gives_the_losses_of_training_from_the_folder_and_resumes_mid_epoch(digits, shards,
+                                                                                                 tmp_path):
     losses = {}
     for kind, data in (("folder", digits), ("shards", shards)):
         run_train(shard_train_args(kind, data, tmp_path / kind, "--max-steps", "4", "--save-interval", "0"))
         losses[kind] = step_losses(tmp_path / kind)
     assert sorted(losses["shards"]) == [1, 2, 3, 4]
     assert max(abs(losses["folder"][s] - losses["shards"][s]) for s in losses["folder"]) <= 1e-6, losses
+    # stopped after step 2 of 179 in the epoch, resumed from its checkpoint: steps 3 and 4 as in the straight run
+    split = tmp_path / "split"
+    run_train(shard_train_args("shards", shards, split, "--max-steps", "2"))
+    run_train(shard_train_args("shards", shards, split, "--max-steps", "4", "--resume", "auto"))
+    resumed = step_losses(split)
+    assert [r["step"] for r in records(split) if "loss" in r and "summary" not in r] == [1, 2, 3, 4]  # no rerun
+    assert max(abs(losses["folder"][s] - resumed[s]) for s in (3, 4)) <= 1e-6, (resumed, losses)
 
 
 def test_the_trainer_refuses_a_truncated_shard_before_deepspeed_with_one_line_and_exit_2(damaged, tmp_path):
@@ -196,3 +204,36 @@ def test_the_trainer_refuses_a_truncated_shard_before_deepspeed_with_one_line_an
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "val-000001.tar is truncated: 1000 bytes" in lines[0]
     assert "DeepSpeed" not in proc.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def run_bench_data(*args):
+    return subprocess.run([sys.executable, "-m", "vim_ds.bench", "data", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.slow  # two benchmark runs: about 1 min on 2 busy cores
+def test_bench_data_times_the_shards_beside_the_folder(digits, shards, tmp_path):
+    quick = ["--data-path", digits, "--workers", "1", "--batch-size", "4", "--batches", "2", "--warmup-batches", "1",
+             "--rounds", "1", "--sample", "8", "--no-eval", "--train-args", "--input-size 32"]
+    for given in ([shards], []):  # shards written before, and written by the benchmark into a temporary folder
+        out = tmp_path / "bench.json"
+        proc = run_bench_data(*quick, "--shards", *given, "--json", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("shards vs folder")]
+        assert len(line) == 1 and "images/s per core" in line[0] and "from the shards" in line[0], proc.stdout
+        result = json.loads(out.read_text())["shards"]
+        for name in ("folder", "shards"):
+            (row,) = result[name]["loader"]
+            assert row["images"] == 8 and row["worker_processes"] == 1 and result[name]["images_per_sec_per_core"]
+            assert result["read_us_per_image"][name] > 0
+    assert not [p for p in os.listdir(tempfile_dir()) if p.startswith("vim-ds-bench-shards-")]  # cleaned up
+    other = tmp_path / "val-only"
+    write_shards(os.path.join(digits, "val"), str(other), split="val")
+    proc = run_bench_data(*quick, "--shards", other)
+    assert proc.returncode != 0 and "train.index.jsonl is missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.gettempdir()
