@@ -337,6 +337,11 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+# --data-set name -> (data_path, split, transform) -> dataset, for readers defined in modules that build on this one
+# (shards.py registers `shards`; the package imports it, so the table is filled whenever vim_ds.data is imported)
+READERS: dict = {}
+
+
 def build_dataset(args, is_train: bool):
     """(dataset, num_classes) for the trainer's `--data-set`:
 
@@ -358,11 +363,9 @@ def build_dataset(args, is_train: bool):
     if kind in ("IMNET", "folder"):
         dataset = _folder_dataset(getattr(args, "data_path", None), is_train, build_transform(args, is_train))
         return dataset, len(dataset.classes)
-    if kind == "shards":
-        from .shards import ShardDataset
-
-        dataset = ShardDataset(getattr(args, "data_path", None) or "", "train" if is_train else "val",
-                               build_transform(args, is_train))
+    if kind in READERS:
+        dataset = READERS[kind](getattr(args, "data_path", None) or "", "train" if is_train else "val",
+                                build_transform(args, is_train))
         return dataset, len(dataset.classes)
     raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout), shards (written by "
                     f"`vim-ds data shard`) or synthetic")

@@ -31,7 +31,8 @@ import tarfile
 
 import numpy as np
 
-from .datasets import BadImage, DataError, FolderDataset, SeededDataset, _folder_dataset, class_folders
+from .datasets import (READERS, BadImage, DataError, FolderDataset, SeededDataset, _folder_dataset,
+                       class_folders)
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +343,9 @@ class ShardDataset(SeededDataset):
                 reason = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
             raise BadImage(where, reason) from exc
         return self.transform(image), int(self.label[index])
+
+
+READERS["shards"] = ShardDataset
 
 
 # -- the command -----------------------------------------------------------------------------------------------------
