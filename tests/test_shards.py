@@ -144,9 +144,9 @@ def test_an_index_pointing_past_the_end_of_its_shard_is_refused(damaged):
     cols["offset"][5] = header["shards"][cols["shard"][5]]["bytes"] - 10
     with open(index_path(str(damaged), "val"), "w") as f:
         f.write(json.dumps(header) + "\n" + json.dumps(cols) + "\n")
-    check_shards(str(damaged))  # the header and the shard files are right: only the columns say where samples are
-    with pytest.raises(DataError, match=r"sample 5 \(val/.*\) points at bytes .* which has .*write the shards again"):
-        build_dataset(data_args("shards", damaged), is_train=False)
+    for check in (lambda: check_shards(str(damaged)), lambda: build_dataset(data_args("shards", damaged), False)):
+        with pytest.raises(DataError, match=r"sample 5 \(val/.*\) points at bytes .* which has .*write the shards"):
+            check()
 
 
 def test_undecodable_members_are_skipped_as_undecodable_files_in_the_folder(digits, tmp_path, caplog):
@@ -195,16 +195,24 @@ def test_training_from_shards_gives_the_losses_of_training_from_the_folder_and_r
     assert max(abs(losses["folder"][s] - resumed[s]) for s in (3, 4)) <= 1e-6, (resumed, losses)
 
 
-def test_the_trainer_refuses_a_truncated_shard_before_deepspeed_with_one_line_and_exit_2(damaged, tmp_path):
-    with open(damaged / "val-000001.tar", "r+b") as f:
-        f.truncate(1000)
+@pytest.mark.parametrize("fault", ["truncated shard", "index past the end"])
+def test_the_trainer_refuses_damaged_shards_before_deepspeed_with_one_line_and_exit_2(damaged, tmp_path, fault):
+    if fault == "truncated shard":
+        with open(damaged / "val-000001.tar", "r+b") as f:
+            f.truncate(1000)
+        expected = "val-000001.tar is truncated: 1000 bytes"
+    else:
+        header, cols = columns(str(damaged), "train")
+        cols["offset"][-1] += 10**6
+        with open(index_path(str(damaged), "train"), "w") as f:
+            f.write(json.dumps(header) + "\n" + json.dumps(cols) + "\n")
+        expected = f"sample {len(cols['offset']) - 1} (train/9/"
     proc = run_train(shard_train_args("shards", damaged, tmp_path / "out", "--max-steps", "1"), check=False,
                      timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("vim-ds train: error")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "val-000001.tar is truncated: 1000 bytes" in lines[0]
+    assert expected in lines[0], lines
     assert "DeepSpeed" not in proc.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
-
 
 def run_bench_data(*args):
     return subprocess.run([sys.executable, "-m", "vim_ds.bench", "data", *map(str, args)], capture_output=True,

@@ -243,11 +243,44 @@ def read_header(root: str, split: str) -> dict:
     return header
 
 
+def read_index(root: str, split: str):
+    """(header, columns) of a split's index, checked: the header against the shard files (`read_header`), and every
+    sample's bytes inside its shard and its label among the classes. Columns: numpy arrays shard, offset, size,
+    label, and the list path."""
+    header = read_header(root, split)
+    path = index_path(root, split)
+    with open(path) as f:
+        f.readline()
+        try:
+            raw = json.loads(f.readline())
+            cols = {name: np.asarray(raw[name], dtype=np.int64) for name in ("shard", "offset", "size", "label")}
+            cols["path"] = list(raw["path"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"{path}: the sample columns (line 2) are unreadable ({exc}); write the shards "
+                            f"again") from None
+    shard, offset, size, label, paths = (cols[name] for name in ("shard", "offset", "size", "label", "path"))
+    n = header["num_samples"]
+    if not n == len(shard) == len(offset) == len(size) == len(label) == len(paths):
+        raise DataError(f"{path}: {n} samples in the header but columns of other lengths; write the shards again")
+    if n and (shard.min() < 0 or shard.max() >= len(header["shards"])):
+        raise DataError(f"{path} names a shard it does not list; write the shards again")
+    ends = np.asarray([s["bytes"] for s in header["shards"]], dtype=np.int64)
+    past = np.flatnonzero((offset < tarfile.BLOCKSIZE) | (size < 0) | (offset + size > ends[shard])) if n else []
+    if len(past):
+        i = int(past[0])
+        raise DataError(f"{path}: sample {i} ({paths[i]}) points at bytes {offset[i]}..{offset[i] + size[i]} of "
+                        f"{header['shards'][shard[i]]['file']}, which has {ends[shard[i]]}: the index does not "
+                        f"belong to these shards; write the shards again")
+    if n and (label.min() < 0 or label.max() >= len(header["classes"])):
+        raise DataError(f"{path}: a label outside the {len(header['classes'])} classes; write the shards again")
+    return header, cols
+
+
 def check_shards(root: str, need_train: bool = True) -> None:
-    """What the preflight checks: each split's index and shards (`read_header`), the same classes in both."""
-    val = read_header(root, "val")
+    """What the preflight checks: each split's index and shards (`read_index`), the same classes in both."""
+    val, _ = read_index(root, "val")
     if need_train:
-        train = read_header(root, "train")
+        train, _ = read_index(root, "train")
         if train["classes"] != val["classes"]:
             raise DataError(f"the classes of {index_path(root, 'train')} and {index_path(root, 'val')} differ")
 
@@ -257,40 +290,14 @@ class ShardDataset(SeededDataset):
     default loader decodes a file (PIL, converted to RGB), then transformed."""
 
     def __init__(self, root: str, split: str, transform):
-        header = read_header(root, split)
-        path = index_path(root, split)
-        with open(path) as f:
-            f.readline()
-            try:
-                columns = json.loads(f.readline())
-                shard = np.asarray(columns["shard"], dtype=np.int64)
-                offset = np.asarray(columns["offset"], dtype=np.int64)
-                size = np.asarray(columns["size"], dtype=np.int64)
-                label = np.asarray(columns["label"], dtype=np.int64)
-                paths = list(columns["path"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise DataError(f"{path}: the sample columns (line 2) are unreadable ({exc}); write the shards "
-                                f"again") from None
-        n = header["num_samples"]
-        if not n == len(shard) == len(offset) == len(size) == len(label) == len(paths):
-            raise DataError(f"{path}: {n} samples in the header but columns of other lengths; write the shards again")
-        if n and (shard.min() < 0 or shard.max() >= len(header["shards"])):
-            raise DataError(f"{path} names a shard it does not list; write the shards again")
-        ends = np.asarray([s["bytes"] for s in header["shards"]], dtype=np.int64)
-        past = np.flatnonzero((offset < tarfile.BLOCKSIZE) | (size < 0) | (offset + size > ends[shard])) if n else []
-        if len(past):
-            i = int(past[0])
-            raise DataError(f"{path}: sample {i} ({paths[i]}) points at bytes {offset[i]}..{offset[i] + size[i]} of "
-                            f"{header['shards'][shard[i]]['file']}, which has {ends[shard[i]]}: the index does not "
-                            f"belong to these shards; write the shards again")
-        if n and (label.min() < 0 or label.max() >= len(header["classes"])):
-            raise DataError(f"{path}: a label outside the {len(header['classes'])} classes; write the shards again")
+        header, cols = read_index(root, split)
         self.root, self.split, self.transform = root, split, transform
         self.classes = list(header["classes"])
         self.class_to_idx = {name: idx for idx, name in enumerate(self.classes)}
         self.files = [os.path.join(root, s["file"]) for s in header["shards"]]
-        self.shard, self.offset, self.size, self.label, self.paths = shard, offset, size, label, paths
-        self.targets = label.tolist()
+        self.shard, self.offset, self.size, self.label = cols["shard"], cols["offset"], cols["size"], cols["label"]
+        self.paths = cols["path"]
+        self.targets = self.label.tolist()
         self._fds = {}
 
     def __len__(self) -> int:
