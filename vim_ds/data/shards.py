@@ -30,6 +30,7 @@ import sys
 import tarfile
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from .datasets import (READERS, BadImage, DataError, FolderDataset, SeededDataset, _folder_dataset,
                        class_folders)
@@ -328,8 +329,6 @@ class ShardDataset(SeededDataset):
         return os.pread(fd, int(self.size[index]), int(self.offset[index]))
 
     def load(self, index: int):
-        from PIL import Image, UnidentifiedImageError
-
         where = self.describe(index)
         try:
             data = self.read(index)
