@@ -101,17 +101,18 @@ def test_the_shard_dataset_is_the_folder_dataset_sample_by_sample(digits, shards
             assert torch.equal(a[0], b[0]) and a[1:] == b[1:], index
 
 
-def test_the_command_writes_and_refuses_to_overwrite(digits, tmp_path):
+def test_the_command_writes_and_refuses_to_overwrite(digits, tmp_path, capsys):
+    from vim_ds.data import main
+
     out = tmp_path / "s"
-    cmd = [sys.executable, "-m", "vim_ds.data", "shard", "--data-path", digits, "--out", str(out),
-           "--shard-size", "1MB"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert "train: 1437 images of 10 classes" in proc.stdout and "val: 360 images" in proc.stdout
+    argv = ["shard", "--data-path", digits, "--out", str(out), "--shard-size", "1MB"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "train: 1437 images of 10 classes" in printed and "val: 360 images" in printed
     check_shards(str(out))
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr
-    assert "already holds split 'train'" in again.stderr and "--force" in again.stderr
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds split 'train'" in err and "--force" in err, err
     # one folder of class folders, written as one split of its own
     one = tmp_path / "one"
     write_shards(os.path.join(digits, "val"), str(one), split="val")
@@ -177,7 +178,7 @@ def shard_train_args(kind, data, out, *extra):
             "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0", "--no-model-ema", *extra]
 
 
-@pytest.mark.slow  # four real training runs of 2-4 steps: about 1 min on 2 busy cores
+@pytest.mark.slow  # four real training runs of 2-4 steps: 1-4 min on 2 shared cores
 def test_training_from_shards_gives_the_losses_of_training_from_the_folder_and_resumes_mid_epoch(digits, shards,
                                                                                                  tmp_path):
     losses = {}
