@@ -71,7 +71,7 @@ def _data(args) -> None:
 
     if getattr(args, "data_set", "IMNET") in ("IMNET", "folder"):
         check_layout(args.data_path, need_train=not args.eval)
-    elif getattr(args, "data_set", "") == "shards":  # the index of each split, its shards and their sizes
+    elif getattr(args, "data_set", "") == "shards":  # each split's index, its shards, their sizes, every offset
         check_shards(args.data_path or "", need_train=not args.eval)
 
 
