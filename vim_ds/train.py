@@ -99,7 +99,9 @@ def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default="", help="ImageNet-style root with train/ and val/ class folders")
-    g.add_argument("--data-set", default="IMNET", choices=["IMNET", "folder", "synthetic"])
+    g.add_argument("--data-set", default="IMNET", choices=["IMNET", "folder", "shards", "synthetic"],
+                   help="IMNET/folder: --data-path holds train/<class>/* and val/<class>/*; shards: --data-path was "
+                        "written by `vim-ds data shard`; synthetic: generated noise")
     g.add_argument("--nb-classes", type=int, default=1000, help="classes of --data-set synthetic")
     g.add_argument("--synthetic-size", type=int, default=12800, help="training images of --data-set synthetic")
     g.add_argument("--eval-crop-ratio", type=float, default=0.875)

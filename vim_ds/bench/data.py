@@ -490,6 +490,59 @@ def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
     return result
 
 
+def _read_seconds(read, indices) -> float:
+    """Wall seconds per image to read the image bytes of `indices` (a pass untimed first: warm page cache)."""
+    for i in indices:
+        read(i)
+    t0 = time.perf_counter()
+    for i in indices:
+        read(i)
+    return (time.perf_counter() - t0) / len(indices)
+
+
+def _read_file(dataset, index) -> bytes:
+    with open(dataset.samples[index][0], "rb") as f:
+        return f.read()
+
+
+def run_shards(args, train_args, shards: str, log) -> dict:
+    """The trainer's training loader on the folder and on its shards (`--data-set shards`), alternating per round
+    and worker count as the folder/timm pair; and the time to read one image's bytes from each (a file open and
+    read vs one positioned read in a shard)."""
+    import torch
+
+    shard_args = copy.copy(train_args)
+    shard_args.data_set, shard_args.data_path = "shards", shards
+    pipes = {"folder": VimDsPipeline(train_args, True, args.batch_size),
+             "shards": VimDsPipeline(shard_args, True, args.batch_size)}
+    if len(pipes["folder"].dataset) != len(pipes["shards"].dataset):
+        raise BenchError(f"{shards} holds {len(pipes['shards'].dataset)} training images, {args.data_path} "
+                         f"{len(pipes['folder'].dataset)}: not shards of this folder (vim-ds data shard writes them)")
+    rows = {name: [] for name in pipes}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rnd in range(args.rounds):
+            for j, workers in enumerate(args.workers):
+                for name in (("folder", "shards") if (rnd + j) % 2 == 0 else ("shards", "folder")):
+                    row = measure_loader(pipes[name], workers, args.batches, args.warmup_batches)
+                    rows[name].append(row)
+                    log(f"  training: vim_ds on the {name:6s} {workers} worker(s), round {rnd + 1}: "
+                        f"{row['images_per_sec']:.1f} images/s, {_fmt(row['images_per_cpu_second'])} images per "
+                        f"CPU-second")
+    finally:
+        torch.set_num_threads(threads)
+    indices = spread(len(pipes["folder"].dataset), args.sample)
+    read_us = {"folder": 1e6 * _read_seconds(lambda i: _read_file(pipes["folder"].dataset, i), indices),
+               "shards": 1e6 * _read_seconds(pipes["shards"].dataset.read, indices)}
+    result = {"shards": shards, "read_us_per_image": read_us}
+    for name, mine in rows.items():
+        cpu = [r["cpu_seconds"] for r in mine]
+        result[name] = {"loader": mine, "images_per_sec": statistics.median(r["images_per_sec"] for r in mine),
+                        "images_per_sec_per_core": sum(r["images"] for r in mine) / sum(cpu) if all(cpu) else None}
+    return result
+
+
 def _fmt(value, digits=1) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -542,10 +595,17 @@ def run_data(args) -> dict:
             _checked_split(args.data_path, split)
         except ValueError as exc:
             raise BenchError(str(exc)) from None
+    if getattr(args, "shards", None):
+        from ..data.shards import check_shards
+
+        try:
+            check_shards(args.shards, need_train=True)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
     train_args = train_namespace(args)
     settings = {"data_path": args.data_path, "workers": args.workers, "batch_size": args.batch_size,
                 "batches": args.batches, "warmup_batches": args.warmup_batches, "rounds": args.rounds,
-                "sample": args.sample, "train_args": args.train_args,
+                "sample": args.sample, "train_args": args.train_args, "shards": getattr(args, "shards", None),
                 "recipe": {k: getattr(train_args, k) for k in (
                     "input_size", "aa", "color_jitter", "train_interpolation", "scale", "ratio", "hflip", "reprob",
                     "remode", "recount", "mixup", "cutmix", "cutmix_minmax", "mixup_prob", "mixup_switch_prob",
@@ -556,6 +616,8 @@ def run_data(args) -> dict:
     results["train"] = run_pipeline_pair(args, train_args, True, log)
     if args.eval:
         results["eval"] = run_pipeline_pair(args, train_args, False, log)
+    if getattr(args, "shards", None) is not None:
+        results["shards"] = _with_shards(args, train_args, log)
     print(f"{PROG}: {args.data_path}, {train_args.input_size} px, {settings['cpu']}, "
           f"{settings['cores_available']} cores available; torch {torch.__version__}, timm {timm.__version__}, "
           f"Pillow {PIL.__version__}")
@@ -567,9 +629,34 @@ def run_data(args) -> dict:
         print(_table("evaluation", results["eval"], args.workers))
     t = results["train"]
     ours, timm_rate = t["vim_ds"]["images_per_sec_per_core"], t["timm"]["images_per_sec_per_core"]
+    if "shards" in results:
+        sh = results["shards"]
+        rate = {name: sh[name]["images_per_sec_per_core"] for name in ("folder", "shards")}
+        print(f"shards vs folder (vim_ds training loader, {' '.join(map(str, args.workers))} worker(s)): folder "
+              f"{_fmt(rate['folder'])}, shards {_fmt(rate['shards'])} images/s per core; one image's bytes read in "
+              f"{sh['read_us_per_image']['folder']:.0f} us from the folder, "
+              f"{sh['read_us_per_image']['shards']:.0f} us from the shards")
     print(f"training pipeline: vim_ds {_fmt(ours)} images/s per core, timm {_fmt(timm_rate)} images/s per core, "
           f"ratio {_fmt(t['ratio'], 2)}")
     return results
+
+
+def _with_shards(args, train_args, log) -> dict:
+    """run_shards on --shards DIR, or on shards of --data-path written into a temporary folder first."""
+    import shutil
+    import tempfile
+
+    if args.shards:
+        return run_shards(args, train_args, args.shards, log)
+    from ..data.shards import write_shards
+
+    folder = tempfile.mkdtemp(prefix="vim-ds-bench-shards-")
+    try:
+        log(f"  writing shards of {args.data_path} into {folder} ...")
+        write_shards(args.data_path, folder)
+        return run_shards(args, train_args, folder, log)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_args(parser, args) -> None:
@@ -600,4 +687,7 @@ def add_parser(sub) -> None:
                    help="vim-ds train options that shape the pipeline, one quoted string, e.g. "
                    "'--aa none --reprob 0 --mixup 0 --cutmix 0' [the training recipe's defaults]")
     d.add_argument("--no-eval", dest="eval", action="store_false", help="skip the evaluation pipeline")
+    d.add_argument("--shards", nargs="?", const="", metavar="SHARDS",
+                   help="also time our training loader on shards of --data-path (`vim-ds data shard` wrote SHARDS; "
+                   "without SHARDS they are written into a temporary folder first) beside the folder: one more line")
     d.add_argument("--json", metavar="FILE", help="also write the settings and every measurement as JSON")

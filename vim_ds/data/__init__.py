@@ -1,4 +1,5 @@
-"""Data: datasets (ImageNet-layout folders, synthetic), transforms, batch samplers, and the digits data set.
+"""Data: datasets (ImageNet-layout folders, their tar shards, synthetic), transforms, batch samplers, and the digits
+data set.
 
 `vim-ds data <command>` (= `python -m vim_ds.data <command>`) runs the data commands.
 """
@@ -9,13 +10,16 @@ import sys
 from .datasets import DataError, SeededDataset, build_dataset, derive_seed, seeded_rngs
 from .digits import write_digits
 from .sampler import GlobalBatchSampler, ShardedEvalSampler, sample_seed
+from .shards import ShardDataset, write_shards  # also registers --data-set shards with build_dataset
 from .transforms import build_transform
 
 __all__ = ["DataError", "SeededDataset", "build_dataset", "build_transform", "derive_seed", "seeded_rngs",
-           "GlobalBatchSampler", "ShardedEvalSampler", "sample_seed", "write_digits", "main"]
+           "GlobalBatchSampler", "ShardedEvalSampler", "sample_seed", "write_digits", "ShardDataset", "write_shards",
+           "main"]
 
 COMMANDS = {
     "digits": ("vim_ds.data.digits", "write scikit-learn's 8x8 handwritten digits as train/ and val/ PNG folders"),
+    "shard": ("vim_ds.data.shards", "write an ImageNet-layout folder as WebDataset tar shards with an offset index"),
     "photos": ("vim_ds.data.photos", "write JPEGs at ImageNet's sizes made from real photographs (for benchmarks)"),
 }
 

@@ -337,11 +337,18 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+# --data-set name -> (data_path, split, transform) -> dataset, for readers defined in modules that build on this one
+# (shards.py registers `shards`; the package imports it, so the table is filled whenever vim_ds.data is imported)
+READERS: dict = {}
+
+
 def build_dataset(args, is_train: bool):
     """(dataset, num_classes) for the trainer's `--data-set`:
 
     * `IMNET`, `folder`: `data_path/train/<class>/*` and `data_path/val/<class>/*` (class index = sorted folder name;
       the val split must have exactly the train split's classes).
+    * `shards`: `data_path` written by `vim-ds data shard` (`shards.py`): the folder's samples, order and labels,
+      read by offset from tar shards.
     * `synthetic`: `synthetic_size` training images (default 1280) and max(1, synthetic_size // 10) validation
       images of `nb_classes` classes at `input_size`, generated on the fly (no augmentation: they are noise).
     """
@@ -356,4 +363,9 @@ def build_dataset(args, is_train: bool):
     if kind in ("IMNET", "folder"):
         dataset = _folder_dataset(getattr(args, "data_path", None), is_train, build_transform(args, is_train))
         return dataset, len(dataset.classes)
-    raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout) or synthetic")
+    if kind in READERS:
+        dataset = READERS[kind](getattr(args, "data_path", None) or "", "train" if is_train else "val",
+                                build_transform(args, is_train))
+        return dataset, len(dataset.classes)
+    raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout), shards (written by "
+                    f"`vim-ds data shard`) or synthetic")

@@ -67,9 +67,12 @@ def _deepspeed_config(args, is_main: bool) -> None:
 
 def _data(args) -> None:
     from ..data.datasets import check_layout
+    from ..data.shards import check_shards
 
     if getattr(args, "data_set", "IMNET") in ("IMNET", "folder"):
         check_layout(args.data_path, need_train=not args.eval)
+    elif getattr(args, "data_set", "") == "shards":  # each split's index, its shards, their sizes, every offset
+        check_shards(args.data_path or "", need_train=not args.eval)
 
 
 def _model(args) -> None:
