@@ -80,14 +80,19 @@ def test_shards_read_back_with_tarfile_and_the_index_points_at_each_files_bytes(
     assert sum(info["splits"]["train"]["shard_lengths"]) == info["splits"]["train"]["num_samples"] == 1437
 
 
-def test_webdataset_reads_the_shards(digits, shards):
-    wds = pytest.importorskip("webdataset")  # not a dependency: checked where it is installed
+def test_webdataset_and_timms_wds_reader_read_the_shards(digits, shards):
+    wds = pytest.importorskip("webdataset")  # not a dependency of vim_ds; the test extra installs it
     header, cols = columns(shards, "val")
     urls = [os.path.join(shards, s["file"]) for s in header["shards"]]
     samples = list(wds.WebDataset(urls, shardshuffle=False))
     assert [s["__key__"] for s in samples] == [f"{i:08d}" for i in range(header["num_samples"])]
     assert [int(s["cls"]) for s in samples] == cols["label"]
     assert all(("png" in s or "jpg" in s) for s in samples)
+    # timm's own WebDataset reader (`wds/NAME`), which finds the split through _info.json
+    from timm.data import create_dataset
+
+    timm_val = create_dataset("wds/digits", root=str(shards), split="val", is_training=False, batch_size=1)
+    assert [int(target) for _, target in timm_val] == cols["label"]
 
 
 def test_the_shard_dataset_is_the_folder_dataset_sample_by_sample(digits, shards):
