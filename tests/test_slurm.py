@@ -302,35 +302,57 @@ def assert_nothing_left(slurm: Slurm, out, timeout: float = 15):
     assert not left(), [p.cmdline() for p in left()]
 
 
+BANNERS = {  # what each batch script says about the job first (GPUS_PER_NODE=2)
+    "slurm_mi300x.sbatch": "1 nodes (localhost) x 2 MI300X",
+    "slurm_mi250.sbatch": "1 nodes (localhost) x 2 MI250 GCDs",
+    "slurm_torchrun.sbatch": "1 nodes (localhost) x 2 GPUs, torchrun",
+}
+
+
 @pytest.fixture(scope="module")
 def straight_job(slurm, small_digits, tmp_path_factory):
-    """The uninterrupted job: (job id, output dir), trained to the end by launch/slurm_mi300x.sbatch."""
-    out = tmp_path_factory.mktemp("slurm_straight") / "run"
-    job_id = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU, job_args(small_digits, out), **job_env())
-    slurm.wait(job_id, ENDED)
-    return job_id, out
+    """straight_job(batch) -> (job id, output dir) of the uninterrupted job of launch/BATCH, run on first use."""
+    done = {}
+
+    def get(batch: str):
+        if batch not in done:
+            out = tmp_path_factory.mktemp(f"straight_{batch.split('.')[0]}") / "run"
+            job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out), **job_env())
+            slurm.wait(job_id, ENDED)
+            done[batch] = job_id, out
+        return done[batch]
+
+    return get
 
 
-def test_sbatch_trains_to_the_end(slurm, straight_job):
-    job_id, out = straight_job
+@pytest.mark.parametrize("batch", list(BANNERS))
+def test_sbatch_trains_to_the_end(slurm, straight_job, batch):
+    """The job trains its 2 CPU ranks to the last step, saves, and ends COMPLETED 0:0; every script gives the
+    same per-step losses (the same 2-rank arithmetic, whichever launcher starts the ranks)."""
+    job_id, out = straight_job(batch)
     job = slurm.job(job_id)
     output = slurm.output(job_id)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), (job, output[-4000:])
     assert [(c["JobState"], c["ExitCode"]) for c in slurm.jobcomp(job_id)] == [("COMPLETED", "0:0")]
-    assert f"job {job_id}: 1 nodes (localhost) x 2 MI300X" in output
-    assert "nnodes=1, num_local_procs=2, node_rank=0" in output
+    assert f"job {job_id}: {BANNERS[batch]}" in output
+    if "torchrun" not in batch:
+        assert "nnodes=1, num_local_procs=2, node_rank=0" in output  # the deepspeed launcher's line
     assert "2 rank(s) on cpu" in output
     assert sorted(step_losses(out)) == list(range(1, STEPS + 1))
     assert os.path.isfile(out / "checkpoints" / f"global_step{STEPS}" / "vim_ds_complete.json")
     assert_nothing_left(slurm, out)
+    if batch != "slurm_mi300x.sbatch":
+        assert step_losses(out) == step_losses(straight_job("slurm_mi300x.sbatch")[1])
 
 
-def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, straight_job, small_digits, tmp_path):
+@pytest.mark.parametrize("batch", ["slurm_mi300x.sbatch", "slurm_torchrun.sbatch"])
+def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, straight_job, small_digits, tmp_path,
+                                                                     batch):
     """`scontrol requeue` at step SIGNAL_STEP; the requeued job (released at once instead of SLURM's ~120 s
     requeue delay) resumes from the checkpoint the ranks saved on SIGTERM and ends with the uninterrupted job's
     training state, bit for bit (same ranks, same arithmetic)."""
     out = tmp_path / "run"
-    job_id = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU, job_args(small_digits, out),
+    job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out),
                           **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
     wait_for_step(slurm, job_id, out, SIGNAL_STEP - 1)
     slurm.run("scontrol", "requeue", job_id)
@@ -345,7 +367,7 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, stra
     assert stopped_after(output) == [SIGNAL_STEP], output[-5000:]
     assert "(requeued 1 times)" in output
     assert f"at epoch 0, step {SIGNAL_STEP}" in output and "resumed " in output, output[-5000:]
-    straight_out = straight_job[1]
+    straight_out = straight_job(batch)[1]
     assert step_losses(out) == step_losses(straight_out)
     assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
     assert_nothing_left(slurm, out)
@@ -379,7 +401,7 @@ def test_the_time_limit_signal_saves_and_an_afternotok_job_continues_to_the_end(
     output2 = slurm.output(chained)
     assert (job2["JobState"], job2["ExitCode"]) == ("COMPLETED", "0:0"), (job2, output2[-5000:])
     assert f"at epoch 0, step {SIGNAL_STEP}" in output2, output2[-5000:]
-    straight_out = straight_job[1]
+    straight_out = straight_job("slurm_mi300x.sbatch")[1]
     assert step_losses(out) == step_losses(straight_out)
     assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
     assert_nothing_left(slurm, out)
