@@ -375,12 +375,14 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, stra
 
 def test_the_time_limit_signal_saves_and_an_afternotok_job_continues_to_the_end(slurm, straight_job, small_digits,
                                                                               tmp_path):
-    """`--time=3 --signal=TERM@60` (the sbatch file's TERM@120, scaled down; SLURM sends it up to a minute early):
-    the ranks, waiting at step SIGNAL_STEP, save and exit before the kill at the limit; a job submitted with
+    """`--time=4 --signal=TERM@60` (the sbatch file's TERM@120, scaled down; SLURM sends it up to its 30 s check
+    period early: the jobs here ended 150-180 s after the start): the ranks, waiting at step SIGNAL_STEP (or, on a machine
+    so busy that their start-up took longer, at an earlier step), save and exit before the kill at the limit
+    (240 s); a job submitted with
     `--dependency=afternotok:<first>` starts because the first did not end COMPLETED, resumes, and ends with the
     uninterrupted job's training state."""
     out = tmp_path / "run"
-    first = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + ["--time=3", "--signal=TERM@60"],
+    first = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + ["--time=4", "--signal=TERM@60"],
                          job_args(small_digits, out), **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
     chained = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + [f"--dependency=afternotok:{first}"],
                            job_args(small_digits, out), **job_env())
@@ -392,15 +394,15 @@ def test_the_time_limit_signal_saves_and_an_afternotok_job_continues_to_the_end(
           f"{[line for line in output1.splitlines() if line.startswith('stopping on')]}")
     # the ranks stopped on SIGTERM (143) well before the limit's kill: the job FAILED, it did not run into TIMEOUT
     assert (job1["JobState"], job1["ExitCode"]) == ("FAILED", "143:0"), (job1, output1[-5000:])
-    assert ended_after < 170, ended_after
+    assert ended_after < 235, ended_after
     saved = stopped_after(output1)
-    assert saved == [SIGNAL_STEP], output1[-5000:]
-    assert os.path.isfile(out / "checkpoints" / f"global_step{SIGNAL_STEP}" / "vim_ds_complete.json")
+    assert len(saved) == 1 and 1 <= saved[0] <= SIGNAL_STEP, output1[-5000:]
+    assert os.path.isfile(out / "checkpoints" / f"global_step{saved[0]}" / "vim_ds_complete.json")
 
     job2 = slurm.wait(chained, ENDED, timeout=300)
     output2 = slurm.output(chained)
     assert (job2["JobState"], job2["ExitCode"]) == ("COMPLETED", "0:0"), (job2, output2[-5000:])
-    assert f"at epoch 0, step {SIGNAL_STEP}" in output2, output2[-5000:]
+    assert f"at epoch 0, step {saved[0]}" in output2, output2[-5000:]
     straight_out = straight_job("slurm_mi300x.sbatch")[1]
     assert step_losses(out) == step_losses(straight_out)
     assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
