@@ -4,8 +4,9 @@
 #   source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 #
 # die (one-line error, exit 2), print_cmd (a command quoted with printf %q, ready to paste), is_uint,
-# local_gpu_count, source_vendor_env (env_rocm.sh / env_nvidia.sh when that GPU stack is present), and
-# run_in_group (run a launcher so that SIGTERM/SIGINT reach its ranks and their checkpoint is awaited).
+# local_gpu_count, source_vendor_env (env_rocm.sh / env_nvidia.sh when that GPU stack is present),
+# choose_gloo_interface (the network interface toward the master, for gloo), and run_in_group (run a launcher so
+# that SIGTERM/SIGINT reach its ranks and their checkpoint is awaited).
 # shellcheck shell=bash
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then  # run instead of sourced
@@ -67,6 +68,35 @@ source_vendor_env() {
     esac
     # shellcheck source=/dev/null
     source "$VIM_DS_ENV_FILE"
+}
+
+# Export GLOO_SOCKET_IFNAME (unless set) as this node's interface toward the master address $1, and say so on
+# stderr. Without it gloo (the CPU backend; also CPU-side groups next to NCCL/RCCL) binds to the address this host's
+# name resolves to, which Debian's /etc/hosts makes a loopback one (127.0.1.1): each node then advertises 127.x to
+# the others and the first collective fails ("Connection refused, remote=[127.0.0.1]..."). The interface is the one
+# holding the master address on the master itself, else the one `ip route get` sends it out of; nothing is set
+# when `ip` is missing or the address does not resolve. The per-node modes only: in pdsh mode the other nodes do
+# not get this node's variables (and their interface names may differ).
+choose_gloo_interface() {
+    local addr dev
+    [[ -z ${GLOO_SOCKET_IFNAME:-} ]] || return 0
+    command -v ip >/dev/null 2>&1 || return 0
+    if [[ $1 =~ ^[0-9]+(\.[0-9]+){3}$ ]]; then
+        addr=$1
+    else
+        addr=$(getent ahostsv4 "$1" 2>/dev/null | awk '{ print $1; exit }') || true
+    fi
+    [[ -n $addr ]] || return 0
+    dev=$(ip -o addr show to "$addr" 2>/dev/null | awk '{ print $2; exit }') || true
+    if [[ -z $dev ]]; then
+        dev=$(ip route get "$addr" 2>/dev/null \
+            | awk '{ for (i = 1; i < NF; i++) if ($i == "dev") { print $(i + 1); exit } }') || true
+    fi
+    [[ -n $dev ]] || return 0
+    export GLOO_SOCKET_IFNAME=$dev
+    [[ $addr == "$1" ]] || addr="$1 ($addr)"
+    echo "launch: gloo uses network interface $dev toward the master $addr (set GLOO_SOCKET_IFNAME to choose" \
+        "another)" >&2
 }
 
 # Whether a process of session/group $1 is still running (zombies, which a container's init may never reap,

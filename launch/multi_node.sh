@@ -100,4 +100,5 @@ if [[ $NO_SSH != 1 && ${LAUNCHER:-pdsh} == pdsh ]] && ! command -v pdsh >/dev/nu
     die "pdsh not found: install it (apt-get install pdsh), or start each node with NODE_RANK=K (no ssh)"
 fi
 export PYTHONPATH="$VIM_DS_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+[[ $NO_SSH != 1 ]] || choose_gloo_interface "${MASTER_ADDR:-${HOSTS[0]}}"
 run_in_group "${cmd[@]}"

@@ -84,6 +84,7 @@ case ${LAUNCHER:-deepspeed} in
             exit 0
         fi
         export PYTHONPATH="$VIM_DS_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+        choose_gloo_interface "$MASTER_ADDR"
         run_in_group "${cmd[@]}"
         ;;
     *) die "LAUNCHER must be deepspeed or torchrun, not '$LAUNCHER'" ;;

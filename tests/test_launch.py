@@ -207,6 +207,183 @@ def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes
         assert abs(one_node[step] - two_nodes[step]) <= 1e-6 * abs(one_node[step]), (one_node, two_nodes)
 
 
+@pytest.mark.parametrize("env, expected", [
+    (dict(WORLD_SIZE="2", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1"), "lo"),           # deepspeed's LOCAL_SIZE
+    (dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", MASTER_ADDR="localhost"), "lo"),     # torchrun's, a host name
+    (dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"), None),     # one host: gloo's own choice
+    (dict(WORLD_SIZE="2", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="eth9"), "eth9"),  # the user's
+], ids=["two hosts", "host name", "one host", "set by the user"])
+def test_vim_ds_sets_gloo_interface_toward_the_master_only_across_hosts(monkeypatch, env, expected):
+    from vim_ds.engine.distributed import _choose_gloo_interface
+
+    for name in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _choose_gloo_interface()
+    assert os.environ.get("GLOO_SOCKET_IFNAME") == expected
+
+
+def _ip(*args, check=True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2: two hosts on a real (virtual) network,
+    each with its own loopback. Yields [(namespace, interface, address)] x 2; removes both namespaces (and so the
+    pair) and kills what still runs in them, whatever happens."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2's ip")
+    tag = f"{os.getpid() % 100000}"
+    hosts = [(f"vimds{tag}_{i}", f"vd{tag}{'ab'[i]}", f"10.77.0.{i + 1}") for i in range(2)]
+    made = []
+    try:
+        for ns, _, _ in hosts:
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1])
+        for ns, dev, addr in hosts:
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except (RuntimeError, OSError) as e:
+        for ns in made:
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", hosts[0][1], check=False)
+        pytest.skip(f"cannot make two network namespaces here: {e}")
+    try:
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ValueError, OSError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", hosts[0][1], check=False)  # gone with its namespace, unless it was never moved
+
+
+@pytest.mark.slow
+def test_two_hosts_on_a_veth_network_train_like_one_host_and_gloo_uses_the_veth(small_digits, two_hosts, tmp_path):
+    """`ip netns exec HOST bash launch/multi_node.sh` with NODE_RANK=0|1 and MASTER_ADDR=10.77.0.1 on two network
+    namespaces (one CPU rank each): the scripts choose and print the veth as gloo's interface (gloo's own choice, the
+    address the host name resolves to, is loopback here: each node would advertise 127.0.0.1 to the other), and the
+    2-rank job's per-step losses equal one host's 2-process run."""
+    port = _free_port()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{addr} slots=1\n" for _, _, addr in two_hosts))
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    procs, logs = [], []
+    try:
+        for rank in (1, 0):
+            ns = two_hosts[rank][0]
+            logs.append(open(tmp_path / f"node{rank}.log", "w"))
+            env = clean_env(HOSTFILE=hostfile, NODE_RANK=rank, MASTER_ADDR=two_hosts[0][2], MASTER_PORT=port)
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "bash", script("multi_node.sh"),
+                                           *train_args(small_digits, outs[rank], 4)],
+                                          cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        for proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for log in logs:
+            log.close()
+    node1, node0 = ((tmp_path / f"node{rank}.log").read_text() for rank in (1, 0))
+    assert [p.returncode for p in procs] == [0, 0], node0[-3000:] + node1[-3000:]
+    for rank, output in ((0, node0), (1, node1)):
+        ns, dev, _ = two_hosts[rank]
+        assert f"launch: gloo uses network interface {dev} toward the master 10.77.0.1 " in output, output[-3000:]
+    assert "2 rank(s) on cpu" in node0
+    two_hosts_losses = step_losses(outs[0])
+    assert sorted(two_hosts_losses) == [1, 2, 3, 4]
+    run_train(train_args(small_digits, tmp_path / "one_host", 4), nproc=2)
+    one_host = step_losses(tmp_path / "one_host")
+    assert one_host.keys() == two_hosts_losses.keys()
+    for step in one_host:
+        assert abs(one_host[step] - two_hosts_losses[step]) <= 1e-6 * abs(one_host[step]), (one_host, two_hosts_losses)
+
+
+@pytest.fixture
+def sshd_on_both(two_hosts, tmp_path):
+    """An sshd in each of the two hosts' namespaces (root logs in with a key made here), and a folder whose `ssh`
+    uses that key and trusts any host key: put it first on PATH. Yields that folder; stops both sshd."""
+    tools = ["ssh", "ssh-keygen", "pdsh"]
+    if not os.path.exists("/usr/sbin/sshd") or not all(shutil.which(t) for t in tools):
+        pytest.skip("openssh-server, openssh-client and pdsh are needed (apt-get install openssh-server pdsh)")
+    d = tmp_path / "ssh"
+    (d / "bin").mkdir(parents=True)
+    for key in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+    shutil.copy(d / "id.pub", d / "authorized_keys")
+    (d / "ssh_config").write_text(f"Host *\n  IdentityFile {d}/id\n  StrictHostKeyChecking no\n"
+                                  "  UserKnownHostsFile /dev/null\n  BatchMode yes\n  LogLevel ERROR\n")
+    (d / "bin" / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {d}/ssh_config \"$@\"\n")
+    (d / "bin" / "ssh").chmod(0o755)
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation folder (made at boot by its service)
+    daemons = []
+    try:
+        for i, (ns, _, addr) in enumerate(two_hosts):
+            (d / f"sshd_{i}").write_text(
+                f"ListenAddress {addr}\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+                f"UsePAM no\nStrictModes no\nPidFile {d}/sshd_{i}.pid\n")
+            daemons.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-f",
+                                             str(d / f"sshd_{i}"), "-E", str(d / f"sshd_{i}.log")]))
+        env = {**os.environ, "PATH": f"{d}/bin:{os.environ['PATH']}"}
+        deadline = time.time() + 30
+        while True:  # until host 0 reaches both hosts over ssh
+            probe = subprocess.run(["ip", "netns", "exec", two_hosts[0][0], "ssh", two_hosts[1][2], "true"],
+                                   env=env, capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            if time.time() > deadline:
+                pytest.skip(f"sshd in a network namespace does not answer: {probe.stderr.strip()[-300:]}")
+            time.sleep(0.5)
+        yield d / "bin"
+    finally:
+        for daemon in daemons:
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+
+
+@pytest.mark.slow
+def test_pdsh_mode_starts_both_hosts_over_ssh_and_each_picks_its_veth(small_digits, two_hosts, sshd_on_both,
+                                                                     tmp_path):
+    """`HOSTFILE=... bash launch/multi_node.sh` on host 0 (ssh mode: deepspeed starts both hosts over pdsh/ssh,
+    passing on only NCCL_*/PYTHON* variables): each host's ranks choose their own veth for gloo (vim_ds does, as the
+    shell cannot choose for the other hosts), and the losses equal one host's 2-process run."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{addr} slots=1\n" for _, _, addr in two_hosts))
+    out = tmp_path / "run"
+    env = clean_env(HOSTFILE=hostfile, MASTER_PORT=_free_port(), MASTER_ADDR=two_hosts[0][2])
+    env["PATH"] = f"{sshd_on_both}:{env['PATH']}"
+    proc = subprocess.run(["ip", "netns", "exec", two_hosts[0][0], "bash", script("multi_node.sh"),
+                           *train_args(small_digits, out, 4)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    for ns, dev, addr in two_hosts:
+        assert f"{addr}: vim-ds: gloo uses network interface {dev} ({addr}) toward the master 10.77.0.1" in output, \
+            output[-5000:]
+    losses = step_losses(out)
+    run_train(train_args(small_digits, tmp_path / "one_host", 4), nproc=2)
+    one_host = step_losses(tmp_path / "one_host")
+    assert sorted(losses) == [1, 2, 3, 4] and one_host.keys() == losses.keys()
+    for step in one_host:
+        assert abs(one_host[step] - losses[step]) <= 1e-6 * abs(one_host[step]), (one_host, losses)
+
+
 @pytest.mark.slow
 def test_when_one_node_dies_the_other_nodes_launcher_exits_instead_of_hanging(small_digits, hostfile, tmp_path):
     """A long two-node run; after the first logged step node 1's rank is SIGKILLed (found from its launcher's

@@ -70,6 +70,7 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
     _default_group_timeout(timedelta(seconds=timeout_s))
+    _choose_gloo_interface()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
@@ -106,6 +107,35 @@ def _unlink_deepspeed_shm_buffer(rank: int):
         os.unlink(deepspeed_shm_buffer(rank))
     except FileNotFoundError:  # ranks on several hosts, or a DeepSpeed without the op: nothing was created
         pass
+
+
+def _choose_gloo_interface():
+    """Set GLOO_SOCKET_IFNAME (when unset, in a job spanning several hosts) to the interface this host reaches the
+    master address through. Why: gloo otherwise binds to the address the host name resolves to, a loopback one
+    where /etc/hosts maps it to 127.0.1.1 (Debian's default), and every rank of another host then fails to connect
+    ("Connection refused, remote=[127.0.0.1]..."). The launch/ scripts choose it in the shell for the per-node modes;
+    this covers the rest (deepspeed over pdsh/ssh forwards no such variable, torchrun started by hand)."""
+    import psutil
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 0)) or 0)
+    master = os.environ.get("MASTER_ADDR", "")
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not master or not local_world or world <= local_world:
+        return
+    try:
+        addr = socket.gethostbyname(master)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # UDP: nothing is sent, the kernel only picks the route and source address
+            local = probe.getsockname()[0]
+    except OSError:
+        return
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"vim-ds: gloo uses network interface {name} ({local}) toward the master {master}",
+                      file=sys.stderr, flush=True)
+            return
 
 
 def _default_group_timeout(timeout: timedelta):

@@ -7,6 +7,7 @@ points. The variable holds comma-separated `FAULT@STEP[:RANK]` items, e.g.
     VIM_DS_INJECT="nan_loss@5,nan_loss@6"     the loss of optimizer steps 5 and 6 is NaN (on every rank)
     VIM_DS_INJECT="kill_in_save@4:0"          rank 0 SIGKILLs itself while saving the step-4 checkpoint
     VIM_DS_INJECT="hang@3:1"                  rank 1 blocks for good at the start of optimizer step 3
+    VIM_DS_INJECT="wait_for_signal@3"         every rank waits at the start of step 3 until it has a stop signal
 
 Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gradients are NaN too),
 `kill_in_save` (after DeepSpeed has written its files, before vim_ds's own files and the completion marker), `hang`
@@ -14,6 +15,11 @@ Faults: `nan_loss` (multiplies the step's loss by NaN before backward, so the gr
 does: its peers must fail after --dist-timeout), and
 `stall_train`/`stall_val`, whose number counts samples, not steps: a worker of that data loader blocks for good at
 the N-th sample it loads (`vim_ds/data/loader.py`), as a read from a hung file system does.
+
+Signals from outside at a known step, for tests/test_slurm.py (a real SLURM sends them: `scontrol requeue`, a time
+limit's `--signal=TERM@N`, `scancel`): `wait_for_signal@N` makes the rank wait (sleeping, no CPU) at the start of
+optimizer step N until it has received SIGTERM or SIGINT, then take the step, so the ranks agree to stop after step N
+however long the signal takes to come; a resumed run starts after step N and never waits.
 
 Signals at a precise phase, for tests/faults/test_signals.py: a real signal (VIM_DS_INJECT_SIGNAL: `SIGTERM`, the
 default, or `SIGINT`; with `:rank`, to the injecting rank only instead of its whole process group, launcher and
@@ -34,7 +40,7 @@ import signal
 import time
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
-         "signal_in_save", "signal_in_train")
+         "signal_in_save", "signal_in_train", "wait_for_signal")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -70,6 +76,14 @@ def hang():
     """Block this thread for good (signals still run their handlers; only SIGKILL or the handlers end it)."""
     while True:
         time.sleep(3600)
+
+
+def wait_for_signal():
+    """Sleep until this process has received a stop signal (see `signals.STOP`)."""
+    from . import signals
+
+    while signals.STOP.first is None:
+        time.sleep(0.1)
 
 
 def _signal_target() -> tuple[int, bool]:

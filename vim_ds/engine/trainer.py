@@ -343,6 +343,8 @@ class Trainer:
             faults.send_signal()
         if micro == 0 and faults.active("hang", self.step + 1, self.dist.rank):
             faults.hang()
+        if micro == 0 and faults.active("wait_for_signal", self.step + 1, self.dist.rank):
+            faults.wait_for_signal()
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         if self.mixup is not None:

@@ -1,0 +1,427 @@
+"""The SLURM scripts of launch/ under a real SLURM: Debian's slurmctld, slurmd and munged, started by a fixture for
+this module with a one-node cluster (localhost, 2 CPUs) in a temporary folder, and stopped (their jobs cancelled,
+their processes killed, the folder removed) whatever happens.
+
+- `GPUS_PER_NODE=2 sbatch --nodes=1 --gpus-per-node=0 launch/slurm_mi300x.sbatch ...` trains a tiny Vim on CPU
+  (2 ranks, the deepspeed launcher, gloo) to the end: COMPLETED, exit code 0:0.
+- `scontrol requeue` while it trains: every process of the job gets SIGTERM, the ranks save ("stopping on SIGTERM
+  after step N ... saved"), SLURM queues the job again (same id, same arguments, SLURM_RESTART_COUNT=1), and
+  `--resume auto` continues to the same weights, Adam moments, EMA, scheduler and position as the uninterrupted job,
+  bit for bit.
+- The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
+  `--dependency=afternotok:JOBID` continues to the same end.
+- `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
+
+There is no slurmdbd here, so no `sacct` ("Slurm accounting storage is disabled"): a job's state and exit code are
+read from `scontrol show job` (kept MinJobAge = 600 s after the end) and from the jobcomp/filetxt log, which hold the
+same JobState and ExitCode fields sacct shows. The signals come from SLURM itself; `VIM_DS_INJECT=wait_for_signal@N`
+only makes the ranks wait at step N until it arrives, so the job is mid-training whenever SLURM gets to it.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from test_launch import clean_env, small_digits  # noqa: F401  (small_digits: a fixture used here)
+from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, step_losses
+
+pytestmark = pytest.mark.slow
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo")
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # the daemons are in sbin, which a user's PATH may lack
+STEPS = 5            # the uninterrupted job's length
+SIGNAL_STEP = 3      # interrupted jobs wait at this step for SLURM's signal
+CONF = """\
+ClusterName=vimds
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.sock
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobRequeue=1
+KillWait=60
+MinJobAge=600
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/log/jobcomp.txt
+MpiDefault=none
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _cannot_start() -> str:
+    """Why this machine cannot run the daemons ('' when it can)."""
+    if os.geteuid() != 0:
+        return "slurmd and slurmctld must run as root (this is not root)"
+    missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name, path=SYSTEM_PATH)]
+    if missing:
+        return f"SLURM/munge not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)"
+    return ""
+
+
+class Slurm:
+    """A one-node SLURM cluster whose every file is under `root`, its daemons children of this process."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.conf = os.path.join(root, "slurm.conf")
+        self.daemons: list[subprocess.Popen] = []
+
+    def start(self):
+        root = self.root
+        for sub in ("munge", "state", "spool", "log", "jobs"):
+            os.makedirs(os.path.join(root, sub))
+        os.chmod(root, 0o755)  # munged checks every folder above its socket
+        key = os.path.join(root, "munge", "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        try:
+            munge = pwd.getpwnam("munge")
+            os.chown(os.path.join(root, "munge"), munge.pw_uid, munge.pw_gid)
+            os.chown(key, munge.pw_uid, munge.pw_gid)
+            as_munge = dict(user=munge.pw_uid, group=munge.pw_gid, extra_groups=[])
+            force = []
+        except KeyError:  # no munge user: munged runs as root only when forced
+            as_munge, force = {}, ["--force"]
+        with open(self.conf, "w") as f:
+            f.write(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port()))
+        log = open(os.path.join(root, "log", "daemons.log"), "w")
+        munge_dir = os.path.join(root, "munge")
+        self._daemon(["munged", "--foreground", *force, f"--key-file={key}", f"--socket={munge_dir}/munge.sock",
+                      f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
+                      f"--seed-file={munge_dir}/munged.seed"], log, **as_munge)
+        self._wait_for(lambda: os.path.exists(f"{munge_dir}/munge.sock"), "munged's socket")
+        self._daemon(["slurmctld", "-D", "-i", "-f", self.conf], log)
+        self._daemon(["slurmd", "-D", "-N", "localhost", "-f", self.conf], log)
+        self._wait_for(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", check=False).stdout, "an idle node")
+
+    def _daemon(self, argv, log, **kw):
+        argv = [shutil.which(argv[0], path=SYSTEM_PATH), *argv[1:]]
+        self.daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), **kw))
+
+    def _wait_for(self, ready, what: str, timeout: float = 60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for d in self.daemons:
+                if d.poll() is not None:
+                    raise RuntimeError(f"{d.args[0]} exited ({d.returncode}) while waiting for {what}:\n"
+                                       + self.logs())
+            if ready():
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"no {what} after {timeout} s:\n" + self.logs())
+
+    def logs(self) -> str:
+        out = []
+        for name in ("log/daemons.log", "munge/munged.log", "log/slurmctld.log", "log/slurmd.log"):
+            path = os.path.join(self.root, name)
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out.append(f"== {name}\n" + f.read()[-3000:])
+        return "\n".join(out)
+
+    def env(self, **extra) -> dict:
+        """The test's environment for SLURM's commands and the jobs (sbatch exports it to them)."""
+        env = clean_env(**extra)
+        env["SLURM_CONF"] = self.conf
+        env["PYTHONPATH"] = ROOT + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def run(self, *argv, check: bool = True, **env) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=60)
+        if check:
+            assert proc.returncode == 0, f"{argv}: {proc.stdout}{proc.stderr}\n{self.logs()}"
+        return proc
+
+    def sbatch(self, batch: str, options: list[str], args: list[str], **env) -> str:
+        """Submit launch/BATCH from the repository as a user would; returns the job id."""
+        proc = self.run("sbatch", "--parsable", f"--output={self.root}/jobs/%j.out", "--open-mode=append",
+                        *options, os.path.join("launch", batch), *args, **env)
+        return proc.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict:
+        """`scontrol show job` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def output(self, job_id: str) -> str:
+        path = os.path.join(self.root, "jobs", f"{job_id}.out")
+        if not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            return f.read()
+
+    def wait(self, job_id: str, states: tuple[str, ...], timeout: float = 300) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            job = self.job(job_id)
+            if job["JobState"] in states:
+                return job
+            time.sleep(1)
+        pytest.fail(f"job {job_id} not {'/'.join(states)} after {timeout} s: {job}\n{self.output(job_id)[-4000:]}"
+                    f"\n{self.logs()}")
+
+    def jobcomp(self, job_id: str) -> list[dict]:
+        """The job's lines in the jobcomp/filetxt log: one per time it ended (a requeue ends it too)."""
+        path = os.path.join(self.root, "log", "jobcomp.txt")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            lines = [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in f]
+        return [line for line in lines if line.get("JobId") == job_id]
+
+    def job_processes(self) -> list[psutil.Process]:
+        """Processes of this cluster's jobs (they carry its SLURM_CONF in their environment)."""
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and p.environ().get("SLURM_CONF") == self.conf:
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    def stop(self):
+        """Cancel every job, then kill what is left of them and the daemons this object started."""
+        if self.daemons and all(d.poll() is None for d in self.daemons):
+            self.run("scancel", "--full", "--user=root", check=False)
+            deadline = time.time() + 30
+            while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
+                time.sleep(1)
+        for p in self.job_processes():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for d in reversed(self.daemons):
+            if d.poll() is None:
+                d.terminate()
+                try:
+                    d.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    d.kill()
+                    d.wait()
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _cannot_start()
+    if reason:
+        pytest.skip(reason)
+    root = tempfile.mkdtemp(prefix="vim_ds_slurm.")  # short: munged's socket path has a length limit
+    cluster = Slurm(root)
+    try:
+        try:
+            cluster.start()
+        except (OSError, RuntimeError) as e:
+            pytest.skip(f"the SLURM daemons did not start here: {str(e).splitlines()[0]}")
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def job_args(data, out) -> list[str]:
+    """2 ranks x micro batch 8, fp32, lr 2e-3, EMA 0.8: every part of the training state moves each step."""
+    return ["--deepspeed_config", config("zero2"), "--data-set", "folder", "--data-path", data, "--output_dir",
+            str(out), "--num_workers", "0", "--seed", "3", "--precision", "fp32", "--batch-size", "8",
+            "--max-steps", str(STEPS), "--lr", "2e-3", "--unscale-lr", "--warmup-epochs", "0",
+            "--model-ema-decay", "0.8", "--resume", "auto", *TINY, *QUIET_AUG]
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")
+ON_CPU = ["--nodes=1", "--gpus-per-node=0"]  # the scripts ask for 2 nodes of 8 GPUs; this cluster has 1 node, 0 GPUs
+
+
+def job_env(**extra) -> dict:
+    # a free port, not the scripts' 20000 + job id: other SLURM clusters on this machine count job ids from 1 too
+    return dict(GPUS_PER_NODE=2, MASTER_PORT=_free_port(), **extra)
+
+
+def wait_for_step(slurm: Slurm, job_id: str, out, step: int, timeout: float = 300):
+    """Until rank 0 has logged optimizer step `step` of the job (a job that ends before fails the test)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(os.path.join(out, "metrics.jsonl")) and step in step_losses(out):
+            return
+        state = slurm.job(job_id)["JobState"]
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, slurm.output(job_id)[-4000:])
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} logged no step {step} in {timeout} s:\n{slurm.output(job_id)[-4000:]}")
+
+
+def stopped_after(output: str) -> list[int]:
+    """The steps after which the job's ranks stopped on SIGTERM and saved (the trainer's own line)."""
+    steps = []
+    for line in output.splitlines():
+        if line.startswith("stopping on SIGTERM after step ") and " saved " in line:
+            steps.append(int(line.split("after step ")[1].split()[0]))
+    return steps
+
+
+def assert_nothing_left(slurm: Slurm, out, timeout: float = 15):
+    """No process of the job that trained into `out` is left (zombies nobody reaped yet do not count)."""
+    def left():
+        found = []
+        for p in slurm.job_processes():
+            try:
+                if str(out) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    deadline = time.time() + timeout
+    while left() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left(), [p.cmdline() for p in left()]
+
+
+BANNERS = {  # what each batch script says about the job first (GPUS_PER_NODE=2)
+    "slurm_mi300x.sbatch": "1 nodes (localhost) x 2 MI300X",
+    "slurm_mi250.sbatch": "1 nodes (localhost) x 2 MI250 GCDs",
+    "slurm_torchrun.sbatch": "1 nodes (localhost) x 2 GPUs, torchrun",
+}
+
+
+@pytest.fixture(scope="module")
+def straight_job(slurm, small_digits, tmp_path_factory):
+    """straight_job(batch) -> (job id, output dir) of the uninterrupted job of launch/BATCH, run on first use."""
+    done = {}
+
+    def get(batch: str):
+        if batch not in done:
+            out = tmp_path_factory.mktemp(f"straight_{batch.split('.')[0]}") / "run"
+            job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out), **job_env())
+            slurm.wait(job_id, ENDED)
+            done[batch] = job_id, out
+        return done[batch]
+
+    return get
+
+
+@pytest.mark.parametrize("batch", list(BANNERS))
+def test_sbatch_trains_to_the_end(slurm, straight_job, batch):
+    """The job trains its 2 CPU ranks to the last step, saves, and ends COMPLETED 0:0; every script gives the
+    same per-step losses (the same 2-rank arithmetic, whichever launcher starts the ranks)."""
+    job_id, out = straight_job(batch)
+    job = slurm.job(job_id)
+    output = slurm.output(job_id)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), (job, output[-4000:])
+    assert [(c["JobState"], c["ExitCode"]) for c in slurm.jobcomp(job_id)] == [("COMPLETED", "0:0")]
+    assert f"job {job_id}: {BANNERS[batch]}" in output
+    if "torchrun" not in batch:
+        assert "nnodes=1, num_local_procs=2, node_rank=0" in output  # the deepspeed launcher's line
+    assert "2 rank(s) on cpu" in output
+    assert sorted(step_losses(out)) == list(range(1, STEPS + 1))
+    assert os.path.isfile(out / "checkpoints" / f"global_step{STEPS}" / "vim_ds_complete.json")
+    assert_nothing_left(slurm, out)
+    if batch != "slurm_mi300x.sbatch":
+        assert step_losses(out) == step_losses(straight_job("slurm_mi300x.sbatch")[1])
+
+
+@pytest.mark.parametrize("batch", ["slurm_mi300x.sbatch", "slurm_torchrun.sbatch"])
+def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, straight_job, small_digits, tmp_path,
+                                                                     batch):
+    """`scontrol requeue` at step SIGNAL_STEP; the requeued job (released at once instead of SLURM's ~120 s
+    requeue delay) resumes from the checkpoint the ranks saved on SIGTERM and ends with the uninterrupted job's
+    training state, bit for bit (same ranks, same arithmetic)."""
+    out = tmp_path / "run"
+    job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out),
+                          **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
+    wait_for_step(slurm, job_id, out, SIGNAL_STEP - 1)
+    slurm.run("scontrol", "requeue", job_id)
+    job = slurm.wait(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=120)
+    if job["JobState"] == "PENDING":
+        slurm.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    job = slurm.wait(job_id, ENDED)
+    output = slurm.output(job_id)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), (job, output[-5000:])
+    # jobcomp logs each end of the job: the requeue (as the state it left the job in, PENDING), then the end
+    assert [c["JobState"] for c in slurm.jobcomp(job_id)] == ["PENDING", "COMPLETED"], slurm.jobcomp(job_id)
+    assert stopped_after(output) == [SIGNAL_STEP], output[-5000:]
+    assert "(requeued 1 times)" in output
+    assert f"at epoch 0, step {SIGNAL_STEP}" in output and "resumed " in output, output[-5000:]
+    straight_out = straight_job(batch)[1]
+    assert step_losses(out) == step_losses(straight_out)
+    assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
+    assert_nothing_left(slurm, out)
+
+
+def test_the_time_limit_signal_saves_and_an_afternotok_job_continues_to_the_end(slurm, straight_job, small_digits,
+                                                                              tmp_path):
+    """`--time=4 --signal=TERM@60` (the sbatch file's TERM@120, scaled down; SLURM may send it up to its 30 s check
+    period early: the jobs here ended 150-180 s after the start): the ranks, waiting at step SIGNAL_STEP (or, on a
+    machine so busy that their start-up took longer, at an earlier step), save and exit before the kill at the
+    limit (240 s); a job submitted with `--dependency=afternotok:<first>` starts because the first did not end
+    COMPLETED, resumes, and ends with the uninterrupted job's training state."""
+    out = tmp_path / "run"
+    first = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + ["--time=4", "--signal=TERM@60"],
+                         job_args(small_digits, out), **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
+    chained = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + [f"--dependency=afternotok:{first}"],
+                           job_args(small_digits, out), **job_env())
+    started = time.time()
+    job1 = slurm.wait(first, ENDED, timeout=400)
+    ended_after = time.time() - started
+    output1 = slurm.output(first)
+    print(f"first job: {job1['JobState']} {job1['ExitCode']} after {ended_after:.0f} s; "
+          f"{[line for line in output1.splitlines() if line.startswith('stopping on')]}")
+    # the ranks stopped on SIGTERM (143) well before the limit's kill: the job FAILED, it did not run into TIMEOUT
+    assert (job1["JobState"], job1["ExitCode"]) == ("FAILED", "143:0"), (job1, output1[-5000:])
+    assert ended_after < 235, ended_after
+    saved = stopped_after(output1)
+    assert len(saved) == 1 and 1 <= saved[0] <= SIGNAL_STEP, output1[-5000:]
+    assert os.path.isfile(out / "checkpoints" / f"global_step{saved[0]}" / "vim_ds_complete.json")
+
+    job2 = slurm.wait(chained, ENDED, timeout=300)
+    output2 = slurm.output(chained)
+    assert (job2["JobState"], job2["ExitCode"]) == ("COMPLETED", "0:0"), (job2, output2[-5000:])
+    assert f"at epoch 0, step {saved[0]}" in output2, output2[-5000:]
+    straight_out = straight_job("slurm_mi300x.sbatch")[1]
+    assert step_losses(out) == step_losses(straight_out)
+    assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
+    assert_nothing_left(slurm, out)
+
+
+def test_scancel_saves_a_checkpoint_and_the_job_ends_cancelled_not_requeued(slurm, small_digits, tmp_path):
+    """`scancel JOBID` while the job trains: SLURM sends SIGTERM to every process of the job (SIGKILL after
+    KillWait), the ranks save and stop, and the job ends CANCELLED, not queued again despite --requeue: continuing
+    is a new submission with `--resume auto`."""
+    out = tmp_path / "run"
+    job_id = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU, job_args(small_digits, out),
+                          **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
+    wait_for_step(slurm, job_id, out, SIGNAL_STEP - 1)
+    slurm.run("scancel", job_id)
+    job = slurm.wait(job_id, ENDED, timeout=120)
+    assert_nothing_left(slurm, out, timeout=90)
+    output = slurm.output(job_id)
+    assert (job["JobState"], job["Restarts"]) == ("CANCELLED", "0"), (job, output[-5000:])
+    assert stopped_after(output) == [SIGNAL_STEP], output[-5000:]
+    assert os.path.isfile(out / "checkpoints" / f"global_step{SIGNAL_STEP}" / "vim_ds_complete.json")
+    time.sleep(2)
+    assert slurm.job(job_id)["JobState"] == "CANCELLED"
