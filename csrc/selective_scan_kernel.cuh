@@ -136,7 +136,7 @@
 //       passed through vary() (an empty asm statement) at the top of the loop body: one v_cmp there, no mask
 //       kept (lane_slots, vary);
 //     * 64-bit element offsets (batch * dim * L, ...) and their products, one set per tensor: now one 64-bit
-//       base per tensor and block and 32-bit offsets inside it (row_base, bc_base, row_off; the launcher caps
+//       base per tensor and block and 32-bit offsets inside it (block_ptr, blk_off; the launcher caps
 //       seqlen at 8,388,607 so that they fit);
 //     * with kNPL > 1, k * G for each slot: G is the constant kSeg there (group_size);
 //     * the shared-memory arrays' 13 addresses and the addresses of the stores after the loop (workspace
@@ -412,21 +412,48 @@ struct ThreadMap {
   }
 };
 
-// Global-memory addressing: one 64-bit base per tensor and block, 32-bit offsets inside it. A block reads and
-// writes rows of length L: its cpb <= kThreads channel rows of u, delta, z, out, dout, du, ddelta, dz (starting at
-// row_base) and the N <= 256 state rows of B, C, dB, dC of its batch element (bc_base, or the dB/dC partials'
-// row). So an offset row * L + time is below kMaxRows * L, which the launcher keeps within int32 (check_args).
+// A pointer the compiler keeps in vector registers from here on (AMD; elsewhere the pointer unchanged). For the
+// addresses of the stores after the time loop: computed before the loop, they cost two VGPRs per lane there,
+// where the uniform values they are made of (workspace offsets, sizes) would hold scalar registers across it.
+// per_lane<false> leaves the pointer alone (for instances where vector registers are the scarcer kind).
+template <bool kMove = true, typename T>
+__device__ __forceinline__ T* per_lane(T* ptr) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  if (kMove) asm volatile("" : "+v"(ptr));
+#endif
+  return ptr;
+}
+
+// Global-memory addressing of a block's rows: its cpb <= kThreads channel rows of u, delta, z, out, dout, du,
+// ddelta, dz (starting at element row_base) and the N <= 256 state rows of B, C (bc_base of its batch element) or
+// of its dB, dC partials. An element is (start of the block's rows) + row_off(row, step), the latter below
+// kMaxRows * L, which the launcher keeps within int32 (check_args). AMD (kBlockBases): one 64-bit base per
+// tensor and block, computed once (block_ptr), plus the unsigned 32-bit offset, so that the compiler uses the
+// 32-bit offset form of global loads and stores (base in SGPRs, offset in one VGPR) and keeps no 64-bit offsets.
+// NVIDIA, forward: the kernel-parameter pointer (read from the constant bank, no register) plus a 64-bit offset,
+// which costs ptxas (13.0) fewer registers: scan_fwd<fp32,npl1> 64 / 60 / 72 on sm_80 / sm_90 / sm_100 instead
+// of 64 / 72 / 86 (the backward uses block bases on both vendors, see there).
 constexpr int kMaxRows = kThreads > 256 ? kThreads : 256;
+constexpr bool kBlockBases = SS_HIP;
 __device__ __forceinline__ int64_t row_base(const KernelParams& p, const ThreadMap& m) {
   return (int64_t(m.b) * p.dim + m.d0) * p.seqlen;
 }
 __device__ __forceinline__ int64_t bc_base(const KernelParams& p, int64_t row) {
   return row * p.dstate * p.seqlen;
 }
-// Offset of (row, scan step s) inside a block's rows; unsigned, so that the AMD compiler can use the 32-bit
-// offset form of global loads and stores (base in scalar registers, offset in one vector register).
+// Offset of (row, scan step s) inside a block's rows.
 __device__ __forceinline__ uint32_t row_off(const KernelParams& p, int row, int s) {
   return uint32_t(row) * uint32_t(p.seqlen) + uint32_t(p.time(s));
+}
+// The pointer to index with blk_off(start, ...): with kBases (AMD's default) ptr + start, where per_lane<kMove>
+// decides where it lives, else ptr itself.
+template <bool kMove = false, bool kBases = kBlockBases, typename T>
+__device__ __forceinline__ T* block_ptr(T* ptr, int64_t start) {
+  return kBases ? per_lane<kMove>(ptr + start) : ptr;
+}
+template <bool kBases = kBlockBases>
+__device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start, int row, int s) {
+  return kBases ? int64_t(row_off(p, row, s)) : start + int64_t(row) * p.seqlen + p.time(s);
 }
 
 // State slots of this lane: slot k holds state n = k*G + lane_g, which exists for k < slots (0 .. kNPL).
@@ -451,18 +478,6 @@ __device__ __forceinline__ void vary(int& v) {
 __device__ __forceinline__ int in_vgpr(int v) {
   vary(v);
   return v;
-}
-
-// A pointer the compiler keeps in vector registers from here on (AMD; elsewhere the pointer unchanged). For the
-// addresses of the stores after the time loop: computed before the loop, they cost two VGPRs per lane there,
-// where the uniform values they are made of (workspace offsets, sizes) would hold scalar registers across it.
-// per_lane<false> leaves the pointer alone (for instances where vector registers are the scarcer kind).
-template <bool kMove = true, typename T>
-__device__ __forceinline__ T* per_lane(T* ptr) {
-#if defined(__HIP_DEVICE_COMPILE__)
-  if (kMove) asm volatile("" : "+v"(ptr));
-#endif
-  return ptr;
 }
 
 // Where this thread's slot 0 of segment summary row (b, d, seg) of the workspace lies, for the arrays at offset
@@ -508,17 +523,17 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
-  // Block bases (64-bit, once) and 32-bit offsets inside them (see "Registers on AMD" at the top).
+  // The block's rows of each tensor (see block_ptr).
   const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
-  const input_t* __restrict__ u = static_cast<const input_t*>(p.u) + rows0;
-  const input_t* __restrict__ delta = static_cast<const input_t*>(p.delta) + rows0;
-  const input_t* __restrict__ Bg = static_cast<const input_t*>(p.B) + bc0;
-  const input_t* __restrict__ Cg = static_cast<const input_t*>(p.C) + bc0;
-  const input_t* __restrict__ z = p.z != nullptr ? static_cast<const input_t*>(p.z) + rows0 : nullptr;
+  const input_t* __restrict__ u = block_ptr(static_cast<const input_t*>(p.u), rows0);
+  const input_t* __restrict__ delta = block_ptr(static_cast<const input_t*>(p.delta), rows0);
+  const input_t* __restrict__ Bg = block_ptr(static_cast<const input_t*>(p.B), bc0);
+  const input_t* __restrict__ Cg = block_ptr(static_cast<const input_t*>(p.C), bc0);
+  const input_t* __restrict__ z = p.z != nullptr ? block_ptr(static_cast<const input_t*>(p.z), rows0) : nullptr;
   const acc_t* __restrict__ Ag = static_cast<const acc_t*>(p.A);
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
-  input_t* __restrict__ out = static_cast<input_t*>(p.out) + rows0;
+  input_t* __restrict__ out = block_ptr(static_cast<input_t*>(p.out), rows0);
   // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
   acc_t* __restrict__ saved_t = static_cast<acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
 
@@ -578,7 +593,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dv = acc_t(0);
       if (dd < p.dim && t < len) {
-        const uint32_t off = row_off(p, cl, t0 + t);
+        const int64_t off = blk_off(p, rows0, cl, t0 + t);
         uv = load_acc(u + off);
         dv = load_acc(delta + off);
         if (bias != nullptr) dv += bias[dd];
@@ -591,7 +606,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const uint32_t off = row_off(p, n, t0 + t);
+        const int64_t off = blk_off(p, bc0, n, t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -651,7 +666,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const uint32_t off = row_off(p, cl, t0 + t);
+        const int64_t off = blk_off(p, rows0, cl, t0 + t);
         acc_t y = y_s[t * cpb + cl];
         if (z != nullptr) {
           const acc_t zv = load_acc(z + off);
@@ -683,32 +698,38 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
-  // Block bases (64-bit, once) and 32-bit offsets inside them (see "Registers on AMD" at the top).
+  // The block's rows of each tensor (see block_ptr).
   const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
+  // Block bases on NVIDIA too: with 64-bit offsets there (the forward's way) ptxas 13.0 spilled 8 bytes in
+  // scan_bwd<fp64,npl8> on sm_90.
+  constexpr bool kBases = true;
   // kNPL = 1 (a runtime G) leaves fewer scalar registers free and more vector ones: u, delta, dout in VGPRs.
   constexpr bool kMoreVgprs = kNPL == 1;
-  const input_t* __restrict__ u = per_lane<kMoreVgprs>(static_cast<const input_t*>(p.u) + rows0);
-  const input_t* __restrict__ delta = per_lane<kMoreVgprs>(static_cast<const input_t*>(p.delta) + rows0);
-  const input_t* __restrict__ Bg = static_cast<const input_t*>(p.B) + bc0;
-  const input_t* __restrict__ Cg = static_cast<const input_t*>(p.C) + bc0;
-  const input_t* __restrict__ z = p.z != nullptr ? static_cast<const input_t*>(p.z) + rows0 : nullptr;
-  const input_t* __restrict__ dout = per_lane<kMoreVgprs>(static_cast<const input_t*>(p.dout) + rows0);
+  const input_t* __restrict__ u = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.u), rows0);
+  const input_t* __restrict__ delta = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.delta), rows0);
+  const input_t* __restrict__ Bg = block_ptr<false, kBases>(static_cast<const input_t*>(p.B), bc0);
+  const input_t* __restrict__ Cg = block_ptr<false, kBases>(static_cast<const input_t*>(p.C), bc0);
+  const input_t* __restrict__ z =
+      p.z != nullptr ? block_ptr<false, kBases>(static_cast<const input_t*>(p.z), rows0) : nullptr;
+  const input_t* __restrict__ dout = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.dout), rows0);
   const acc_t* __restrict__ Ag = static_cast<const acc_t*>(p.A);
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
   // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
   const acc_t* __restrict__ saved_t = static_cast<const acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
-  input_t* __restrict__ du = per_lane(static_cast<input_t*>(p.du) + rows0);
-  input_t* __restrict__ ddelta = per_lane(static_cast<input_t*>(p.ddelta) + rows0);
-  input_t* __restrict__ dz = p.dz != nullptr ? per_lane(static_cast<input_t*>(p.dz) + rows0) : nullptr;
+  input_t* __restrict__ du = block_ptr<true, kBases>(static_cast<input_t*>(p.du), rows0);
+  input_t* __restrict__ ddelta = block_ptr<true, kBases>(static_cast<input_t*>(p.ddelta), rows0);
+  input_t* __restrict__ dz = p.dz != nullptr ? block_ptr<true, kBases>(static_cast<input_t*>(p.dz), rows0) : nullptr;
   acc_t* __restrict__ ws = static_cast<acc_t*>(p.ws);
   const WsLayout w = ws_layout(p);
   // The block's sums of dB, dC over its channels: straight into dB, dC when one block holds all channels (then
   // [batch][1][N][L] is their layout), else into per-block partials that scan_reduce_kernel adds in order; this
   // block's rows of them start at row (b * blocks_per_batch + chb) * N.
   const int64_t part0 = bc_base(p, int64_t(m.b) * p.blocks_per_batch + m.chb);
-  acc_t* __restrict__ dB = (p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB)) + part0;
-  acc_t* __restrict__ dC = (p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC)) + part0;
+  acc_t* __restrict__ dB =
+      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB), part0);
+  acc_t* __restrict__ dC =
+      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
 
   // Shared memory layout (see bwd_smem_elems). The arrays' offsets go through in_vgpr: 12 uniform LDS addresses
   // held in scalar registers for the whole kernel were the largest use of them left (see "Registers on AMD" at
@@ -788,7 +809,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
       if (dd < p.dim && t < len) {
-        const uint32_t off = row_off(p, cl, t0 + t);
+        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
         uv = load_acc(u + off);
         acc_t raw = load_acc(delta + off);
         if (bias != nullptr) raw += bias[dd];
@@ -815,7 +836,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const uint32_t off = row_off(p, n, t0 + t);
+        const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -921,7 +942,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const uint32_t off = row_off(p, cl, t0 + t);
+        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
         const int s = t * cpb + cl;
         store_from_acc(du + off, du_o[s]);
         store_from_acc(ddelta + off, ddl_o[s]);
@@ -932,7 +953,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       if (t < len) {
-        const uint32_t off = row_off(p, n, t0 + t);
+        const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
           sb += dB_s[(j * T + t) * N + n];
