@@ -568,15 +568,15 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
   // last state (a; null when not asked for or not the last segment).
   const auto out_addrs = [&]() {
-    OutAddrs<acc_t> o{nullptr, nullptr, nullptr};
+    OutAddrs<acc_t> r{nullptr, nullptr, nullptr};
     if (local) {
       const WsLayout w = ws_layout(p);
-      o.a = seg_slot<acc_t>(p, m, w.seg_v);
-      o.b = seg_slot<acc_t>(p, m, w.seg_P);
+      r.a = seg_slot<acc_t>(p, m, w.seg_v);
+      r.b = seg_slot<acc_t>(p, m, w.seg_P);
     } else if (p.last_state != nullptr && m.seg == p.n_seg - 1) {
-      o.a = per_lane(static_cast<acc_t*>(p.last_state) + m.bd * N + m.lane_g);
+      r.a = per_lane(static_cast<acc_t*>(p.last_state) + m.bd * N + m.lane_g);
     }
-    return o;
+    return r;
   };
   OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
   if (kEarlyAddresses) tail = out_addrs();
@@ -786,11 +786,11 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   const auto out_addrs = [&]() {
     const WsLayout wl = ws_layout(p);
     acc_t* wsp = static_cast<acc_t*>(p.ws);
-    OutAddrs<acc_t> o;
-    o.a = seg_slot<acc_t>(p, m, carries_only ? wl.seg_v : wl.dA_p);
-    o.b = carries_only ? seg_slot<acc_t>(p, m, wl.seg_P) : per_lane(wsp + wl.dD_p + m.bd * p.n_seg + m.seg);
-    o.c = per_lane(wsp + wl.dbias_p + m.bd * p.n_seg + m.seg);
-    return o;
+    OutAddrs<acc_t> r;
+    r.a = seg_slot<acc_t>(p, m, carries_only ? wl.seg_v : wl.dA_p);
+    r.b = carries_only ? seg_slot<acc_t>(p, m, wl.seg_P) : per_lane(wsp + wl.dD_p + m.bd * p.n_seg + m.seg);
+    r.c = per_lane(wsp + wl.dbias_p + m.bd * p.n_seg + m.seg);
+    return r;
   };
   OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
   if (kEarlyAddresses) tail = out_addrs();
