@@ -47,6 +47,8 @@ const char* check_args(const ScanArgs& a) {
   if (a.batch < 0 || a.dim < 0) return "selective_scan: negative batch or dim";
   const int64_t kIntMax = 2147483647;
   if (a.batch > kIntMax || a.dim > kIntMax || a.seqlen > kIntMax) return "selective_scan: size too large";
+  // The kernels address a block's rows with 32-bit offsets (row * seqlen + time, row < ssk::kMaxRows).
+  if (a.seqlen > kIntMax / ssk::kMaxRows) return "selective_scan: seqlen too large (at most 8,388,607)";
   return nullptr;
 }
 

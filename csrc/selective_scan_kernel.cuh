@@ -120,14 +120,33 @@
 //   compilers' register counts and the launcher's shared memory (formulas and sources of the limits there).
 //   Measured (nvcc 13.0; gfx90a: hipcc 5.2 / clang 15; gfx942: clang 19.1.7; docs/selective-scan.md has the
 //   table): backward 18.75% on sm_80 (3 blocks per SM, shared memory), 25% on sm_90 and sm_100 (4 blocks),
-//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-56% on NVIDIA, 37.5-87.5% on AMD.
+//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-50% on NVIDIA, 37.5-87.5% on AMD.
 //   Exempt from the floor: scan_bwd<fp64,npl8> on gfx90a gfx942. For d_state 256 its shared memory at the
 //   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
 //   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
-//   Spills: none to memory on any target (the check fails on one). On AMD the scan kernels keep more uniform
-//   values (KernelParams' pointers and sizes, 64-bit offsets) than the 102 SGPRs a wavefront addresses, and the
-//   compiler parks the rest in VGPR lanes (v_writelane / v_readlane): no memory traffic (0 bytes of scratch),
-//   a few instructions each, already counted in the VGPRs. The report shows them (sgpr_spills=N) without failing.
+//   Spills: none on any target, to memory or (AMD) of SGPRs into VGPR lanes; the check fails on either.
+//
+// Registers on AMD. A value the same for the whole wavefront (pointers, sizes, offsets, loop bounds, and the
+//   64-bit lane masks of per-lane conditions) lives in scalar registers, of which a wavefront addresses 102
+//   (gfx90a, gfx942). The compiler hoists every loop-invariant one out of the chunk and time loops, and the
+//   kernels used to hold more than that across them, so it parked 2-173 per instance in VGPR lanes
+//   (v_writelane / v_readlane). What held them, largest first, and what replaced it:
+//     * per state slot k, the lane masks of "slot k exists" (and of "this lane stores dB/dC for slot k"):
+//       two SGPRs per slot and condition, 32 for kNPL = 8. Now each test is `k < v` against a per-lane count
+//       passed through vary() (an empty asm statement) at the top of the loop body: one v_cmp there, no mask
+//       kept (lane_slots, vary);
+//     * 64-bit element offsets (batch * dim * L, ...) and their products, one set per tensor: now one 64-bit
+//       base per tensor and block and 32-bit offsets inside it (block_ptr, blk_off; the launcher caps
+//       seqlen at 8,388,607 so that they fit);
+//     * with kNPL > 1, k * G for each slot: G is the constant kSeg there (group_size);
+//     * the shared-memory arrays' 13 addresses and the addresses of the stores after the loop (workspace
+//       offsets): now per-lane values in VGPRs, made so on purpose (in_vgpr, per_lane, kEarlyAddresses), and for
+//       kNPL = 1, whose G is not a constant, also the u, delta, dout row pointers of the backward. That costs
+//       VGPRs the backward has to spare (its occupancy is set by LDS, one wavefront per SIMD) and the forward
+//       little (tools/compile_check.sh reports both; docs/selective-scan.md has the table).
+//   These helpers do nothing on NVIDIA, where a predicate is one bit and kernel parameters are read from the
+//   constant bank. The float64 instances stay closest to the limit (up to 105 of 106 SGPRs on gfx942): ocml's
+//   double exp and log1p alone hold about 25 constants.
 // ---------------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -361,6 +380,15 @@ __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int gro
          int64_t(2 + 2 * (kThreads / kSeg)) * chunk * dstate;
 }
 
+// G, the lanes per channel. More than one state per lane only when d_state > kSeg, and then the group is kSeg
+// lanes (make_layout): on AMD a constant there, so that every k * G is an immediate instead of one more uniform
+// value in a scalar register. NVIDIA keeps the runtime value: with the constant, ptxas (13.0) unrolled more and
+// spilled 24 bytes in scan_bwd<fp64,npl8> on sm_100, and registers are not what is short there.
+template <int kNPL>
+__host__ __device__ __forceinline__ int group_size(const KernelParams& p) {
+  return (SS_HIP && kNPL > 1) ? kSeg : p.group;
+}
+
 // Which (batch, channel, lane) a thread works on.
 // Block index = (b * blocks_per_batch + chb) * n_seg + seg.
 struct ThreadMap {
@@ -384,19 +412,103 @@ struct ThreadMap {
   }
 };
 
+// A pointer the compiler keeps in vector registers from here on (AMD; elsewhere the pointer unchanged). For the
+// addresses of the stores after the time loop: computed before the loop, they cost two VGPRs per lane there,
+// where the uniform values they are made of (workspace offsets, sizes) would hold scalar registers across it.
+// per_lane<false> leaves the pointer alone (for instances where vector registers are the scarcer kind).
+template <bool kMove = true, typename T>
+__device__ __forceinline__ T* per_lane(T* ptr) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  if (kMove) asm volatile("" : "+v"(ptr));
+#endif
+  return ptr;
+}
+
+// Global-memory addressing of a block's rows: its cpb <= kThreads channel rows of u, delta, z, out, dout, du,
+// ddelta, dz (starting at element row_base) and the N <= 256 state rows of B, C (bc_base of its batch element) or
+// of its dB, dC partials. An element is (start of the block's rows) + row_off(row, step), the latter below
+// kMaxRows * L, which the launcher keeps within int32 (check_args). AMD (kBlockBases): one 64-bit base per
+// tensor and block, computed once (block_ptr), plus the unsigned 32-bit offset, so that the compiler uses the
+// 32-bit offset form of global loads and stores (base in SGPRs, offset in one VGPR) and keeps no 64-bit offsets.
+// NVIDIA, forward: the kernel-parameter pointer (read from the constant bank, no register) plus a 64-bit offset,
+// which costs ptxas (13.0) fewer registers: scan_fwd<fp32,npl1> 64 / 60 / 72 on sm_80 / sm_90 / sm_100 instead
+// of 64 / 72 / 86 (the backward uses block bases on both vendors, see there).
+constexpr int kMaxRows = kThreads > 256 ? kThreads : 256;
+constexpr bool kBlockBases = SS_HIP;
+__device__ __forceinline__ int64_t row_base(const KernelParams& p, const ThreadMap& m) {
+  return (int64_t(m.b) * p.dim + m.d0) * p.seqlen;
+}
+__device__ __forceinline__ int64_t bc_base(const KernelParams& p, int64_t row) {
+  return row * p.dstate * p.seqlen;
+}
+// Offset of (row, scan step s) inside a block's rows.
+__device__ __forceinline__ uint32_t row_off(const KernelParams& p, int row, int s) {
+  return uint32_t(row) * uint32_t(p.seqlen) + uint32_t(p.time(s));
+}
+// The pointer to index with blk_off(start, ...): with kBases (AMD's default) ptr + start, where per_lane<kMove>
+// decides where it lives, else ptr itself.
+template <bool kMove = false, bool kBases = kBlockBases, typename T>
+__device__ __forceinline__ T* block_ptr(T* ptr, int64_t start) {
+  return kBases ? per_lane<kMove>(ptr + start) : ptr;
+}
+template <bool kBases = kBlockBases>
+__device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start, int row, int s) {
+  return kBases ? int64_t(row_off(p, row, s)) : start + int64_t(row) * p.seqlen + p.time(s);
+}
+
+// State slots of this lane: slot k holds state n = k*G + lane_g, which exists for k < slots (0 .. kNPL).
+__device__ __forceinline__ int lane_slots(const KernelParams& p, const ThreadMap& m) {
+  return (p.dstate - m.lane_g + p.group - 1) / p.group;  // lane_g < G and N >= 1: never negative
+}
+
+// Per-lane conditions inside the time loops ("slot k exists": k < slots) are tested as `k < v` on a value v
+// passed through vary() at the top of the loop body. AMD: vary() is an empty asm statement (no instruction)
+// that tells the compiler v may change there, so each test stays one v_cmp inside the loop instead of being
+// hoisted out of it as a 64-bit lane mask held in two scalar registers for the whole loop (two per slot and
+// condition: for kNPL = 8 that alone was 32 SGPRs; see "Registers on AMD" at the top). NVIDIA: nothing.
+__device__ __forceinline__ void vary(int& v) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  asm volatile("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+// The same for a value (an offset): in_vgpr(v) is v, kept in a vector register from here on (AMD).
+__device__ __forceinline__ int in_vgpr(int v) {
+  vary(v);
+  return v;
+}
+
+// Where this thread's slot 0 of segment summary row (b, d, seg) of the workspace lies, for the arrays at offset
+// `which` (seg_v, seg_P, dA_p: [BD][S][N]); slot k at [k * G].
+template <typename acc_t>
+__device__ __forceinline__ acc_t* seg_slot(const KernelParams& p, const ThreadMap& m, int64_t which) {
+  return per_lane(static_cast<acc_t*>(p.ws) + which + (m.bd * p.n_seg + m.seg) * p.dstate + m.lane_g);
+}
+
+// The addresses of the stores that follow a kernel's time loop (segment summaries, last state, parameter
+// gradients). AMD: computed before the loop (kEarlyAddresses) through per_lane, so that what they are made of
+// does not stay in scalar registers across the loop. NVIDIA: computed after it, where they need no registers
+// during the loop (before it they cost ptxas two registers each there, and one instance a spill).
+constexpr bool kEarlyAddresses = SS_HIP;
+template <typename acc_t>
+struct OutAddrs {
+  acc_t* a;
+  acc_t* b;
+  acc_t* c;
+};
+
 // A segment's summary for the combine step: its end value v (forward: state from a zero start; backward: adjoint
-// carry) and its decay product P, per state slot this thread owns.
+// carry) and its decay product P, per state slot this thread owns, at v_out / P_out (seg_slot).
 template <typename acc_t, int kNPL>
-__device__ inline void store_segment_summary(const KernelParams& p, const ThreadMap& m, const bool (&n_ok)[kNPL],
-                                             const acc_t (&v)[kNPL], const acc_t (&P)[kNPL]) {
-  acc_t* ws = static_cast<acc_t*>(p.ws);
-  const WsLayout w = ws_layout(p);
+__device__ inline void store_segment_summary(int G, int ok_slots, acc_t* v_out, acc_t* P_out, const acc_t (&v)[kNPL],
+                                             const acc_t (&P)[kNPL]) {
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
-    if (n_ok[k]) {
-      const int64_t i = (m.bd * p.n_seg + m.seg) * p.dstate + k * p.group + m.lane_g;
-      ws[w.seg_v + i] = v[k];
-      ws[w.seg_P + i] = P[k];
+    if (k < ok_slots) {
+      v_out[k * G] = v[k];
+      P_out[k * G] = P[k];
     }
   }
 }
@@ -406,54 +518,73 @@ __device__ inline void store_segment_summary(const KernelParams& p, const Thread
 template <typename input_t, int kNPL>
 __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
-  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = p.group;
+  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
-  const input_t* __restrict__ u = static_cast<const input_t*>(p.u);
-  const input_t* __restrict__ delta = static_cast<const input_t*>(p.delta);
-  const input_t* __restrict__ Bg = static_cast<const input_t*>(p.B);
-  const input_t* __restrict__ Cg = static_cast<const input_t*>(p.C);
-  const input_t* __restrict__ z = static_cast<const input_t*>(p.z);
+  // The block's rows of each tensor (see block_ptr).
+  const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
+  const input_t* __restrict__ u = block_ptr(static_cast<const input_t*>(p.u), rows0);
+  const input_t* __restrict__ delta = block_ptr(static_cast<const input_t*>(p.delta), rows0);
+  const input_t* __restrict__ Bg = block_ptr(static_cast<const input_t*>(p.B), bc0);
+  const input_t* __restrict__ Cg = block_ptr(static_cast<const input_t*>(p.C), bc0);
+  const input_t* __restrict__ z = p.z != nullptr ? block_ptr(static_cast<const input_t*>(p.z), rows0) : nullptr;
   const acc_t* __restrict__ Ag = static_cast<const acc_t*>(p.A);
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
-  input_t* __restrict__ out = static_cast<input_t*>(p.out);
-  acc_t* __restrict__ saved = static_cast<acc_t*>(p.saved);
+  input_t* __restrict__ out = block_ptr(static_cast<input_t*>(p.out), rows0);
+  // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
+  acc_t* __restrict__ saved_t = static_cast<acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
 
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
   // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast).
+  // The arrays' offsets go through in_vgpr, as in the backward.
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  acc_t* u_s = smem;            // [T][cpb]
-  acc_t* dl_s = u_s + T * cpb;  // [T][cpb]  delta after bias and softplus
-  acc_t* y_s = dl_s + T * cpb;  // [T][cpb]  y before gating
-  acc_t* B_s = y_s + T * cpb;   // [T][N]
-  acc_t* C_s = B_s + T * N;     // [T][N]
+  acc_t* u_s = smem;                                   // [T][cpb]
+  acc_t* dl_s = smem + in_vgpr(T * cpb);               // [T][cpb]  delta after bias and softplus
+  acc_t* y_s = smem + in_vgpr(2 * T * cpb);            // [T][cpb]  y before gating
+  acc_t* B_s = smem + in_vgpr(3 * T * cpb);            // [T][N]
+  acc_t* C_s = smem + in_vgpr(3 * T * cpb + T * N);    // [T][N]
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
   // the workspace (the last segment's are never needed). Pass 1: the segment from its true start state (zero for
   // segment 0, else the checkpoint the combine kernel stored), writing out and the checkpoints inside the segment.
   const bool local = p.pass == 0;
   if (local && m.seg == p.n_seg - 1) return;  // the whole block leaves: no barrier is skipped by some threads only
-  const int64_t n_ckpt = p.n_chunks - 1;
 
   // This lane's states: n = k*G + lane_g.
   acc_t A[kNPL], h[kNPL], P[kNPL];
-  bool n_ok[kNPL];
+  int ok = m.ch_ok ? lane_slots(p, m) : 0;  // slot k holds a real state iff k < ok (see vary)
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
-    n_ok[k] = m.ch_ok && n < N;
-    A[k] = n_ok[k] ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    h[k] = (!local && m.seg > 0 && n_ok[k]) ? saved[(m.bd * n_ckpt + (m.c_begin - 1)) * N + n] : acc_t(0);
+    A[k] = k < ok ? Ag[int64_t(m.d) * N + n] : acc_t(0);
+    h[k] = (!local && m.seg > 0 && k < ok) ? saved_t[(m.c_begin - 1) * N + k * G] : acc_t(0);
     P[k] = acc_t(1);
   }
   const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
 
+  // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
+  // last state (a; null when not asked for or not the last segment).
+  const auto out_addrs = [&]() {
+    OutAddrs<acc_t> r{nullptr, nullptr, nullptr};
+    if (local) {
+      const WsLayout w = ws_layout(p);
+      r.a = seg_slot<acc_t>(p, m, w.seg_v);
+      r.b = seg_slot<acc_t>(p, m, w.seg_P);
+    } else if (p.last_state != nullptr && m.seg == p.n_seg - 1) {
+      r.a = per_lane(static_cast<acc_t*>(p.last_state) + m.bd * N + m.lane_g);
+    }
+    return r;
+  };
+  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
+  if (kEarlyAddresses) tail = out_addrs();
+
   for (int c = m.c_begin; c < m.c_end; ++c) {
     const int t0 = c * T;
     const int len = min(T, L - t0);
+    vary(ok);
 
     __syncthreads();  // everybody is done with the previous chunk (cheap: once per chunk)
 
@@ -462,7 +593,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dv = acc_t(0);
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
+        const int64_t off = blk_off(p, rows0, cl, t0 + t);
         uv = load_acc(u + off);
         dv = load_acc(delta + off);
         if (bias != nullptr) dv += bias[dd];
@@ -475,7 +606,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
+        const int64_t off = blk_off(p, bc0, n, t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -486,11 +617,12 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 
     if (local) {  // no sums over n, no shuffles: every lane runs its own states
       for (int t = 0; t < len; ++t) {
+        vary(ok);
         const acc_t dl = dl_s[t * cpb + m.c_local];
         const acc_t dlu = dl * u_s[t * cpb + m.c_local];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
-          if (n_ok[k]) {
+          if (k < ok) {
             const acc_t a = ss_exp(dl * A[k]);
             h[k] = a * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
             P[k] *= a;
@@ -503,13 +635,14 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     // The recurrence. Every lane runs every step (the shuffles need all lanes); lanes without a valid state
     // contribute 0.
     for (int t = 0; t < len; ++t) {
+      vary(ok);
       const acc_t dl = dl_s[t * cpb + m.c_local];
       const acc_t uv = u_s[t * cpb + m.c_local];
       const acc_t dlu = dl * uv;
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        if (n_ok[k]) {
+        if (k < ok) {
           const int n = k * G + m.lane_g;
           h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * N + n];
           y += h[k] * C_s[t * N + n];
@@ -524,7 +657,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     if (c + 1 < m.c_end) {
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        if (n_ok[k]) saved[(m.bd * n_ckpt + c) * N + k * G + m.lane_g] = h[k];
+        if (k < ok) saved_t[c * N + k * G] = h[k];
       }
     }
     __syncthreads();  // y_s complete
@@ -533,7 +666,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
+        const int64_t off = blk_off(p, rows0, cl, t0 + t);
         acc_t y = y_s[t * cpb + cl];
         if (z != nullptr) {
           const acc_t zv = load_acc(z + off);
@@ -544,13 +677,13 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     }
   }
 
+  if (!kEarlyAddresses) tail = out_addrs();
   if (local) {
-    store_segment_summary<acc_t, kNPL>(p, m, n_ok, h, P);
-  } else if (p.last_state != nullptr && m.seg == p.n_seg - 1) {  // h is now the state after the last scan step
-    acc_t* __restrict__ last = static_cast<acc_t*>(p.last_state);
+    store_segment_summary<acc_t, kNPL>(G, ok, tail.a, tail.b, h, P);
+  } else if (tail.a != nullptr) {  // h is now the state after the last scan step
 #pragma unroll
     for (int k = 0; k < kNPL; ++k) {
-      if (n_ok[k]) last[m.bd * N + k * G + m.lane_g] = h[k];
+      if (k < ok) tail.a[k * G] = h[k];
     }
   }
 }
@@ -560,49 +693,64 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 template <typename input_t, int kNPL>
 __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
-  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = p.group;
+  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
-  const input_t* __restrict__ u = static_cast<const input_t*>(p.u);
-  const input_t* __restrict__ delta = static_cast<const input_t*>(p.delta);
-  const input_t* __restrict__ Bg = static_cast<const input_t*>(p.B);
-  const input_t* __restrict__ Cg = static_cast<const input_t*>(p.C);
-  const input_t* __restrict__ z = static_cast<const input_t*>(p.z);
-  const input_t* __restrict__ dout = static_cast<const input_t*>(p.dout);
+  // The block's rows of each tensor (see block_ptr).
+  const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
+  // Block bases on NVIDIA too: with 64-bit offsets there (the forward's way) ptxas 13.0 spilled 8 bytes in
+  // scan_bwd<fp64,npl8> on sm_90.
+  constexpr bool kBases = true;
+  // kNPL = 1 (a runtime G) leaves fewer scalar registers free and more vector ones: u, delta, dout in VGPRs.
+  constexpr bool kMoreVgprs = kNPL == 1;
+  const input_t* __restrict__ u = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.u), rows0);
+  const input_t* __restrict__ delta = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.delta), rows0);
+  const input_t* __restrict__ Bg = block_ptr<false, kBases>(static_cast<const input_t*>(p.B), bc0);
+  const input_t* __restrict__ Cg = block_ptr<false, kBases>(static_cast<const input_t*>(p.C), bc0);
+  const input_t* __restrict__ z =
+      p.z != nullptr ? block_ptr<false, kBases>(static_cast<const input_t*>(p.z), rows0) : nullptr;
+  const input_t* __restrict__ dout = block_ptr<kMoreVgprs, kBases>(static_cast<const input_t*>(p.dout), rows0);
   const acc_t* __restrict__ Ag = static_cast<const acc_t*>(p.A);
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
-  const acc_t* __restrict__ saved = static_cast<const acc_t*>(p.saved);
-  input_t* __restrict__ du = static_cast<input_t*>(p.du);
-  input_t* __restrict__ ddelta = static_cast<input_t*>(p.ddelta);
-  input_t* __restrict__ dz = static_cast<input_t*>(p.dz);
+  // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
+  const acc_t* __restrict__ saved_t = static_cast<const acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
+  input_t* __restrict__ du = block_ptr<true, kBases>(static_cast<input_t*>(p.du), rows0);
+  input_t* __restrict__ ddelta = block_ptr<true, kBases>(static_cast<input_t*>(p.ddelta), rows0);
+  input_t* __restrict__ dz = p.dz != nullptr ? block_ptr<true, kBases>(static_cast<input_t*>(p.dz), rows0) : nullptr;
   acc_t* __restrict__ ws = static_cast<acc_t*>(p.ws);
   const WsLayout w = ws_layout(p);
   // The block's sums of dB, dC over its channels: straight into dB, dC when one block holds all channels (then
-  // [batch][1][N][L] is their layout), else into per-block partials that scan_reduce_kernel adds in order.
-  acc_t* __restrict__ dB = p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB);
-  acc_t* __restrict__ dC = p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC);
-  const int64_t part_row = int64_t(m.b) * p.blocks_per_batch + m.chb;  // row block of dB/dC partials
+  // [batch][1][N][L] is their layout), else into per-block partials that scan_reduce_kernel adds in order; this
+  // block's rows of them start at row (b * blocks_per_batch + chb) * N.
+  const int64_t part0 = bc_base(p, int64_t(m.b) * p.blocks_per_batch + m.chb);
+  acc_t* __restrict__ dB =
+      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB), part0);
+  acc_t* __restrict__ dC =
+      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
 
-  // Shared memory layout (see bwd_smem_elems).
+  // Shared memory layout (see bwd_smem_elems). The arrays' offsets go through in_vgpr: 12 uniform LDS addresses
+  // held in scalar registers for the whole kernel were the largest use of them left (see "Registers on AMD" at
+  // the top).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
+  constexpr int kSegs = kThreads / kSeg;   // 32-lane segments per block
+  const int TC = T * cpb, TN = T * N, o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  acc_t* hist = smem;                         // [T+1][kSlots]: hist[j] = state after step t0+j-1
-  acc_t* u_s = hist + (T + 1) * kSlots;       // [T][cpb]
-  acc_t* dl_s = u_s + T * cpb;                // [T][cpb]  delta after bias and softplus
-  acc_t* dsp_s = dl_s + T * cpb;              // [T][cpb]  d dl / d(delta+bias)
-  acc_t* dy_s = dsp_s + T * cpb;              // [T][cpb]  dL/dy = dout * silu(z)
-  acc_t* gz_s = dy_s + T * cpb;               // [T][cpb]  dout * silu'(z), so dz = y * gz
-  acc_t* du_o = gz_s + T * cpb;               // [T][cpb]  outputs, stored after the chunk
-  acc_t* ddl_o = du_o + T * cpb;              // [T][cpb]
-  acc_t* dz_o = ddl_o + T * cpb;              // [T][cpb]
-  acc_t* B_s = dz_o + T * cpb;                // [T][N]
-  acc_t* C_s = B_s + T * N;                   // [T][N]
-  constexpr int kSegs = kThreads / kSeg;      // 32-lane segments per block
-  acc_t* dB_s = C_s + T * N;                  // [kSegs][T][N]  each 32-lane segment's sum over its channels
-  acc_t* dC_s = dB_s + kSegs * T * N;         // [kSegs][T][N]
+  acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
+  acc_t* u_s = smem + in_vgpr(o);                            // [T][cpb]
+  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][cpb]  delta after bias and softplus
+  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][cpb]  d dl / d(delta+bias)
+  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][cpb]  dL/dy = dout * silu(z)
+  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][cpb]  dout * silu'(z), so dz = y * gz
+  acc_t* du_o = smem + in_vgpr(o + 5 * TC);                  // [T][cpb]  outputs, stored after the chunk
+  acc_t* ddl_o = smem + in_vgpr(o + 6 * TC);                 // [T][cpb]
+  acc_t* dz_o = smem + in_vgpr(o + 7 * TC);                  // [T][cpb]
+  acc_t* B_s = smem + in_vgpr(o + 8 * TC);                   // [T][N]
+  acc_t* C_s = smem + in_vgpr(o + 8 * TC + TN);              // [T][N]
+  acc_t* dB_s = smem + in_vgpr(o + 8 * TC + 2 * TN);         // [kSegs][T][N]  each 32-lane segment's sum over
+  acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels
   const int wseg = tid / kSeg;
 
   // Pass 0 (only when n_seg > 1): the adjoint carry leaving the segment at its first step, from a zero carry-in,
@@ -612,28 +760,45 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   if (carries_only && m.seg == 0) return;  // whole block
 
   acc_t A[kNPL], carry[kNPL], dA_acc[kNPL], P[kNPL];
-  bool n_ok[kNPL];
+  // Slot k holds a state iff k < slots, a real one (its channel exists) iff k < ok (see vary).
+  const int slots = lane_slots(p, m);
+  int ok = m.ch_ok ? slots : 0;
   const bool last_seg = m.seg == p.n_seg - 1;
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
-    n_ok[k] = m.ch_ok && n < N;
-    A[k] = n_ok[k] ? Ag[int64_t(m.d) * N + n] : acc_t(0);
+    A[k] = k < ok ? Ag[int64_t(m.d) * N + n] : acc_t(0);
     // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}; into the segment's last step it is
     // what the combine kernel stored for the next segment
-    carry[k] = (!carries_only && !last_seg && n_ok[k]) ? ws[w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + n]
+    carry[k] = (!carries_only && !last_seg && k < ok) ? ws[w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + n]
                                                        : acc_t(0);
     dA_acc[k] = acc_t(0);
     P[k] = acc_t(1);
   }
   const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
   acc_t dD_acc = acc_t(0), dbias_acc = acc_t(0);  // meaningful on lane_g == 0
-  const int64_t n_ckpt = p.n_chunks - 1;
-  const bool seg_leader = (tid % kSeg) < G;  // first group of its 32-lane segment
+  // The first group of each 32-lane segment stores the segment's dB, dC sums: slots k < lead of this lane.
+  int lead = (tid % kSeg) < G ? slots : 0;
+  int lane_g = m.lane_g;  // a copy that vary() may touch
+
+  // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
+  // segment's sums of dA ([BD][S][N]), dD and ddelta_bias ([BD][S]).
+  const auto out_addrs = [&]() {
+    const WsLayout wl = ws_layout(p);
+    acc_t* wsp = static_cast<acc_t*>(p.ws);
+    OutAddrs<acc_t> r;
+    r.a = seg_slot<acc_t>(p, m, carries_only ? wl.seg_v : wl.dA_p);
+    r.b = carries_only ? seg_slot<acc_t>(p, m, wl.seg_P) : per_lane(wsp + wl.dD_p + m.bd * p.n_seg + m.seg);
+    r.c = per_lane(wsp + wl.dbias_p + m.bd * p.n_seg + m.seg);
+    return r;
+  };
+  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
+  if (kEarlyAddresses) tail = out_addrs();
 
   for (int c = m.c_end - 1; c >= m.c_begin; --c) {
     const int t0 = c * T;
     const int len = min(T, L - t0);
+    vary(ok);
 
     // The previous (later) chunk's epilogue must be done with the shared arrays before they are restaged. (Today
     // each thread would only overwrite dB_s / dC_s entries it read itself, but the phases stay independent.)
@@ -644,7 +809,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
+        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
         uv = load_acc(u + off);
         acc_t raw = load_acc(delta + off);
         if (bias != nullptr) raw += bias[dd];
@@ -671,7 +836,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
       if (t < len) {
-        const int64_t off = (int64_t(m.b) * N + n) * L + p.time(t0 + t);
+        const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
@@ -682,11 +847,12 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
 
     if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
       for (int t = len - 1; t >= 0; --t) {
+        vary(ok);
         const int s = t * cpb + m.c_local;
         const acc_t dl = dl_s[s], dy = dy_s[s];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
-          if (n_ok[k]) {
+          if (k < ok) {
             const acc_t a = ss_exp(dl * A[k]);
             carry[k] = a * (carry[k] + C_s[t * N + k * G + m.lane_g] * dy);
             P[k] *= a;
@@ -702,15 +868,16 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       acc_t h[kNPL];
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        h[k] = (c > 0 && n_ok[k]) ? saved[(m.bd * n_ckpt + (c - 1)) * N + k * G + m.lane_g] : acc_t(0);
+        h[k] = (c > 0 && k < ok) ? saved_t[(c - 1) * N + k * G] : acc_t(0);
         hist[k * kThreads + tid] = h[k];
       }
       for (int t = 0; t < len; ++t) {
+        vary(ok);
         const acc_t dl = dl_s[t * cpb + m.c_local];
         const acc_t dlu = dl * u_s[t * cpb + m.c_local];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
-          if (n_ok[k]) h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
+          if (k < ok) h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
           hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
         }
       }
@@ -718,6 +885,9 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
 
     // ---- 3. reverse recurrence over the chunk
     for (int t = len - 1; t >= 0; --t) {
+      vary(ok);
+      vary(lead);
+      vary(lane_g);
       const int s = t * cpb + m.c_local;
       const acc_t dl = dl_s[s];
       const acc_t uv = u_s[s];
@@ -727,7 +897,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       for (int k = 0; k < kNPL; ++k) {
         const int n = k * G + m.lane_g;
         acc_t dB_v = acc_t(0), dC_v = acc_t(0);
-        if (n_ok[k]) {
+        if (k < ok) {
           const acc_t Bv = B_s[t * N + n];
           const acc_t Cv = C_s[t * N + n];
           const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
@@ -748,7 +918,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
           dB_v += shfl_xor(dB_v, off);
           dC_v += shfl_xor(dC_v, off);
         }
-        if (seg_leader && n < N) {
+        if (k < lead) {
           dB_s[(wseg * T + t) * N + n] = dB_v;
           dC_s[(wseg * T + t) * N + n] = dC_v;
         }
@@ -756,7 +926,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       y_p = group_sum(y_p, G);
       ddl_p = group_sum(ddl_p, G);
       du_p = group_sum(du_p, G);
-      if (m.lane_g == 0) {  // zeros for channels past dim (all staged values are 0 there)
+      if (lane_g == 0) {  // zeros for channels past dim (all staged values are 0 there)
         const acc_t y = y_p + D_d * uv;
         const acc_t ddelta_t = ddl_p * dsp_s[s];
         dz_o[s] = y * gz_s[s];
@@ -772,18 +942,18 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
-        const int64_t off = (int64_t(m.b) * p.dim + dd) * L + p.time(t0 + t);
+        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
         const int s = t * cpb + cl;
         store_from_acc(du + off, du_o[s]);
         store_from_acc(ddelta + off, ddl_o[s]);
-        if (dz != nullptr) store_from_acc(dz + off, dz_o[s]);
+        if (z != nullptr) store_from_acc(dz + off, dz_o[s]);  // dz is null iff z is
       }
     }
     // Each (b, n, time) of dB / dC belongs to one segment, so to exactly one block of this row.
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       if (t < len) {
-        const int64_t off = (part_row * N + n) * L + p.time(t0 + t);
+        const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
           sb += dB_s[(j * T + t) * N + n];
@@ -796,17 +966,19 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   }
 
   if (carries_only) {
-    store_segment_summary<acc_t, kNPL>(p, m, n_ok, carry, P);
+    if (!kEarlyAddresses) tail = out_addrs();
+    store_segment_summary<acc_t, kNPL>(G, ok, tail.a, tail.b, carry, P);
     return;
   }
+  if (!kEarlyAddresses) tail = out_addrs();
   // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
-    if (n_ok[k]) ws[w.dA_p + (m.bd * p.n_seg + m.seg) * N + k * G + m.lane_g] = dA_acc[k];
+    if (k < ok) tail.a[k * G] = dA_acc[k];
   }
   if (m.lane_g == 0 && m.ch_ok) {
-    ws[w.dD_p + m.bd * p.n_seg + m.seg] = dD_acc;
-    ws[w.dbias_p + m.bd * p.n_seg + m.seg] = dbias_acc;
+    *tail.b = dD_acc;
+    *tail.c = dbias_acc;
   }
 }
 

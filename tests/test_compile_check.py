@@ -161,6 +161,7 @@ def test_resource_report_covers_every_target_and_instance_within_bounds(compile_
                 assert r["occupancy"] * 100 >= floor, r
             if target.startswith("gfx"):
                 assert r["scratch_bytes_per_lane"] == 0, r
+                assert r["sgpr_spills"] == 0, r  # not even into VGPR lanes
                 # the occupancy model's register part agrees with the compiler's own waves/SIMD
                 assert r["waves_per_simd"] == r["compiler_waves_per_simd"], r
     if IN_CI:
@@ -184,7 +185,7 @@ x.cuh:1:1: remark:     VGPRs: {vgpr} [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     AGPRs: 0 [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     ScratchSize [bytes/lane]: {scratch} [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     Occupancy [waves/SIMD]: 8 [-Rpass-analysis=kernel-resource-usage]
-x.cuh:1:1: remark:     SGPRs Spill: 3 [-Rpass-analysis=kernel-resource-usage]
+x.cuh:1:1: remark:     SGPRs Spill: {sspill} [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     VGPRs Spill: {vspill} [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     LDS Size [bytes/block]: 0 [-Rpass-analysis=kernel-resource-usage]
 """
@@ -201,9 +202,11 @@ def _fake_log(template, spill_instance=None, missing=(), **fields):
             continue
         mangled = _MANGLED.get(name) or _mangle(name)
         spill = name == spill_instance
+        kind = "scratch" if fields.get("scratch") else "sgpr" if fields.get("sgpr") else "vgpr"
         text += template.format(name=mangled, stack=16 if spill else 0, spill=8 if spill else 0, regs=40, vgpr=40,
-                                scratch=8 if spill and fields.get("scratch") else 0,
-                                vspill=2 if spill and not fields.get("scratch") else 0)
+                                scratch=8 if spill and kind == "scratch" else 0,
+                                vspill=2 if spill and kind == "vgpr" else 0,
+                                sspill=3 if spill and kind == "sgpr" else 0)
     return text
 
 
@@ -240,6 +243,15 @@ def test_report_check_fails_on_spills_scratch_missing_instances_and_low_occupanc
                              header)
     bad = kr.check_rows(rows, 12.5, exempt)
     assert len(bad) == 1 and "scratch" in bad[0]
+    # SGPRs spilled into VGPR lanes (no scratch, no VGPR spill) fail as well, and the report line shows them
+    rows, _ = kr.target_rows("gfx90a", _fake_log(_REMARKS, spill_instance="scan_bwd<fp16,npl4>", sgpr=True), header)
+    bad = kr.check_rows(rows, 12.5, exempt)
+    assert len(bad) == 1 and "scan_bwd<fp16,npl4>" in bad[0] and "3 SGPR(s) spilled into VGPR lanes" in bad[0]
+    spilled = next(r for r in rows if r["kernel"] == "scan_bwd<fp16,npl4>")
+    assert spilled["spills"] == 0 and spilled["scratch_bytes_per_lane"] == 0
+    assert kr.format_row(spilled).endswith("sgpr_spills=3")
+    rows, _ = kr.target_rows("gfx942", _fake_log(_REMARKS), header)
+    assert all(r["sgpr_spills"] == 0 for r in rows) and kr.check_rows(rows, 12.5, exempt) == []
     _, problems = kr.target_rows("sm_80", _fake_log(_PTXAS, missing=("scan_reduce<fp64>",)), header)
     assert problems == ["sm_80: no resource report for scan_reduce<fp64> (not compiled?)"]
     rows, _ = kr.target_rows("sm_80", _fake_log(_PTXAS), header)

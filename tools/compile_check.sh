@@ -15,8 +15,9 @@
 #      runtime headers).
 #   4. tools/kernel_report.py: one line per (target, kernel instance), "TARGET KERNEL regs=N spills=N smem=N
 #      occupancy=N%", and "TARGET: not compiled: REASON" for a target no available compiler supports; the same
-#      as JSON (--report PATH, default build/kernel_report.json). Fails on a spill to memory, on an instance
-#      missing from a compiled target, and on occupancy below the floor stated in the kernel's opening comment.
+#      as JSON (--report PATH, default build/kernel_report.json). Fails on a spill to memory, on AMD also on a
+#      scalar register spilled into vector lanes (sgpr_spills=N), on an instance missing from a compiled target,
+#      and on occupancy below the floor stated in the kernel's opening comment.
 #      The occupancy formulas and the sources of each architecture's limits are in tools/kernel_report.py.
 #   5. (only with --emulate) run the real kernels on the CPU through tools/kernel_emu and compare with the
 #      PyTorch reference (needs g++ and torch; takes a few minutes).
@@ -407,7 +408,7 @@ if ! "$python" -c "" > /dev/null 2>&1; then
 else
   ran=$((ran + 1))
   if ! "$python" "$repo/tools/kernel_report.py" --csrc "$csrc" --json "$report_json" "${report_args[@]}"; then
-    fail "kernel resource report (spills, missing instances or occupancy below the floor: see above)"
+    fail "kernel resource report (spills, SGPR spills, missing instances or occupancy below the floor: see above)"
   fi
 fi
 

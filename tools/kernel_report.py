@@ -7,8 +7,9 @@ usage: kernel_report.py --csrc DIR --json OUT [--compiled TARGET COMPILER LOG]..
 Prints, per compiled target, "TARGET: compiled by COMPILER" and one line per kernel instance:
     TARGET KERNEL regs=N spills=N smem=N occupancy=N% [sgpr_spills=N] [(exempt from the floor)]
 and one "TARGET: not compiled: REASON" line per target no available compiler supports; writes the same as JSON;
-exits 1 when an instance spills to memory, uses scratch, is missing from a compiled target, or its occupancy is
-below the floor stated in csrc/selective_scan_kernel.cuh's opening comment ("Occupancy floor ...: N%").
+exits 1 when an instance spills registers (to memory, or on AMD scalar registers into vector lanes), uses scratch,
+is missing from a compiled target, or its occupancy is below the floor stated in csrc/selective_scan_kernel.cuh's
+opening comment ("Occupancy floor ...: N%").
 
 Fields:
   regs      NVIDIA: registers per thread (ptxas). AMD: VGPRs per lane, arch VGPRs + AGPRs (what limits waves).
@@ -16,7 +17,8 @@ Fields:
             AMD: VGPRs spilled (to scratch). Any value > 0 fails the check, as does any scratch (private
             segment) use on AMD, which is where SGPR spills would go once no VGPR lane is left for them.
   sgpr_spills (AMD only) scalar registers spilled into VGPR lanes (v_writelane / v_readlane): no memory traffic,
-            a few VALU instructions each; reported, not failed (see the kernel's opening comment).
+            but a VALU instruction at every spill and reload and a VGPR held for them; any value > 0 fails the
+            check too (the kernel's opening comment, "Registers on AMD", says how the kernels avoid them).
   smem      bytes of shared memory (LDS) per block: static (from the compiler) plus the largest dynamic amount the
             launcher (csrc/selective_scan_cuda.cu, make_layout / launch_scan) requests for that instance over
             the d_state values it serves (mirrored below from csrc/selective_scan_kernel.cuh).
@@ -311,12 +313,14 @@ def format_row(r):
 
 
 def check_rows(rows, floor_pct, exempt=frozenset()):
-    """Failures of the report's rows: spills to memory, scratch use, occupancy below the floor (except the
-    (target, kernel) pairs in `exempt`)."""
+    """Failures of the report's rows: spills to memory, SGPRs spilled into VGPR lanes (AMD), scratch use, occupancy
+    below the floor (except the (target, kernel) pairs in `exempt`)."""
     bad = []
     for r in rows:
         if r["spills"] > 0:
             bad.append(f"{r['target']} {r['kernel']}: {r['spills']} register(s) spilled to memory")
+        if r.get("sgpr_spills", 0) > 0:
+            bad.append(f"{r['target']} {r['kernel']}: {r['sgpr_spills']} SGPR(s) spilled into VGPR lanes")
         if r.get("scratch_bytes_per_lane", 0) > 0:
             bad.append(f"{r['target']} {r['kernel']}: {r['scratch_bytes_per_lane']} bytes of scratch per lane")
         if r["occupancy"] * 100 < floor_pct - 1e-9 and (r["target"], r["kernel"]) not in exempt:
