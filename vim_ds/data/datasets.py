@@ -27,7 +27,7 @@ from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, has_file_allowed_extension
 
-from .transforms import build_transform
+from .transforms import build_handover_transform
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def seeded_rngs(seed: int):
         torch.default_generator.set_state(saved[2])
 
 
+def erase_seed(sample_seed) -> int:
+    """The seed of a sample's random erasing (done after the hand-over, see `SeededDataset.handover_item`); -1 for
+    a sample without a seed."""
+    return -1 if sample_seed is None else derive_seed("erase", int(sample_seed))
+
+
 class BadImage(Exception):
     """Raised by `SeededDataset.load` for a file that cannot be decoded."""
 
@@ -85,11 +91,28 @@ class SeededDataset(Dataset):
     """Base class: key parsing, per-sample seeding and skipping of undecodable files. Subclasses implement
     `__len__` and `load(index) -> (image_tensor, target)`, raising `BadImage` for a file that cannot be decoded."""
 
+    finish = None  # a `transforms.Finish` when samples leave the workers as uint8 (see `handover_item`)
+
     def load(self, index: int):
         raise NotImplementedError
 
     def __getitem__(self, key):
+        """(image, target, ok): the finished sample, as the model gets it."""
+        image, target, ok, erase_seed = self.handover_item(key)
+        if self.finish is not None:
+            image = self.finish.one(image, erase_seed)
+        return image, target, ok
+
+    def handover_item(self, key):
+        """(image, target, ok, erase_seed): what a data-loader worker hands over. With a `finish`, the image is
+        uint8 and `finish` (normalisation, random erasing) runs in the consuming process on the collated batch,
+        erasing sample i with the RNGs seeded from its `erase_seed`, derived from the sample seed (-1 when the key
+        has no seed: the RNGs as they are)."""
         index, sample_seed = key if isinstance(key, tuple) else (key, None)
+        image, target, ok = self._load_seeded(index, sample_seed)
+        return image, target, ok, erase_seed(sample_seed)
+
+    def _load_seeded(self, index, sample_seed):
         n = len(self)
         index = operator.index(index)
         if not -n <= index < n:
@@ -134,9 +157,9 @@ class FolderDataset(SeededDataset):
     transform failures (bugs, raised).
     """
 
-    def __init__(self, root: str, transform):
+    def __init__(self, root: str, transform, finish=None):
         scan = _FolderScan(root)
-        self.root, self.transform, self.loader = root, transform, default_loader
+        self.root, self.transform, self.finish, self.loader = root, transform, finish, default_loader
         self.classes, self.samples = scan.classes, scan.samples
         self.class_to_idx = {name: idx for idx, name in enumerate(self.classes)}
         self.targets = [target for _, target in self.samples]
@@ -306,12 +329,12 @@ def _same_classes(root: str, train_classes: list, classes: list) -> None:
                         f"{first!r} is in {has}/ but not in {lacks}/")
 
 
-def _folder_dataset(root: str, is_train: bool, transform) -> FolderDataset:
+def _folder_dataset(root: str, is_train: bool, transform, finish=None) -> FolderDataset:
     split = "train" if is_train else "val"
     train_classes = _checked_split(root, "train")
     classes = train_classes if is_train else _checked_split(root, "val")
     _same_classes(root, train_classes, classes)
-    dataset = FolderDataset(os.path.join(root, split), transform)
+    dataset = FolderDataset(os.path.join(root, split), transform, finish)
     if dataset.ignored_files and _is_rank0():
         log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",
                     dataset.ignored_files, dataset.root, " ".join(IMG_EXTENSIONS), dataset.ignored_example)
@@ -354,6 +377,7 @@ def build_dataset(args, is_train: bool):
         dataset = SyntheticDataset(size, getattr(args, "input_size", 224), classes, getattr(args, "seed", 0), is_train)
         return dataset, classes
     if kind in ("IMNET", "folder"):
-        dataset = _folder_dataset(getattr(args, "data_path", None), is_train, build_transform(args, is_train))
+        dataset = _folder_dataset(getattr(args, "data_path", None), is_train,
+                                  *build_handover_transform(args, is_train))
         return dataset, len(dataset.classes)
     raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout) or synthetic")

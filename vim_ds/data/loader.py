@@ -126,13 +126,24 @@ def stop_workers(iterator) -> None:
 
 
 class Loader(DataLoader):
-    """A DataLoader that knows its name ("train", "val") and turns its timeout into a one-line `DataStall`."""
+    """A DataLoader that knows its name ("train", "val") and turns its timeout into a one-line `DataStall`.
 
-    def __init__(self, *args, name: str, **kwargs):
-        self.name = name
+    With a `finish` (`transforms.Finish`), workers hand over (uint8 images, targets, ok, erase seeds) and the
+    loader yields (finished float images, targets, ok): normalisation and random erasing run here, in the
+    consuming process, on the whole batch."""
+
+    def __init__(self, *args, name: str, finish=None, **kwargs):
+        self.name, self.finish = name, finish
         super().__init__(*args, **kwargs)
 
     def __iter__(self):
+        for batch in self._batches():
+            if self.finish is not None:
+                images, targets, ok, seeds = batch
+                batch = self.finish(images, seeds.tolist(), pin_memory=self.pin_memory), targets, ok
+            yield batch
+
+    def _batches(self):
         iterator = super().__iter__()
         while True:
             try:
@@ -154,6 +165,19 @@ class Loader(DataLoader):
         """Stop persistent workers now (a no-op when none were started)."""
         stop_workers(getattr(self, "_iterator", None))
         self._iterator = None
+
+
+class _Handover(Dataset):
+    """What a worker reads from a dataset with a `finish`: `handover_item` (uint8 image, target, ok, erase seed)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        return self.dataset.handover_item(key)
 
 
 class _SignalAt(Dataset):
@@ -206,13 +230,17 @@ def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: i
     sends. Workers exit when `owner_pid` (default: this process) is gone."""
     workers = args.num_workers if getattr(args, "num_workers", None) is not None \
         else default_num_workers(local_world_size)
+    finish = getattr(dataset, "finish", None)
+    if finish is not None:
+        dataset = _Handover(dataset)
     if stall_at is not None:
         dataset = _StallAt(dataset, stall_at)
     if signal_at is not None:
         dataset = _SignalAt(dataset, *signal_at)
     if workers == 0:
-        return Loader(dataset, batch_sampler=batch_sampler, name=name)
-    return Loader(dataset, batch_sampler=batch_sampler, name=name, num_workers=workers, pin_memory=pin_memory,
+        return Loader(dataset, batch_sampler=batch_sampler, name=name, finish=finish)
+    return Loader(dataset, batch_sampler=batch_sampler, name=name, finish=finish, num_workers=workers,
+                  pin_memory=pin_memory,
                   persistent_workers=persistent, prefetch_factor=4, multiprocessing_context=_worker_context(),
                   worker_init_fn=functools.partial(_worker_init, leave_signals_to_owner, owner_pid or os.getpid()),
                   timeout=float(getattr(args, "data_timeout", 0) or 0))
