@@ -230,6 +230,13 @@ MIXUP_CASES = {
                                 mode="elem", label_smoothing=0.15, num_classes=7),
                [dict(mixup_alpha=0.8), dict(cutmix_alpha=1.0), dict(prob=1.0), dict(switch_prob=0.5),
                 dict(switch_prob=0.6), dict(mode="batch"), dict(label_smoothing=0.1), dict(num_classes=10)]),
+    # the default recipe: batch mode, which vim_ds applies pair by pair on host batches (`PairwiseMixup`); the
+    # seeds draw both Mixup and CutMix batches
+    "batch mode, the recipe's defaults": (
+        [], dict(mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=None, prob=1.0, switch_prob=0.5, mode="batch",
+                 label_smoothing=0.1, num_classes=7),
+        [dict(mixup_alpha=0.5), dict(cutmix_alpha=0.5), dict(prob=0.5), dict(switch_prob=0.0),
+         dict(mode="pair"), dict(label_smoothing=0.0)]),
     # cutmix_minmax (a list, as argparse's nargs gives it) overrides the cutmix alpha and enables CutMix alone
     "cutmix minmax": (["--mixup", "0", "--cutmix", "0", "--cutmix-minmax", "0.2", "0.7", "--mixup-mode", "pair",
                        "--smoothing", "0.05"],
