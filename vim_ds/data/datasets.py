@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 import torch
 from PIL import UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, has_file_allowed_extension
 
 from .transforms import build_handover_transform
@@ -46,22 +46,24 @@ def derive_seed(*parts) -> int:
 
 
 @contextlib.contextmanager
-def seeded_rngs(seed: int):
-    """Seed `random`, `numpy.random` and torch's CPU generator from `seed`; restore their states on exit.
+def seeded_rngs(seed: int, restore: bool = True):
+    """Seed `random`, `numpy.random` and torch's CPU generator from `seed`; restore their states on exit (unless
+    `restore` is False: saving and restoring them is 90 % of the 0.18 ms this costs per sample).
 
     Only the CPU generator is touched (`torch.manual_seed` would also reseed the CUDA generators, which the main
     process uses for dropout and which data loading must not disturb).
     """
-    saved = random.getstate(), np.random.get_state(), torch.default_generator.get_state()
+    saved = (random.getstate(), np.random.get_state(), torch.default_generator.get_state()) if restore else None
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)
     try:
         yield
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.default_generator.set_state(saved[2])
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.default_generator.set_state(saved[2])
 
 
 def erase_seed(sample_seed) -> int:
@@ -117,7 +119,9 @@ class SeededDataset(Dataset):
         index = operator.index(index)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
-        seeding = seeded_rngs(int(sample_seed)) if sample_seed is not None else contextlib.nullcontext()
+        # a data-loader worker's generators serve nothing but the samples, each seeded afresh: no need to restore
+        seeding = seeded_rngs(int(sample_seed), restore=get_worker_info() is None) if sample_seed is not None \
+            else contextlib.nullcontext()
         with seeding:
             for step in range(min(MAX_BAD_IN_A_ROW, n)):
                 try:
