@@ -63,11 +63,40 @@ def _worker_init(leave_signals_to_owner: bool, owner_pid: int, _worker_id: int):
     SIGKILL. torch's own check does not see that: it watches the worker's parent, which is the fork server, and the
     fork server lives as long as any worker holds its "alive" pipe, which every worker inherits. Without this a
     killed rank would leave its workers and fork server running for good."""
+    _keep_freed_memory()
     signal.signal(signal.SIGTERM, signal.SIG_IGN if leave_signals_to_owner else signal.SIG_DFL)
     if leave_signals_to_owner:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     threading.Thread(target=_exit_with, args=(owner_pid,), name="vim_ds-owner-watch", daemon=True).start()
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
+WORKER_TRIM_THRESHOLD = 256 << 20
+
+
+def _keep_freed_memory() -> bool:
+    """Tell glibc's malloc, in this worker, to keep memory it frees for the next image instead of giving it back.
+
+    Every sample allocates and frees the same large buffers (the decoded photo, 0.5 MB at ImageNet's sizes, and
+    the transform's intermediate images). By default glibc serves blocks above its mmap threshold with a fresh
+    mmap and returns freed heap tops to the system, so each image's buffers are new pages that fault in again
+    (measured: 250-450 page faults per image, the decode 0.2-0.3 ms slower than timm's loader with the same
+    Pillow call). With both thresholds high, the heap grows to what one sample needs once and is reused. The cost
+    is memory a worker keeps: its peak heap, tens of MB at ImageNet's sizes. Done with mallopt through ctypes
+    rather than MALLOC_*_ environment variables, which would reach every process the rank starts, not only the
+    workers. No-op (False) where there is no glibc."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD))
 
 
 def _exit_with(pid: int) -> None:
