@@ -4,7 +4,8 @@ What is measured, for the training pipeline and for the evaluation pipeline:
 
 * **Loader throughput** for each `--workers` count: batches from the real loader, as the trainer builds it
   (`build_dataset` + `build_transform` from `vim-ds train`'s own options, `GlobalBatchSampler`, `build_loader`'s
-  fork-server workers, then Mixup in the training process, seeded per step as the trainer seeds it), and from
+  fork-server workers handing over uint8 images, normalisation and per-sample-seeded random erasing in the
+  training process as the loader does them, then Mixup there, seeded per step as the trainer seeds it), and from
   `timm.data.create_loader` with its defaults (prefetcher on: uint8 batches, normalisation and random erasing in
   the consuming process; Mixup in the workers through `FastCollateMixup`, as timm's train.py sets it up) with the
   same transform arguments, batch size and worker count. The two run back to back in alternating order, once per
@@ -114,6 +115,7 @@ class VimDsPipeline:
 
         self.args, self.is_train = train_args, is_train
         self.dataset, num_classes = build_dataset(train_args, is_train=is_train)
+        self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
         self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))  # the trainer's eval batch
         if is_train:
             self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
@@ -175,7 +177,8 @@ class VimDsPipeline:
         from ..data.datasets import erase_seed, seeded_rngs
 
         index, seed = key if isinstance(key, tuple) else (key, None)
-        seeding = seeded_rngs(seed) if seed is not None else None
+        # as in a worker: seeded without saving and restoring the generators (see SeededDataset._load_seeded)
+        seeding = seeded_rngs(seed, restore=False) if seed is not None else None
         t0 = time.process_time()
         if seeding is not None:
             seeding.__enter__()

@@ -94,6 +94,8 @@ class SeededDataset(Dataset):
     `__len__` and `load(index) -> (image_tensor, target)`, raising `BadImage` for a file that cannot be decoded."""
 
     finish = None  # a `transforms.Finish` when samples leave the workers as uint8 (see `handover_item`)
+    # restore the global generators after a seeded sample? None: only outside data-loader workers
+    restore_rngs = None
 
     def load(self, index: int):
         raise NotImplementedError
@@ -120,7 +122,8 @@ class SeededDataset(Dataset):
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         # a data-loader worker's generators serve nothing but the samples, each seeded afresh: no need to restore
-        seeding = seeded_rngs(int(sample_seed), restore=get_worker_info() is None) if sample_seed is not None \
+        restore = get_worker_info() is None if self.restore_rngs is None else self.restore_rngs
+        seeding = seeded_rngs(int(sample_seed), restore=restore) if sample_seed is not None \
             else contextlib.nullcontext()
         with seeding:
             for step in range(min(MAX_BAD_IN_A_ROW, n)):
