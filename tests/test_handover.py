@@ -109,3 +109,17 @@ def test_erasing_does_not_disturb_the_consuming_process_rngs(digits):
     torch.manual_seed(9)
     dataset.finish(images, [item[3] for item in items])
     assert (random.random(), torch.rand(1)) == expected
+
+
+def test_workers_keep_freed_memory_through_mallopt():
+    """`_worker_init` raises glibc's mmap and trim thresholds in the worker (a fresh interpreter here, so that the
+    test process's own malloc settings stay as they are); glibc accepts both values."""
+    import subprocess
+    import sys
+
+    code = ("import os; from vim_ds.data import loader; calls = []; "
+            "loader._keep_freed_memory, keep = (lambda: calls.append(1) or keep()), loader._keep_freed_memory; "
+            "loader._worker_init(False, os.getpid(), 0); print(calls, keep())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[1]", "True"], out.stdout
