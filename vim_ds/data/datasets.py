@@ -102,9 +102,9 @@ class SeededDataset(Dataset):
 
     def __getitem__(self, key):
         """(image, target, ok): the finished sample, as the model gets it."""
-        image, target, ok, erase_seed = self.handover_item(key)
+        image, target, ok, seed = self.handover_item(key)
         if self.finish is not None:
-            image = self.finish.one(image, erase_seed)
+            image = self.finish.one(image, seed)
         return image, target, ok
 
     def handover_item(self, key):
