@@ -118,10 +118,12 @@ def test_bench_runs_both_loaders_and_splits_the_time(photos, tmp_path):
             assert r["stages_sum_ms"] == pytest.approx(sum(stages.values()))
             assert 0.6 < r["stages_sum_ms"] / r["whole_ms"] < 1.5, (kind, name, r["stages_sum_ms"], r["whole_ms"])
             assert r["transfer_ms"] is not None
-    # the same transform arguments: both run the recipe's RandAugment and erasing; ours normalises in the worker,
-    # timm's prefetcher in the training process
+    # the same transform arguments: both run the recipe's RandAugment in the workers, hand over uint8 and
+    # normalise and erase in the training process (ours since the uint8 hand-over, timm's with its prefetcher)
     assert "RandAugment" in ours["transform"] and "RandAugment" in timm["transform"]
-    assert "RandomErasing" in ours["transform"] and "RandomErasing" not in timm["transform"]
+    for r in (ours, timm):
+        assert "RandomErasing" not in r["transform"] and "Normalize" not in r["transform"]
+        assert r["in_training_process"] == ["Normalize", "RandomErasing"]
     assert result["settings"]["recipe"]["aa"] == "rand-m9-mstd0.5-inc1"
 
 
@@ -138,6 +140,7 @@ def test_bench_follows_the_train_options(photos, tmp_path):
     for name in ("vim_ds", "timm"):
         r = result["train"][name]
         assert "RandAugment" not in r["transform"] and "RandomErasing" not in r["transform"]
+        assert r["in_training_process"] == ["Normalize"]
         assert "mixup" not in r["stages_ms"] and "random_erasing" not in r["stages_ms"]
     assert "ColorJitter" in result["train"]["vim_ds"]["transform"]  # timm uses colour jitter when aa is off
 

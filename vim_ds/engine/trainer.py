@@ -223,9 +223,9 @@ class Trainer:
         if self.batch.micro % 2:
             raise ValueError(f"Mixup/CutMix mix pairs within a micro batch, which must be even (it is "
                              f"{self.batch.micro}); change --batch-size or pass --mixup 0 --cutmix 0")
-        from timm.data import Mixup
+        from ..data.mixup import PairwiseMixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
 
-        return Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+        return PairwiseMixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                      prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
                      label_smoothing=args.smoothing, num_classes=self.num_classes)
 
