@@ -396,7 +396,7 @@ def build_dataset(args, is_train: bool):
         return dataset, len(dataset.classes)
     if kind in READERS:
         dataset = READERS[kind](getattr(args, "data_path", None) or "", "train" if is_train else "val",
-                                build_transform(args, is_train))
+                                *build_handover_transform(args, is_train))
         return dataset, len(dataset.classes)
     raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout), shards (written by "
                     f"`vim-ds data shard`) or synthetic")

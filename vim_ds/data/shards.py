@@ -288,11 +288,12 @@ def check_shards(root: str, need_train: bool = True) -> None:
 
 class ShardDataset(SeededDataset):
     """One split of a shards folder: sample i is `size` bytes at `offset` in its shard, decoded as torchvision's
-    default loader decodes a file (PIL, converted to RGB), then transformed."""
+    default loader decodes a file (PIL, converted to RGB), then transformed; with a `finish`, handed over as uint8
+    and finished in the consuming process, as the folder's samples are (datasets.SeededDataset)."""
 
-    def __init__(self, root: str, split: str, transform):
+    def __init__(self, root: str, split: str, transform, finish=None):
         header, cols = read_index(root, split)
-        self.root, self.split, self.transform = root, split, transform
+        self.root, self.split, self.transform, self.finish = root, split, transform, finish
         self.classes = list(header["classes"])
         self.class_to_idx = {name: idx for idx, name in enumerate(self.classes)}
         self.files = [os.path.join(root, s["file"]) for s in header["shards"]]
