@@ -45,7 +45,7 @@ def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM", "NCCL_", "MASTER_", "VIM_DS_")) and k not in
            ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC", "HOSTFILE", "NO_SSH", "DRY_RUN", "LAUNCHER",
-            "TORCHRUN_RDZV", "OMP_NUM_THREADS")}
+            "TORCHRUN_RDZV", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     # CPU ranks even on a GPU machine (as tests/test_train.py does); no env_rocm/env_nvidia unless a test asks
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", VIM_DS_GPU_ENV="none")
     env.update({k: str(v) for k, v in extra.items()})
@@ -220,6 +220,9 @@ def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes
 def test_vim_ds_sets_gloo_interface_toward_the_master_only_across_hosts(monkeypatch, env, expected):
     from vim_ds.engine.distributed import _choose_gloo_interface
 
+    # a copy of the environment: _choose_gloo_interface sets GLOO_SOCKET_IFNAME itself, which monkeypatch would not
+    # undo, and "lo" left in this process's environment sent the later two-host launches' gloo to loopback
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for name in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
