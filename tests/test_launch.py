@@ -3,6 +3,9 @@
 - Two "nodes" on localhost: two `launch/multi_node.sh` per-node launches (`--no_ssh --node_rank 0|1`, one CPU
   process each, gloo) train exactly like one node with two processes; when one node's rank is SIGKILLed, the other
   node's launcher exits non-zero instead of hanging.
+- Two hosts on a veth network (two network namespaces): they train like one host; when the link goes down
+  mid-run both nodes end within --dist-timeout with one line each and the run resumes from its last complete
+  checkpoint; a node 0 whose node 1 never arrives ends after --dist-timeout with one line saying what it waited for.
 - SIGTERM to a launch script reaches the ranks, the trainer checkpoints, and the script waits for it (what SLURM's
   `--signal=TERM@120` relies on).
 - Arguments with spaces and `$` reach the trainer verbatim.
@@ -25,6 +28,7 @@ import psutil
 import pytest
 
 from train_utils import QUIET_AUG, ROOT, TINY, _free_port, config, records, run_train, step_losses
+from vim_ds.checkpoint.deepspeed_dir import complete_tags
 
 LAUNCH = os.path.join(ROOT, "launch")
 SCRIPTS = sorted(glob.glob(os.path.join(LAUNCH, "*.sh")) + glob.glob(os.path.join(LAUNCH, "*.sbatch"))
@@ -41,7 +45,7 @@ def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM", "NCCL_", "MASTER_", "VIM_DS_")) and k not in
            ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "NPROC", "HOSTFILE", "NO_SSH", "DRY_RUN", "LAUNCHER",
-            "TORCHRUN_RDZV", "OMP_NUM_THREADS")}
+            "TORCHRUN_RDZV", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     # CPU ranks even on a GPU machine (as tests/test_train.py does); no env_rocm/env_nvidia unless a test asks
     env.update(PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", VIM_DS_GPU_ENV="none")
     env.update({k: str(v) for k, v in extra.items()})
@@ -216,6 +220,9 @@ def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes
 def test_vim_ds_sets_gloo_interface_toward_the_master_only_across_hosts(monkeypatch, env, expected):
     from vim_ds.engine.distributed import _choose_gloo_interface
 
+    # a copy of the environment: _choose_gloo_interface sets GLOO_SOCKET_IFNAME itself, which monkeypatch would not
+    # undo, and "lo" left in this process's environment sent the later two-host launches' gloo to loopback
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for name in ("WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -309,6 +316,148 @@ def test_two_hosts_on_a_veth_network_train_like_one_host_and_gloo_uses_the_veth(
     assert one_host.keys() == two_hosts_losses.keys()
     for step in one_host:
         assert abs(one_host[step] - two_hosts_losses[step]) <= 1e-6 * abs(one_host[step]), (one_host, two_hosts_losses)
+
+
+def _start_on_host(two_hosts, rank: int, hostfile, port: int, args: list[str], log_path, **env):
+    """`ip netns exec HOST bash launch/multi_node.sh ARGS` as node RANK (MASTER_ADDR: host 0), output to log_path."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(["ip", "netns", "exec", two_hosts[rank][0], "bash", script("multi_node.sh"), *args],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=clean_env(HOSTFILE=hostfile, NODE_RANK=rank, MASTER_ADDR=two_hosts[0][2],
+                                              MASTER_PORT=port, **env))
+
+
+def _kill_launch(proc: subprocess.Popen):
+    """SIGKILL a launch and everything under it (run_in_group puts deepspeed in a session of its own, so its process
+    group is not the script's; the two_hosts fixture also kills whatever still runs in the namespaces)."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    for p in [proc, *tree]:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, AttributeError):
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _max_step(out) -> int:
+    try:
+        return max((r["step"] for r in records(out) if "loss" in r), default=0)
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return 0
+
+
+def _one_line_errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("vim-ds train: error")]
+
+
+@pytest.mark.slow
+def test_the_link_between_two_hosts_taken_down_mid_run_ends_both_within_dist_timeout_and_the_run_resumes(
+        small_digits, two_hosts, tmp_path):
+    """Two hosts on the veth train (one CPU rank each, --dist-timeout 45, a checkpoint every 2 steps into a folder
+    both see); after step 5 the veth goes down on host 1's side, which no socket notices: no FIN, no RST, only
+    silence. Both nodes must end on their own within the timeout plus a margin, each with a one-line cause and no
+    traceback, the step-4 (or a later) checkpoint complete, and `--resume auto` on one host continues from it."""
+    port = _free_port()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{addr} slots=1\n" for _, _, addr in two_hosts))
+    out = tmp_path / "run"
+    # --dist-timeout also bounds the rendezvous: 20 s failed it once on loaded cores, node 1's rank reaching
+    # init_process_group more than 20 s after node 0's ("1/2 clients joined"); 45 s leaves room for that
+    args = train_args(small_digits, out, 1000, "--save-interval", "2", "--log-interval", "1", "--dist-timeout", "45")
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    procs = []
+    try:
+        for rank in (1, 0):
+            procs.insert(0, _start_on_host(two_hosts, rank, hostfile, port, args, logs[rank]))
+        deadline = time.time() + 300
+        while _max_step(out) < 5:
+            for proc, log in zip(procs, logs):
+                assert proc.poll() is None, f"a node exited early:\n{log.read_text()[-3000:]}"
+            assert time.time() < deadline, "step 5 not reached in 300 s:\n" + logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        ns, dev, _ = two_hosts[1]
+        _ip("-n", ns, "link", "set", dev, "down")
+        down = time.time()
+        ended = [None, None]
+        # 45 s of --dist-timeout, then the failed rank's own exit (a few s on loaded cores) and its launcher's
+        # (2-4 s after the timeout when measured); 40 s more of margin for 2 shared cores
+        while None in ended and time.time() - down < 85:
+            for i, proc in enumerate(procs):
+                if ended[i] is None and proc.poll() is not None:
+                    ended[i] = time.time() - down
+            time.sleep(0.2)
+        outputs = [log.read_text() for log in logs]
+        assert None not in ended, (ended, outputs[0][-3000:], outputs[1][-3000:])
+    finally:
+        for proc in procs:
+            _kill_launch(proc)
+    print(f"the nodes ended {ended[0]:.1f} s and {ended[1]:.1f} s after the link went down")
+    for rank, output in enumerate(outputs):
+        assert procs[rank].returncode != 0, output[-3000:]
+        assert "Traceback" not in output, output[-5000:]
+        errors = _one_line_errors(output)
+        assert len(errors) == 1 and f"(rank {rank})" in errors[0], output[-3000:]
+        print(f"node {rank} (exit {procs[rank].returncode}): {errors[0]}")
+    saved = complete_tags(str(out / "checkpoints"))
+    assert saved and int(saved[-1].removeprefix("global_step")) >= 4, saved
+    last = int(saved[-1].removeprefix("global_step"))
+    # the link up again is not needed: the same 2-rank world on one host resumes from the shared folder
+    proc = run_train(train_args(small_digits, out, last + 2, "--save-interval", "2", "--log-interval", "1",
+                                "--resume", "auto"), nproc=2, launcher="deepspeed")
+    assert f"global_step{last} at epoch" in proc.stdout, proc.stdout[-3000:]
+    assert {last + 1, last + 2} <= set(step_losses(out)), step_losses(out)
+
+
+@pytest.mark.slow
+def test_a_node_that_never_arrives_ends_node_0_within_dist_timeout_with_one_line(small_digits, two_hosts, tmp_path):
+    """Only node 0 of two starts (host 1 never runs its launch): its rank waits in the rendezvous (the TCPStore
+    and init_process_group, bounded by --dist-timeout, here 20 s) and must then exit non-zero with one line saying
+    what it waited for, leaving nothing running."""
+    port = _free_port()
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{addr} slots=1\n" for _, _, addr in two_hosts))
+    log = tmp_path / "node0.log"
+    started = time.time()
+    proc = _start_on_host(two_hosts, 0, hostfile, port, train_args(small_digits, tmp_path / "run", 4,
+                                                                   "--dist-timeout", "20"), log)
+    try:
+        tree = {}  # every process the launch started (runner, per-node launcher, rank), seen while it ran
+        seen_rank = False
+        while proc.poll() is None and time.time() - started < 120:
+            try:
+                for p in psutil.Process(proc.pid).children(recursive=True):
+                    tree[p.pid] = p
+                    seen_rank = seen_rank or "vim_ds.train" in p.cmdline()
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        if proc.poll() is None:
+            pytest.fail("node 0 still waits 120 s after its start (--dist-timeout 20):\n" + log.read_text()[-3000:])
+        rc = proc.returncode
+        waited = time.time() - started
+        assert seen_rank, "no rank process was seen:\n" + log.read_text()[-3000:]
+        gone, alive = psutil.wait_procs(list(tree.values()), timeout=10)
+        alive = [p for p in alive if _running(p)]
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        _kill_launch(proc)
+    output = log.read_text()
+    print(f"node 0 exited with {rc} {waited:.1f} s after its start")
+    assert rc != 0, output[-3000:]
+    assert waited > 20, f"ended {waited:.0f} s after the start: before the timeout, so not by it"
+    assert "Traceback" not in output, output[-5000:]
+    errors = _one_line_errors(output)
+    assert len(errors) == 1 and errors[0].startswith("vim-ds train: error (rank 0): cannot initialise the process "
+                                                     f"group (2 ranks meeting at 10.77.0.1:{port}, --dist-timeout 20 s)"
+                                                     ), output[-3000:]
+    assert "1/2 clients joined" in errors[0], errors[0]  # torch's TCPStore: what it waited for
+    print(errors[0])
 
 
 @pytest.fixture

@@ -310,7 +310,12 @@ def run(args, prog: str = "vim-ds train") -> int:
     try:
         dist_info = distributed.setup(args.local_rank, args.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
-        print(f"{prog}: error: cannot initialise the process group: {exc}", file=sys.stderr)
+        # what it waited for and what bounded the wait: a node that never starts (or cannot reach the master) ends
+        # here after --dist-timeout, as torch's TCPStore times out waiting for the other ranks to join
+        env = os.environ
+        print(f"{prog}: error (rank {rank}): cannot initialise the process group ({env.get('WORLD_SIZE', '?')} "
+              f"ranks meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, --dist-timeout "
+              f"{args.dist_timeout:g} s): {first_line(exc)}", file=sys.stderr, flush=True)
         return 2
     trainer = None
     try:
