@@ -1,4 +1,4 @@
-"""A multi-rank CPU run leaves nothing behind in /dev/shm.
+"""A CPU run under the deepspeed launcher leaves nothing behind in /dev/shm (2 ranks, and 1: it makes its file too).
 
 DeepSpeed's CPU communication op (built by every `deepspeed.init_distributed` on CPU) makes each rank write a 69 MB
 file `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>` when all ranks share a host, and never unlinks
@@ -37,27 +37,29 @@ print(f"rank {rank} shm_op={comm.cdb.shm_comm_op is not None} sum={t.sum().item(
 """
 
 
-def _two_ranks(tmp_path, mode: str) -> list[str]:
+def _run(tmp_path, mode: str, ranks: int = 2) -> list[str]:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     port = _free_port()
     pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
     try:
-        proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(script), mode],
+        proc = subprocess.run(["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), mode],
                               capture_output=True, text=True, timeout=300, env=train_env(), cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        for rank in (0, 1):
-            assert f"rank {rank} shm_op=True sum=3000.0" in proc.stdout, proc.stdout[-2000:]
+        total = float(sum(range(1, ranks + 1)) * 1000)
+        for rank in range(ranks):
+            assert f"rank {rank} shm_op=True sum={total}" in proc.stdout, proc.stdout[-2000:]
         return sorted(os.path.basename(f) for f in glob.glob(pattern))
     finally:
         for leftover in glob.glob(pattern):
             os.unlink(leftover)
 
 
-def test_a_two_rank_cpu_run_leaves_no_deepspeed_buffer_in_dev_shm(tmp_path):
-    assert _two_ranks(tmp_path, "vim_ds") == []
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_cpu_run_leaves_no_deepspeed_buffer_in_dev_shm(tmp_path, ranks):
+    assert _run(tmp_path, "vim_ds", ranks) == []
 
 
 def test_control_deepspeed_alone_leaves_one_buffer_per_rank(tmp_path):
-    left = _two_ranks(tmp_path, "deepspeed")
+    left = _run(tmp_path, "deepspeed")
     assert len(left) == 2 and left[0].endswith("_0") and left[1].endswith("_1"), left

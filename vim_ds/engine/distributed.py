@@ -75,8 +75,8 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if accelerator.device_name() == "cpu" and world > 1:
-        _unlink_deepspeed_shm_buffer(dist.get_rank())
+    if accelerator.device_name() == "cpu":
+        _unlink_deepspeed_shm_buffer(dist.get_rank(), world)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device = torch.device(accelerator.device_name(local_rank)) if accelerator.device_name() != "cpu" \
         else torch.device("cpu")
@@ -92,7 +92,7 @@ def deepspeed_shm_buffer(rank: int) -> str:
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
 
 
-def _unlink_deepspeed_shm_buffer(rank: int):
+def _unlink_deepspeed_shm_buffer(rank: int, world: int):
     """Remove this rank's name of DeepSpeed's CPU all-reduce buffer, keeping the buffer itself.
 
     On CPU, `deepspeed.init_distributed` (its TorchBackend) builds the shm communication op, and when every rank is on
@@ -100,9 +100,11 @@ def _unlink_deepspeed_shm_buffer(rank: int):
     its peers' files. DeepSpeed never unlinks them: every multi-rank CPU run left 69 MB of RAM per rank in /dev/shm
     (18 GB after a day of this suite). Once every rank is past init_distributed (the barrier), all of them have
     mapped every buffer; the names are no longer needed, and the mappings outlive the unlink, so the op still works and
-    the memory goes back when the processes end, however they end.
+    the memory goes back when the processes end, however they end. A world of one rank (the deepspeed launcher
+    with --num_gpus 1) makes its file too.
     """
-    dist.barrier()
+    if world > 1:
+        dist.barrier()
     try:
         os.unlink(deepspeed_shm_buffer(rank))
     except FileNotFoundError:  # ranks on several hosts, or a DeepSpeed without the op: nothing was created
