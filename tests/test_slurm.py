@@ -1,6 +1,8 @@
 """The SLURM scripts of launch/ under a real SLURM: Debian's slurmctld, slurmd and munged, started by a fixture for
 this module with a one-node cluster (localhost, 2 CPUs) in a temporary folder, and stopped (their jobs cancelled,
-their processes killed, the folder removed) whatever happens.
+their processes killed, the folder removed) whatever happens: should the test process itself be killed (SIGKILL, a CI
+timeout) before its finalizer runs, a watchdog process (tests/slurm_watchdog.py, started with the cluster, the read
+end of a pipe only the test process can write to) sees the pipe close and does the same.
 
 - `GPUS_PER_NODE=2 sbatch --nodes=1 --gpus-per-node=0 launch/slurm_mi300x.sbatch ...` trains a tiny Vim on CPU
   (2 ranks, the deepspeed launcher, gloo) to the end: COMPLETED, exit code 0:0.
@@ -11,6 +13,8 @@ their processes killed, the folder removed) whatever happens.
 - The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
   `--dependency=afternotok:JOBID` continues to the same end.
 - `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
+- The watchdog: a process that started a cluster (with a `sleep` job) and is SIGKILLed leaves no daemon, job
+  process or folder behind 30 s later; one that stops its cluster itself leaves the watchdog nothing to do.
 
 There is no slurmdbd here, so no `sacct` ("Slurm accounting storage is disabled"): a job's state and exit code are
 read from `scontrol show job` (kept MinJobAge = 600 s after the end) and from the jobcomp/filetxt log, which hold the
@@ -22,18 +26,22 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 
 import psutil
 import pytest
 
+from slurm_watchdog import cluster_processes
 from test_launch import clean_env, small_digits  # noqa: F401  (small_digits: a fixture used here)
 from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, step_losses
 
 pytestmark = pytest.mark.slow
 
+WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slurm_watchdog.py")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo")
 SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # the daemons are in sbin, which a user's PATH may lack
@@ -89,9 +97,12 @@ class Slurm:
         self.root = root
         self.conf = os.path.join(root, "slurm.conf")
         self.daemons: list[subprocess.Popen] = []
+        self.watchdog: subprocess.Popen | None = None
+        self._watch_fd: int | None = None
 
     def start(self):
         root = self.root
+        self._start_watchdog()
         for sub in ("munge", "state", "spool", "log", "jobs"):
             os.makedirs(os.path.join(root, sub))
         os.chmod(root, 0o755)  # munged checks every folder above its socket
@@ -205,16 +216,52 @@ class Slurm:
                 pass
         return found
 
+    def _start_watchdog(self):
+        """tests/slurm_watchdog.py, in its own session, holding the read end of a pipe whose only write end is ours:
+        should this process die before `stop` (SIGKILL, a CI timeout), the kernel closes that end and the watchdog
+        kills the daemons and every process of their jobs and removes the folder. Started before the daemons, so
+        it covers a death during the start too."""
+        read, self._watch_fd = os.pipe()  # not inheritable: no other child of this process holds the write end
+        try:
+            self.watchdog = subprocess.Popen([sys.executable, WATCHDOG, self.root, self.conf], stdin=read, cwd="/",
+                                             start_new_session=True)
+        finally:
+            os.close(read)
+
+    def release_watchdog(self) -> int | None:
+        """Tell the watchdog that this process cleaned up (it exits touching nothing); its exit code (0)."""
+        if self._watch_fd is None:
+            return None
+        try:
+            os.write(self._watch_fd, b"done")
+        finally:
+            os.close(self._watch_fd)
+            self._watch_fd = None
+        try:
+            return self.watchdog.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.watchdog.kill()
+            return self.watchdog.wait()
+
     def stop(self):
-        """Cancel every job, then kill what is left of them and the daemons this object started."""
+        """Clean up, then dismiss the watchdog."""
+        try:
+            self.clean_up()
+        finally:
+            self.release_watchdog()
+
+    def clean_up(self):
+        """Cancel every job, then kill what is left of them and the daemons this object started; remove the folder."""
         if self.daemons and all(d.poll() is None for d in self.daemons):
             self.run("scancel", "--full", "--user=root", check=False)
             deadline = time.time() + 30
             while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                 time.sleep(1)
-        for p in self.job_processes():
+        ours = {d.pid for d in self.daemons} | ({self.watchdog.pid} if self.watchdog else set())
+        for p in cluster_processes(self.root, self.conf):  # the jobs' processes and their slurmstepd
             try:
-                p.kill()
+                if p.pid not in ours:
+                    p.kill()
             except psutil.Error:
                 pass
         for d in reversed(self.daemons):
@@ -225,6 +272,11 @@ class Slurm:
                 except subprocess.TimeoutExpired:
                     d.kill()
                     d.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def new_root() -> str:
+    return tempfile.mkdtemp(prefix="vim_ds_slurm.")  # short: munged's socket path has a length limit
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +284,7 @@ def slurm():
     reason = _cannot_start()
     if reason:
         pytest.skip(reason)
-    root = tempfile.mkdtemp(prefix="vim_ds_slurm.")  # short: munged's socket path has a length limit
-    cluster = Slurm(root)
+    cluster = Slurm(new_root())
     try:
         try:
             cluster.start()
@@ -241,8 +292,7 @@ def slurm():
             pytest.skip(f"the SLURM daemons did not start here: {str(e).splitlines()[0]}")
         yield cluster
     finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.stop()  # and should this process be killed first, the watchdog does it (test_watchdog_...)
 
 
 def job_args(data, out) -> list[str]:
@@ -425,3 +475,85 @@ def test_scancel_saves_a_checkpoint_and_the_job_ends_cancelled_not_requeued(slur
     assert os.path.isfile(out / "checkpoints" / f"global_step{SIGNAL_STEP}" / "vim_ds_complete.json")
     time.sleep(2)
     assert slurm.job(job_id)["JobState"] == "CANCELLED"
+
+
+CLUSTER_THEN = """
+import subprocess, sys, time
+sys.path.insert(0, {tests!r})
+from test_slurm import Slurm, new_root
+cluster = Slurm(new_root())
+cluster.start()
+job = cluster.run("sbatch", "--parsable", f"--output={{cluster.root}}/jobs/%j.out", "--wrap", "sleep 600").stdout
+cluster.wait(job.strip(), ("RUNNING",), timeout=120)
+print("cluster", cluster.root, cluster.conf, cluster.watchdog.pid, flush=True)
+if sys.argv[1] == "stopped":
+    sys.stdin.readline()  # the test has seen the cluster
+    cluster.clean_up()
+    canary = subprocess.Popen(["sleep", "300"], env=cluster.env(), start_new_session=True)  # would be swept
+    print("canary", canary.pid, "watchdog", cluster.release_watchdog(), flush=True)
+else:
+    time.sleep(3600)  # until the test SIGKILLs this process
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("end", ["killed", "stopped"])
+def test_the_watchdog_cleans_up_after_a_killed_test_process_and_nothing_after_a_clean_stop(tmp_path, end):
+    """A process starts a cluster with this module's code (as the fixture does) and a `sbatch --wrap 'sleep 600'` job.
+    killed: SIGKILL to that process (its finalizers never run): within 30 s its watchdog has killed munged,
+    slurmctld, slurmd, the job's slurmstepd and sleep, and removed the folder. stopped: the process cleans up itself
+    and dismisses the watchdog, which exits 0 and touches nothing (a process with the cluster's SLURM_CONF started
+    after the clean-up is still alive after it)."""
+    reason = _cannot_start()
+    if reason:
+        pytest.skip(reason)
+    log = tmp_path / "starter.log"
+    code = CLUSTER_THEN.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    with open(log, "w") as f:
+        starter = subprocess.Popen([sys.executable, "-c", code, end], cwd=ROOT, env=clean_env(),
+                                   stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 240
+        while "cluster " not in log.read_text() and starter.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        line = next((ln for ln in log.read_text().splitlines() if ln.startswith("cluster ")), None)
+        assert line, log.read_text()[-5000:]
+        _, root, conf, watchdog = line.split()
+        deadline = time.time() + 60  # RUNNING comes a moment before slurmstepd has started the script
+        while True:
+            processes = [p for p in cluster_processes(root, conf) if p.pid != int(watchdog)]
+            names = sorted({p.name() for p in processes})
+            if {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= set(names) or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert {"munged", "slurmctld", "slurmd", "slurmstepd", "sleep"} <= set(names), names
+        if end == "killed":
+            starter.kill()
+            starter.wait()
+            deadline = time.time() + 30
+            while time.time() < deadline and (os.path.exists(root) or any(_alive(p.pid) for p in processes)):
+                time.sleep(0.5)
+            left = [p.pid for p in processes if _alive(p.pid)]
+            assert not left and not os.path.exists(root), (left, os.path.exists(root), log.read_text()[-3000:])
+            assert not _alive(int(watchdog))
+            assert "is gone; killed " in log.read_text()
+        else:
+            starter.stdin.close()  # go on: clean up
+            assert starter.wait(timeout=120) == 0, log.read_text()[-5000:]
+            words = next(ln for ln in log.read_text().splitlines() if ln.startswith("canary ")).split()
+            assert words[3] == "0" and _alive(int(words[1])), log.read_text()[-3000:]
+            assert not os.path.exists(root) and not any(_alive(p.pid) for p in processes)
+            assert "is gone" not in log.read_text()
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+        for line in log.read_text().splitlines():
+            if line.startswith("canary "):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
