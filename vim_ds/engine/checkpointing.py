@@ -85,6 +85,8 @@ class Checkpointer:
                 faults.kill_self()
             if faults.active("signal_in_save", step, self.rank):
                 faults.send_signal()
+            if faults.active("wait_for_signal_in_save", step, self.rank):
+                faults.wait_for_signal()
             torch.save(rng_state(), os.path.join(tag_dir, layout.rng_file(self.rank)))
             if self.rank == 0 and ema_state is not None:
                 torch.save(ema_state, os.path.join(tag_dir, layout.EMA_FILE))

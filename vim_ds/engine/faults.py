@@ -19,7 +19,10 @@ the N-th sample it loads (`vim_ds/data/loader.py`), as a read from a hung file s
 Signals from outside at a known step, for tests/test_slurm.py (a real SLURM sends them: `scontrol requeue`, a time
 limit's `--signal=TERM@N`, `scancel`): `wait_for_signal@N` makes the rank wait (sleeping, no CPU) at the start of
 optimizer step N until it has received SIGTERM or SIGINT, then take the step, so the ranks agree to stop after step N
-however long the signal takes to come; a resumed run starts after step N and never waits.
+however long the signal takes to come; a resumed run starts after step N and never waits. In the other two phases
+where a signal can find the ranks: `wait_for_signal_in_eval@N` waits the same way at the first batch of the
+evaluation after step N (the ranks then agree to cut it short), and `wait_for_signal_in_save@N` half-way through
+saving the step-N checkpoint, where `signal_in_save` sends its signal (the save then completes).
 
 Signals at a precise phase, for tests/faults/test_signals.py: a real signal (VIM_DS_INJECT_SIGNAL: `SIGTERM`, the
 default, or `SIGINT`; with `:rank`, to the injecting rank only instead of its whole process group, launcher and
@@ -40,7 +43,7 @@ import signal
 import time
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
-         "signal_in_save", "signal_in_train", "wait_for_signal")
+         "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
