@@ -9,7 +9,9 @@ end of a pipe only the test process can write to) sees the pipe close and does t
 - `scontrol requeue` while it trains: every process of the job gets SIGTERM, the ranks save ("stopping on SIGTERM
   after step N ... saved"), SLURM queues the job again (same id, same arguments, SLURM_RESTART_COUNT=1), and
   `--resume auto` continues to the same weights, Adam moments, EMA, scheduler and position as the uninterrupted job,
-  bit for bit.
+  bit for bit. Also in the two other phases a signal can find the ranks in, on a 3-step epoch: during the
+  evaluation at the epoch's end (cut short, not logged, the epoch's checkpoint saved; the requeued job starts the
+  next epoch) and half-way through saving the epoch's checkpoint (the save completes and is the one resumed).
 - The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
   `--dependency=afternotok:JOBID` continues to the same end.
 - `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
@@ -19,7 +21,8 @@ end of a pipe only the test process can write to) sees the pipe close and does t
 There is no slurmdbd here, so no `sacct` ("Slurm accounting storage is disabled"): a job's state and exit code are
 read from `scontrol show job` (kept MinJobAge = 600 s after the end) and from the jobcomp/filetxt log, which hold the
 same JobState and ExitCode fields sacct shows. The signals come from SLURM itself; `VIM_DS_INJECT=wait_for_signal@N`
-only makes the ranks wait at step N until it arrives, so the job is mid-training whenever SLURM gets to it.
+only makes the ranks wait at step N until it arrives, so the job is mid-training whenever SLURM gets to it
+(`wait_for_signal_in_eval@N`, `wait_for_signal_in_save@N`: in the evaluation after step N, in the step-N save).
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import pytest
 
 from slurm_watchdog import cluster_processes
 from test_launch import clean_env, small_digits  # noqa: F401  (small_digits: a fixture used here)
-from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, step_losses
+from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, evals, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -257,10 +260,9 @@ class Slurm:
             deadline = time.time() + 30
             while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                 time.sleep(1)
-        ours = {d.pid for d in self.daemons} | ({self.watchdog.pid} if self.watchdog else set())
-        for p in cluster_processes(self.root, self.conf):  # the jobs' processes and their slurmstepd
+        for p in cluster_processes(self.root, self.conf):  # the jobs, their slurmstepd, the daemons (their env)
             try:
-                if p.pid not in ours:
+                if not self.watchdog or p.pid != self.watchdog.pid:
                     p.kill()
             except psutil.Error:
                 pass
@@ -359,18 +361,39 @@ BANNERS = {  # what each batch script says about the job first (GPUS_PER_NODE=2)
 }
 
 
+EPOCH_STEPS = 3  # epoch_digits: 48 training images, 3 steps of the global batch of 16 an epoch
+EPOCH_ARGS = ["--epochs", "2"]  # with epoch_digits: an evaluation and a checkpoint after step 3, mid-training
+
+
 @pytest.fixture(scope="module")
-def straight_job(slurm, small_digits, tmp_path_factory):
-    """straight_job(batch) -> (job id, output dir) of the uninterrupted job of launch/BATCH, run on first use."""
+def epoch_digits(small_digits, tmp_path_factory):
+    """small_digits with 48 training images: the jobs' epoch ends at step EPOCH_STEPS (of STEPS), where the trainer
+    evaluates and saves, so that a signal can find the ranks there."""
+    root = tmp_path_factory.mktemp("digits_epoch")
+    shutil.copytree(os.path.join(small_digits, "val"), root / "val")
+    names = [(cls, name) for cls in sorted(os.listdir(os.path.join(small_digits, "train")))
+             for name in sorted(os.listdir(os.path.join(small_digits, "train", cls)))[:5]][:16 * EPOCH_STEPS]
+    for cls, name in names:
+        os.makedirs(root / "train" / cls, exist_ok=True)
+        shutil.copy(os.path.join(small_digits, "train", cls, name), root / "train" / cls / name)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def straight_job(slurm, small_digits, epoch_digits, tmp_path_factory):
+    """straight_job(batch, epochs=False) -> (job id, output dir) of the uninterrupted job of launch/BATCH, run on
+    first use; with `epochs`, the job on epoch_digits (evaluations and checkpoints after steps 3 and 5)."""
     done = {}
 
-    def get(batch: str):
-        if batch not in done:
-            out = tmp_path_factory.mktemp(f"straight_{batch.split('.')[0]}") / "run"
-            job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out), **job_env())
+    def get(batch: str, epochs: bool = False):
+        if (batch, epochs) not in done:
+            name = f"straight_{batch.split('.')[0]}" + ("_epochs" if epochs else "")
+            out = tmp_path_factory.mktemp(name) / "run"
+            args = job_args(epoch_digits, out) + EPOCH_ARGS if epochs else job_args(small_digits, out)
+            job_id = slurm.sbatch(batch, ON_CPU, args, **job_env())
             slurm.wait(job_id, ENDED)
-            done[batch] = job_id, out
-        return done[batch]
+            done[batch, epochs] = job_id, out
+        return done[batch, epochs]
 
     return get
 
@@ -395,16 +418,55 @@ def test_sbatch_trains_to_the_end(slurm, straight_job, batch):
         assert step_losses(out) == step_losses(straight_job("slurm_mi300x.sbatch")[1])
 
 
-@pytest.mark.parametrize("batch", ["slurm_mi300x.sbatch", "slurm_torchrun.sbatch"])
-def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, straight_job, small_digits, tmp_path,
-                                                                     batch):
-    """`scontrol requeue` at step SIGNAL_STEP; the requeued job (released at once instead of SLURM's ~120 s
-    requeue delay) resumes from the checkpoint the ranks saved on SIGTERM and ends with the uninterrupted job's
-    training state, bit for bit (same ranks, same arithmetic)."""
+def wait_for_eval(slurm: Slurm, job_id: str, out, step: int, timeout: float = 300):
+    """Until rank 0 has logged the evaluation after step `step`, and the step's checkpoint folder exists (the ranks
+    are saving it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(os.path.join(out, "metrics.jsonl")) and any(r["step"] == step for r in evals(out)) \
+                and os.path.isdir(os.path.join(out, "checkpoints", f"global_step{step}")):
+            return
+        state = slurm.job(job_id)["JobState"]
+        assert state in ("PENDING", "CONFIGURING", "RUNNING"), (state, slurm.output(job_id)[-4000:])
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} logged no evaluation at step {step} in {timeout} s:\n{slurm.output(job_id)[-4000:]}")
+
+
+EVAL_KEYS = ("step", "epoch", "eval_loss", "eval_acc1", "eval_acc5", "ema_eval_loss", "ema_eval_acc1")
+
+
+def eval_results(out) -> list[tuple]:
+    return [tuple(r.get(k) for k in EVAL_KEYS) for r in evals(out)]
+
+
+@pytest.mark.parametrize("batch, phase", [("slurm_mi300x.sbatch", "step"), ("slurm_torchrun.sbatch", "step"),
+                                          ("slurm_mi300x.sbatch", "eval"), ("slurm_mi300x.sbatch", "save")])
+def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, straight_job, small_digits, epoch_digits,
+                                                                     tmp_path, batch, phase):
+    """`scontrol requeue` while the ranks wait for a signal, in one of three phases:
+
+    - step: at the start of step SIGNAL_STEP (mid-epoch): they take the step, save, stop after it;
+    - eval: at the first batch of the evaluation at the end of epoch 0 (after step EPOCH_STEPS, on epoch_digits): the
+      evaluation is cut short and not logged, the epoch's checkpoint is saved, and the requeued job starts epoch 1
+      (the epoch is not trained again; its evaluation is not redone);
+    - save: half-way through saving that epoch's checkpoint (its evaluation logged): the save completes and is the
+      checkpoint the ranks stop with.
+
+    The requeued job (released at once instead of SLURM's ~120 s requeue delay) resumes from that checkpoint and
+    ends COMPLETED with Restarts=1 and the uninterrupted job's losses, evaluations and training state, bit for bit
+    (same ranks, same arithmetic)."""
     out = tmp_path / "run"
-    job_id = slurm.sbatch(batch, ON_CPU, job_args(small_digits, out),
-                          **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))
-    wait_for_step(slurm, job_id, out, SIGNAL_STEP - 1)
+    epochs = phase != "step"
+    args = job_args(epoch_digits, out) + EPOCH_ARGS if epochs else job_args(small_digits, out)
+    inject = {"step": f"wait_for_signal@{SIGNAL_STEP}", "eval": f"wait_for_signal_in_eval@{EPOCH_STEPS}",
+              "save": f"wait_for_signal_in_save@{EPOCH_STEPS}"}[phase]
+    job_id = slurm.sbatch(batch, ON_CPU, args, **job_env(VIM_DS_INJECT=inject))
+    if phase == "step":
+        wait_for_step(slurm, job_id, out, SIGNAL_STEP - 1)
+    elif phase == "eval":
+        wait_for_step(slurm, job_id, out, EPOCH_STEPS)  # then the ranks evaluate, and wait at its first batch
+    else:
+        wait_for_eval(slurm, job_id, out, EPOCH_STEPS)  # then the ranks save, and wait half-way
     slurm.run("scontrol", "requeue", job_id)
     job = slurm.wait(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=120)
     if job["JobState"] == "PENDING":
@@ -414,12 +476,19 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, stra
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), (job, output[-5000:])
     # jobcomp logs each end of the job: the requeue (as the state it left the job in, PENDING), then the end
     assert [c["JobState"] for c in slurm.jobcomp(job_id)] == ["PENDING", "COMPLETED"], slurm.jobcomp(job_id)
-    assert stopped_after(output) == [SIGNAL_STEP], output[-5000:]
+    stop_step = SIGNAL_STEP if phase == "step" else EPOCH_STEPS
+    assert stopped_after(output) == [stop_step], output[-5000:]
     assert "(requeued 1 times)" in output
-    assert f"at epoch 0, step {SIGNAL_STEP}" in output and "resumed " in output, output[-5000:]
-    straight_out = straight_job(batch)[1]
+    # the step phase stops mid-epoch 0; the others after epoch 0's checkpoint, which resumes at epoch 1
+    assert f"at epoch {int(epochs)}, step {stop_step}" in output and "resumed " in output, output[-5000:]
+    straight_out = straight_job(batch, epochs)[1]
     assert step_losses(out) == step_losses(straight_out)
     assert_same_state(out / "checkpoints" / f"global_step{STEPS}", straight_out / "checkpoints" / f"global_step{STEPS}")
+    if epochs:
+        straight_evals = eval_results(straight_out)
+        assert [r[0] for r in straight_evals] == [EPOCH_STEPS, STEPS]
+        # eval: the evaluation the signal found was cut short, not logged, and not done again after the requeue
+        assert eval_results(out) == (straight_evals[1:] if phase == "eval" else straight_evals), output[-5000:]
     assert_nothing_left(slurm, out)
 
 
