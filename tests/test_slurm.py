@@ -15,6 +15,12 @@ end of a pipe only the test process can write to) sees the pipe close and does t
 - The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
   `--dependency=afternotok:JOBID` continues to the same end.
 - `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
+- Two nodes: a second cluster, node0 and node1, one slurmd in each of two network namespaces joined by a veth
+  (the `two_hosts` fixture of tests/test_launch.py; slurmctld beside node0, `SlurmctldHost=localhost(10.77.0.1)`,
+  spool, pid and log per node with %n). `GPUS_PER_NODE=1 sbatch --nodes=2 launch/slurm_mi300x.sbatch` trains 2 ranks
+  across them with the one-node job's losses. The daemons enter a namespace with `nsenter --net`: `ip netns exec`
+  also mounts a fresh /sys without /sys/fs/cgroup, and slurmd then fails ("Unable to initialize cgroup plugin").
+  The node names do not resolve, so the test gives MASTER_ADDR as node0's address.
 - The watchdog: a process that started a cluster (with a `sleep` job) and is SIGKILLed leaves no daemon, job
   process or folder behind 30 s later; one that stops its cluster itself leaves the watchdog nothing to do.
 
@@ -39,7 +45,7 @@ import psutil
 import pytest
 
 from slurm_watchdog import cluster_processes
-from test_launch import clean_env, small_digits  # noqa: F401  (small_digits: a fixture used here)
+from test_launch import clean_env, small_digits, two_hosts  # noqa: F401  (fixtures used here)
 from train_utils import QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, evals, step_losses
 
 pytestmark = pytest.mark.slow
@@ -96,8 +102,11 @@ def _cannot_start() -> str:
 class Slurm:
     """A one-node SLURM cluster whose every file is under `root`, its daemons children of this process."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, hosts: list[tuple[str, str]] | None = None):
+        """hosts: [(network namespace, address)] for one node each (node0, node1, ...), slurmctld on the first; None:
+        one node, localhost, in this process's network."""
         self.root = root
+        self.hosts = hosts
         self.conf = os.path.join(root, "slurm.conf")
         self.daemons: list[subprocess.Popen] = []
         self.watchdog: subprocess.Popen | None = None
@@ -121,20 +130,43 @@ class Slurm:
             force = []
         except KeyError:  # no munge user: munged runs as root only when forced
             as_munge, force = {}, ["--force"]
+        conf = CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port())
+        if self.hosts:
+            names = [f"node{i}" for i in range(len(self.hosts))]
+            conf = conf.replace("localhost(127.0.0.1)", f"localhost({self.hosts[0][1]})")  # 'localhost': any host
+            for setting in ("SlurmdSpoolDir", "SlurmdPidFile", "SlurmdLogFile"):  # one of each per node: %n
+                line = next(ln for ln in conf.splitlines() if ln.startswith(setting + "="))
+                conf = conf.replace(line, line.replace("spool", "spool/%n").replace("slurmd.", "slurmd-%n."))
+            conf = conf.replace("NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN", "\n".join(
+                f"NodeName={n} NodeAddr={addr} CPUs=1 State=UNKNOWN" for n, (_, addr) in zip(names, self.hosts)))
+            conf = conf.replace("Nodes=localhost", f"Nodes={','.join(names)}")
+            for n in names:
+                os.makedirs(os.path.join(root, "spool", n))
         with open(self.conf, "w") as f:
-            f.write(CONF.format(root=root, ctld_port=_free_port(), slurmd_port=_free_port()))
+            f.write(conf)
         log = open(os.path.join(root, "log", "daemons.log"), "w")
         munge_dir = os.path.join(root, "munge")
         self._daemon(["munged", "--foreground", *force, f"--key-file={key}", f"--socket={munge_dir}/munge.sock",
                       f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
                       f"--seed-file={munge_dir}/munged.seed"], log, **as_munge)
         self._wait_for(lambda: os.path.exists(f"{munge_dir}/munge.sock"), "munged's socket")
-        self._daemon(["slurmctld", "-D", "-i", "-f", self.conf], log)
-        self._daemon(["slurmd", "-D", "-N", "localhost", "-f", self.conf], log)
+        if not self.hosts:
+            self._daemon(["slurmctld", "-D", "-i", "-f", self.conf], log)
+            self._daemon(["slurmd", "-D", "-N", "localhost", "-f", self.conf], log)
+        else:
+            self._daemon(["slurmctld", "-D", "-i", "-f", self.conf], log, netns=self.hosts[0][0])
+            for i, (ns, _) in enumerate(self.hosts):
+                self._daemon(["slurmd", "-D", "-N", f"node{i}", "-f", self.conf], log, netns=ns)
         self._wait_for(lambda: "idle" in self.run("sinfo", "-h", "-o", "%T", check=False).stdout, "an idle node")
 
-    def _daemon(self, argv, log, **kw):
-        argv = [shutil.which(argv[0], path=SYSTEM_PATH), *argv[1:]]
+    def _in_netns(self, netns: str | None) -> list[str]:
+        """The prefix that runs a command in that network namespace: nsenter, not `ip netns exec`, which also mounts
+        a new /sys, without the cgroup file system slurmd's cgroup plugin needs ("No filesystem mounted on
+        /sys/fs/cgroup ... slurmd initialization failed")."""
+        return ["nsenter", f"--net=/var/run/netns/{netns}"] if netns else []
+
+    def _daemon(self, argv, log, netns: str | None = None, **kw):
+        argv = self._in_netns(netns) + [shutil.which(argv[0], path=SYSTEM_PATH), *argv[1:]]
         self.daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), **kw))
 
     def _wait_for(self, ready, what: str, timeout: float = 60):
@@ -151,7 +183,8 @@ class Slurm:
 
     def logs(self) -> str:
         out = []
-        for name in ("log/daemons.log", "munge/munged.log", "log/slurmctld.log", "log/slurmd.log"):
+        for name in ("log/daemons.log", "munge/munged.log", "log/slurmctld.log", "log/slurmd.log",
+                     "log/slurmd-node0.log", "log/slurmd-node1.log"):
             path = os.path.join(self.root, name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -166,7 +199,9 @@ class Slurm:
         return env
 
     def run(self, *argv, check: bool = True, **env) -> subprocess.CompletedProcess:
-        proc = subprocess.run(argv, cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=60)
+        netns = self.hosts[0][0] if self.hosts else None  # the clients talk to slurmctld from its host
+        proc = subprocess.run(self._in_netns(netns) + list(argv), cwd=ROOT, env=self.env(**env), capture_output=True,
+                              text=True, timeout=60)
         if check:
             assert proc.returncode == 0, f"{argv}: {proc.stdout}{proc.stderr}\n{self.logs()}"
         return proc
@@ -626,3 +661,44 @@ def test_the_watchdog_cleans_up_after_a_killed_test_process_and_nothing_after_a_
         for line in log.read_text().splitlines():
             if line.startswith("canary "):
                 os.kill(int(line.split()[1]), signal.SIGKILL)
+
+
+@pytest.fixture
+def slurm_two_nodes(two_hosts):
+    """A two-node cluster: node0 and node1, one CPU each, one slurmd in each of two_hosts' network namespaces
+    (10.77.0.1, 10.77.0.2), slurmctld beside node0's; stopped and removed as `slurm` is."""
+    reason = _cannot_start() or ("" if shutil.which("nsenter") else "nsenter (util-linux) is missing")
+    if reason:
+        pytest.skip(reason)
+    cluster = Slurm(new_root(), hosts=[(ns, addr) for ns, _, addr in two_hosts])
+    try:
+        try:
+            cluster.start()
+        except (OSError, RuntimeError) as e:
+            pytest.skip(f"the two-node SLURM did not start here: {str(e).splitlines()[0]}")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_sbatch_on_two_nodes_trains_like_one_node(slurm_two_nodes, straight_job, small_digits, two_hosts, tmp_path):
+    """`GPUS_PER_NODE=1 sbatch --nodes=2 launch/slurm_mi300x.sbatch` on two SLURM nodes, each a network namespace
+    (MASTER_ADDR given as node0's address: the node names do not resolve here): srun starts one launcher per node,
+    each node's gloo uses its veth, and the 2-rank job ends COMPLETED with the one-node job's per-step losses
+    (fp32: 1e-6 relative)."""
+    out = tmp_path / "run"
+    job_id = slurm_two_nodes.sbatch("slurm_mi300x.sbatch", ["--nodes=2", "--gpus-per-node=0"],
+                                    job_args(small_digits, out),
+                                    **dict(job_env(MASTER_ADDR=two_hosts[0][2]), GPUS_PER_NODE=1))
+    job = slurm_two_nodes.wait(job_id, ENDED)
+    output = slurm_two_nodes.output(job_id)
+    assert (job["JobState"], job["ExitCode"], job["NodeList"]) == ("COMPLETED", "0:0", "node[0-1]"), \
+        (job, output[-5000:])
+    assert f"job {job_id}: 2 nodes (node[0-1]) x 1 MI300X" in output
+    for _, dev, _ in two_hosts:
+        assert f"gloo uses network interface {dev} toward the master {two_hosts[0][2]}" in output, output[-5000:]
+    assert "2 rank(s) on cpu" in output
+    losses, one_node = step_losses(out), step_losses(straight_job("slurm_mi300x.sbatch")[1])
+    assert losses.keys() == one_node.keys() == set(range(1, STEPS + 1))
+    for step in one_node:
+        assert abs(one_node[step] - losses[step]) <= 1e-6 * abs(one_node[step]), (one_node, losses)
