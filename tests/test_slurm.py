@@ -482,8 +482,8 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, stra
 
     - step: at the start of step SIGNAL_STEP (mid-epoch): they take the step, save, stop after it;
     - eval: at the first batch of the evaluation at the end of epoch 0 (after step EPOCH_STEPS, on epoch_digits): the
-      evaluation is cut short and not logged, the epoch's checkpoint is saved, and the requeued job starts epoch 1
-      (the epoch is not trained again; its evaluation is not redone);
+      evaluation is cut short, the epoch's checkpoint is saved (owing that evaluation), and the requeued job first
+      evaluates those weights, then starts epoch 1 (the epoch is not trained again, its evaluation is not lost);
     - save: half-way through saving that epoch's checkpoint (its evaluation logged): the save completes and is the
       checkpoint the ranks stop with.
 
@@ -522,8 +522,9 @@ def test_scontrol_requeue_saves_and_the_requeued_job_resumes_exactly(slurm, stra
     if epochs:
         straight_evals = eval_results(straight_out)
         assert [r[0] for r in straight_evals] == [EPOCH_STEPS, STEPS]
-        # eval: the evaluation the signal found was cut short, not logged, and not done again after the requeue
-        assert eval_results(out) == (straight_evals[1:] if phase == "eval" else straight_evals), output[-5000:]
+        # eval: the evaluation the signal cut short is done by the requeued job first, with the same results
+        assert eval_results(out) == straight_evals, output[-5000:]
+        assert (f"evaluating step {EPOCH_STEPS} first" in output) == (phase == "eval"), output[-5000:]
     assert_nothing_left(slurm, out)
 
 

@@ -106,9 +106,15 @@ def test_a_signal_at_any_phase_saves_one_checkpoint_and_stops_every_rank(small, 
     if fault.startswith("signal_in_save"):  # the save in flight completed, and the run stopped one step later
         assert "global_step2" in complete_tags(out)
     assert not _left_over(proc.pid), "processes of the job are still running"
-    if case == "python-1rank-SIGTERM-eval":  # the checkpoint continues the run where it stopped: the next epoch
-        resumed = run_train(args(small, out, 1, "--resume", "auto", "--max-steps", str(step + 1)))
+    if case == "python-1rank-SIGTERM-eval":
+        # the checkpoint continues the run where it stopped (the next epoch), and the evaluation the stop cut short
+        # is done first, on the same weights: nothing is lost, not even when it was the run's final evaluation
+        # (here the resumed run ends at that step: once it had "nothing to train" and logged no evaluation at all)
+        resumed = run_train(args(small, out, 1, "--resume", "auto", "--max-steps", str(step)))
         assert f"global_step{step} at epoch 1, step {step}" in resumed.stdout, resumed.stdout[-2000:]
+        assert f"evaluating step {step} first" in resumed.stdout and "nothing to train" not in resumed.stdout
+        assert [(r["step"], r["epoch"]) for r in evals(out)] == [(step, 0)], evals(out)
+        assert {"eval_acc1", "ema_eval_acc1"} <= evals(out)[0].keys()
 
 
 def _left_over(session: int) -> list[psutil.Process]:

@@ -191,6 +191,9 @@ class Trainer:
         self.bad_steps = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
         self._started_at = 0     # the step this process started from (stopping: was anything trained since?)
         self._stop_signal = None  # the signal the ranks agreed on during an evaluation, which it cut short
+        # the epoch whose evaluation a stop signal cut short (recorded in the checkpoint saved then, so that the run
+        # which resumes it evaluates those same weights first: a stop loses no evaluation, the final one included)
+        self.evaluation_owed: int | None = None
         self._eval_batches = 0
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
@@ -246,7 +249,7 @@ class Trainer:
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
                 "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
                 "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args),
-                "run_id": self.run_id,
+                "run_id": self.run_id, "evaluation_owed": self.evaluation_owed,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
                 # (pure data parallelism: no tensor-parallel patterns to declare)
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -274,7 +277,8 @@ class Trainer:
         self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
         self.best_acc1 = state.get("best_acc1", 0.0)
         self.run_id = state.get("run_id") or self.run_id  # checkpoints of vim_ds before run ids start a lineage
-        signals.STOP.last_checkpoint = path
+        self.evaluation_owed = state.get("evaluation_owed")
+        self.last_checkpoint = signals.STOP.last_checkpoint = path
         if self.dist.is_main:
             print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
 
@@ -557,6 +561,7 @@ class Trainer:
                                   self.autocast_dtype, stop=self._stop_during_evaluation)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
+        self.evaluation_owed = epoch if self._stop_signal is not None else None
         if self._stop_signal is not None:
             return None
         if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
@@ -618,6 +623,12 @@ class Trainer:
             stop = self._agreed_stop()  # a signal while the run was being built
             if stop:
                 self._stop(stop)
+            if self.evaluation_owed is not None:  # the checkpoint's evaluation was cut short by a stop: do it now
+                if self.dist.is_main:
+                    print(f"evaluating step {self.step} first: a stop cut its evaluation short", flush=True)
+                record = self.evaluate(metrics, self.evaluation_owed)
+                if self._stop_signal:  # cut short again: the checkpoint resumed from still owes it
+                    self._stop(self._stop_signal, saved=True)
             while self.epoch < args.epochs and self.step < self.total_steps:
                 epoch = self.epoch
                 if self.train_epoch(metrics):
