@@ -10,8 +10,8 @@ end of a pipe only the test process can write to) sees the pipe close and does t
   after step N ... saved"), SLURM queues the job again (same id, same arguments, SLURM_RESTART_COUNT=1), and
   `--resume auto` continues to the same weights, Adam moments, EMA, scheduler and position as the uninterrupted job,
   bit for bit. Also in the two other phases a signal can find the ranks in, on a 3-step epoch: during the
-  evaluation at the epoch's end (cut short, not logged, the epoch's checkpoint saved; the requeued job starts the
-  next epoch) and half-way through saving the epoch's checkpoint (the save completes and is the one resumed).
+  evaluation at the epoch's end (cut short, the epoch's checkpoint saved owing it; the requeued job evaluates those
+  weights first, then starts the next epoch) and half-way through saving the epoch's checkpoint (the save completes and is the one resumed).
 - The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
   `--dependency=afternotok:JOBID` continues to the same end.
 - `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
