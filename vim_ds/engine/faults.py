@@ -21,7 +21,8 @@ limit's `--signal=TERM@N`, `scancel`): `wait_for_signal@N` makes the rank wait (
 optimizer step N until it has received SIGTERM or SIGINT, then take the step, so the ranks agree to stop after step N
 however long the signal takes to come; a resumed run starts after step N and never waits. In the other two phases
 where a signal can find the ranks: `wait_for_signal_in_eval@N` waits the same way at the first batch of the
-evaluation after step N (the ranks then agree to cut it short), and `wait_for_signal_in_save@N` half-way through
+evaluation after step N (the ranks then agree to cut it short; the run that resumes the checkpoint saved then
+evaluates step N again, without waiting), and `wait_for_signal_in_save@N` half-way through
 saving the step-N checkpoint, where `signal_in_save` sends its signal (the save then completes).
 
 Signals at a precise phase, for tests/faults/test_signals.py: a real signal (VIM_DS_INJECT_SIGNAL: `SIGTERM`, the

@@ -538,7 +538,8 @@ class Trainer:
         outlast the 30 s a launcher leaves between SIGTERM and SIGKILL, so a stop cuts it short."""
         if faults.active("signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0:
             faults.send_signal()
-        if faults.active("wait_for_signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0:
+        if faults.active("wait_for_signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0 \
+                and self.step > self._started_at:  # not in the evaluation a resumed run owes: that one goes through
             faults.wait_for_signal()
         self._eval_batches += 1
         self._stop_signal = self._agreed_stop()
