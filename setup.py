@@ -149,6 +149,6 @@ setup(
     # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
     install_requires=["torch", "torchvision", "timm>=1.0", "deepspeed", "numpy", "pillow", "pydantic>=2", "psutil",
                       "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],
-    extras_require={"test": ["pytest", "webdataset"], "tensorboard": ["tensorboard"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "filelock", "webdataset"], "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
 )

@@ -1,4 +1,6 @@
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,14 +25,30 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-_CPU = {}
+_CPU = {}          # test id -> CPU seconds (under pytest-xdist: in the controller, from the workers' reports)
+_WORKERS_CPU = {}  # pytest-xdist worker -> CPU seconds of its whole session, sent with its last report
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    start = _cpu_seconds()
-    yield
-    _CPU[item.nodeid] = _cpu_seconds() - start
+def pytest_runtest_makereport(item, call):
+    """The CPU seconds of setup + call + teardown ride on the teardown report, so that pytest-xdist carries them
+    from a worker to the controller, which prints the list."""
+    if call.when == "setup":
+        item._cpu_start = _cpu_seconds()
+    outcome = yield
+    if call.when == "teardown":
+        report = outcome.get_result()
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - item._cpu_start))
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            report.user_properties.append(("worker_cpu_seconds", _cpu_seconds() - item.config._cpu_start[0]))
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_seconds":
+            _CPU[report.nodeid] = value
+        elif key == "worker_cpu_seconds" and hasattr(report, "node"):  # in the controller, from a worker
+            _WORKERS_CPU[report.node.gateway.id] = value  # the latest: the worker's session so far
 
 
 def pytest_sessionstart(session):
@@ -47,6 +65,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     cpu0, wall0 = config._cpu_start
     cpu, wall = _cpu_seconds() - cpu0, time.monotonic() - wall0
+    if _WORKERS_CPU:  # pytest-xdist's controller: its workers' own accounts (reaped workers are in its children too)
+        import resource
+
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = own.ru_utime + own.ru_stime - cpu0 + sum(_WORKERS_CPU.values())
     terminalreporter.section(f"most CPU time, {count} tests")
     for nodeid, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:count]:
         terminalreporter.write_line(f"{seconds:8.1f} s CPU  {nodeid}")
@@ -115,36 +138,69 @@ def seed(request):
     return s
 
 
+def _run_root(tmp_path_factory) -> Path:
+    """The folder of this whole test run: the session's temporary folder, or under pytest-xdist the parent that every
+    worker's temporary folder is made in (so workers can find what another one made)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_folder(tmp_path_factory, key: str, make) -> str:
+    """A folder filled once per test run by `make(folder)` and shared by every test and every pytest-xdist worker
+    that asks for the same `key`: the first to ask makes it (holding a file lock, so another worker asking meanwhile
+    waits for it instead of training the same run again), the others reuse it. A `make` that fails is recorded, so
+    every later ask fails at once with its message instead of training the failing run again."""
+    from filelock import FileLock
+
+    root = _run_root(tmp_path_factory) / "shared"
+    root.mkdir(exist_ok=True)
+    folder, done, failed = root / key, root / f"{key}.done", root / f"{key}.failed"
+    with FileLock(str(root / f"{key}.lock")):
+        if failed.exists():
+            pytest.fail(f"the shared run {key!r} failed earlier in this test run:\n{failed.read_text()}")
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(str(folder))
+            except BaseException as e:
+                failed.write_text(f"{type(e).__name__}: {e}"[-6000:])
+                raise
+            done.touch()
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
-def digits(tmp_path_factory):
+def shared(tmp_path_factory):
+    """shared(key, make) -> folder: see `shared_folder`."""
+    return lambda key, make: shared_folder(tmp_path_factory, key, make)
+
+
+@pytest.fixture(scope="session")
+def digits(shared):
     """scikit-learn's digits written once as an ImageFolder (train/, val/); tests that change it copy it first."""
     from vim_ds.data.digits import write_digits
 
-    root = tmp_path_factory.mktemp("digits")
-    write_digits(root)
-    return str(root)
+    return shared("digits", write_digits)
 
 
 @pytest.fixture(scope="session")
-def config_run(digits, tmp_path_factory):
+def config_run(digits, shared):
     """config_run(name) -> the output directory of the run of ds_configs/NAME.json (train_utils.config_run_args),
     trained on first use and shared by every test that needs it. "control" is the same recipe in which the
     optimizer does not move the weights (lr 1e-12; one rank x accumulation 2, the same global batch of 16): what a
     stage whose optimizer never stepped would give, the negative control of the loss comparisons."""
     from train_utils import CPU_CONFIGS, config_run_args, run_train
 
-    done = {}
+    def make(name: str, out: str):
+        if name == "control":
+            run_train(config_run_args(digits, out, "zero0", "--batch-size", 8, "--accum-steps", 2, "--lr", "1e-12"),
+                      nproc=1)
+        else:
+            run_train(config_run_args(digits, out, name), nproc=2)
 
     def get(name: str) -> str:
         assert name in CPU_CONFIGS or name == "control", name
-        if name not in done:
-            out = str(tmp_path_factory.mktemp(f"config_{name}"))
-            if name == "control":
-                run_train(config_run_args(digits, out, "zero0", "--batch-size", 8, "--accum-steps", 2,
-                                          "--lr", "1e-12"), nproc=1)
-            else:
-                run_train(config_run_args(digits, out, name), nproc=2)
-            done[name] = out
-        return done[name]
+        return shared(f"config_{name}", lambda out: make(name, out))
 
     return get

@@ -24,11 +24,10 @@ def fault_args(digits, out, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def reference(digits, tmp_path_factory) -> str:
-    """The uninterrupted run: 12 steps on 2 ranks with the deepspeed launcher."""
-    out = tmp_path_factory.mktemp("reference")
-    run_train(fault_args(digits, out, "--max-steps", STEPS), nproc=2, launcher="deepspeed")
-    return str(out)
+def reference(digits, shared) -> str:
+    """The uninterrupted run: 12 steps on 2 ranks with the deepspeed launcher (made once per test run)."""
+    return shared("faults_reference",
+                  lambda out: run_train(fault_args(digits, out, "--max-steps", STEPS), nproc=2, launcher="deepspeed"))
 
 
 def start_train(args, nproc: int = 2, launcher: str = "deepspeed", env=None) -> subprocess.Popen:
