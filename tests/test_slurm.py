@@ -316,12 +316,13 @@ def new_root() -> str:
     return tempfile.mkdtemp(prefix="vim_ds_slurm.")  # short: munged's socket path has a length limit
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    reason = _cannot_start()
+def running_cluster(hosts=None, missing: str = ""):
+    """For a fixture: yields a started cluster (see `Slurm`), or skips with the reason it cannot start; stops it
+    afterwards whatever happens, and should this process be killed first, its watchdog does (test_the_watchdog_...)."""
+    reason = _cannot_start() or missing
     if reason:
         pytest.skip(reason)
-    cluster = Slurm(new_root())
+    cluster = Slurm(new_root(), hosts=hosts)
     try:
         try:
             cluster.start()
@@ -329,7 +330,12 @@ def slurm():
             pytest.skip(f"the SLURM daemons did not start here: {str(e).splitlines()[0]}")
         yield cluster
     finally:
-        cluster.stop()  # and should this process be killed first, the watchdog does it (test_watchdog_...)
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    yield from running_cluster()
 
 
 def job_args(data, out) -> list[str]:
@@ -668,18 +674,8 @@ def test_the_watchdog_cleans_up_after_a_killed_test_process_and_nothing_after_a_
 def slurm_two_nodes(two_hosts):
     """A two-node cluster: node0 and node1, one CPU each, one slurmd in each of two_hosts' network namespaces
     (10.77.0.1, 10.77.0.2), slurmctld beside node0's; stopped and removed as `slurm` is."""
-    reason = _cannot_start() or ("" if shutil.which("nsenter") else "nsenter (util-linux) is missing")
-    if reason:
-        pytest.skip(reason)
-    cluster = Slurm(new_root(), hosts=[(ns, addr) for ns, _, addr in two_hosts])
-    try:
-        try:
-            cluster.start()
-        except (OSError, RuntimeError) as e:
-            pytest.skip(f"the two-node SLURM did not start here: {str(e).splitlines()[0]}")
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from running_cluster([(ns, addr) for ns, _, addr in two_hosts],
+                               "" if shutil.which("nsenter") else "nsenter (util-linux) is missing")
 
 
 def test_sbatch_on_two_nodes_trains_like_one_node(slurm_two_nodes, straight_job, small_digits, two_hosts, tmp_path):
