@@ -77,7 +77,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                 f"({100 * cpu / max(wall * (os.cpu_count() or 1), 1e-9):.0f} % of them busy)")
 
 
+# The files that take longest (minutes each, most of it in one file's module fixtures or waiting on timeouts and
+# SLURM), started first under pytest-xdist (`--dist loadfile --no-loadscope-reorder`, as tools/test.sh runs it) so
+# that the run does not end with one worker still in one of them while the other idles. Pairs go to the two workers
+# together: the CPU-bound exact-resume runs beside the real-SLURM jobs, which mostly sleep until SLURM's signal.
+LONG_FILES = ["test_resume_exact.py", "test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py",
+              "faults/test_signals.py", "test_convert.py", "test_autocast.py", "test_train.py", "test_recipe_step.py",
+              "faults/test_data_faults.py", "test_compile_check.py", "test_zero_compare.py"]
+
+
+def _long_first(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return next((i for i, name in enumerate(LONG_FILES) if path.endswith("tests/" + name)), len(LONG_FILES))
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_long_first)  # stable: each file's own order, and the files after these, are kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no GPU on this machine")
