@@ -1,14 +1,17 @@
 """Parts of the published recipe checked against an independent computation (issue 21, items 3 and 4):
 
 - evaluation's top-1, top-5 and loss over a whole validation set against `timm.utils.accuracy` and
-  `F.cross_entropy` on the concatenated logits, with an uneven last batch and undecodable images left out;
+  `F.cross_entropy` on the concatenated logits, with an uneven last batch and undecodable images left out: the
+  function itself, and the whole `vim-ds eval` command on 1 and 2 ranks (shards of 20 and 19 real digit files, one
+  undecodable file in each), for the weights and for the EMA;
 - finetuning at another resolution: the position embeddings resampled as the published `interpolate_pos_embed`
   does it (bicubic on the patch grid, no antialiasing), here with timm's `resample_abs_pos_embed` as the reference
   and the class token kept in the middle (Vim's middle class token), for square, non-square and stride-8 grids;
   the head re-initialised when the class count differs.
 
-Each comparison has its negative control: the one-line bug it stands for (top-5 counting 4 predictions, `nearest`
-instead of bicubic) differs from the reference by far more than the tolerance."""
+Each comparison has its negative control: the one-line bug it stands for (top-5 counting 4 predictions, an image
+counted twice as a DistributedSampler's padding does, the EMA scored with the weights, `nearest` instead of bicubic)
+differs from the reference by far more than the tolerance."""
 from __future__ import annotations
 
 import pytest
@@ -129,3 +132,113 @@ def test_finetuning_into_another_class_count_resets_the_head_and_resamples():
     torch.testing.assert_close(target.pos_embed, _published_resample(source.pos_embed.detach(), (8, 8), (12, 12)),
                                rtol=0, atol=1e-6)
     assert torch.equal(target.layers[0].mixer.A_log, source.layers[0].mixer.A_log)  # the rest as it was
+
+
+# -- the whole evaluation command, 1 and 2 ranks, against the same computation on the concatenated logits ----------
+
+BAD_FILES = ("3/broken.png", "7/notes.jpg")  # undecodable: a truncated PNG and text named .jpg
+
+
+def _eval_folder(digits, root) -> str:
+    """39 validation files of the real digits (37 that decode, in 10 classes, and BAD_FILES), and a train/ folder
+    with the same classes (the layout `vim-ds eval` checks). 2 ranks take 20 and 19 files, in batches of 6: both
+    shards end in a short batch, and each has one of the undecodable files (indices 16 and 33)."""
+    import os
+    import shutil
+
+    for split, per_class in (("train", 1), ("val", 4)):
+        for cls in range(10):
+            src, dst = os.path.join(digits, "val", str(cls)), os.path.join(root, split, str(cls))
+            os.makedirs(dst)
+            for name in sorted(os.listdir(src))[:per_class - (split == "val" and cls == 9) * 3]:
+                shutil.copy(os.path.join(src, name), dst)
+    with open(os.path.join(digits, "val", "3", sorted(os.listdir(os.path.join(digits, "val", "3")))[0]), "rb") as f:
+        (root / "val" / BAD_FILES[0]).write_bytes(f.read()[:40])
+    (root / "val" / BAD_FILES[1]).write_text("not an image\n")
+    return str(root)
+
+
+def _weights_file(path) -> dict:
+    """A tiny Vim's weights and a different model as its EMA, heads scaled up so that no two logits are near a tie
+    (the forward in the ranks and here batch the images differently, which moves logits by ~1e-7)."""
+    import timm
+
+    states = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = timm.create_model("vim_tiny", img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4,
+                                  num_classes=10)
+        with torch.no_grad():
+            model.head.weight.mul_(300.0)
+        states.append(model.state_dict())
+    torch.save({"model": states[0], "model_ema": states[1]}, path)
+    return {"model": states[0], "ema": states[1]}
+
+
+def _reference_metrics(folder: str, state: dict, duplicate_first: bool = False) -> dict:
+    """timm's eval transform (create_transform, bicubic, crop 0.875: what tests/test_transforms_reference.py holds
+    our eval transform to), PIL decoding with undecodable files left out, one forward over all images, and
+    `timm.utils.accuracy` / `F.cross_entropy` on the logits. `duplicate_first`: the first image counted twice (what
+    a DistributedSampler's padding does to an uneven split), the negative control."""
+    import os
+
+    import timm
+    from PIL import Image
+    from timm.data import create_transform
+
+    transform = create_transform(32, is_training=False, interpolation="bicubic", crop_pct=0.875)
+    images, targets = [], []
+    for cls in sorted(os.listdir(os.path.join(folder, "val")), key=str):
+        for name in sorted(os.listdir(os.path.join(folder, "val", cls))):
+            try:
+                with Image.open(os.path.join(folder, "val", cls, name)) as im:
+                    images.append(transform(im.convert("RGB")))
+            except OSError:
+                continue
+            targets.append(int(cls))
+    if duplicate_first:
+        images, targets = images + images[:1], targets + targets[:1]
+    model = timm.create_model("vim_tiny", img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4, num_classes=10)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model.eval()(torch.stack(images))
+    targets = torch.tensor(targets)
+    top = logits.topk(6, dim=1).values
+    margin = float((top[:, :5] - top[:, 1:]).min())  # the closest pair around each top-k boundary
+    acc1, acc5 = accuracy(logits, targets, topk=(1, 5))
+    return {"acc1": float(acc1), "acc5": float(acc5), "loss": float(F.cross_entropy(logits, targets)),
+            "images": len(targets), "margin": margin}
+
+
+EVAL_LOSS_REL = 1e-5  # fp32 logits summed in other batches and orders (measured: ~1e-7); the control moves it >= 1e-3
+
+
+@pytest.mark.slow
+def test_vim_ds_eval_on_1_and_2_ranks_equals_timms_accuracy_on_the_concatenated_logits(digits, tmp_path):
+    """`vim-ds eval` of a weights file with an EMA entry, on 1 rank and on 2 (gloo, torchrun), over 39 files of
+    which 2 do not decode, split 20/19 with short last batches: top-1, top-5 and loss of the weights and of the EMA
+    equal the reference's over the 37 images (one image is 2.7 points; loss within EVAL_LOSS_REL), and 2 undecodable files
+    are counted. Controls: one image counted twice, and the EMA's metrics in the weights' place, each differ from the
+    reference by more than the tolerance."""
+    from train_utils import TINY, evals, run_train
+
+    folder = _eval_folder(digits, tmp_path / "data")
+    states = _weights_file(tmp_path / "weights.pth")
+    want = {kind: _reference_metrics(folder, states[kind]) for kind in ("model", "ema")}
+    for kind in want:
+        assert want[kind]["images"] == 37 and want[kind]["margin"] > 1e-3, want[kind]
+    for ranks in (1, 2):
+        out = tmp_path / f"eval_{ranks}"
+        run_train(["--data-set", "folder", "--data-path", folder, "--output_dir", str(out), "--num_workers", "0",
+                   *TINY, "--precision", "fp32", "--batch-size", "4", "--finetune", str(tmp_path / "weights.pth")],
+                  nproc=ranks, module="vim_ds.eval")
+        got = evals(out)[-1]
+        assert (got["eval_images"], got["eval_bad_images"]) == (37, 2), (ranks, got)
+        for prefix, kind in (("eval_", "model"), ("ema_eval_", "ema")):
+            for key in ("acc1", "acc5"):  # timm's accuracy is float32: the same count of images, 1e-6 apart
+                assert got[prefix + key] == pytest.approx(want[kind][key], rel=1e-6), (ranks, prefix, key, got)
+            assert got[prefix + "loss"] == pytest.approx(want[kind]["loss"], rel=EVAL_LOSS_REL), (ranks, prefix, got)
+    # controls: a padded duplicate, and the EMA's metrics reported as the weights'
+    padded = _reference_metrics(folder, states["model"], duplicate_first=True)
+    assert abs(padded["loss"] - want["model"]["loss"]) > 100 * EVAL_LOSS_REL * want["model"]["loss"], padded
+    assert abs(want["ema"]["loss"] - want["model"]["loss"]) > 100 * EVAL_LOSS_REL * want["model"]["loss"], want
