@@ -78,7 +78,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 # The files that take longest (minutes each, most of it in one file's module fixtures or waiting on timeouts and
-# SLURM), started first under pytest-xdist (`--dist loadfile --no-loadscope-reorder`, as tools/test.sh runs it) so
+# SLURM), started first under pytest-xdist (`bash tools/test.sh -n 2 --dist loadfile --no-loadscope-reorder`) so
 # that the run does not end with one worker still in one of them while the other idles. Pairs go to the two workers
 # together: the CPU-bound exact-resume runs beside the real-SLURM jobs, which mostly sleep until SLURM's signal.
 LONG_FILES = ["test_resume_exact.py", "test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py",
