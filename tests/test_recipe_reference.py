@@ -218,8 +218,8 @@ def test_vim_ds_eval_on_1_and_2_ranks_equals_timms_accuracy_on_the_concatenated_
     """`vim-ds eval` of a weights file with an EMA entry, on 1 rank and on 2 (gloo, torchrun), over 39 files of
     which 2 do not decode, split 20/19 with short last batches: top-1, top-5 and loss of the weights and of the EMA
     equal the reference's over the 37 images (one image is 2.7 points; loss within EVAL_LOSS_REL), and 2 undecodable
-    files are counted. Controls: one image counted twice, and the EMA's metrics in the weights' place, each differ from the
-    reference by more than the tolerance."""
+    files are counted. Controls: one image counted twice, and the EMA's metrics in the weights' place, each differ
+    from the reference by more than the tolerance."""
     from train_utils import TINY, evals, run_train
 
     folder = _eval_folder(digits, tmp_path / "data")
