@@ -566,8 +566,17 @@ def test_when_one_node_dies_the_other_nodes_launcher_exits_instead_of_hanging(sm
             node.stop()
 
 
+# Open fault (2026-11-26): a SIGINT sent to the script's own pid was twice not acted on (no trap ran, no launcher or
+# rank logged it; once the run then trained to its end and the script exited 0), once on two xdist workers and once
+# in a one-worker CI run, after passing in every earlier CI run; not reproduced by hand. Cause unknown (see
+# docs/tests.md); SIGTERM, what SLURM and the launchers send, stays a strict test.
+LOST_SIGINT = pytest.mark.xfail(strict=False, reason="a SIGINT to launch/single_node.sh is sometimes not acted on: "
+                                "open fault, cause unknown (docs/tests.md)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=LOST_SIGINT)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launch_script_reaches_the_ranks_which_checkpoint_before_it_exits(small_digits, tmp_path,
                                                                                           sig):
     """What SLURM's `--signal=TERM@120` does to a node, and Ctrl-C in the script's terminal: the signal to
