@@ -14,6 +14,9 @@ counted twice as a DistributedSampler's padding does, the EMA scored with the we
 differs from the reference by far more than the tolerance."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,14 +146,12 @@ def _eval_folder(digits, root) -> str:
     """39 validation files of the real digits (37 that decode, in 10 classes, and BAD_FILES), and a train/ folder
     with the same classes (the layout `vim-ds eval` checks). 2 ranks take 20 and 19 files, in batches of 6: both
     shards end in a short batch, and each has one of the undecodable files (indices 16 and 33)."""
-    import os
-    import shutil
-
     for split, per_class in (("train", 1), ("val", 4)):
         for cls in range(10):
             src, dst = os.path.join(digits, "val", str(cls)), os.path.join(root, split, str(cls))
             os.makedirs(dst)
-            for name in sorted(os.listdir(src))[:per_class - (split == "val" and cls == 9) * 3]:
+            count = 1 if split == "val" and cls == 9 else per_class  # 9 x 4 + 1 = 37 validation images
+            for name in sorted(os.listdir(src))[:count]:
                 shutil.copy(os.path.join(src, name), dst)
     with open(os.path.join(digits, "val", "3", sorted(os.listdir(os.path.join(digits, "val", "3")))[0]), "rb") as f:
         (root / "val" / BAD_FILES[0]).write_bytes(f.read()[:40])
@@ -158,16 +159,20 @@ def _eval_folder(digits, root) -> str:
     return str(root)
 
 
+def _tiny_vim():
+    """The model of train_utils.TINY, as the reference builds it with timm."""
+    import timm
+
+    return timm.create_model("vim_tiny", img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4, num_classes=10)
+
+
 def _weights_file(path) -> dict:
     """A tiny Vim's weights and a different model as its EMA, heads scaled up so that no two logits are near a tie
     (the forward in the ranks and here batch the images differently, which moves logits by ~1e-7)."""
-    import timm
-
     states = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        model = timm.create_model("vim_tiny", img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4,
-                                  num_classes=10)
+        model = _tiny_vim()
         with torch.no_grad():
             model.head.weight.mul_(300.0)
         states.append(model.state_dict())
@@ -180,9 +185,6 @@ def _reference_metrics(folder: str, state: dict, duplicate_first: bool = False) 
     our eval transform to), PIL decoding with undecodable files left out, one forward over all images, and
     `timm.utils.accuracy` / `F.cross_entropy` on the logits. `duplicate_first`: the first image counted twice (what
     a DistributedSampler's padding does to an uneven split), the negative control."""
-    import os
-
-    import timm
     from PIL import Image
     from timm.data import create_transform
 
@@ -198,7 +200,7 @@ def _reference_metrics(folder: str, state: dict, duplicate_first: bool = False) 
             targets.append(int(cls))
     if duplicate_first:
         images, targets = images + images[:1], targets + targets[:1]
-    model = timm.create_model("vim_tiny", img_size=32, depth=2, embed_dim=32, patch_size=4, stride=4, num_classes=10)
+    model = _tiny_vim()
     model.load_state_dict(state)
     with torch.no_grad():
         logits = model.eval()(torch.stack(images))
@@ -214,7 +216,8 @@ EVAL_LOSS_REL = 1e-5  # fp32 logits in other batches and orders (measured: <= 1.
 
 
 @pytest.mark.slow
-def test_vim_ds_eval_on_1_and_2_ranks_equals_timms_accuracy_on_the_concatenated_logits(digits, tmp_path):
+def test_vim_ds_eval_on_1_and_2_ranks_equals_timms_accuracy_on_the_concatenated_logits(
+        digits, tmp_path):
     """`vim-ds eval` of a weights file with an EMA entry, on 1 rank and on 2 (gloo, torchrun), over 39 files of
     which 2 do not decode, split 20/19 with short last batches: top-1, top-5 and loss of the weights and of the EMA
     equal the reference's over the 37 images (one image is 2.7 points; loss within EVAL_LOSS_REL), and 2 undecodable
