@@ -5,8 +5,9 @@
 #
 # die (one-line error, exit 2), print_cmd (a command quoted with printf %q, ready to paste), is_uint,
 # local_gpu_count, source_vendor_env (env_rocm.sh / env_nvidia.sh when that GPU stack is present),
-# choose_gloo_interface (the network interface toward the master, for gloo), and run_in_group (run a launcher so
-# that SIGTERM/SIGINT reach its ranks and their checkpoint is awaited).
+# choose_gloo_interface (the network interface toward the master, for gloo), reset_ignored_signals (called first
+# thing by every script that uses run_in_group: undoes an inherited ignored SIGINT), and run_in_group (run a launcher
+# so that SIGTERM/SIGINT reach its ranks and their checkpoint is awaited).
 # shellcheck shell=bash
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then  # run instead of sourced
@@ -99,6 +100,52 @@ choose_gloo_interface() {
         "another)" >&2
 }
 
+# Sets DEFAULT_SIGNALS to a command prefix that runs a command (in the same process: exec) with SIGINT, SIGTERM,
+# SIGPIPE and SIGXFSZ at their default action, which bash cannot do to a signal that was ignored when it started:
+# coreutils' env (8.31 or later; a few milliseconds), else python3 (-S: about 50 ms), else nothing (empty).
+default_signals_prefix() {
+    if env --default-signal=INT true 2>/dev/null; then
+        DEFAULT_SIGNALS=(env "--default-signal=INT,TERM,PIPE,XFSZ")
+    elif command -v "$PYTHON" >/dev/null 2>&1; then
+        DEFAULT_SIGNALS=("$PYTHON" -S -c 'import os, signal, sys
+for name in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGXFSZ"):
+    if hasattr(signal, name):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+os.execvp(sys.argv[1], sys.argv[1:])')
+    else
+        DEFAULT_SIGNALS=()
+    fi
+}
+
+# Re-run the calling script ("$0", with the arguments given here: `reset_ignored_signals "$@"`) once, in the same
+# process, with SIGINT and SIGTERM at their default action, when it started with either ignored. Every process that a
+# non-interactive shell starts in the background (`cmd &`, `nohup cmd &`: a backgrounded CI script, pytest, or a
+# wrapper's children) inherits SIGINT ignored, Python keeps an inherited SIG_IGN and subprocess passes it on, and bash
+# cannot trap a signal that was ignored when it started: run_in_group's INT trap would silently do nothing, and a
+# `kill -INT` to the script would be lost (the run trains to its end and exits 0). So env or python3 (see
+# default_signals_prefix) resets SIGINT and SIGTERM (and SIGPIPE and SIGXFSZ, which Python ignores and may pass on)
+# and execs bash on the script again: the pid stays the same, so a signal sent to the script's pid still reaches it.
+# VIM_DS_SIGNALS_RESET marks the second run, so it cannot loop; a normal start pays only for reading `trap -p`. Call
+# it first thing: a signal that comes before the reset is lost (nothing can catch an ignored signal), one that comes
+# after it and before run_in_group's traps stops the script by the default action, before anything has started.
+reset_ignored_signals() {
+    if [[ -n ${VIM_DS_SIGNALS_RESET:-} ]]; then
+        unset VIM_DS_SIGNALS_RESET
+        [[ -z $(trap -p INT TERM) ]] \
+            || echo "launch: warning: SIGINT or SIGTERM stays ignored: a signal to this script will not stop the" \
+                "run" >&2
+        return 0
+    fi
+    [[ -n $(trap -p INT TERM) ]] || return 0
+    default_signals_prefix
+    if [[ ${#DEFAULT_SIGNALS[@]} -eq 0 ]]; then
+        echo "launch: warning: SIGINT or SIGTERM is ignored, and neither env --default-signal nor $PYTHON is there to" \
+            "reset it: a signal to this script will not stop the run" >&2
+        return 0
+    fi
+    VIM_DS_SIGNALS_RESET=1 exec "${DEFAULT_SIGNALS[@]}" "$BASH" "$0" "$@"
+}
+
 # Whether a process of session/group $1 is still running (zombies, which a container's init may never reap,
 # do not count).
 _group_alive() {
@@ -110,34 +157,79 @@ _group_alive() {
     fi
 }
 
+# The launcher run_in_group started (empty until its pid is known), the exit status a signal to this script asks for,
+# and a signal that came before the launcher's pid was known.
+_launcher_pid=
+_launcher_signalled=0
+_launcher_pending=
+
+# Whether process $1 ignores SIGINT (from /proc; where there is none: no).
+_ignores_sigint() {
+    local mask
+    mask=$(awk '/^SigIgn:/ { print $2 }' "/proc/$1/status" 2>/dev/null) || return 1
+    [[ -n $mask ]] && (( 16#$mask & 2 ))
+}
+
+# Pass signal $1 (TERM, INT) on to the launcher's whole process group (the launcher alone where the group is gone).
+# A launcher started a moment ago may still be the forked shell or the env/python3 that resets its signals, which
+# ignore SIGINT (bash makes every background job of a script ignore it): wait until it no longer does (at most 5 s).
+_signal_launcher() {
+    local tries=0
+    echo "launch: SIG$1: passed on to the launcher and its ranks; waiting for them to exit" >&2
+    while ((tries++ < 50)) && _ignores_sigint "$_launcher_pid"; do sleep 0.1; done
+    kill "-$1" -- "-$_launcher_pid" 2>/dev/null || kill "-$1" "$_launcher_pid" 2>/dev/null || true
+}
+
+# run_in_group's trap for signal $1, which asks for exit status $2.
+_on_signal() {
+    _launcher_signalled=$2
+    if [[ -n $_launcher_pid ]]; then
+        _signal_launcher "$1"
+    else
+        _launcher_pending=$1
+    fi
+}
+
 # Run a launcher (deepspeed, torchrun) in its own process group and wait until every process of that group is
 # gone. SIGTERM/SIGINT sent to this script go to the whole group: the deepspeed runner itself dies at once, but
 # its per-node launcher passes SIGTERM on to the ranks (and SIGKILLs them 30 s later), and vim-ds train saves a
-# checkpoint and exits on SIGTERM or SIGINT. Waiting for the group (not only the runner) matters under SLURM: a job step
-# ends, killing what is left of it, as soon as its task (this script) exits. Returns the launcher's exit status.
+# checkpoint and exits on SIGTERM or SIGINT. Waiting for the group (not only the runner) matters under SLURM: a job
+# step ends, killing what is left of it, as soon as its task (this script) exits; a wrapper, likewise, must wait for
+# this script, not for the deepspeed runner (which exits 143 at once while the ranks save for seconds). The traps
+# are set before the launcher starts, so no signal falls between the two (one that comes before the launcher's pid is
+# known is passed on as soon as it is; one that comes before the launcher starts stops the script without starting
+# it). Returns the launcher's exit status.
 run_in_group() {
-    local pid rc=0 signalled=0
-    if command -v setsid >/dev/null 2>&1; then
-        setsid "$@" &
-    else
-        "$@" &
+    local rc=0
+    _launcher_pid=
+    _launcher_signalled=0
+    _launcher_pending=
+    trap '_on_signal TERM 143' TERM
+    trap '_on_signal INT 130' INT
+    # The launcher starts with SIGINT at its default action, not ignored as bash starts a script's background job:
+    # so a Ctrl-C before the launcher and the ranks have set their own handlers stops them instead of being lost.
+    local start=()
+    ! command -v setsid >/dev/null 2>&1 || start+=(setsid)
+    default_signals_prefix
+    start+=(${DEFAULT_SIGNALS[@]+"${DEFAULT_SIGNALS[@]}"})  # an empty "${a[@]}" is an error to bash < 4.4 (set -u)
+    if [[ -n $_launcher_pending ]]; then
+        echo "launch: SIG$_launcher_pending before the launcher started: not starting it" >&2
+        trap - TERM INT
+        return "$_launcher_signalled"
     fi
-    pid=$!
-    # shellcheck disable=SC2064  # expand $pid now
-    trap "signalled=143; echo 'launch: SIGTERM: passed on to the launcher and its ranks; waiting for them to exit' >&2
-          kill -TERM -- -$pid 2>/dev/null || kill -TERM $pid 2>/dev/null || true" TERM
-    # shellcheck disable=SC2064
-    trap "signalled=130; kill -INT -- -$pid 2>/dev/null || kill -INT $pid 2>/dev/null || true" INT
+    ${start[@]+"${start[@]}"} "$@" &
+    _launcher_pid=$!
+    [[ -z $_launcher_pending ]] || _signal_launcher "$_launcher_pending"
     while true; do
-        wait "$pid" && rc=0 || rc=$?  # returns early when a trapped signal arrives
-        kill -0 "$pid" 2>/dev/null || break
+        wait "$_launcher_pid" && rc=0 || rc=$?  # returns early when a trapped signal arrives
+        kill -0 "$_launcher_pid" 2>/dev/null || break
     done
-    while _group_alive "$pid"; do sleep 1; done
+    while _group_alive "$_launcher_pid"; do sleep 1; done
     trap - TERM INT
     # Stopped by a signal to this script: never report success, whatever status the deepspeed runner's own signal
     # handling leaves (seen once on CI: 0 after SIGINT); 128 + the signal, as a shell reports a process it ended.
-    if [ "$rc" -eq 0 ] && [ "$signalled" -ne 0 ]; then
-        rc=$signalled
+    if [ "$rc" -eq 0 ] && [ "$_launcher_signalled" -ne 0 ]; then
+        rc=$_launcher_signalled
     fi
     return "$rc"
 }

@@ -16,6 +16,7 @@
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+reset_ignored_signals "$@"  # before anything else: a SIGINT ignored at start cannot be trapped
 
 DRY_RUN=${DRY_RUN:-0}
 if [[ ${1:-} == --dry-run ]]; then
