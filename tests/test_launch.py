@@ -6,8 +6,8 @@
 - Two hosts on a veth network (two network namespaces): they train like one host; when the link goes down
   mid-run both nodes end within --dist-timeout with one line each and the run resumes from its last complete
   checkpoint; a node 0 whose node 1 never arrives ends after --dist-timeout with one line saying what it waited for.
-- SIGTERM to a launch script reaches the ranks, the trainer checkpoints, and the script waits for it (what SLURM's
-  `--signal=TERM@120` relies on).
+- SIGTERM or SIGINT to a launch script reaches the ranks, the trainer checkpoints, and the script waits for it (what
+  SLURM's `--signal=TERM@120` relies on), also when the script started with SIGINT ignored (from a background job).
 - Arguments with spaces and `$` reach the trainer verbatim.
 - The per-node SLURM logic (node rank, master address, GPU count) and every script's `--dry-run` output, with
   SLURM's variables set by the test and stand-ins for `scontrol` and `srun`.
