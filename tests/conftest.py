@@ -19,13 +19,18 @@ def pytest_addoption(parser):
 
 
 def _cpu_seconds() -> float:
+    """This process's CPU, its waited-for children's, and that of the commands it ran in the preloaded fork server
+    (tests/preloaded.py), which are the server's children, not this process's."""
     import resource
 
+    import preloaded
+
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + preloaded.cpu_seconds()
 
 
 _CPU = {}          # test id -> CPU seconds (under pytest-xdist: in the controller, from the workers' reports)
+_WALL = {}         # test id -> wall seconds of setup + call + teardown
 _WORKERS_CPU = {}  # pytest-xdist worker -> CPU seconds of its whole session, sent with its last report
 
 
@@ -44,6 +49,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report):
+    _WALL[report.nodeid] = _WALL.get(report.nodeid, 0.0) + report.duration
     for key, value in report.user_properties:
         if key == "cpu_seconds":
             _CPU[report.nodeid] = value
@@ -73,6 +79,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section(f"most CPU time, {count} tests")
     for nodeid, seconds in sorted(_CPU.items(), key=lambda kv: -kv[1])[:count]:
         terminalreporter.write_line(f"{seconds:8.1f} s CPU  {nodeid}")
+    terminalreporter.section("time and CPU per file")
+    files = {}
+    for nodeid in set(_CPU) | set(_WALL):
+        entry = files.setdefault(nodeid.split("::")[0], [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += _WALL.get(nodeid, 0.0)
+        entry[2] += _CPU.get(nodeid, 0.0)
+    terminalreporter.write_line(f"{'wall s':>8} {'CPU s':>8} {'tests':>6}  file")
+    for path, (tests, wall_s, cpu_s) in sorted(files.items(), key=lambda kv: -kv[1][1]):
+        terminalreporter.write_line(f"{wall_s:8.0f} {cpu_s:8.0f} {tests:6d}  {path}")
     terminalreporter.write_line(f"the run: {cpu:.0f} s CPU in {wall:.0f} s wall on {os.cpu_count()} cores "
                                 f"({100 * cpu / max(wall * (os.cpu_count() or 1), 1e-9):.0f} % of them busy)")
 

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 from io import BytesIO
 from pathlib import Path
@@ -16,6 +15,8 @@ import pytest
 from PIL import Image, JpegImagePlugin
 
 from vim_ds.cli import main as cli
+
+import preloaded
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES = [(500, 375), (375, 500)]
@@ -71,8 +72,8 @@ def test_photos_refuses_a_non_empty_folder_in_one_line(tmp_path, capsys):
 
 def run_bench(*args):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "vim_ds.bench", "data", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)
+    return preloaded.run([sys.executable, "-m", "vim_ds.bench", "data", *args], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+
+import preloaded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4", "stride=4", "--input-size", "32",
@@ -20,9 +21,9 @@ TINY = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4", "stride=4",
 
 def bench_train(tmp_path, *args, timeout=240):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.bench", "train", *TINY, *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.bench", "train", *TINY, *args, "--json", str(out)],
+                         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, error_line, records, run_train, train_command, train_env
 from vim_ds import compare_runs
 from vim_ds.engine.init_weights import load_init_weights, save_init_weights
@@ -185,8 +185,8 @@ def test_console_script_and_module_run_it(tmp_path, capsys):
 
     a, b = write_run(tmp_path / "a", curve()), write_run(tmp_path / "b", curve(scale=1.5))
     assert cli.main(["compare-runs", a, b]) == 1 and "OUTSIDE" in capsys.readouterr().out
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.compare_runs", a, b], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)  # a hang guard only
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.compare_runs", a, b], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)  # a hang guard only
     assert proc.returncode == 1 and "OUTSIDE" in proc.stdout, proc.stderr
 
 
@@ -259,10 +259,10 @@ def test_zero3_on_two_ranks_matches_one_rank_with_accumulation_and_another_lr_is
     run_train(digits_args(digits, ref, "--deepspeed_config", config("zero3"), "--batch-size", "8", "--lr", "2e-3",
                           "--save-init-weights", init), nproc=2)
     # the two 1-rank runs side by side: most of a tiny run is start-up, which one core does as well as two
-    procs = [subprocess.Popen(train_command(digits_args(digits, out, "--deepspeed_config", config("zero0"),
+    procs = [preloaded.popen(train_command(digits_args(digits, out, "--deepspeed_config", config("zero0"),
                                                         "--batch-size", "8", "--accum-steps", "2", "--lr", lr,
                                                         "--init-weights", init)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(), cwd=ROOT)
+                             env=train_env({"OMP_NUM_THREADS": "1"}), cwd=ROOT)  # side by side: a thread each
              for out, lr in ((same, "2e-3"), (other_lr, "4e-3"))]
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=600)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY
 
 SHIPPED = sorted(name[:-len(".json")] for name in os.listdir(os.path.join(ROOT, "ds_configs")) if name.endswith(".json"))
@@ -26,8 +27,8 @@ def json_config_lines(stdout: str) -> list[str]:
 
 
 def vim_ds(*args, cwd=ROOT, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
+    return preloaded.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
+                         cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def test_configs_lists_every_shipped_file_with_what_it_holds():

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import preloaded
 from train_utils import (CONFIG_STEPS, CPU_CONFIGS, QUIET_AUG, ROOT, TINY, config, config_run_args, evals,
                          rerecord_checksums, run_train)
 
@@ -18,8 +19,8 @@ TINY_KWARGS = dict(num_classes=10, img_size=32, depth=2, embed_dim=32, patch_siz
 
 
 def cli(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
     if check and proc.returncode != 0:
         pytest.fail(f"vim-ds {args[0]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -335,7 +336,7 @@ def test_bench_convert_reports_memory_and_the_verification_of_every_checkpoint_f
     on_disk = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(tag_dir)
                   for name in names if name != MARKER)
     report = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", run,
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", run,
                            "--json", report], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(report.read_text())
@@ -351,6 +352,6 @@ def test_bench_convert_reports_memory_and_the_verification_of_every_checkpoint_f
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", damaged],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.cli", "bench", "convert", "--checkpoint", damaged],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode != 0 and os.path.basename(victim) in proc.stderr, proc.stderr[-2000:]

@@ -3,7 +3,6 @@ one-line data errors, and the batch samplers' split-independence."""
 import argparse
 import logging
 import random
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -15,6 +14,8 @@ from PIL import Image
 
 from vim_ds.data import (DataError, GlobalBatchSampler, ShardedEvalSampler, build_dataset, build_transform,
                          write_digits)
+
+import preloaded
 
 
 def make_args(**overrides):
@@ -30,8 +31,8 @@ def make_args(**overrides):
 def digits(tmp_path_factory):
     """The digits folder, written once through the command line as a user would (`python -m vim_ds.data`)."""
     out = tmp_path_factory.mktemp("digits") / "digits"
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.data", "digits", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.data", "digits", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
     return out, proc
 
 

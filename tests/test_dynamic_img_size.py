@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import vim_ds  # noqa: F401  (registers the models)
 from vim_ds.checkpoint import load_model_weights
 
+import preloaded
+
 ARCH = dict(depth=2, embed_dim=32, num_classes=5)
 TOL = 1e-6  # float32 rounding of logits of order 0.1-1 (~30 ulps); both paths run the same ops: equal in practice
 
@@ -180,7 +182,6 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
     the same with --model-kwargs dynamic_img_size=True. Negative control: nearest-neighbour resampled weights
     score another loss."""
     import json
-    import subprocess
     import sys
 
     from vim_ds.data import build_dataset
@@ -201,8 +202,8 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
     records = []
     for extra in ([], ["dynamic_img_size=True"]):
         out = tmp_path / f"eval{len(records)}"
-        proc = subprocess.run([sys.executable, "-m", "vim_ds.eval", *argv, *extra, "--output_dir", str(out)],
-                              capture_output=True, text=True, timeout=300)
+        proc = preloaded.run([sys.executable, "-m", "vim_ds.eval", *argv, *extra, "--output_dir", str(out)],
+                             capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
 

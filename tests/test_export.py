@@ -11,6 +11,8 @@ import torch
 import vim_ds  # noqa: F401
 from vim_ds.export import main
 
+import preloaded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH = ["--model", "vim_tiny", "--input-size", "32", "--model-kwargs", "depth=2", "embed_dim=32", "patch_size=16",
         "stride=8"]
@@ -39,8 +41,8 @@ def weights(tmp_path_factory):
 def test_exported_program_gives_the_eager_logits_in_a_fresh_process(weights, tmp_path):
     path, model = weights
     out = str(tmp_path / "model.pt2")
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.export", "--weights", path, "--out", out, *ARCH],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.export", "--weights", path, "--out", out, *ARCH],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     x = torch.randn(3, 3, 32, 32)  # a batch size other than the example's: the batch dimension is dynamic
     torch.save(x, tmp_path / "x.pt")

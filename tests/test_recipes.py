@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import yaml
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, step_losses, train_command, train_env
 
 RECIPES = os.path.join(ROOT, "ds_configs", "recipes")
@@ -188,16 +188,16 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, case, text, argv, words):
     if text is not None:
         (tmp_path / "bad.yaml").write_text(text)
         argv = ["--config", str(tmp_path / "bad.yaml")]
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.train", *argv], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.train", *argv], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("vim-ds train: error: ") and words in errors[0], errors
 
 
 def test_configs_lists_the_recipes():
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.cli", "configs"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.cli", "configs"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  vim_")}
     assert sorted(lines) == sorted(OFFICIAL)
@@ -226,8 +226,9 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     from vim_ds.train import build_parser, parse_args
 
     first, again, other = tmp_path / "first", tmp_path / "again", tmp_path / "other_lr"
-    proc = subprocess.run(train_command(_tiny(first)), capture_output=True, text=True, env=train_env(), cwd=ROOT,
-                          timeout=600)
+    one_thread = train_env({"OMP_NUM_THREADS": "1"})  # the same in all three runs: the losses are compared exactly
+    proc = preloaded.run(train_command(_tiny(first)), capture_output=True, text=True, env=one_thread, cwd=ROOT,
+                         timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     recorded = first / "options.yaml"
     assert recorded.is_file()
@@ -240,8 +241,9 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     restarted = options_file.record(parse_args(["--config", str(recorded), "--output_dir", str(again)]), parser)
     assert {**restarted, "output_dir": None} == {**original, "output_dir": None}
 
-    procs = [subprocess.Popen(train_command(["--config", str(recorded), "--output_dir", str(out), *extra]),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(), cwd=ROOT)
+    # side by side, one OpenMP thread each (two processes spinning two threads each on 2 cores waste much of them)
+    procs = [preloaded.popen(train_command(["--config", str(recorded), "--output_dir", str(out), *extra]),
+                             env=one_thread, cwd=ROOT)
              for out, extra in ((again, []), (other, ["--lr", "4e-3"]))]
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)

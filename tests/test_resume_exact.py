@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 
+import preloaded
 from train_utils import (QUIET_AUG, ROOT, TINY, _free_port, assert_same_state, config, digits80, rerecord_checksums,
                          run_train)
 
@@ -146,8 +147,8 @@ def test_a_universal_checkpoint_converted_by_hand_resumes_exactly(data, straight
     `global_step5_universal` tag it prints, by 1 rank."""
     out = tmp_path / "resumed"
     _copy_up_to(straight_runs("zero3-fp32", 2), out, EPOCH_END)
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.convert", "--universal", str(out / "checkpoints")],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.convert", "--universal", str(out / "checkpoints")],
+                         capture_output=True, text=True, cwd=ROOT)
     universal = out / "checkpoints" / f"global_step{EPOCH_END}_universal"
     assert proc.returncode == 0 and str(universal) in proc.stdout, proc.stderr[-2000:]
     cfg, precision = CASES["zero3-fp32"]

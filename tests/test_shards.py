@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from argparse import Namespace
@@ -13,6 +12,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, records, run_train, step_losses
 
 from vim_ds.data import build_dataset
@@ -221,8 +221,8 @@ def test_the_trainer_refuses_damaged_shards_before_deepspeed_with_one_line_and_e
     assert "DeepSpeed" not in proc.stdout and not (tmp_path / "out" / "metrics.jsonl").exists()
 
 def run_bench_data(*args):
-    return subprocess.run([sys.executable, "-m", "vim_ds.bench", "data", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+    return preloaded.run([sys.executable, "-m", "vim_ds.bench", "data", *map(str, args)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=300)
 
 
 @pytest.mark.slow  # two benchmark runs: about 1 min on 2 busy cores

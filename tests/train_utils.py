@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import preloaded
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "ds_configs")
 
@@ -39,8 +41,11 @@ def train_env(env=None) -> dict:
 
 def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "vim_ds.train", timeout: int = 600,
               check: bool = True, env=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_command(args, nproc, launcher, module), capture_output=True, text=True,
-                          timeout=timeout, env=train_env(env), cwd=ROOT)
+    """Run a training job to its end. With torchrun (and one plain process), its ranks are forked from the suite's
+    preloaded server (tests/preloaded.py: the same code and environment, without re-importing the libraries); the
+    deepspeed launcher runs for real."""
+    proc = preloaded.run(train_command(args, nproc, launcher, module), capture_output=True, text=True,
+                         timeout=timeout, env=train_env(env), cwd=ROOT)
     if check and proc.returncode != 0:
         pytest.fail(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, error_line, run_train, step_losses
 
 pytestmark = pytest.mark.slow
@@ -54,14 +54,14 @@ def test_eval_and_convert_refuse_a_damaged_tag(digits, damaged_run, tmp_path):
     proc = run_train(["--data-set", "folder", "--data-path", digits, "--num_workers", "0", *TINY, "--precision",
                       "fp32", "--batch-size", "32", "--resume", str(tag3)], module="vim_ds.eval", check=False)
     assert proc.returncode == 2 and "mp_rank_00_model_states.pt is damaged" in error_line(proc), proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.convert", str(tag3), str(tmp_path / "w.pth")],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.convert", str(tag3), str(tmp_path / "w.pth")],
+                         capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 2 and len(lines) == 1 and "mp_rank_00_model_states.pt is damaged" in lines[0], \
         proc.stderr[-2000:]
     assert not (tmp_path / "w.pth").exists()
     # the control: the intact checkpoint before it converts
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.convert", str(damaged_run / "checkpoints" / "global_step2"),
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.convert", str(damaged_run / "checkpoints" / "global_step2"),
                            str(tmp_path / "w.pth")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and (tmp_path / "w.pth").is_file(), proc.stderr[-2000:]
 

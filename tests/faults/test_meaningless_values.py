@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, error_line, run_train
 
 
@@ -119,8 +120,8 @@ def five_class_file(tmp_path_factory):
 
 
 def command(module: str, *argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, argv)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+    return preloaded.run([sys.executable, "-m", module, *map(str, argv)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
 
 
 def images_of(digits) -> list[str]:

@@ -14,6 +14,7 @@ import zlib
 import pytest
 import torch
 
+import preloaded
 from train_utils import QUIET_AUG, TINY, config, run_train
 
 ARCH = ["--model", "vim_tiny", "--input-size", "32", "--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4",
@@ -98,7 +99,7 @@ def test_resume_with_another_stage_precision_or_model_is_one_line_before_deepspe
     # the conversion the message proposes resumes in bf16
     proc = run_train(train_args(digits, out, "zero2", "--max-steps", "2", "--resume", "auto"))
     assert "at epoch 0, step 1" in proc.stdout
-    subprocess.run([sys.executable, "-m", "vim_ds.convert", "--universal", tag], check=True, capture_output=True)
+    preloaded.run([sys.executable, "-m", "vim_ds.convert", "--universal", tag], check=True, capture_output=True)
     proc = run_train(train_args(digits, tmp_path / "bf16", "zero1", "--max-steps", "2", "--resume", f"{tag}_universal",
                                 "--precision", "bf16"))
     assert "at epoch 0, step 1" in proc.stdout
@@ -264,8 +265,8 @@ def test_a_file_named_checkpoints_is_refused_before_the_first_step(digits, tmp_p
 def test_convert_into_a_folder_is_refused_and_leaves_nothing(zero1_run, tmp_path):
     target = tmp_path / "weights"
     target.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.convert", str(zero1_run), str(target)], capture_output=True,
-                          text=True)
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.convert", str(zero1_run), str(target)], capture_output=True,
+                         text=True)
     assert proc.returncode == 2
     assert only_error_line(proc, "vim-ds convert") == (
         f"vim-ds convert: error: {target} is a folder: OUT is the file to write, e.g. {target}/weights.pth")

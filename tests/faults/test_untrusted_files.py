@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, rerecord_checksums, run_train
 
 
@@ -51,8 +52,8 @@ def plant(path, marker, payload=_RunsShell):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return preloaded.run([sys.executable, "-m", "vim_ds.cli", *map(str, args)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
 
 
 def assert_refused(proc, path, marker):
