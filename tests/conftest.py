@@ -94,12 +94,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 # The files that take longest (minutes each, most of it in one file's module fixtures or waiting on timeouts and
-# SLURM), started first under pytest-xdist (`bash tools/test.sh -n 2 --dist loadfile --no-loadscope-reorder`) so
-# that the run does not end with one worker still in one of them while the other idles. Pairs go to the two workers
-# together: the CPU-bound exact-resume runs beside the real-SLURM jobs, which mostly sleep until SLURM's signal.
-LONG_FILES = ["test_resume_exact.py", "test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py",
-              "faults/test_signals.py", "test_convert.py", "test_autocast.py", "test_train.py", "test_recipe_step.py",
-              "faults/test_data_faults.py", "test_compile_check.py", "test_zero_compare.py"]
+# SLURM), started first under pytest-xdist (`bash tools/test.sh`: -n 2 --dist loadfile --no-loadscope-reorder) so
+# that the run does not end with one worker still in one of them while the other idles; longest first, as measured on
+# one worker on 2026-11-27 (2 cores). The first two go to the two workers together: the real-SLURM jobs, which mostly
+# sleep until SLURM's signal, beside the CPU-bound launch tests.
+LONG_FILES = ["test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py", "test_resume_exact.py", "test_train.py",
+              "test_convert.py", "faults/test_signals.py", "test_loader.py", "test_configs.py", "test_zero_compare.py",
+              "test_compile_check.py", "faults/test_data_faults.py", "test_state_bytes.py", "test_compile.py",
+              "test_autocast.py", "test_imports.py"]
 
 
 def _long_first(item) -> int:

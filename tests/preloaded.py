@@ -14,7 +14,8 @@ What keeps it honest:
   fork if any other thread exists). vim_ds itself is not preloaded: its modules read the environment at import
   (fault injection, the scan backend), so each child imports them under its own environment.
 - What a fresh interpreter sets from the environment at start-up is set again in the child: stdout/stderr buffering
-  (`PYTHONUNBUFFERED`), `sys.path` (`PYTHONPATH`), OpenMP's thread count (`OMP_NUM_THREADS`, which libgomp reads when
+  (`PYTHONUNBUFFERED`), `sys.path` (`PYTHONPATH`, and a `sitecustomize` it brings: the negative controls of
+  tests/test_resume_exact.py put a bug back that way), OpenMP's thread count (`OMP_NUM_THREADS`, which libgomp reads when
   torch loads it), numpy's global seed (a fresh process draws its own).
 - Several ranks (`torchrun --standalone --nproc_per_node N -m MODULE`) are forked side by side with the variables
   torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1),
@@ -225,6 +226,11 @@ def _become(request: dict, fds: list[int], env: dict, base_path: list[str]) -> N
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.getcwd(), *extra, *base_path]
+        for name in ("sitecustomize", "usercustomize"):  # what `site` imports at start-up, before the module runs
+            if any(os.path.exists(os.path.join(p, name + ".py")) or os.path.isdir(os.path.join(p, name))
+                   for p in extra):
+                sys.modules.pop(name, None)
+                __import__(name)
         if env.get("OMP_NUM_THREADS", "").isdigit():
             import torch
 
