@@ -151,3 +151,13 @@ def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
     args = parse_args([])
     assert (args.max_bad_steps, args.max_bad_images, args.dist_timeout) == (1, 0.01, 600)
     assert args.data_timeout == 120 and parse_args(["--dist-timeout", "60"]).data_timeout == 30
+
+
+def test_a_cpu_rank_takes_its_share_of_the_cores_it_may_run_on(monkeypatch):
+    """Ranks on one host split the cores their affinity allows (taskset, cpuset, SLURM's binding), not os.cpu_count()
+    (every core of the machine): oversubscribed OpenMP threads spin and waste CPU."""
+    from vim_ds.engine.distributed import cpu_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert [cpu_threads(n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]
