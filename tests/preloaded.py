@@ -43,6 +43,7 @@ PRELOAD = ["numpy", "torch", "torchvision", "timm", "timm.layers", "timm.data", 
            "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "PIL.Image", "safetensors.torch",
            "yaml", "psutil"]
 ENABLED = os.environ.get("VIM_DS_TEST_FORK_SERVER", "1") != "0"
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 _HEADER = struct.Struct("!I")
 
 
@@ -197,7 +198,7 @@ def _signal(pid: int, signum: int) -> None:
 
 
 def _become(request: dict, fds: list[int], env: dict, base_path: list[str]) -> None:
-    """Turn this forked child into `python -m MODULE ARGS` and run it to its end."""
+    """Turn this forked child into `python -m MODULE ARGS` (or `python SCRIPT ARGS`) and run it to its end."""
     import atexit
     import io
     import runpy
@@ -225,7 +226,8 @@ def _become(request: dict, fds: list[int], env: dict, base_path: list[str]) -> N
                                       errors="backslashreplace", write_through=unbuffered, line_buffering=True)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [os.getcwd(), *extra, *base_path]
+        script = request["module"] if request["module"].endswith(".py") else None
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)) if script else os.getcwd(), *extra, *base_path]
         for name in ("sitecustomize", "usercustomize"):  # what `site` imports at start-up, before the module runs
             if any(os.path.exists(os.path.join(p, name + ".py")) or os.path.isdir(os.path.join(p, name))
                    for p in extra):
@@ -241,9 +243,12 @@ def _become(request: dict, fds: list[int], env: dict, base_path: list[str]) -> N
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
-        sys.argv = ["-m", *request["args"]]
+        sys.argv = [script or "-m", *request["args"]]
         try:
-            runpy._run_module_as_main(request["module"], alter_argv=True)
+            if script:  # `python SCRIPT ARGS`
+                runpy.run_path(script, run_name="__main__")
+            else:
+                runpy._run_module_as_main(request["module"], alter_argv=True)
             code = 0
         except SystemExit as stop:
             code = _exit_code(stop.code)
@@ -340,17 +345,24 @@ def stop_server() -> None:
 
 def parse_command(cmd) -> tuple[str, list[str], int] | None:
     """(module, args, nproc) for `python -m MODULE ARGS` and `python -m torch.distributed.run --standalone
-    --nproc_per_node=N -m MODULE ARGS` with this interpreter and a vim_ds module; None for any other command."""
+    --nproc_per_node=N -m MODULE ARGS` with this interpreter and a vim_ds module, or that torchrun form with one of
+    the suite's scripts in tests/ instead of `-m MODULE` (MODULE is then the script's path); None for any other
+    command."""
     cmd = [str(c) for c in cmd]
     if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m":
         return None
     module, args, nproc = cmd[2], cmd[3:], 1
     if module == "torch.distributed.run":
-        if not (len(args) >= 4 and args[0] == "--standalone" and args[1].startswith("--nproc_per_node=")
-                and args[2] == "-m"):
+        if not (len(args) >= 3 and args[0] == "--standalone" and args[1].startswith("--nproc_per_node=")):
             return None
-        module, args, nproc = args[3], args[4:], int(args[1].split("=", 1)[1])
-    return (module, args, nproc) if module.split(".")[0] == "vim_ds" else None
+        nproc = int(args[1].split("=", 1)[1])
+        if args[2] == "-m" and len(args) >= 4:
+            module, args = args[3], args[4:]
+        elif os.path.dirname(os.path.abspath(args[2])) == _TESTS:  # one of the suite's own scripts
+            module, args = args[2], args[3:]
+        else:
+            return None
+    return (module, args, nproc) if module.split(".")[0] == "vim_ds" or module.endswith(".py") else None
 
 
 class Process:

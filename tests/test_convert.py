@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -269,10 +268,10 @@ def engine_logits(run: str, name: str, digits, out, *extra) -> torch.Tensor:
     from the run's newest checkpoint by DeepSpeed's load_checkpoint (extra: more trainer arguments, e.g. the
     run's --precision)."""
     args = config_run_args(digits, os.path.dirname(out), name, *extra, "--resume", os.path.join(run, "checkpoints"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "tests", "engine_logits.py"), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**os.environ, "LOGITS_OUT": str(out), "PYTHONPATH": ROOT})
+    proc = preloaded.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(ROOT, "tests", "engine_logits.py"), *map(str, args)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "LOGITS_OUT": str(out), "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=True)
 
