@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -57,7 +58,6 @@ def _serve(path: str, ready_fd: int) -> None:
     """Import PRELOAD, say so on `ready_fd`, then fork a child per request until standard input (a pipe from the test
     process) closes."""
     import importlib
-    import select
     import warnings
 
     importlib.import_module("numpy")
@@ -139,7 +139,7 @@ def _receive(conn: socket.socket):
 def _handle(conn: socket.socket, request: dict, fds: list[int], base_path: list[str]) -> None:
     """In a forked handler: start the command's process(es), report their pids, wait, report their exit codes."""
     nproc = request["nproc"]
-    port = _free_port() if nproc > 1 else None
+    port = free_port() if nproc > 1 else None
     pids = []
     for rank in range(nproc):
         env = dict(request["env"])
@@ -279,7 +279,8 @@ def _exit_code(value) -> int:
     return 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT and the like)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -392,14 +393,10 @@ class Process:
         self.codes = None
 
     def poll(self):
-        if self.returncode is None:
-            self._conn.setblocking(False)
-            try:
-                self._collect()
-            except BlockingIOError:
-                pass
-            finally:
-                self._conn.setblocking(True)
+        # readable means the report has begun to arrive (or the handler died): read it whole, blocking, rather than
+        # non-blocking reads that could stop part-way through a message and lose its first bytes
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._collect()
         return self.returncode
 
     def _collect(self):

@@ -51,12 +51,7 @@ def run_train(args, nproc: int = 1, launcher: str = "torchrun", module: str = "v
     return proc
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = preloaded.free_port  # the name the launch, SLURM and resume tests import
 
 
 def rel_diff(a: dict, b: dict) -> float:
