@@ -81,3 +81,76 @@ def test_a_second_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(digits,
     # a run that ended normally leaves no holder to report
     proc = run_train(args(digits, out, "--max-steps", "5", "--resume", "auto"))
     assert "was locked by process" not in proc.stdout
+
+
+# -- a resume never writes over a newer checkpoint ------------------------------------------------------------------
+
+def _files(folder) -> dict:
+    """Every file under `folder` with its bytes' checksum (a rewrite in place changes it)."""
+    import zlib
+
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = zlib.crc32(f.read())
+    return out
+
+
+def test_a_resume_of_an_older_step_never_writes_over_a_newer_checkpoint(digits, config_run, tmp_path):
+    """The issue's probe: `--resume .../global_step1` while `global_step2` and `global_step3` exist re-saved them in
+    place and pruned the older ones. Refused before anything is written (the folder's files keep their bytes),
+    also when `latest` names the older step (`--resume auto`) and when the folder holding the newer checkpoint is
+    another run's; the way the message gives (another --output_dir) branches from step 1 and leaves the origin
+    whole, --keep-checkpoints 1 included."""
+    import shutil
+
+    from train_utils import config_run_args
+
+    run = tmp_path / "run"
+    shutil.copytree(config_run("zero0"), run)  # 2 ranks x 8, checkpoints at steps 1, 2, 3
+    one_rank = ["--batch-size", "8", "--accum-steps", "2"]  # the same global batch of 16 on one rank
+    step1 = run / "checkpoints" / "global_step1"
+    before = _files(run)
+
+    proc = run_train(config_run_args(digits, run, "zero0", *one_rank, "--resume", step1), check=False)
+    line = error_line(proc)
+    assert proc.returncode == 2 and f"--resume {step1} (step 1)" in line, proc.stderr[-2000:]
+    assert "holds newer complete checkpoints (global_step2, global_step3)" in line and "another --output_dir" in line
+    assert _files(run) == before
+
+    (run / "checkpoints" / "latest").write_text("global_step1")  # a `latest` edited back by hand
+    proc = run_train(config_run_args(digits, run, "zero0", *one_rank, "--resume", "auto"), check=False)
+    assert proc.returncode == 2 and f"`latest` names {step1} (step 1)" in error_line(proc), proc.stderr[-2000:]
+    (run / "checkpoints" / "latest").write_text("global_step3")
+    assert _files(run) == before
+
+    other = tmp_path / "other"  # another run's folder whose newest checkpoint is newer than the one resumed
+    shutil.copytree(run / "checkpoints" / "global_step3", other / "checkpoints" / "global_step3")
+    proc = run_train(config_run_args(digits, other, "zero0", *one_rank, "--resume", step1), check=False)
+    assert proc.returncode == 2 and "(global_step3)" in error_line(proc), proc.stderr[-2000:]
+
+    branch = tmp_path / "branch"  # the way the message gives
+    proc = run_train(config_run_args(digits, branch, "zero0", *one_rank, "--resume", step1,
+                                     "--keep-checkpoints", "1"))
+    assert "at epoch 0, step 1" in proc.stdout and sorted(step_losses(branch)) == [2, 3]
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir() if p.is_dir()) == ["global_step3"]
+    assert _files(run) == before  # the origin, global_step1 included, as it was
+
+
+def test_resume_auto_with_only_interrupted_saves_says_so_and_starts_anew(digits, config_run, tmp_path):
+    import shutil
+
+    from train_utils import config_run_args
+
+    run = tmp_path / "run"
+    shutil.copytree(config_run("zero0"), run)
+    for tag in ("global_step1", "global_step2", "global_step3"):
+        os.remove(run / "checkpoints" / tag / "vim_ds_complete.json")  # every save interrupted
+    os.remove(run / "metrics.jsonl")
+    proc = run_train(config_run_args(digits, run, "zero0", "--batch-size", "8", "--accum-steps", "2",
+                                     "--max-steps", "1", "--resume", "auto"))
+    assert ("holds only interrupted saves (global_step1, global_step2, global_step3: no vim_ds_complete.json), "
+            "which are never resumed; starting from step 0") in proc.stderr, proc.stderr[-2000:]
+    assert sorted(step_losses(run)) == [1]

@@ -2,6 +2,10 @@
 
 - A run started without `--resume` into a folder that already holds checkpoints is refused: it would write its
   metrics into the earlier run's and, through `--keep-checkpoints`, delete that run's checkpoints.
+- A resume never writes over a complete checkpoint it did not come from: resuming `global_step10` into a folder
+  that holds a newer complete `global_step20` (a user branching from an earlier step to try another lr, or a
+  `latest` edited back by hand) is refused, naming the way to branch (another --output_dir), since the resumed run
+  would save `global_step20` again in its place and prune the original run's history.
 - A lock (`OUTPUT_DIR/.vim_ds.lock`, an exclusive `flock` held by rank 0 for the life of the run) stops a second
   live run in the same folder; the kernel drops it when the holder dies, however it dies, and the next run says
   whose lock it took over. (flock is per host: two runs on different hosts sharing the folder over NFS are not
@@ -100,6 +104,44 @@ def _earlier_run(args) -> str | None:
         return (f"{args.output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
                 f"--resume auto, or start anew with another --output_dir")
     return None
+
+
+def overwritten_by_resume(output_dir: str, tag_dir: str) -> list[str]:
+    """The complete checkpoints in OUTPUT_DIR/checkpoints that a run resumed from `tag_dir` would write over (its
+    saves are named after their step) and prune: every one of a later step than `tag_dir`'s, whatever run saved it.
+    Damaged ones (which a resume has already skipped with a warning) do not count: nothing usable is lost with
+    them."""
+    from ..checkpoint import deepspeed_dir
+
+    save_dir = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(save_dir):
+        return []
+    start = deepspeed_dir.read_marker(tag_dir).get("step", deepspeed_dir.tag_step(os.path.basename(tag_dir))) \
+        if deepspeed_dir.is_complete(tag_dir) else deepspeed_dir.tag_step(os.path.basename(tag_dir))
+    newer = []
+    for tag in deepspeed_dir.complete_tags(save_dir):
+        path = os.path.join(save_dir, tag)
+        if deepspeed_dir.read_marker(path).get("step", -1) > start and deepspeed_dir.damage(path) is None:
+            newer.append(tag)
+    return newer
+
+
+def resume_overwrite_error(args, tag_dir: str) -> str | None:
+    """Why resuming `tag_dir` into args.output_dir is refused (see `overwritten_by_resume`), or None."""
+    if not args.output_dir or args.eval:
+        return None
+    newer = overwritten_by_resume(args.output_dir, tag_dir)
+    if not newer:
+        return None
+    from ..checkpoint import deepspeed_dir
+
+    step = deepspeed_dir.tag_step(os.path.basename(tag_dir))
+    how = "`latest` names" if args.resume == "auto" or not deepspeed_dir.is_tag_dir(args.resume) else "--resume"
+    shown = ", ".join(newer[-3:]) + (f" and {len(newer) - 3} more" if len(newer) > 3 else "")
+    return (f"{how} {tag_dir} (step {step}), but {os.path.join(args.output_dir, 'checkpoints')} holds newer "
+            f"complete checkpoints ({shown}) that this run would write over and prune; to branch from step {step}, "
+            f"resume it with another --output_dir (the checkpoint is read where it is, the new run's are written "
+            f"there); to continue the newest, --resume {os.path.join(args.output_dir, 'checkpoints', newer[-1])}")
 
 
 def check(args) -> str | None:

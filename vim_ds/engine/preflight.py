@@ -43,7 +43,7 @@ def check(args, is_main: bool) -> None:
     _model(args)
     _files(args)
     if not args.eval:
-        problem = output_dir.check(args)
+        problem = output_dir.check(args) or _resume_overwrite(args)
         if problem:
             raise ValueError(problem)
         _deepspeed_config(args, is_main)  # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
@@ -93,3 +93,21 @@ def _files(args) -> None:
         if path and option != "--resume" and not os.path.isfile(path):
             raise ValueError(f"{option} {path} is a folder, not a weights file; `vim-ds convert` makes one from a "
                              f"checkpoint directory")
+
+
+def _resume_overwrite(args) -> str | None:
+    """A resume of an older checkpoint into a folder holding newer ones (output_dir.resume_overwrite_error). A
+    checkpoint that cannot be resolved here is left to the trainer, which says why in its own words."""
+    from ..checkpoint import deepspeed_dir
+    from ..checkpoint.files import CheckpointError
+
+    path = args.resume
+    if path == "auto" and args.output_dir:
+        path = os.path.join(args.output_dir, "checkpoints")
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        save_dir, tag = deepspeed_dir.resolve(path, verify=False)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return output_dir.resume_overwrite_error(args, os.path.join(save_dir, tag))

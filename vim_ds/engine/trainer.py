@@ -317,6 +317,11 @@ class Trainer:
         saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
         to_convert = not already_universal and saved_world not in (None, self.dist.world_size) and bool(saved_stage)
         check(tag_dir, args, self.num_classes, self.ds, universal=already_universal or to_convert)
+        from .output_dir import resume_overwrite_error  # a branch from an older step: never over a newer one
+
+        problem = resume_overwrite_error(args, tag_dir)
+        if problem:
+            raise CheckpointError(problem)
         if already_universal:
             self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
             return tag_dir
@@ -657,4 +662,8 @@ def _auto_resume_path(args) -> str:
     save_dir = os.path.join(args.output_dir, "checkpoints")
     if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
         return save_dir
+    interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
+    if interrupted and os.environ.get("RANK", "0") == "0":
+        print(f"warning: --resume auto: {save_dir} holds only interrupted saves ({', '.join(interrupted)}: no "
+              f"{deepspeed_dir.MARKER}), which are never resumed; starting from step 0", file=sys.stderr, flush=True)
     return ""  # nothing saved yet: start from scratch
