@@ -106,9 +106,9 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
     """(image path, its top classes with probabilities) per image, or (path, why it cannot be read): an image that
     does not decode, like one PIL refuses as a decompression bomb, does not stop the others."""
     import torch
-    from PIL import Image
 
     from .data.datasets import decode_failure
+    from .data.images import open_rgb
     from .data.transforms import build_transform
 
     model, input_size, num_classes = build(args)
@@ -118,8 +118,7 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
     results = []
     for path in args.images:
         try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")
+            image = open_rgb(path)  # as training reads it: high-bit-depth images scaled to 8 bits
         except Exception as exc:  # noqa: BLE001 - PIL raises OSError, SyntaxError, DecompressionBombError, ...
             results.append((path, "no such file" if isinstance(exc, FileNotFoundError) else decode_failure(path, exc)))
             continue

@@ -311,11 +311,11 @@ class TimmPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from PIL import Image
+        from ..data.images import open_rgb
 
         path, target = self.dataset.reader[key][:2]
         t0 = time.process_time()
-        image = Image.open(path).convert("RGB")
+        image = open_rgb(path)
         t1 = time.process_time()
         times["decode"] += t1 - t0
         return timed_steps(self.steps, image, times, t1), target

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from PIL import UnidentifiedImageError
 from torch.utils.data import Dataset, get_worker_info
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, has_file_allowed_extension
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
+from .images import open_rgb
 from .transforms import build_handover_transform
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ def decode_failure(path: str, exc: Exception) -> str:
 class FolderDataset(SeededDataset):
     """One split of an ImageNet-layout folder (`root/<class>/**/<image>`): the classes and the sample order of
     torchvision's ImageFolder, listed by `_FolderScan` (which also refuses symlink loops and skips hidden names)
-    and decoded by torchvision's default loader.
+    and decoded by `images.open_rgb` (torchvision's default loader, PIL's RGB conversion, except that 16-bit and
+    other high-bit-depth images are scaled to 8 bits instead of clipped).
 
     Files are decoded here rather than in a transform, so that decoding failures (skipped) are told apart from
     transform failures (bugs, raised).
@@ -166,7 +168,7 @@ class FolderDataset(SeededDataset):
 
     def __init__(self, root: str, transform, finish=None):
         scan = _FolderScan(root)
-        self.root, self.transform, self.finish, self.loader = root, transform, finish, default_loader
+        self.root, self.transform, self.finish, self.loader = root, transform, finish, open_rgb
         self.classes, self.samples = scan.classes, scan.samples
         self.class_to_idx = {name: idx for idx, name in enumerate(self.classes)}
         self.targets = [target for _, target in self.samples]

@@ -30,10 +30,11 @@ import sys
 import tarfile
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
 from .datasets import (READERS, BadImage, DataError, FolderDataset, SeededDataset, _folder_dataset,
                        class_folders)
+from .images import open_rgb
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +288,8 @@ def check_shards(root: str, need_train: bool = True) -> None:
 
 
 class ShardDataset(SeededDataset):
-    """One split of a shards folder: sample i is `size` bytes at `offset` in its shard, decoded as torchvision's
-    default loader decodes a file (PIL, converted to RGB), then transformed; with a `finish`, handed over as uint8
+    """One split of a shards folder: sample i is `size` bytes at `offset` in its shard, decoded as the folder data
+    set decodes a file (`images.open_rgb`: 8-bit RGB, high-bit-depth images scaled), then transformed; with a `finish`, handed over as uint8
     and finished in the consuming process, as the folder's samples are (datasets.SeededDataset)."""
 
     def __init__(self, root: str, split: str, transform, finish=None):
@@ -340,8 +341,7 @@ class ShardDataset(SeededDataset):
         if not data:
             raise BadImage(where, "empty file")
         try:
-            with Image.open(io.BytesIO(data)) as image:
-                image = image.convert("RGB")
+            image = open_rgb(io.BytesIO(data))
         except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
             if isinstance(exc, UnidentifiedImageError):
                 reason = "not an image PIL can identify"
