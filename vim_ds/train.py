@@ -290,9 +290,24 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
 
 
 def run(args, prog: str = "vim-ds train") -> int:
+    args.lr_defaults = _lr_defaults(args, argv, prog)
     """Train, or with --eval evaluate: the entry point shared by `vim-ds train` and `vim-ds eval`, with one-line
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
+def _lr_defaults(args, argv, prog: str) -> tuple:
+    """Of --min-lr and --warmup-lr, those holding the built-in default, not typed on the command line (in any
+    spelling argparse accepts): a default above a small batch's scaled lr is lowered with a note, a given value
+    refused (engine/optim.check_lr_settings). A --config file's value equal to the default counts as the default,
+    since a run's options.yaml records every option."""
+    probe = build_parser(prog)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    typed, _ = probe.parse_known_args(sys.argv[1:] if argv is None else argv)
+    defaults = build_parser(prog)
+    return tuple(dest for dest in ("min_lr", "warmup_lr")  # a tuple: vars(args) goes into the checkpoints
+                 if not hasattr(typed, dest) and getattr(args, dest) == defaults.get_default(dest))
+
+
     from .data.loader import DataStall
     from .engine import distributed, options_file, output_dir, preflight, signals
     from .engine.checkpointing import SaveError

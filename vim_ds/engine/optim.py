@@ -22,6 +22,10 @@ class PerStepScheduler:
     def __init__(self, optimizer, *, total_steps: int, warmup_steps: int, warmup_lr: float, min_lr: float):
         from timm.scheduler import CosineLRScheduler
 
+        peak = min(group.get("initial_lr", group["lr"]) for group in optimizer.param_groups)
+        problem = schedule_error(peak, min_lr, warmup_lr if warmup_steps > 0 else None)
+        if problem:  # the last line of defence (train.py's preflight and the Trainer say it first, in full)
+            raise ValueError(f"the lr schedule would not decay: {problem}")
         self.optimizer = optimizer
         self.num_updates = 0
         self.schedule = CosineLRScheduler(optimizer, t_initial=max(total_steps, 1), lr_min=min_lr,
@@ -49,3 +53,68 @@ def ds_auto_values(args, batch) -> dict:
     return {"optimizer.params.lr": scaled_lr(args.lr, batch.global_, args.unscale_lr),
             "optimizer.params.weight_decay": args.weight_decay, "optimizer.params.betas": list(args.opt_betas),
             "optimizer.params.eps": args.opt_eps, "gradient_clipping": args.clip_grad or 0.0}
+
+
+def schedule_error(peak: float, min_lr: float, warmup_lr: float | None) -> str | None:
+    """Why a cosine schedule from `peak` to `min_lr` (with a warmup from `warmup_lr`, None without one) would raise
+    the lr instead of lowering it, or None. Equal values are fine (a constant lr)."""
+    if min_lr > peak:
+        return f"--min-lr {min_lr:g} is above the peak lr {peak:g}"
+    if warmup_lr is not None and warmup_lr > peak:
+        return f"--warmup-lr {warmup_lr:g} is above the peak lr {peak:g}"
+    return None
+
+
+# the floor and the warmup start: (dest, option, what the schedule would do with a value above the peak)
+_SCHEDULE_ENDS = (("min_lr", "--min-lr", "the cosine schedule would raise the lr to it over the run", "the floor",
+                   "e.g. --min-lr 0"),
+                  ("warmup_lr", "--warmup-lr", "the warmup would lower the lr to the peak instead of raising it",
+                   "the warmup's start", "or --warmup-epochs 0 for no warmup"))
+
+
+def check_lr_settings(args, peak: float, peak_from: str, fix: str) -> list[str]:
+    """Learning-rate settings that contradict each other, found once the peak lr is known (after the batch
+    scaling, or the DeepSpeed config's own number): a --min-lr, or with a warmup a --warmup-lr, above the peak.
+
+    A value given (on the command line or in a --config file) is refused with a ValueError naming the values and
+    the fix. The built-in default (args.lr_defaults, set by train.parse_args: the recipe's 1e-5 / 1e-6, meant for a
+    global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, on `args`, and
+    the returned note says so: a user who never chose the floor is not refused for a small batch, and the lr never
+    rises. `peak_from` says where the peak comes from; `fix` how to raise it."""
+    notes = []
+    defaulted = getattr(args, "lr_defaults", ())
+    for dest, option, effect, role, hint in _SCHEDULE_ENDS:
+        value = getattr(args, dest)
+        if value is None or value <= peak or (dest == "warmup_lr" and not args.warmup_epochs > 0):
+            continue
+        if dest in defaulted:
+            setattr(args, dest, peak)
+            notes.append(f"note: the default {option} {value:g} is above this run's peak lr {peak:g} ({peak_from}): "
+                         f"{role} is lowered to {_exact(peak)}, so the lr never rises; give {option} to choose it "
+                         f"({hint})")
+            continue
+        raise ValueError(f"{option} {value:g} is above the peak lr {peak:g} ({peak_from}): {effect}; give {option} "
+                         f"at most {_exact(peak)} ({hint}){fix}")
+    return notes
+
+
+def _exact(value: float) -> str:
+    """The shortest text that reads back as `value` (an "at most" a user can type: 9.765625e-07, not 9.76563e-07)."""
+    return next((text for text in (f"{value:.{p}g}" for p in range(6, 18)) if float(text) == value), repr(value))
+
+
+def peak_lr(args, prepared) -> tuple[float, str, str]:
+    """(the optimizer's peak lr, where it comes from, how to raise it) for a prepared DeepSpeed config
+    (ds_config.PreparedConfig): its optimizer.params.lr, a number written in the JSON winning over --lr."""
+    from .ds_config import AUTO, load_ds_config
+
+    scaled = scaled_lr(args.lr, prepared.batch.global_, args.unscale_lr)
+    lr = prepared.config.get("optimizer", {}).get("params", {}).get("lr", scaled)
+    raw = load_ds_config(prepared.source) if prepared.source != "<dict>" else {}
+    if raw.get("optimizer", {}).get("params", {}).get("lr", AUTO) != AUTO:
+        return lr, f"optimizer.params.lr in {prepared.source}, which wins over --lr", \
+            f", or a larger optimizer.params.lr in {prepared.source}"
+    if args.unscale_lr:
+        return lr, f"--lr {args.lr:g}, --unscale-lr", ", or a larger --lr"
+    return lr, f"--lr {args.lr:g} x global batch {prepared.batch.global_} / 512", \
+        ", or a larger --lr (or --unscale-lr to use --lr as it is)"

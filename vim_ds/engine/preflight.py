@@ -60,9 +60,20 @@ def _deepspeed_config(args, is_main: bool) -> None:
               f"({args.deepspeed_config}; `vim-ds configs` lists the others)", flush=True)
     elif is_main and args.deepspeed_config != given:
         print(f"DeepSpeed config: {given} = {args.deepspeed_config}", flush=True)
-    prepare_ds_config(args.deepspeed_config, world_size=launch_world_size(), device_type=device_type(),
-                      micro_batch=args.batch_size, accum_steps=args.accum_steps, precision=args.precision,
-                      auto_values=lambda batch: ds_auto_values(args, batch))
+    prepared = prepare_ds_config(args.deepspeed_config, world_size=launch_world_size(), device_type=device_type(),
+                                 micro_batch=args.batch_size, accum_steps=args.accum_steps, precision=args.precision,
+                                 auto_values=lambda batch: ds_auto_values(args, batch))
+    _lr_settings(args, prepared, is_main)
+
+
+def _lr_settings(args, prepared, is_main: bool) -> None:
+    """A floor or warmup start above the peak lr (after the batch scaling): refused when given, lowered with a note
+    when the built-in default (optim.check_lr_settings); the trainer repeats it with the process group's world."""
+    from .optim import check_lr_settings, peak_lr
+
+    for note in check_lr_settings(args, *peak_lr(args, prepared)):
+        if is_main:
+            print(note, flush=True)
 
 
 def _data(args) -> None:
