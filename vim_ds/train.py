@@ -242,6 +242,10 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
+    if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":  # a run resumed with other
+        # options: the file's top level is how it started, which is what this run repeats
+        print(options_file.segments_note(known.config, parser, options, meta[options_file.SEGMENTS_KEY]),
+              flush=True)
     return meta
 
 
@@ -334,6 +338,7 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
         return 2
     trainer = None
     try:
+    started = False  # has the run written anything into --output_dir? (until then a refusal undoes the claim)
         if args.eval:
             from .engine.evaluate import evaluate_weights
 
@@ -346,6 +351,7 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
             trainer.resume(trainer.resume_path)
         if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
             # written once nothing can refuse the run any more (a refused resume leaves the folder as it was)
+        started = True
             options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
         record = trainer.fit()
         if record and dist_info.is_main:
@@ -366,7 +372,7 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
     finally:
         if trainer is not None:
             trainer.close()
-        output_dir.release()
+        output_dir.release(undo=not started)  # a refused run leaves no folder or lock it created
         distributed.teardown()
 
 

@@ -10,6 +10,11 @@
   live run in the same folder; the kernel drops it when the holder dies, however it dies, and the next run says
   whose lock it took over. (flock is per host: two runs on different hosts sharing the folder over NFS are not
   told apart.)
+- A refused run leaves the folder as it found it: the checks before the process group create nothing (they probe
+  the nearest existing parent), and what `claim` created (the folder and its parents, `checkpoints/`, the lock
+  file) is removed again by `release(undo=True)` when the run ends before it started writing (train.run: an
+  oversized --batch-size, a bad DeepSpeed config, a refused resume, ...). Only what this process created, and only
+  empty folders (os.rmdir): a folder that existed before, or anything written into it meanwhile, stays.
 """
 from __future__ import annotations
 
@@ -23,6 +28,20 @@ from . import distributed
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process
+_created: list[str] = []  # what `claim` created on this process (folders, the lock file), in the order made
+
+
+def _makedirs(path: str) -> None:
+    """os.makedirs, remembering the folders it creates (for `release(undo=True)`)."""
+    missing, current = [], os.path.abspath(path)
+    while not os.path.exists(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    os.makedirs(path, exist_ok=True)
+    _created.extend(reversed(missing))
 
 
 def _holder(text: str) -> dict:
@@ -35,8 +54,10 @@ def _holder(text: str) -> dict:
 def _lock(output_dir: str) -> tuple[str | None, str | None]:
     """(error, note) of taking the folder's lock on this process."""
     global _held
-    os.makedirs(output_dir, exist_ok=True)
-    f = open(os.path.join(output_dir, LOCK_FILE), "a+")
+    _makedirs(output_dir)
+    lock_path = os.path.join(output_dir, LOCK_FILE)
+    new_lock = not os.path.exists(lock_path)
+    f = open(lock_path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -58,13 +79,28 @@ def _lock(output_dir: str) -> tuple[str | None, str | None]:
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
     f.flush()
     _held = f
+    if new_lock:
+        _created.append(os.path.abspath(lock_path))
     return None, note
 
 
-def release() -> None:
+def release(undo: bool = False) -> None:
     """End of the run (whatever its outcome, short of being killed): the lock file is emptied, so the next run in
-    the folder does not report a dead holder, and the lock is dropped."""
+    the folder does not report a dead holder, and the lock is dropped. With `undo` (the run was refused before it
+    wrote anything), what `claim` created is removed first, while the lock is still held: the lock file it made,
+    then the folders it made, deepest first, each only if empty."""
     global _held
+    if undo:
+        for path in reversed(_created):
+            try:
+                if os.path.basename(path) == LOCK_FILE:
+                    if _held is not None:
+                        os.remove(path)
+                else:
+                    os.rmdir(path)  # never removes anything but an empty folder
+            except OSError:
+                pass  # written into meanwhile (or already gone): it stays
+    _created.clear()
     if _held is not None:
         _held.seek(0)
         _held.truncate()
@@ -82,14 +118,26 @@ def _earlier_checkpoints(output_dir: str) -> str | None:
     return tags[-1] if tags else None
 
 
-def _unwritable(save_dir: str) -> str | None:
-    """Why checkpoints cannot be written to `save_dir` (created if missing), found by writing a file there and
-    removing it (os.access says yes to root on a read-only mount, and knows nothing of quotas), or None."""
+def _unwritable(save_dir: str, create: bool = True) -> str | None:
+    """Why checkpoints cannot be written to `save_dir`, found by writing a file there and removing it (os.access
+    says yes to root on a read-only mount, and knows nothing of quotas), or None. With `create` a missing
+    `save_dir` is created (and remembered, see `release`); without (the checks before the process group, which
+    create nothing), the file is written in its nearest existing parent, where the folders would be made."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         return f"{save_dir} is a file, not a folder; move it away or give another --output_dir"
-    probe = os.path.join(save_dir, f".vim_ds_write_test.{os.getpid()}")
+    where = save_dir
+    if not create:
+        while not os.path.exists(where) and os.path.dirname(where) not in ("", where):
+            where = os.path.dirname(where)
+        if not os.path.exists(where):
+            where = "."
+        if not os.path.isdir(where):
+            return (f"cannot write checkpoints to {save_dir}: Not a directory ({where} is a file); give a writable "
+                    f"--output_dir")
+    probe = os.path.join(where, f".vim_ds_write_test.{socket.gethostname()}.{os.getpid()}")
     try:
-        os.makedirs(save_dir, exist_ok=True)
+        if create:
+            _makedirs(save_dir)
         with open(probe, "w") as f:
             f.write("x")
         os.remove(probe)
@@ -152,7 +200,7 @@ def check(args) -> str | None:
     problem = _earlier_run(args)
     if problem or getattr(args, "engine", "deepspeed") != "deepspeed":  # the baselines save nothing
         return problem
-    return _unwritable(os.path.join(args.output_dir, "checkpoints"))
+    return _unwritable(os.path.join(args.output_dir, "checkpoints"), create=False)
 
 
 def claim(args, dist_info) -> None:
