@@ -242,10 +242,6 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
-    if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":  # a run resumed with other
-        # options: the file's top level is how it started, which is what this run repeats
-        print(options_file.segments_note(known.config, parser, options, meta[options_file.SEGMENTS_KEY]),
-              flush=True)
     return meta
 
 
@@ -290,14 +286,10 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     if problem:
         parser.error(problem)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
+    args.lr_defaults = _lr_defaults(args, argv, prog)
     return args
 
 
-def run(args, prog: str = "vim-ds train") -> int:
-    args.lr_defaults = _lr_defaults(args, argv, prog)
-    """Train, or with --eval evaluate: the entry point shared by `vim-ds train` and `vim-ds eval`, with one-line
-    errors and non-zero exit codes."""
-    from .checkpoint.files import CheckpointError
 def _lr_defaults(args, argv, prog: str) -> tuple:
     """Of --min-lr and --warmup-lr, those holding the built-in default, not typed on the command line (in any
     spelling argparse accepts): a default above a small batch's scaled lr is lowered with a note, a given value
@@ -312,6 +304,10 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
                  if not hasattr(typed, dest) and getattr(args, dest) == defaults.get_default(dest))
 
 
+def run(args, prog: str = "vim-ds train") -> int:
+    """Train, or with --eval evaluate: the entry point shared by `vim-ds train` and `vim-ds eval`, with one-line
+    errors and non-zero exit codes."""
+    from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
     from .engine import distributed, options_file, output_dir, preflight, signals
     from .engine.checkpointing import SaveError
@@ -337,8 +333,8 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
               f"{args.dist_timeout:g} s): {first_line(exc)}", file=sys.stderr, flush=True)
         return 2
     trainer = None
-    try:
     started = False  # has the run written anything into --output_dir? (until then a refusal undoes the claim)
+    try:
         if args.eval:
             from .engine.evaluate import evaluate_weights
 
@@ -349,9 +345,9 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
         trainer = Trainer(args, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
+        started = True
         if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
             # written once nothing can refuse the run any more (a refused resume leaves the folder as it was)
-        started = True
             options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
         record = trainer.fit()
         if record and dist_info.is_main:

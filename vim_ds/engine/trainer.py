@@ -113,13 +113,13 @@ class Trainer:
         self.batch = self.ds.batch
         # a number written in the JSON wins over the command line; the optimizer starts from what is there
         self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
-        self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
-        self.autocast_dtype = autocast_dtype(self.ds.precision)  # the DeepSpeed engine enters it itself
         from .optim import check_lr_settings, peak_lr  # as the preflight did: floor and warmup start vs the peak
 
         for note in check_lr_settings(args, *peak_lr(args, self.ds)):
             if dist_info.is_main:
                 print(note, flush=True)
+        self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
+        self.autocast_dtype = autocast_dtype(self.ds.precision)  # the DeepSpeed engine enters it itself
         self.mixup = self._build_mixup()
 
         self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
