@@ -11,7 +11,8 @@ batch train on other images at each step and are refused, as are runs without a 
 Exit status: 0 when every run's largest relative loss difference is within --tolerance, 1 when one is not, 2 when
 the runs cannot be compared (missing or malformed metrics, no common step, different global batch).
 The `vim-ds train` options that differ between the reference and a run are named from each run's options.yaml
-(`options that differ: --lr 0.002 (reference) vs 0.001 (run X)`).
+(`options that differ: --lr 0.002 (reference) vs 0.001 (run X)`): the options each run started with; a run resumed
+with other options is named with the step each change took effect at (its options.yaml's `segments:`).
 With --out, writes compare_runs.png (loss, relative difference and lr vs step), compare_runs.csv (per step) and
 compare_runs.md (one markdown row per run).
 
@@ -54,7 +55,9 @@ class Run:
     lrs: dict = field(default_factory=dict)      # step -> lr
     evals: dict = field(default_factory=dict)    # step -> evaluation record
     global_batch: int | None = None
-    options: dict | None = None     # the run's options.yaml (`vim-ds train` writes it), None without one
+    options: dict | None = None     # the run's options.yaml (`vim-ds train` writes it), None without one: the
+    # options it started with; a run resumed with other options records the later ones in segments
+    segments: list = field(default_factory=list)  # [{"from_step": N, "options": {changed}}], in order
 
     def describe(self) -> str:
         h = self.header or {}
@@ -123,6 +126,16 @@ def read_run(path: str, label: str) -> Run:
         raise RunError(f"{file}: no training step recorded")
     run.global_batch = (run.header or {}).get("global_batch", summary_batch)
     run.options = read_options(os.path.join(os.path.dirname(file), OPTIONS_FILE))
+    if run.options is not None:
+        from .engine.options_file import SEGMENTS_KEY, read_segments
+        from .train import build_parser
+
+        where = os.path.join(os.path.dirname(file), OPTIONS_FILE)
+        try:
+            run.segments = read_segments(run.options, where, build_parser())
+        except ValueError as exc:
+            raise RunError(str(exc)) from None
+        run.options = {k: v for k, v in run.options.items() if k != SEGMENTS_KEY}
     return run
 
 
@@ -212,6 +225,14 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
     if len(unrecorded) == 1:  # both without: runs from before vim_ds recorded options, nothing to add
         notes.append(f"no {OPTIONS_FILE} in {unrecorded[0]} (a run from before vim_ds recorded its "
                      f"options): the options are not compared")
+    for r in (ref, run):
+        if r.segments:
+            from .engine.options_file import describe_segments
+            from .train import build_parser
+
+            notes.append(f"{r.label} was resumed with other options ("
+                         f"{'; '.join(describe_segments(build_parser(), r.options or {}, r.segments))}); "
+                         f"`options that differ` compares the options each run started with")
     if lr_diff is not None and lr_diff > 1e-6:
         notes.append(f"the learning rates differ (max relative difference {lr_diff:.2e}): another recipe")
     return {"label": run.label, "steps": common, "diffs": diffs, "max_rel": diffs[worst], "max_step": worst,

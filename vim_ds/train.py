@@ -242,6 +242,10 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
+    if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":  # a run resumed with other
+        # options: the file's top level is how it started, which is what this run repeats
+        print(options_file.segments_note(known.config, parser, options, meta[options_file.SEGMENTS_KEY]),
+              flush=True)
     return meta
 
 
@@ -347,8 +351,12 @@ def run(args, prog: str = "vim-ds train") -> int:
             trainer.resume(trainer.resume_path)
         started = True
         if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
-            # written once nothing can refuse the run any more (a refused resume leaves the folder as it was)
-            options_file.write(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options)
+            # written once nothing can refuse the run any more (a refused resume leaves the folder as it was); a
+            # resume with other options adds a segment to it (from which step they ran), said in a note
+            note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
+                                          build_parser(prog), step=trainer.step if trainer.resume_path else None)
+            if note:
+                print(note, flush=True)
         record = trainer.fit()
         if record and dist_info.is_main:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""

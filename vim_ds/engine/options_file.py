@@ -4,6 +4,13 @@
 
 A file maps option names (the dest names: `drop_path`, `num_workers`; `drop-path` is read as the same) to values;
 the optional `recipe:` mapping describes a shipped recipe (stage, gpus, source, requires) and sets no option.
+
+A run resumed with other options keeps its record true: the top level stays the options it started with, and
+`segments:` lists each later part of the run, `{from_step: N, options: {what changed}}`, in order (`write_run`);
+options that change how or where a run runs, not what it computes (NOT_PART_OF_THE_RUN), are not counted.
+`--config` of such a file repeats the first segment, with a note naming the later ones (`segments_note`);
+`vim-ds compare-runs` compares the first segments and lists the later ones. A file without `segments:` (every
+file written before they existed) is one segment.
 The command line wins over the file: train.parse_args makes the file's values the parser's defaults, then parses
 the command line. Every value goes through its option's own type and choices, so `lr: 1e-3` (a string to YAML 1.1)
 is the float 0.001, and a wrong value is a one-line error naming the file and the key.
@@ -18,6 +25,13 @@ META_KEY = "recipe"
 META_FIELDS = {"stage", "gpus", "source", "requires", "description"}
 # not options of a run: the file itself, what the launcher sets, DeepSpeed's flags that change nothing here
 NOT_RECORDED = ("config", "local_rank", "deepspeed", "deepscale", "deepscale_config")
+SEGMENTS_KEY = "segments"
+# options a resume may change without starting a segment: they change how or where the run runs (resuming, paths,
+# workers, timeouts, logging, how often and how many checkpoints are kept), not what it computes
+NOT_PART_OF_THE_RUN = ("resume", "output_dir", "num_workers", "data_timeout", "dist_timeout", "log_interval",
+                       "pin_mem", "save_interval", "keep_checkpoints", "tensorboard")
+# the options the lr schedule is built from: a resume that changes one rebuilds it from the new values
+SCHEDULE_OPTIONS = ("lr", "unscale_lr", "min_lr", "warmup_lr", "warmup_epochs", "epochs")
 
 
 def _derived_data_timeout(args) -> float:
@@ -112,7 +126,7 @@ def load(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
     data = read(path)
     actions = _actions(parser)
     settable = sorted(d for d in actions if d not in NOT_RECORDED)
-    options, meta = {}, {}
+    options, meta, segments = {}, {}, []
     for key, value in data.items():
         key = str(key)
         if key == META_KEY:
@@ -120,6 +134,9 @@ def load(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
                 raise ValueError(f"--config {path}: `{META_KEY}:` describes a recipe with the keys "
                                  f"{', '.join(sorted(META_FIELDS))}")
             meta = dict(value)
+            continue
+        if key == SEGMENTS_KEY:
+            segments = _segments(value, f"--config {path}: {SEGMENTS_KEY}", actions, settable)
             continue
         dest = key.lstrip("-").replace("-", "_")
         if dest not in settable:
@@ -129,7 +146,108 @@ def load(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
         if dest in options:
             raise ValueError(f"--config {path}: {key!r} is given twice")
         options[dest] = _convert(actions[dest], value, f"--config {path}: {key}")
+    if segments:
+        meta = {**meta, SEGMENTS_KEY: segments}
     return options, meta
+
+
+def _segments(value, where: str, actions: dict, settable: list) -> list[dict]:
+    """The `segments:` of a run's record, checked and converted: [{"from_step": N, "options": {dest: value}}]."""
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list of {{from_step: N, options: {{...}}}}, got {value!r}")
+    out = []
+    for n, segment in enumerate(value, 1):
+        here = f"{where} #{n}"
+        if not isinstance(segment, dict) or set(segment) != {"from_step", "options"} \
+                or not isinstance(segment["options"], dict):
+            raise ValueError(f"{here}: expected {{from_step: N, options: {{...}}}}, got {segment!r}")
+        step = segment["from_step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{here}: from_step must be a whole number, 0 or more, got {step!r}")
+        options = {}
+        for key, item in segment["options"].items():
+            dest = str(key).lstrip("-").replace("-", "_")
+            if dest not in settable:
+                raise ValueError(f"{here}: unknown option {key!r}")
+            options[dest] = _convert(actions[dest], item, f"{here}: {key}")
+        out.append({"from_step": step, "options": options})
+    return out
+
+
+def read_segments(data: dict, where: str, parser: argparse.ArgumentParser) -> list[dict]:
+    """The later segments of a run's record (`read`'s mapping), checked: [] for a run of one segment."""
+    if SEGMENTS_KEY not in data:
+        return []
+    actions = _actions(parser)
+    return _segments(data[SEGMENTS_KEY], f"{where}: {SEGMENTS_KEY}", actions,
+                     sorted(d for d in actions if d not in NOT_RECORDED))
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(_shown, value))
+    if isinstance(value, dict):
+        return " ".join(f"{k}={_shown(v)}" for k, v in value.items()) or "(none)"
+    return "(not set)" if value is None or value == "" else str(value)
+
+
+def segment_changes(parser: argparse.ArgumentParser, segment: dict, before: dict) -> str:
+    """`--lr 0.05 (was 0.01), --epochs 3 (was 2)`: what a segment changed, from the options in effect `before`."""
+    return ", ".join(f"{option_name(parser, dest)} {_shown(value)} (was "
+                     f"{_shown(before.get(dest, parser.get_default(dest)))})"
+                     for dest, value in segment["options"].items())
+
+
+def describe_segments(parser: argparse.ArgumentParser, first: dict, segments: list[dict]) -> list[str]:
+    """One `from step N: --lr 0.05 (was 0.01)` per later segment of a run whose first segment ran with `first`."""
+    current, lines = dict(first), []
+    for segment in segments:
+        lines.append(f"from step {segment['from_step']}: {segment_changes(parser, segment, current)}")
+        current.update(segment["options"])
+    return lines
+
+
+def segments_note(path: str, parser: argparse.ArgumentParser, first: dict, segments: list[dict]) -> str:
+    """The note `--config` of a multi-segment record prints: what it repeats, and what it does not."""
+    return (f"note: --config {path} records a run whose options changed during it ("
+            f"{'; '.join(describe_segments(parser, first, segments))}); this run repeats its first segment, the "
+            f"options it started with; to repeat a later one, stop at its step (--max-steps) and resume with its "
+            f"options")
+
+
+def write_run(path: str, options: dict, parser: argparse.ArgumentParser, step: int | None) -> str | None:
+    """Record a run's options (`record`) in `path`. A fresh run (step None), or one without a readable record,
+    writes them whole. A run resumed at `step` keeps the record it continues: when an option that matters
+    (not NOT_PART_OF_THE_RUN) differs from what was in effect, a segment {from_step, options: the changed ones} is
+    appended, and the returned note says which; the same options leave the file as it is (None)."""
+    import os
+
+    if step is None or not os.path.isfile(path):
+        write(path, options)
+        return None
+    try:
+        data = read(path)
+        first, meta = load(path, parser)
+    except ValueError as exc:
+        write(path, options)
+        return f"note: {path} could not be read ({exc}); written again with this run's options"
+    segments = meta.get(SEGMENTS_KEY, [])
+    current = dict(first)
+    for segment in segments:
+        current.update(segment["options"])
+    changed = {dest: value for dest, value in options.items()
+               if dest not in NOT_PART_OF_THE_RUN and value != _plain(current.get(dest, parser.get_default(dest)))}
+    if not changed:
+        return None
+    segment = {"from_step": int(step), "options": changed}
+    what = segment_changes(parser, segment, current)
+    data[SEGMENTS_KEY] = list(data.get(SEGMENTS_KEY) or []) + [segment]
+    write(path, data)
+    rebuilt = any(dest in SCHEDULE_OPTIONS for dest in changed)
+    return (f"note: resuming with options that differ from {path}: {what}; recorded there as a segment from step "
+            f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
 def record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
@@ -167,6 +285,10 @@ def write(path: str, options: dict) -> None:
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write("# vim-ds train: this run's effective options, written at its start. Start the same run again with\n"
                 "#   vim-ds train --config THIS_FILE --output_dir ANOTHER_DIR   (the command line wins over the file)\n")
+        if options.get(SEGMENTS_KEY):
+            f.write(f"# It was resumed with other options: `{SEGMENTS_KEY}:` (at the end) lists from which step each "
+                    f"later part ran\n# with which options changed; --config repeats the first part (the top "
+                    f"level).\n")
         f.write(text)
     import os
 
