@@ -2,8 +2,12 @@
 
 The model comes from `--model`/`--model-kwargs`/`--input-size`, or from the description a `vim-ds convert` file
 carries (its "vim_ds" entry, or the safetensors metadata), so a converted file needs nothing else. Class names:
-the folder names of an ImageFolder root given with `--classes` (or a text file, one name per line), ImageNet's
-(timm's ImageNetInfo) when the head has 1000 classes, else class indices. Images go through the evaluation
+the folder names of an ImageFolder root given with `--classes` (or a text file, one name per line); without it,
+the names the file records (`vim-ds convert` writes those the run was trained on), ImageNet's (timm's
+ImageNetInfo) for a 1000-class head that records none or ImageNet's synsets, else class indices. A `--classes`
+folder must have the recorded names in their order (a renamed class folder would name every class after it
+wrongly), and so must a file that shares any name with them; a file that shares none is taken as display names
+for the recorded classes in label order, with a note. Images go through the evaluation
 transform (resize to input_size / eval_crop_ratio, centre crop).
 """
 from __future__ import annotations
@@ -29,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-size", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None)
     p.add_argument("--eval-crop-ratio", type=float, default=0.875)
-    p.add_argument("--classes", default=None, help="ImageFolder root (class folder names) or a file of names")
+    p.add_argument("--classes", default=None, help="ImageFolder root (class folder names) or a file of names "
+                   "(default: the names the weights file records)")
     p.add_argument("--ema", action="store_true", help="use the file's EMA weights ('model_ema' or 'state_dict_ema')")
     p.add_argument("--topk", type=int, default=5)
     return p
@@ -39,9 +44,13 @@ def parse_args(argv):
     return build_parser().parse_args(argv)
 
 
-def class_names(spec: str | None, num_classes: int) -> list[str] | None:
+def class_names(spec: str | None, num_classes: int, recorded: list[str] | None = None,
+                weights: str = "the weights") -> list[str] | None:
+    """The name of each label: `spec` (--classes: a folder's class folders, or a file of names) checked against
+    the names the weights record (`recorded`), else those, else ImageNet's for a 1000-class head."""
     if spec:
-        if os.path.isdir(spec):
+        folder = os.path.isdir(spec)
+        if folder:
             from .data.datasets import class_folders  # as training numbered them: hidden folders are no classes
 
             names = class_folders(spec)
@@ -50,30 +59,49 @@ def class_names(spec: str | None, num_classes: int) -> list[str] | None:
                 names = [line.strip() for line in f if line.strip()]
         else:
             raise ValueError(f"--classes: not found: {spec}")
+        if recorded and names != recorded and (folder or set(names) & set(recorded)):
+            from .checkpoint.class_names import refusal
+
+            raise ValueError(refusal(weights, recorded, f"--classes {spec}", names,
+                                     "give --classes the classes it was trained on, or leave --classes out (the "
+                                     "file records their names)"))
         if len(names) != num_classes:
             raise ValueError(f"--classes: {len(names)} names in {spec}, the model has {num_classes} classes")
+        if recorded and names != recorded:  # a file of other names (descriptions, another language): in label order
+            from .checkpoint.class_names import listing
+
+            print(f"note: --classes {spec} names none of the classes {weights} records ({listing(recorded)}); "
+                  f"its names are shown for them in label order ({names[0]} for {recorded[0]}, ...)",
+                  file=sys.stderr, flush=True)
         return names
     if num_classes == 1000:
         from timm.data import ImageNetInfo
 
         info = ImageNetInfo()
-        return [info.index_to_description(i) for i in range(1000)]
-    return None
+        if not recorded or recorded == list(info.label_names()):  # ImageNet's synsets in their order: described
+            return [info.index_to_description(i) for i in range(1000)]
+    return recorded
 
 
 def build(args, backbone_ok: bool = False):
     """(model, input size, classes) from --weights and the model options. A file without a classification head is
     refused (a random head would be built in its place), unless `backbone_ok` and --num-classes 0 ask for the
     backbone alone (timm's convention: the model then returns its pooled features)."""
+    model, input_size, num_classes, _ = build_with_names(args, backbone_ok)
+    return model, input_size, num_classes
+
+
+def build_with_names(args, backbone_ok: bool = False):
+    """build's (model, input size, classes), and the class names the file records (None when it records none)."""
     import timm
     import torch
 
     from . import models  # noqa: F401  (registers the Vim variants)
     from .checkpoint.convert import read_vim_ds_meta
-    from .checkpoint.files import load_into, load_weights_file, select_weights
+    from .checkpoint.files import is_safetensors, load_into, load_weights_file, select_weights
 
     obj = load_weights_file(args.weights)
-    meta = read_vim_ds_meta(args.weights if args.weights.endswith(".safetensors") else obj) or {}
+    meta = read_vim_ds_meta(args.weights if is_safetensors(args.weights) else obj) or {}
     state = select_weights(obj, args.weights, ema=args.ema)
     name = args.model or meta.get("model")
     if not name:
@@ -99,7 +127,9 @@ def build(args, backbone_ok: bool = False):
     except TypeError as exc:
         raise ValueError(f"--model-kwargs: {exc}") from exc
     load_into(model, state, args.weights)
-    return model.eval(), input_size, model.num_classes
+    from .checkpoint.class_names import recorded
+
+    return model.eval(), input_size, model.num_classes, recorded(meta, model.num_classes)
 
 
 def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
@@ -111,8 +141,8 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
     from .data.images import open_rgb
     from .data.transforms import build_transform
 
-    model, input_size, num_classes = build(args)
-    names = class_names(args.classes, num_classes)
+    model, input_size, num_classes, recorded = build_with_names(args)
+    names = class_names(args.classes, num_classes, recorded, args.weights)
     transform = build_transform(argparse.Namespace(input_size=input_size, eval_crop_ratio=args.eval_crop_ratio),
                                 is_train=False)
     results = []

@@ -4,7 +4,8 @@ The fp32 master weights are consolidated from any ZeRO stage and rank count (con
 written in the published Vim format, `{"model": state_dict, "model_ema": ema_state_dict, "vim_ds": {...}}`, with
 nothing but tensors and plain Python values so it loads with `torch.load(weights_only=True)`; or as a
 `.safetensors` file holding the "model" weights only (the EMA ones with `ema=True`), the model description in its
-metadata ({"model": name, "config": JSON of model_kwargs/num_classes/input_size, "format": "vim_ds"}).
+metadata ({"model": name, "config": JSON of model_kwargs/num_classes/input_size, "format": "vim_ds", "classes":
+JSON list of the class names in label order}).
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import torch
 
 from . import deepspeed_dir, safe_load
 from .consolidate import fp32_state_dict
-from .files import CheckpointError
+from .files import CheckpointError, is_safetensors
 
 _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
-META_KEYS = ("model", "model_kwargs", "num_classes", "input_size", "step", "epoch", "zero_stage", "precision")
+# "classes": the class names the run was trained on, in label order (see class_names.py; absent before they were)
+META_KEYS = ("model", "model_kwargs", "num_classes", "input_size", "step", "epoch", "zero_stage", "precision",
+             "classes")
 
 
 def client_state(tag_dir: str, mmap: bool = False) -> dict:
@@ -157,7 +160,7 @@ def read_vim_ds_meta(obj_or_path) -> dict | None:
         meta = obj_or_path.get("vim_ds")
         return meta if isinstance(meta, dict) else None
     path = os.fspath(obj_or_path)
-    if path.endswith(".safetensors"):
+    if is_safetensors(path):  # by its content: a safetensors file renamed .pth still describes its model
         from safetensors import safe_open
 
         try:
@@ -167,7 +170,12 @@ def read_vim_ds_meta(obj_or_path) -> dict | None:
             raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
         if md.get("format") != "vim_ds":
             return None
-        return {"model": md.get("model"), **json.loads(md.get("config") or "{}")}
+        try:
+            classes = json.loads(md["classes"]) if md.get("classes") else None
+        except ValueError:
+            classes = None  # not our JSON: no recorded names (class_names.recorded checks the rest)
+        return {"model": md.get("model"), **json.loads(md.get("config") or "{}"),
+                **({"classes": classes} if classes else {})}
     from .files import load_weights_file
 
     return read_vim_ds_meta(load_weights_file(path))

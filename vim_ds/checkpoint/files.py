@@ -3,7 +3,11 @@
 Published Vim checkpoints are ``{"model": state_dict, "args": argparse.Namespace, ...}`` pickles (DeiT heritage);
 timm's train.py writes ``{"state_dict": ..., "state_dict_ema": ..., "args": argparse.Namespace, ...}`` ones.
 They are read with ``torch.load(weights_only=True)``, allow-listing only the few plain types such files contain;
-a pickle that asks for anything else is refused with a message saying so. ``.safetensors`` files are read as such.
+a pickle that asks for anything else is refused with a message saying so. safetensors files are read as such.
+
+A file is recognised by its content, not its name (`sniff`): a safetensors file renamed `.pth` (torch.load would say
+`Unsupported operand 184`) or a torch file named `.safetensors` loads all the same, and a file that is neither (an
+HTML page saved as a download, a Git LFS pointer, an archive) is refused with one line saying what it looks like.
 """
 from __future__ import annotations
 
@@ -46,22 +50,87 @@ def refusal(path: str, exc: BaseException) -> CheckpointError:
     return CheckpointError(f"{path} is not a readable PyTorch checkpoint: {message}")
 
 
+SAFETENSORS, TORCH = "safetensors", "torch"
+
+
+def sniff(path: str) -> tuple[str, str]:
+    """(kind, what it looks like) of a file from its first bytes: kind SAFETENSORS (an 8-byte little-endian header
+    length, then the JSON header, which starts with '{'), TORCH (a zip archive: torch.save's format; or a pickle:
+    its legacy one), or "" for neither, with a description of what the file seems to be instead."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if not head:
+        return "", "an empty file"
+    if len(head) > 8 and head[8:9] == b"{":
+        header = int.from_bytes(head[:8], "little")
+        if header <= size - 8:
+            return SAFETENSORS, "a safetensors file"
+        if header < 2**32:  # a plausible header length, longer than the file: cut short (not a stray '{')
+            return "", f"a safetensors file cut short (its header alone is {header} bytes, the file {size})"
+    if head.startswith(b"PK\x03\x04"):
+        return TORCH, "a zip archive (torch.save's format)"
+    if head.startswith(b"\x80") and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # pickle protocol 2-5
+        return TORCH, "a pickle (torch.save's legacy format)"
+    text = head.lstrip().lower()
+    if head.startswith(b"version https://git-lfs"):
+        what = "a Git LFS pointer, not the file it points to (run `git lfs pull`)"
+    elif text.startswith((b"<!doctype html", b"<html")):
+        what = "an HTML page (a download that returned a web page instead of the file?)"
+    elif head.startswith(b"\x1f\x8b"):
+        what = "a gzip-compressed file (unpack it first)"
+    elif head[257:262] == b"ustar":
+        what = "a tar archive (unpack it first)"
+    elif head.startswith(b"\x93NUMPY"):
+        what = "a NumPy .npy array"
+    elif head.startswith(b"\x89HDF"):
+        what = "an HDF5 file (Keras or TensorFlow weights?)"
+    else:
+        try:
+            first = head.decode("utf-8").strip().splitlines()[0] if head.strip() else ""
+        except UnicodeDecodeError:
+            first = None
+        if first == "":
+            what = "blank text"
+        elif first is not None and first.isprintable():
+            what = f"a text file (it starts {first[:40]!r})"
+        else:
+            what = f"an unknown binary format (it starts with bytes {head[:8].hex(' ')})"
+    return "", what
+
+
+def is_safetensors(path: str | os.PathLike) -> bool:
+    """Whether the file at `path` holds safetensors, whatever its name."""
+    try:
+        return sniff(os.fspath(path))[0] == SAFETENSORS
+    except OSError:
+        return False
+
+
 def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a .pth/.pt/.bin (pickle, weights only) or .safetensors file into a dict, on CPU."""
+    """Read a torch file (zip or legacy pickle, weights only; .pth/.pt/.bin) or a safetensors file into a dict, on
+    CPU, told apart by their content (`sniff`), not their names."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file not found: {path}")
-    if path.endswith(".safetensors"):
+    try:
+        kind, what = sniff(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if kind == SAFETENSORS:
         from safetensors.torch import load_file
 
         try:
             return load_file(path, device="cpu")
         except Exception as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
-    try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # an open file, not the path: torch.load would take a path named .safetensors to be one
+        with open(path, "rb") as f, torch.serialization.safe_globals(SAFE_GLOBALS):
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:
+        if not kind:  # torch.load's complaint (`Unsupported operand 60`, `invalid load key`) would not say it
+            raise CheckpointError(f"{path} is neither a PyTorch checkpoint nor a safetensors file: it looks like "
+                                  f"{what}") from exc
         raise refusal(path, exc) from exc
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a dict; accepted: {ACCEPTED}")

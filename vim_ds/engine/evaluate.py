@@ -66,21 +66,29 @@ def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_s
             "images": int(count), "bad_images": int(bad)}
 
 
-def load_eval_weights(args, model) -> dict | None:
-    """Put the weights to evaluate into `model`; return the EMA state dict when the source has one."""
-    from ..checkpoint import deepspeed_dir, safe_load
+def load_eval_weights(args, model, classes: list | None = None) -> dict | None:
+    """Put the weights to evaluate into `model`; return the EMA state dict when the source has one. `classes`: the
+    validation set's class names, refused when the weights record other ones (their labels would mean other
+    classes: a score of other classes' images)."""
+    from ..checkpoint import class_names, deepspeed_dir, safe_load
     from ..checkpoint.consolidate import fp32_state_dict
+    from ..checkpoint.convert import client_state
     from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
 
     source = args.resume or args.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
+    fix = "evaluate it on the data it was trained on"
     if os.path.isdir(source):
         save_dir, tag = deepspeed_dir.resolve(source)
+        class_names.check(source, class_names.recorded(client_state(os.path.join(save_dir, tag), mmap=True)),
+                          class_names.data_source(args), classes, fix)
         load_into(model, fp32_state_dict(save_dir, tag), source)
         ema_path = os.path.join(save_dir, tag, deepspeed_dir.EMA_FILE)
         return safe_load.load(ema_path) if os.path.isfile(ema_path) else None
-    weights, ema = split_weights(load_weights_file(source), source)
+    obj = load_weights_file(source)
+    weights, ema = split_weights(obj, source)
+    class_names.check(source, class_names.of_file(source, obj), class_names.data_source(args), classes, fix)
     head = weights.get("head.weight")
     if torch.is_tensor(head) and head.shape[0] != model.num_classes:
         # loading would re-initialise the head (right for --finetune) and score a random classifier
@@ -102,7 +110,7 @@ def evaluate_weights(args, dist_info) -> dict:
 
     val_set, num_classes = build_dataset(args, is_train=False)
     model = build_model(args, num_classes)
-    ema_state = load_eval_weights(args, model)
+    ema_state = load_eval_weights(args, model, [str(c) for c in getattr(val_set, "classes", None) or []])
     precision = args.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":
         raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")

@@ -87,14 +87,32 @@ def _model_refusal(tag_dir: str, saved: dict, args, num_classes: int) -> str | N
             f"--model-kwargs, --input-size and data")
 
 
-def check(tag_dir: str, args, num_classes: int, ds, universal: bool) -> None:
+def _classes_refusal(tag_dir: str, saved: dict, args, classes: list | None) -> str | None:
+    """Other class names than the checkpoint's (a class folder renamed, added or removed; the same count would
+    train on with labels that mean other classes)."""
+    from ..checkpoint import class_names
+
+    return class_names.refusal(tag_dir, class_names.recorded(saved), class_names.data_source(args), classes,
+                               "resume with the data it was trained on")
+
+
+def check(tag_dir: str, args, num_classes: int, ds, universal: bool, classes: list | None = None) -> str | None:
     """Raise CheckpointError (one line: what the checkpoint was saved by, what this run is, what to do) when this
     run's DeepSpeed engine could not load the checkpoint in `tag_dir` (`universal`: loaded as a universal
-    checkpoint, already one or converted for another rank count)."""
+    checkpoint, already one or converted for another rank count), or when it was trained on other class names than
+    `classes` (this run's data, in label order). Returns a note for rank 0 to print, or None: a checkpoint saved
+    before the names were recorded cannot be compared (the run's next checkpoint records them)."""
     from ..checkpoint.convert import client_state
 
     saved = client_state(tag_dir, mmap=True)
     problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, universal) or \
-        _model_refusal(tag_dir, saved, args, num_classes)
+        _classes_refusal(tag_dir, saved, args, classes) or _model_refusal(tag_dir, saved, args, num_classes)
     if problem:
         raise CheckpointError(problem)
+    if classes and saved.get("precision") is not None and "classes" not in saved:  # vim_ds's, from before
+        from ..checkpoint.class_names import data_source
+
+        return (f"note: {tag_dir} records no class names (saved by an earlier vim_ds): {data_source(args)} is "
+                f"taken to have the classes it was trained on, in the same order; its checkpoints from now on "
+                f"record them")
+    return None

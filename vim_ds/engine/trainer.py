@@ -98,6 +98,8 @@ class Trainer:
         self.train_set, num_classes = build_dataset(args, is_train=True)
         self.val_set, _ = build_dataset(args, is_train=False)
         self.num_classes = num_classes
+        # the class names in label order: part of what the run is (recorded in its checkpoints, compared on resume)
+        self.classes = [str(name) for name in getattr(self.train_set, "classes", None) or []]
 
         def auto_values(batch):
             values = ds_auto_values(args, batch)
@@ -139,15 +141,17 @@ class Trainer:
         seed_everything(args.seed)  # identical initial weights on every rank
         model = build_model(args, num_classes)
         if args.finetune:
-            from ..checkpoint import load_model_weights
+            from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
 
-            load_model_weights(model, args.finetune)
+            note = load_finetune_weights(model, args.finetune, self.classes, data_source(args))
+            if note and dist_info.is_main:
+                print(note, flush=True)
         from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
 
         self.init_weights_info = init_weights.apply(args, model, {
             "model": args.model, "model_kwargs": args.model_kwargs, "num_classes": num_classes,
             "input_size": args.input_size, "step": 0, "epoch": 0, "zero_stage": self.ds.zero_stage,
-            "precision": self.ds.precision, "tag": "init"}, dist_info)
+            "precision": self.ds.precision, "tag": "init", "classes": self.classes}, dist_info)
         self.num_params = sum(p.numel() for p in model.parameters())
         warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
 
@@ -253,7 +257,8 @@ class Trainer:
                 "images_seen": self.images_seen, "images_bad": self.images_bad, "best_acc1": self.best_acc1,
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
                 "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
-                "num_classes": self.num_classes, "input_size": self.args.input_size, "args": vars(self.args),
+                "num_classes": self.num_classes, "classes": self.classes, "input_size": self.args.input_size,
+                "args": vars(self.args),
                 "run_id": self.run_id, "evaluation_owed": self.evaluation_owed,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
                 # (pure data parallelism: no tensor-parallel patterns to declare)
@@ -292,7 +297,7 @@ class Trainer:
         checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
         conversion, and the engine is configured to load it so."""
         from ..checkpoint import deepspeed_dir
-        from ..checkpoint.files import CheckpointError
+        from ..checkpoint.files import CheckpointError, sniff  # sniff: a weights file by its content, any name
         from .checkpointing import universal_copy
 
         path = args.resume
@@ -300,7 +305,7 @@ class Trainer:
             return ""
         if path == "auto":
             path = _auto_resume_path(args)
-        elif path.endswith((".pth", ".pt", ".bin", ".safetensors")):
+        elif path.endswith((".pth", ".pt", ".bin", ".safetensors")) or (os.path.isfile(path) and sniff(path)[0]):
             raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
                                   f"--finetune {path} to start from it (or --eval to evaluate it)")
         if not path:
@@ -321,7 +326,10 @@ class Trainer:
         marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
         saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
         to_convert = not already_universal and saved_world not in (None, self.dist.world_size) and bool(saved_stage)
-        check(tag_dir, args, self.num_classes, self.ds, universal=already_universal or to_convert)
+        note = check(tag_dir, args, self.num_classes, self.ds, universal=already_universal or to_convert,
+                     classes=self.classes)  # and other class names: labels that would mean other classes
+        if note and self.dist.is_main:
+            print(note, flush=True)
         from .output_dir import resume_overwrite_error  # a branch from an older step: never over a newer one
 
         problem = resume_overwrite_error(args, tag_dir)

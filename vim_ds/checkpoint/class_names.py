@@ -1,0 +1,166 @@
+"""The class names a run was trained on, and the names of the data its weights meet again.
+
+A label is an index into the sorted class folder names, so the names are part of what a run is: with them renamed,
+added or removed (`train/3` renamed `z3`), the same count of folders gives labels 3-9 to other images, and a resume,
+a finetune, an evaluation or a prediction goes on with the classes shifted, without a word. The trainer records
+the names in every checkpoint (its client state, "classes"), `vim-ds convert` in every file it writes (the .pth
+"vim_ds" entry, and the safetensors metadata as a JSON list), and whatever uses the weights with data compares them
+here: the same names in the same order, or a one-line refusal that shows the difference. Files without recorded
+names (written before, published, timm's) are taken as before: only the class count is known there.
+"""
+from __future__ import annotations
+
+import os
+
+from .files import CheckpointError
+
+
+def recorded(meta: dict | None, num_classes: int | None = None) -> list[str] | None:
+    """The class names a checkpoint's client state or a converted file's description records (None when it records
+    none, or when they do not fit the head's `num_classes`)."""
+    names = (meta or {}).get("classes")
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        return None
+    if num_classes is not None and len(names) != num_classes:
+        return None
+    return list(names)
+
+
+def data_source(args) -> str:
+    """How the user named the data a run reads (for the messages)."""
+    kind = getattr(args, "data_set", "IMNET")
+    if kind == "synthetic":
+        return "--data-set synthetic"
+    return f"--data-path {getattr(args, 'data_path', None)}"
+
+
+def _shown(name: str) -> str:
+    return repr(name) if not name or "," in name or name != name.strip() or "..." in name else name
+
+
+def listing(names: list[str], most: int = 10) -> str:
+    """`names` in one short piece: runs of 4 or more consecutive integers as `a..b`, the middle elided when long
+    (`0..2,4..9,z3`; `n01440764,n01443537,...,n15075141`)."""
+    parts, i = [], 0
+    while i < len(names):
+        j = i
+        while j + 1 < len(names) and names[j + 1].isdigit() and names[j].isdigit() \
+                and str(int(names[j])) == names[j] and names[j + 1] == str(int(names[j]) + 1):
+            j += 1
+        if j - i >= 3:
+            parts.append(f"{names[i]}..{names[j]}")
+        else:
+            parts.extend(_shown(n) for n in names[i:j + 1])
+        i = j + 1
+    if len(parts) > most:
+        parts = parts[:most - 4] + ["..."] + parts[-3:]
+    return ",".join(parts)
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(map(_shown, names[:most]))
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _labels(indices: list[int]) -> str:
+    """`3-9`, `3, 5`, `2-4, 7 and 12 more`."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    return ", ".join(text[:3]) + (f" and {len(text) - 3} more" if len(text) > 3 else "")
+
+
+def _counted(n: int) -> str:
+    return {1: "one", 2: "two", 3: "three"}.get(abs(n), str(abs(n)))
+
+
+def difference(was: list[str], now: list[str]) -> str:
+    """What differs between the names a checkpoint was trained on (`was`) and those of the data (`now`), and what it
+    would do to the labels: `class 3 is missing here and z3 is new (labels 3-9 would shift by one)`."""
+    was_set, now_set = set(was), set(now)
+    missing = [n for n in was if n not in now_set]
+    new = [n for n in now if n not in was_set]
+    what = []
+    if missing:
+        what.append(f"class{'es' if len(missing) > 1 else ''} {_some(missing)} "
+                    f"{'are' if len(missing) > 1 else 'is'} missing here")
+    if new:
+        what.append(f"{_some(new)} {'are' if len(new) > 1 else 'is'} new")
+    if not what:
+        what.append(f"the same {len(was)} names in another order")
+    changed = [i for i in range(min(len(was), len(now))) if was[i] != now[i]]
+    if not changed:  # one list is the other's beginning: only a count of classes differs
+        return " and ".join(what)
+    shifts = {was.index(now[i]) - i for i in changed if now[i] in was_set}
+    if len(shifts) == 1 and len([i for i in changed if now[i] in was_set]) > 1:
+        shift = shifts.pop()
+        effect = f"labels {_labels(changed)} would shift by {_counted(shift)}"
+    else:
+        first = changed[0]
+        others = len(changed) - 1
+        more = "" if not others else f", and {others} more label{'s differ' if others > 1 else ' differs'}"
+        effect = f"label {first} was {_shown(was[first])}, here {_shown(now[first])}{more}"
+    return " and ".join(what) + f" ({effect})"
+
+
+def refusal(source: str, was: list[str] | None, where: str, now: list[str] | None, fix: str) -> str | None:
+    """The one-line refusal when `source` was trained on other class names than those `where` has, else None
+    (also when either side names none: nothing to compare)."""
+    if not was or not now or list(was) == list(now):
+        return None
+    return (f"{source} was trained on {len(was)} classes {listing(was)}; {where} has "
+            f"{f'{len(now)} classes ' if len(now) != len(was) else ''}{listing(now)}: {difference(was, now)}; {fix}")
+
+
+def check(source: str, was: list[str] | None, where: str, now: list[str] | None, fix: str) -> None:
+    problem = refusal(source, was, where, now, fix)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def of_file(path: str, obj: dict | None = None, num_classes: int | None = None) -> list[str] | None:
+    """The names a weights file records (`obj`: the file as loaded, to avoid reading a .pth twice)."""
+    from .convert import read_vim_ds_meta
+
+    path = os.fspath(path)
+    if isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict):  # a .pth, whatever its name
+        return recorded(obj["vim_ds"], num_classes)
+    if obj is not None and not path.endswith(".safetensors"):
+        return None
+    try:  # the names are in a safetensors file's metadata, which a loaded state dict does not carry
+        return recorded(read_vim_ds_meta(path), num_classes)
+    except (CheckpointError, ValueError, OSError):
+        return None  # not readable as a converted file's description: what loads it says why
+
+
+def load_finetune_weights(model, path: str, classes: list[str] | None, where: str) -> str | None:
+    """`--finetune FILE`: load its weights into `model` (position embeddings and head adapted as for any published
+    file). When the file records class names and the head would be kept (the same class count), they must be the
+    data's: the same names in another order, or some renamed, would start every row of the head on another class
+    (refused). A file of wholly other names of the same count (another task) starts a fresh head, as another count
+    does; returns the note that says so."""
+    import torch
+
+    from .files import load_into, load_weights_file, select_weights
+
+    path = os.fspath(path)
+    obj = load_weights_file(path)
+    state = select_weights(obj, path)
+    head = state.get("head.weight")
+    rows = head.shape[0] if isinstance(head, torch.Tensor) and head.dim() == 2 else None
+    was = of_file(path, obj, rows)
+    note = None
+    if was and classes and len(was) == len(classes) and was != list(classes):
+        if set(was) & set(classes):
+            raise CheckpointError(refusal(f"--finetune {path}", was, where, list(classes),
+                                          "its head's rows would start on other classes; finetune on data with its "
+                                          "class names in its order (rename the folders back)"))
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}  # another task: a fresh head
+        note = (f"note: --finetune {path} was trained on other classes ({listing(was)}) than {where} has "
+                f"({listing(list(classes))}): its head is not used, the head starts afresh")
+    load_into(model, state, path)
+    return note
