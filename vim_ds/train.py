@@ -313,13 +313,14 @@ def run(args, prog: str = "vim-ds train") -> int:
     errors and non-zero exit codes."""
     from .checkpoint.files import CheckpointError
     from .data.loader import DataStall
-    from .engine import distributed, options_file, output_dir, preflight, signals
+    from .engine import distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .engine.checkpointing import SaveError
     from .engine.init_weights import first_line
     from .engine.signals import StopRequested
     from .engine.trainer import Trainer, TrainingError
 
     rank = os.environ.get("RANK", "0")
+    launchers = None if args.eval else launcher_watch.LauncherWatch()  # found first: see its start below
     options = options_file.record(args, build_parser(prog))  # as parsed, before the checks resolve any name
     try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
         preflight.check(args, is_main=rank == "0")
@@ -345,6 +346,7 @@ def run(args, prog: str = "vim-ds train") -> int:
             evaluate_weights(args, dist_info)
             return 0
         signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
+        launchers.start(prog, dist_info.rank, dist_info.local_rank)  # and the same when the launcher is gone
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
         trainer = Trainer(args, dist_info)
         if trainer.resume_path:

@@ -12,6 +12,9 @@ exit code 128 + the signal, as a shell reports a process the signal ended (143 f
 Data-loader workers and their fork server ignore both (see `vim_ds/data/loader.py`), so that a signal to the
 whole process group cannot kill them under a rank that is still saving: the decision is the rank's.
 
+A launcher killed with SIGKILL passes nothing on; a rank that sees its launcher gone requests the same stop as a
+SIGTERM itself (`StopSignals.request`, from `launcher_watch.py`), and exits 143 the same way.
+
 A second Ctrl-C stops at once without saving (exit 130). A SIGINT that follows the first by less than
 `SAME_PRESS` seconds is the same Ctrl-C passed on by a launcher (torchrun forwards it to every rank, which the
 terminal signalled already), not a second press.
@@ -62,6 +65,12 @@ class StopSignals:
             if self.is_main:
                 _say(f"second Ctrl-C: stopping now without saving; {where}")
             os._exit(128 + signal.SIGINT)  # at once: no clean-up that could wait on other ranks or workers
+
+    def request(self, signum: int):
+        """A stop this process asks for itself, counted as if `signum` had arrived (its launcher is gone: see
+        `launcher_watch`); nothing if a stop signal came first. Safe from any thread."""
+        if self.first is None:
+            self.first, self.first_at = signum, time.monotonic()
 
     def votes(self) -> list[float]:
         """This rank's part of the agreement, summed over ranks: [received SIGINT first, received SIGTERM first]."""
