@@ -215,11 +215,35 @@ def end_rank_process(code: int) -> NoReturn:
     down there can abort (SIGABRT, "terminate called without an active exception") after a run that finished and
     saved everything, and the launcher then reports the job as failed: 2 of 25 finished 2-rank ZeRO-3 runs on 2
     loaded cores (Debian 12's Python 3.11.2) did, none of 45 since they end here.
+
+    os._exit also skips multiprocessing's exit handler, which removes the `pymp-*` folder it made in $TMPDIR (for
+    the data loaders' fork-server socket): that one clean-up is run here (`remove_multiprocessing_temp_dir`).
     """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
             pass
+    remove_multiprocessing_temp_dir()
     logging.shutdown()
     os._exit(code)
+
+
+def remove_multiprocessing_temp_dir() -> None:
+    """Remove the `pymp-*` folder multiprocessing made in $TMPDIR for this process (`util.get_temp_dir`: the
+    sockets of the fork server and of passed file descriptors), as its exit handler would.
+
+    Only that finalizer is run, not the handler (`util._exit_function`): the handler also joins non-daemon child
+    processes and the feeder threads of queues, which can wait for good on a worker that is stuck or a pipe nobody
+    reads, the kind of teardown wait os._exit is there to avoid. The folder's finalizer is an rmtree and cannot wait
+    on anything; it runs only in the process that registered it (a folder inherited from a parent is left to that
+    parent). Any failure is ignored: a leftover empty folder is not worth a failed run."""
+    try:
+        from multiprocessing import util
+
+        finalizers = [f for f in list(util._finalizer_registry.values())
+                      if getattr(f, "_callback", None) is util._remove_temp_dir]
+        for finalizer in finalizers:
+            finalizer()  # multiprocessing.util.Finalize: runs once, and only in the process that registered it
+    except Exception:  # noqa: BLE001 - a private API that may change: keep the folder rather than fail the exit
+        pass
