@@ -18,6 +18,7 @@ from vim_ds.checkpoint.files import CheckpointError, load_weights_file, sniff
 ARCH = ["--model", "vim_tiny", "--input-size", "32", "--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4",
         "stride=4"]
 KWARGS = {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
+CLASSES = [str(n) for n in range(10)]  # the digits' class folders, recorded in the converted file
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,8 @@ def files(tmp_path_factory):
     torch.save({"model": model.state_dict()}, paths["torch"])
     torch.save({"model": model.state_dict()}, paths["legacy"], _use_new_zipfile_serialization=False)
     write_weights_file(paths["safetensors"], model.state_dict(),
-                       {"model": "vim_tiny", "model_kwargs": KWARGS, "num_classes": 10, "input_size": 32},
-                       safetensors=True)
+                       {"model": "vim_tiny", "model_kwargs": KWARGS, "num_classes": 10, "input_size": 32,
+                        "classes": CLASSES}, safetensors=True)
     paths["safetensors_as_pth"] = str(folder / "st.pth")
     paths["torch_as_safetensors"] = str(folder / "torch.safetensors")
     paths["legacy_as_safetensors"] = str(folder / "legacy.safetensors")
@@ -56,6 +57,11 @@ def test_each_file_loads_as_what_it_holds_whatever_its_name(files):
         weights = obj.get("model", obj)
         assert weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state), name
     assert sniff(files["safetensors_as_pth"])[0] == "safetensors" and sniff(files["torch_as_safetensors"])[0] == "torch"
+    # the class names a converted safetensors file records (checked by eval and --finetune) survive a rename too
+    from vim_ds.checkpoint.class_names import of_file
+
+    renamed = files["safetensors_as_pth"]
+    assert of_file(renamed, load_weights_file(renamed)) == of_file(files["safetensors"]) == CLASSES
     # the controls: what each library says when it is handed the other's file (the old choice by extension)
     with pytest.raises(Exception, match="Unsupported operand"):
         torch.load(files["safetensors_as_pth"], weights_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .files import CheckpointError
+from .files import CheckpointError, is_safetensors
 
 
 def recorded(meta: dict | None, num_classes: int | None = None) -> list[str] | None:
@@ -129,7 +129,7 @@ def of_file(path: str, obj: dict | None = None, num_classes: int | None = None) 
     path = os.fspath(path)
     if isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict):  # a .pth, whatever its name
         return recorded(obj["vim_ds"], num_classes)
-    if obj is not None and not path.endswith(".safetensors"):
+    if obj is not None and not is_safetensors(path):  # by content: a safetensors file renamed .pth has them too
         return None
     try:  # the names are in a safetensors file's metadata, which a loaded state dict does not carry
         return recorded(read_vim_ds_meta(path), num_classes)
