@@ -6,8 +6,9 @@ reader decodes them) and `vim-ds predict`. Each 16-bit file is made from an 8-bi
 
 Covered: 16-bit greyscale PNG (PIL mode I;16, the issue's case), 16-bit greyscale TIFF (I;16), 16-bit PGM (mode I),
 32-bit float TIFF in 0..1 (mode F), and, which PIL's own conversion already gets right and must stay so, float TIFF
-in 0..255 and 16-bit greyscale+alpha and RGB PNGs (PIL reduces those by the high byte). Images with no known range (a 32-bit integer TIFF beyond 0..65535, a float one beyond
-0..255) are skipped with a warning / reported by predict, not clipped.
+in 0..255 and 16-bit greyscale+alpha and RGB PNGs (PIL reduces those by the high byte). Images with no known range
+(a 32-bit integer TIFF beyond 0..65535, a float one beyond 0..255) are skipped with a warning / reported by predict,
+not clipped.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def png16(path, values, color_type: int) -> None:
 
     header = struct.pack(">IIBBBBB", width, height, 16, color_type, 0, 0, 0)
     with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+                + chunk(b"IEND", b""))
 
 
 def pgm16(path, values) -> None:

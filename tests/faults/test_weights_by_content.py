@@ -148,7 +148,6 @@ def test_finetune_from_either_format_under_the_others_name(files, digits, tmp_pa
         assert scores[0] == scores[1] and scores[0]["eval_images"] == 30
 
 
-@pytest.mark.slow
 def test_a_weights_file_under_another_name_given_to_resume_is_pointed_to_finetune(files, digits, tmp_path):
     """A variant: --resume decided by the name alone that a `.ckpt` file was a missing checkpoint directory."""
     renamed = tmp_path / "vim_t.ckpt"
