@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import sys
 
 
@@ -31,18 +33,65 @@ def parse_args(argv):
     return args
 
 
+class Stopped(BaseException):
+    """A stop signal arrived (raised by the handler in the main thread, wherever it is: the write's clean-up runs)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _stop_on_signals():
+    """SIGTERM (kill, a scheduler), SIGINT (Ctrl-C), SIGHUP (the terminal closed) stop the conversion with its
+    temporary files removed, one line and exit 128 + the signal, instead of a traceback or a Python exit that skips
+    the clean-up. A SIGHUP the process was started ignoring (nohup) stays ignored. SIGKILL cannot be caught: what
+    it leaves is described in vim_ds/checkpoint/atomic_write.py."""
+    def on_signal(signum, _frame):
+        for other in STOP_SIGNALS:  # the clean-up is not cut short by a second signal (or a second Ctrl-C)
+            signal.signal(other, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, on_signal)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    existed = bool(args.out) and os.path.isfile(args.out)
+    target = [args.out]  # what a stop leaves unwritten (the universal folder, once it is known)
+    _stop_on_signals()
+    try:
+        return _main(args, target)
+    except Stopped as stop:
+        if target[0]:
+            unchanged = " (the existing file is unchanged)" if existed and not args.universal else ""
+            print(f"vim-ds convert: stopped by {stop}; {target[0]} was not written{unchanged}", file=sys.stderr)
+        else:
+            print(f"vim-ds convert: stopped by {stop}; nothing was written", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _main(args, target: list) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger (bound to stdout at import) -> stderr,
         import deepspeed.utils.zero_to_fp32  # noqa: F401  so that stdout is the one-line summary
     from .checkpoint.convert import convert
     from .checkpoint.files import CheckpointError
+    from .engine import faults
 
     try:
         if args.universal:
-            return _universal(args)
+            return _universal(args, target)
+        stall = None
+        if faults.number("stall_convert_write", 0) is not None:
+            def stall():
+                faults.stall(f"writing {args.out}")
         s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
-                    progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True))
+                    progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True),
+                    stall=stall)
     except (CheckpointError, OSError) as exc:
         message = " ".join(str(exc).split())
         print(f"vim-ds convert: error: {message}", file=sys.stderr)
@@ -54,14 +103,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _universal(args) -> int:
-    import os
-
+def _universal(args, target: list) -> int:
     from .checkpoint import deepspeed_dir
-    from .engine.checkpointing import universal_copy
+    from .engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
 
     save_dir, tag = deepspeed_dir.resolve(os.path.join(args.checkpoint, args.tag) if args.tag else args.checkpoint)
-    universal = universal_copy(save_dir, tag)
+    target[0] = os.path.join(save_dir, tag + UNIVERSAL_SUFFIX)
+    universal = universal_copy(save_dir, tag)  # a failed or stopped conversion removes its partial folder
     print(f"wrote {os.path.join(save_dir, universal)} (DeepSpeed universal checkpoint): resume it with "
           f"--resume {os.path.join(save_dir, universal)} on any number of ranks")
     return 0

@@ -276,9 +276,10 @@ def test_convert_into_a_folder_is_refused_and_leaves_nothing(zero1_run, tmp_path
 def test_a_failed_write_leaves_no_temporary_file(tmp_path):
     """Whatever fails while the file is written (here: a folder where the file goes), the temporary is removed."""
     from vim_ds.checkpoint.convert import write_weights_file
+    from vim_ds.checkpoint.files import CheckpointError
 
     (tmp_path / "out.pth").mkdir()
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(CheckpointError, match=f"^cannot write {tmp_path / 'out.pth'}: Is a directory$"):
         write_weights_file(str(tmp_path / "out.pth"), {"w": torch.zeros(2)}, {"model": "vim_tiny"})
     assert os.listdir(tmp_path) == ["out.pth"]
 

@@ -17,6 +17,7 @@ import re
 import torch
 
 from . import deepspeed_dir, safe_load
+from .atomic_write import write_atomically
 from .consolidate import fp32_state_dict
 from .files import CheckpointError, is_safetensors
 
@@ -77,7 +78,7 @@ def _size(paths) -> str:
 
 
 def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool = False,
-            safetensors: bool | None = None, progress=None) -> dict:
+            safetensors: bool | None = None, progress=None, stall=None) -> dict:
     """Write the consolidated weights of a checkpoint directory to `out_path`; returns a summary dict.
     `progress(message)`, when given, is told what is being read and written (large models take minutes)."""
     progress = progress or (lambda message: None)
@@ -119,39 +120,42 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     tensors = [weights] + ([ema_sd] if ema_sd is not None and not ema and not safetensors else [])
     progress(f"writing {out_path} ({sum(v.numel() * v.element_size() for d in tensors for v in d.values()) / 2 ** 20:,.0f}"
              f" MiB) ...")
-    write_weights_file(out_path, weights, meta, "ema" if ema else "model", None if ema else ema_sd, safetensors)
+    write_weights_file(out_path, weights, meta, "ema" if ema else "model", None if ema else ema_sd, safetensors,
+                       stall=stall)
     return {"source": tag_dir, "out": out_path, "format": "safetensors" if safetensors else "torch",
             "weights": "ema" if ema else "model", "tensors": len(weights),
             "parameters": sum(v.numel() for v in weights.values()), "has_ema": ema_sd is not None, **meta}
 
 
 def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "model", ema_sd: dict | None = None,
-                       safetensors: bool | None = None):
+                       safetensors: bool | None = None, stall=None):
     """Write a converted weights file atomically: .pth `{"model": weights, "vim_ds": meta, ["model_ema": ema_sd]}`,
-    or .safetensors with the model description as metadata (no EMA there). `which` names what `weights` are."""
+    or .safetensors with the model description as metadata (no EMA there). `which` names what `weights` are. A
+    failed write is a one-line CheckpointError and leaves no file, however the writer stops (see atomic_write;
+    `stall` is its fault-injection point)."""
     if safetensors is None:
         safetensors = out_path.endswith(".safetensors")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp{os.getpid()}"
-    try:
+
+    def write(path: str):  # into the unnamed (or hidden) temporary that becomes out_path: see atomic_write
         if safetensors:
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
             config = {"model_kwargs": meta["model_kwargs"], "num_classes": meta["num_classes"],
                       "input_size": meta["input_size"]}
-            save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
-                      metadata={"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
-                                "weights": which})
+            metadata = {"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
+                        "weights": which}
+            data = save({k: v.contiguous() for k, v in weights.items()},  # bytes: save_file renames on its own
+                        metadata=metadata)
+            with open(path, "wb") as f:
+                f.write(data)
         else:
             obj = {"model": weights, "vim_ds": {**meta, "weights": which}}
             if ema_sd is not None:
                 obj["model_ema"] = ema_sd
-            torch.save(obj, tmp)
-        os.replace(tmp, out_path)
-    except BaseException:  # a full disk, a folder at out_path, Ctrl-C: no half-written file is left behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+            torch.save(obj, path)
+
+    # a full disk, a read-only one, Ctrl-C, SIGTERM, SIGKILL: no half-written file is left behind, one-line errors
+    write_atomically(out_path, write, stall=stall)
 
 
 def read_vim_ds_meta(obj_or_path) -> dict | None:

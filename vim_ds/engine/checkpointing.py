@@ -229,15 +229,66 @@ def universal_copy(save_dir: str, tag: str) -> str:
     if layout.is_complete(dst):
         return universal
     shutil.rmtree(dst, ignore_errors=True)
-    # ds_to_universal unpickles every rank file: run it under the weights-only allow-list like every other load
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.checkpoint.safe_load", src,
-                           "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder", dst],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(f"cannot convert {src} to a universal checkpoint: {last}")
-    if os.path.isfile(os.path.join(src, layout.EMA_FILE)):
-        shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
-    marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
-    layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
+    # ds_to_universal unpickles every rank file: run it under the weights-only allow-list like every other load. In
+    # a session of its own, so that its worker processes can be stopped with it (see _end_group).
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "vim_ds.checkpoint.safe_load", src,
+                                 "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
+                                 dst], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise CheckpointError(f"cannot convert {src} to a universal checkpoint: "
+                                  f"{_universal_failure(stderr, save_dir)}")
+        if os.path.isfile(os.path.join(src, layout.EMA_FILE)):
+            shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
+        marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
+        layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
+    except BaseException as exc:  # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no
+        cause = _save_failure(save_dir, exc) if isinstance(exc, OSError) else None  # partial folder is left
+        if proc is not None:
+            _end_group(proc)
+        shutil.rmtree(dst, ignore_errors=True)
+        if cause is not None:
+            raise CheckpointError(f"cannot write {dst}: {cause}") from exc
+        raise
     return universal
+
+
+def _universal_failure(stderr: str, save_dir: str) -> str:
+    """Why ds_to_universal failed, in a few words: a full or read-only disk as such (its traceback names it in
+    its own words, or only as torch's `unexpected pos`), else the last line it printed."""
+    import errno
+    import re
+
+    lines = stderr.strip().splitlines() or ["no output"]
+    for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
+        if re.search(rf"\[Errno {code}\]|os error {code}\b|{re.escape(os.strerror(code))}", stderr):
+            return os.strerror(code)
+    if "unexpected pos" in stderr or "inline_container" in stderr:
+        return _save_failure(save_dir, RuntimeError(lines[-1]))
+    return lines[-1]
+
+
+def _end_group(proc) -> None:
+    """Stop a child started in a session of its own and every process of its group (ds_to_universal's pool
+    workers), and wait until none is left writing."""
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)

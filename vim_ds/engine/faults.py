@@ -32,6 +32,10 @@ batch of the evaluation after step N, `signal_in_save@N` half-way through saving
 `signal_in_train@N` by a training data-loader worker at its N-th sample, which it then takes 2 s over (the rank is
 waiting for data when the signal arrives).
 
+For `vim-ds convert` (tests/faults/test_convert_faults.py): `stall_convert_write@1` stops the converter for good
+once the bytes of OUT are written, before OUT gets them (fsynced, not yet named), after saying so on stderr, so that
+a test sends a real signal (or SIGKILL) to a converter that is writing.
+
 One recording hook, for tests/test_recipe_step.py (an independent reference of the training step replays what the
 trainer consumed): `VIM_DS_RECORD_BATCHES=DIR` makes every rank save each training micro batch as the loader
 delivered it (before Mixup), with the seed its micro step was seeded with, to `DIR/step{S}_micro{M}_rank{R}.pt`
@@ -44,7 +48,8 @@ import signal
 import time
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
-         "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save")
+         "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save",
+         "stall_convert_write")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -88,6 +93,14 @@ def wait_for_signal():
 
     while signals.STOP.first is None:
         time.sleep(0.1)
+
+
+def stall(what: str):
+    """Say on stderr that this process is stalled at `what` (a test waits for the line), then block for good."""
+    import sys
+
+    print(f"VIM_DS_INJECT: stalled {what}", file=sys.stderr, flush=True)
+    hang()
 
 
 def _signal_target() -> tuple[int, bool]:
