@@ -106,6 +106,39 @@ def _warn(text: str):
         print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
+_WARNED: set[str] = set()
+
+
+def read_latest(save_dir: str, newest: str = "") -> str | None:
+    """The tag DeepSpeed's `latest` file in `save_dir` names, or None: no such file, or one that cannot be read
+    (invalid UTF-8, binary garbage, empty, an I/O error), said once per process in a warning naming the file (and
+    `newest`, the checkpoint used instead), as a `latest` naming a missing tag is ignored. vim_ds always passes
+    DeepSpeed the tag it resolved, so DeepSpeed never reads the file itself."""
+    latest_file = os.path.join(save_dir, "latest")
+    if not os.path.isfile(latest_file):
+        return None
+    problem = None
+    try:
+        with open(latest_file, "rb") as f:
+            data = f.read(4096)
+        text = data.decode("utf-8").strip()
+        if not text:
+            problem = "it is empty"
+        elif not text.isprintable():
+            problem = "it holds no tag name (binary or control characters)"
+    except UnicodeDecodeError as exc:
+        problem = f"it is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+    except OSError as exc:
+        problem = f"it cannot be read ({exc.strerror or type(exc).__name__})"
+    if problem is None:
+        return text
+    if latest_file not in _WARNED:
+        _WARNED.add(latest_file)
+        instead = f"; using the newest complete checkpoint, {newest}" if newest else ""
+        _warn(f"ignoring {latest_file}: {problem}{instead}")
+    return None
+
+
 def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[str, str]:
     """(save_dir, tag) of the checkpoint to load from a save directory (its newest complete one) or a tag
     directory. With `verify`, a checkpoint whose files do not match their recorded checksums (see `damage`) is
@@ -124,12 +157,9 @@ def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[st
     tags = complete_tags(path)
     if not tags:
         raise CheckpointError(f"no complete checkpoint in {path}")
-    latest_file = os.path.join(path, "latest")
-    if os.path.isfile(latest_file):
-        with open(latest_file) as f:
-            latest = f.read().strip()
-        if latest in tags:  # the newest unless `latest` names an older one
-            tags = tags[:tags.index(latest) + 1]
+    latest = read_latest(path, newest=tags[-1])
+    if latest in tags:  # the newest unless `latest` names an older one
+        tags = tags[:tags.index(latest) + 1]
     for tag in reversed(tags):
         problem = damage(os.path.join(path, tag)) if verify else None
         if not problem:

@@ -1,0 +1,227 @@
+"""`vim-ds convert` stopped half-way: a full or read-only disk is one line and exit 2, a signal (SIGTERM, Ctrl-C,
+SIGHUP) removes what was being written, says so in one line and exits 128 + the signal; a SIGKILL leaves nothing
+under a user's name (vim_ds/checkpoint/atomic_write.py). And a `checkpoints/latest` that cannot be read (not UTF-8,
+binary, empty) is ignored with a warning naming it, as one naming a missing tag is, in convert, train's resumes and
+eval. Real converters and trainers on the suite's shared 3-step checkpoints, real mounts, real signals."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import preloaded
+from train_utils import ROOT, config_run_args, run_train, step_losses
+
+pytestmark = pytest.mark.slow
+
+
+def convert_cli(*args, env=None):
+    return preloaded.run([sys.executable, "-m", "vim_ds.convert", *map(str, args)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, env=env)
+
+
+def only_line(proc, start: str) -> str:
+    """The one line of stderr that starts with `start`; no traceback."""
+    stderr = proc.stderr if isinstance(proc, subprocess.CompletedProcess) else stderr_of(proc)
+    lines = [line for line in stderr.splitlines() if line.startswith(start)]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
+
+
+@contextlib.contextmanager
+def mounted(folder, *commands):
+    """`folder` with `commands` (mount ...) applied; unmounted after. Mounting needs root (CI and this machine have
+    it); elsewhere the test skips."""
+    os.makedirs(folder, exist_ok=True)
+    for command in commands:
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+            pytest.skip(f"cannot {' '.join(command[:3])} here: {proc.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def small_disk(folder, size: str = "64k"):
+    """A tmpfs of `size` at `folder`: the converted tiny model (about 270 KiB, 130 as safetensors) does not fit."""
+    return mounted(folder, ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)])
+
+
+def read_only(folder):
+    """`folder` as a read-only bind mount of itself: refused to root too (chmod is not), as a read-only disk is."""
+    return mounted(folder, ["mount", "--bind", str(folder), str(folder)],
+                   ["mount", "-o", "remount,bind,ro", str(folder), str(folder)])
+
+
+@pytest.fixture(scope="module")
+def ckpt(config_run) -> str:
+    return os.path.join(config_run("zero0"), "checkpoints")  # global_step1..3, 2 ranks; read, never written
+
+
+# -- a failed write --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["w.pth", "w.safetensors"])  # torch's zip writer; safetensors (the variant)
+def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(ckpt, tmp_path, name):
+    with small_disk(tmp_path / "disk") as disk:
+        out = disk / name
+        out.write_bytes(b"an earlier file")  # a convert that fails leaves it as it was
+        proc = convert_cli(ckpt, out)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = only_line(proc, "vim-ds convert: error")
+        assert line.startswith(f"vim-ds convert: error: cannot write {out}: No space left on device ("), line
+        assert line.endswith(f" MiB free in {disk})"), line
+        assert os.listdir(disk) == [name] and out.read_bytes() == b"an earlier file"  # no temporary, OUT as it was
+
+
+def test_a_read_only_disk_is_one_line_exit_2(ckpt, tmp_path):
+    with read_only(tmp_path / "ro") as folder:
+        with pytest.raises(OSError):  # the fault is real
+            (folder / "x").write_text("x")
+        proc = convert_cli(ckpt, folder / "w.pth")
+        assert proc.returncode == 2
+        assert only_line(proc, "vim-ds convert: error") == \
+            f"vim-ds convert: error: cannot write {folder / 'w.pth'}: Read-only file system"
+        # the variant: a missing folder on that disk (the converter creates OUT's folder)
+        proc = convert_cli(ckpt, folder / "sub" / "w.pth")
+        assert proc.returncode == 2
+        assert only_line(proc, "vim-ds convert: error") == \
+            f"vim-ds convert: error: cannot write {folder / 'sub' / 'w.pth'}: Read-only file system"
+        assert os.listdir(folder) == []
+
+
+# -- a signal while it writes ----------------------------------------------------------------------------------------
+
+
+def start_stalled(ckpt, out, env_extra=None):
+    """A converter stopped for good once OUT's bytes are written, before OUT gets them (VIM_DS_INJECT), in its own
+    session; returns it once it says so."""
+    env = dict(os.environ, VIM_DS_INJECT="stall_convert_write@1", **(env_extra or {}))
+    proc = preloaded.popen([sys.executable, "-m", "vim_ds.convert", ckpt, str(out)], env=env, cwd=ROOT,
+                           start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "VIM_DS_INJECT: stalled writing" not in stderr_of(proc):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the converter did not reach the write (rc {proc.poll()}):\n{stderr_of(proc)[-3000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def stderr_of(proc) -> str:
+    if isinstance(proc, preloaded.Process):
+        return proc.output()[1]
+    return ""  # a real process (VIM_DS_TEST_FORK_SERVER=0): read when it ends
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],  # SIGHUP: the variant
+                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_while_writing_removes_the_file_and_says_so_in_one_line(ckpt, tmp_path, signum):
+    if not preloaded.ENABLED:
+        pytest.skip("watches the converter's stderr while it runs (the suite's preloaded server)")
+    out = tmp_path / "out" / "w.pth"
+    proc = start_stalled(ckpt, out)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == 128 + signum
+    stderr = stderr_of(proc)
+    assert only_line(proc, "vim-ds convert: stopped") == \
+        f"vim-ds convert: stopped by {signal.Signals(signum).name}; {out} was not written", stderr[-3000:]
+    assert "error" not in stderr.lower()
+    assert os.listdir(out.parent) == []
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named_temporary"])
+def test_sigkill_while_writing_leaves_nothing_a_user_sees(ckpt, tmp_path, named):
+    """SIGKILL cannot be caught. Where the filesystem supports O_TMPFILE (here: the test's tmp folder) the bytes
+    being written have no name and vanish with the process. Elsewhere (forced here with VIM_DS_NO_TMPFILE=1) a
+    hidden `.OUT.tmp.HOST.PID` stays, and the next convert into that folder removes it, as it removes the
+    `OUT.tmpPID` files earlier versions left."""
+    if not preloaded.ENABLED:
+        pytest.skip("watches the converter's stderr while it runs (the suite's preloaded server)")
+    from vim_ds.checkpoint.atomic_write import temporary_name
+
+    out = tmp_path / "out" / "w.pth"
+    proc = start_stalled(ckpt, out, {"VIM_DS_NO_TMPFILE": "1"} if named else None)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    if not named:
+        assert os.listdir(out.parent) == []
+        return
+    left = os.path.basename(temporary_name(str(out), proc.pid))
+    assert left.startswith(".w.pth.tmp.") and os.listdir(out.parent) == [left]
+    (out.parent / f"w.pth.tmp{proc.pid}").write_bytes(b"what an earlier version left")
+    (out.parent / "notes.txt").write_text("a user's file")  # not a temporary: kept
+    proc = convert_cli(ckpt, out, env=dict(os.environ, VIM_DS_NO_TMPFILE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out.parent)) == ["notes.txt", "w.pth"]
+
+
+def test_a_universal_conversion_on_a_full_disk_is_one_line_and_removes_its_folder(config_run, tmp_path):
+    src = os.path.join(config_run("zero2"), "checkpoints", "global_step3")
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    with small_disk(tmp_path / "disk", f"{size // 1024 + 64}k") as disk:  # the source fits, its copy does not
+        shutil.copytree(src, disk / "global_step3")
+        proc = convert_cli(disk, "--universal")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = only_line(proc, "vim-ds convert: error")
+        assert line.startswith(f"vim-ds convert: error: cannot convert {disk / 'global_step3'} to a universal "
+                               f"checkpoint: No space left on device"), line
+        assert "global_step3_universal" not in os.listdir(disk)
+
+
+# -- `latest` that cannot be read ------------------------------------------------------------------------------------
+
+LATEST = {"not_utf8": b"\xff\xfeglobal_step\x80", "binary": b"\x00\x01\x02\x7f\x00", "empty": b""}
+PROBLEM = {"not_utf8": "it is not UTF-8 text (byte 0xff at offset 0)", "empty": "it is empty",
+           "binary": "it holds no tag name (binary or control characters)"}
+
+
+def garbled(config_run, tmp_path, kind: str):
+    run = tmp_path / "run"
+    shutil.copytree(config_run("zero0"), run)
+    latest = run / "checkpoints" / "latest"
+    latest.write_bytes(LATEST[kind])
+    return run, (f"warning: ignoring {latest}: {PROBLEM[kind]}; using the newest complete checkpoint, "
+                 f"global_step3")
+
+
+@pytest.mark.parametrize("kind", list(LATEST))
+def test_convert_ignores_an_unreadable_latest_with_a_warning(config_run, tmp_path, kind):
+    run, warning = garbled(config_run, tmp_path, kind)
+    proc = convert_cli(run / "checkpoints", tmp_path / "w.pth")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert warning in proc.stderr.splitlines() and "Traceback" not in proc.stderr
+    assert "step 3 " in proc.stdout
+
+
+def test_train_resumes_past_an_unreadable_latest_with_a_warning(digits, config_run, tmp_path):
+    """--resume auto (the issue's case: a codec error stopped the run) and, the variant, --resume SAVE_DIR into
+    another output folder; `vim-ds eval --resume SAVE_DIR` too."""
+    run, warning = garbled(config_run, tmp_path, "not_utf8")
+    one_rank = ["--batch-size", "8", "--accum-steps", "2", "--max-steps", "4"]  # the same global batch of 16
+    proc = run_train(config_run_args(digits, run, "zero0", *one_rank, "--resume", "auto"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(warning) == 1, proc.stderr[-3000:]
+    assert "at epoch 0, step 3" in proc.stdout and max(step_losses(run)) == 4
+
+    save_dir = tmp_path / "copy" / "checkpoints"
+    shutil.copytree(config_run("zero0") + "/checkpoints", save_dir)
+    (save_dir / "latest").write_bytes(LATEST["not_utf8"])
+    warning = warning.replace(str(run / "checkpoints"), str(save_dir))
+    branch = tmp_path / "branch"
+    proc = run_train(config_run_args(digits, branch, "zero0", *one_rank, "--resume", save_dir), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(warning) == 1 and "at epoch 0, step 3" in proc.stdout
+
+    proc = run_train(config_run_args(digits, tmp_path / "eval", "zero0", "--resume", save_dir), module="vim_ds.eval",
+                     check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines().count(warning) == 1 and "Traceback" not in proc.stderr
