@@ -144,6 +144,8 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
                       "input_size": meta["input_size"]}
             metadata = {"model": str(meta["model"]), "config": json.dumps(config), "format": "vim_ds",
                         "weights": which}
+            if meta.get("classes"):  # str -> str only: the names as a JSON list
+                metadata["classes"] = json.dumps(list(meta["classes"]))
             data = save({k: v.contiguous() for k, v in weights.items()},  # bytes: save_file renames on its own
                         metadata=metadata)
             with open(path, "wb") as f:
