@@ -83,12 +83,12 @@ def _main(args, target: list) -> int:
     from .engine import faults
 
     try:
-        if args.universal:
-            return _universal(args, target)
         stall = None
         if faults.number("stall_convert_write", 0) is not None:
             def stall():
-                faults.stall(f"writing {args.out}")
+                faults.stall(f"writing {target[0]}")
+        if args.universal:
+            return _universal(args, target, stall)
         s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
                     progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True),
                     stall=stall)
@@ -103,13 +103,13 @@ def _main(args, target: list) -> int:
     return 0
 
 
-def _universal(args, target: list) -> int:
+def _universal(args, target: list, stall=None) -> int:
     from .checkpoint import deepspeed_dir
     from .engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
 
     save_dir, tag = deepspeed_dir.resolve(os.path.join(args.checkpoint, args.tag) if args.tag else args.checkpoint)
     target[0] = os.path.join(save_dir, tag + UNIVERSAL_SUFFIX)
-    universal = universal_copy(save_dir, tag)  # a failed or stopped conversion removes its partial folder
+    universal = universal_copy(save_dir, tag, stall)  # a failed or stopped conversion removes its partial folder
     print(f"wrote {os.path.join(save_dir, universal)} (DeepSpeed universal checkpoint): resume it with "
           f"--resume {os.path.join(save_dir, universal)} on any number of ranks")
     return 0

@@ -101,11 +101,11 @@ def test_a_read_only_disk_is_one_line_exit_2(ckpt, tmp_path):
 # -- a signal while it writes ----------------------------------------------------------------------------------------
 
 
-def start_stalled(ckpt, out, env_extra=None):
+def start_stalled(*args, env_extra=None):
     """A converter stopped for good once OUT's bytes are written, before OUT gets them (VIM_DS_INJECT), in its own
     session; returns it once it says so."""
     env = dict(os.environ, VIM_DS_INJECT="stall_convert_write@1", **(env_extra or {}))
-    proc = preloaded.popen([sys.executable, "-m", "vim_ds.convert", ckpt, str(out)], env=env, cwd=ROOT,
+    proc = preloaded.popen([sys.executable, "-m", "vim_ds.convert", *map(str, args)], env=env, cwd=ROOT,
                            start_new_session=True)
     deadline = time.monotonic() + 120
     while "VIM_DS_INJECT: stalled writing" not in stderr_of(proc):
@@ -149,7 +149,7 @@ def test_sigkill_while_writing_leaves_nothing_a_user_sees(ckpt, tmp_path, named)
     from vim_ds.checkpoint.atomic_write import temporary_name
 
     out = tmp_path / "out" / "w.pth"
-    proc = start_stalled(ckpt, out, {"VIM_DS_NO_TMPFILE": "1"} if named else None)
+    proc = start_stalled(ckpt, out, env_extra={"VIM_DS_NO_TMPFILE": "1"} if named else None)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
     if not named:
@@ -175,6 +175,21 @@ def test_a_universal_conversion_on_a_full_disk_is_one_line_and_removes_its_folde
         assert line.startswith(f"vim-ds convert: error: cannot convert {disk / 'global_step3'} to a universal "
                                f"checkpoint: No space left on device"), line
         assert "global_step3_universal" not in os.listdir(disk)
+
+
+def test_a_signal_during_a_universal_conversion_removes_its_folder(config_run, tmp_path):
+    if not preloaded.ENABLED:
+        pytest.skip("watches the converter's stderr while it runs (the suite's preloaded server)")
+    save_dir = tmp_path / "checkpoints"
+    shutil.copytree(os.path.join(config_run("zero2"), "checkpoints", "global_step3"), save_dir / "global_step3")
+    proc = start_stalled(save_dir, "--universal")  # ds_to_universal has written the folder, the marker is not there
+    universal = save_dir / "global_step3_universal"
+    assert os.path.isdir(universal / "zero")  # the fault is real: a partial universal checkpoint
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert only_line(proc, "vim-ds convert: stopped") == \
+        f"vim-ds convert: stopped by SIGTERM; {universal} was not written"
+    assert sorted(os.listdir(save_dir)) == ["global_step3", "latest_universal"]  # DeepSpeed's note, as on success
 
 
 # -- `latest` that cannot be read ------------------------------------------------------------------------------------

@@ -217,10 +217,12 @@ def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
     return repaired
 
 
-def universal_copy(save_dir: str, tag: str) -> str:
+def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     """Re-partition a ZeRO-1/2/3 checkpoint for any rank count with DeepSpeed's `ds_to_universal` (once; run on one
     rank), next to the original as `<tag>_universal`; returns the new tag. The EMA and the completion marker are
-    copied last, so a conversion that was interrupted is done again rather than resumed."""
+    copied last, so a conversion that was interrupted is done again rather than resumed; one that fails or is
+    stopped by an exception (vim-ds convert's signals) removes its folder. `stall()`, when given, runs before the
+    marker is written (fault injection)."""
     import subprocess
     import sys
 
@@ -243,6 +245,8 @@ def universal_copy(save_dir: str, tag: str) -> str:
                                   f"{_universal_failure(stderr, save_dir)}")
         if os.path.isfile(os.path.join(src, layout.EMA_FILE)):
             shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
+        if stall is not None:
+            stall()
         marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
         layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
     except BaseException as exc:  # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no

@@ -34,7 +34,8 @@ waiting for data when the signal arrives).
 
 For `vim-ds convert` (tests/faults/test_convert_faults.py): `stall_convert_write@1` stops the converter for good
 once the bytes of OUT are written, before OUT gets them (fsynced, not yet named), after saying so on stderr, so that
-a test sends a real signal (or SIGKILL) to a converter that is writing.
+a test sends a real signal (or SIGKILL) to a converter that is writing; with `--universal`, once ds_to_universal has
+written the folder, before its completion marker.
 
 One recording hook, for tests/test_recipe_step.py (an independent reference of the training step replays what the
 trainer consumed): `VIM_DS_RECORD_BATCHES=DIR` makes every rank save each training micro batch as the loader
