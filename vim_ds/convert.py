@@ -44,7 +44,7 @@ class Stopped(BaseException):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _stop_on_signals():
+def _stop_on_signals() -> dict:
     """SIGTERM (kill, a scheduler), SIGINT (Ctrl-C), SIGHUP (the terminal closed) stop the conversion with its
     temporary files removed, one line and exit 128 + the signal, instead of a traceback or a Python exit that skips
     the clean-up. A SIGHUP the process was started ignoring (nohup) stays ignored. SIGKILL cannot be caught: what
@@ -54,16 +54,22 @@ def _stop_on_signals():
             signal.signal(other, signal.SIG_IGN)
         raise Stopped(signum)
 
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # main() called from a thread: Python's own
+        return {}
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
-        if signum != signal.SIGHUP or signal.getsignal(signum) is not signal.SIG_IGN:
+        if signum != signal.SIGHUP or previous[signum] is not signal.SIG_IGN:
             signal.signal(signum, on_signal)
+    return previous  # main() puts them back (it may run inside another program: a test, a notebook)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     existed = bool(args.out) and os.path.isfile(args.out)
     target = [args.out]  # what a stop leaves unwritten (the universal folder, once it is known)
-    _stop_on_signals()
+    previous = _stop_on_signals()
     try:
         return _main(args, target)
     except Stopped as stop:
@@ -73,6 +79,9 @@ def main(argv=None) -> int:
         else:
             print(f"vim-ds convert: stopped by {stop}; nothing was written", file=sys.stderr)
         return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _main(args, target: list) -> int:
