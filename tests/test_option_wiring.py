@@ -87,7 +87,7 @@ def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys
     calls = []
 
     def fake(checkpoint, out, **kwargs):
-        calls.append((checkpoint, out, {k: v for k, v in kwargs.items() if k != "progress"}))
+        calls.append((checkpoint, out, {k: v for k, v in kwargs.items() if k not in ("progress", "stall")}))
         return {"out": out, "format": "pth", "model": "vim_tiny", "weights": "model", "has_ema": False, "tensors": 1,
                 "parameters": 1, "num_classes": 10, "step": 2, "zero_stage": 0, "precision": "fp32", "source": "x"}
 

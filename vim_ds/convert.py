@@ -92,10 +92,9 @@ def _main(args, target: list) -> int:
     from .engine import faults
 
     try:
-        stall = None
+        stall = None  # fault injection (VIM_DS_INJECT=stall_convert_write@1): stop mid-write for a signal test
         if faults.number("stall_convert_write", 0) is not None:
-            def stall():
-                faults.stall(f"writing {target[0]}")
+            stall = lambda: faults.stall(f"writing {target[0]}")  # noqa: E731
         if args.universal:
             return _universal(args, target, stall)
         s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
