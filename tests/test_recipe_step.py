@@ -22,7 +22,7 @@ None of vim_ds's recipe code is used (no `param_groups`, `scaled_lr`, `PerStepSc
 construction, clipping or EMA). What is shared, on purpose: the model class (checked against an independent forward
 in `tests/test_model_reference.py`), the checkpoint reader that gives the run's final weights and EMA
 (`vim_ds.checkpoint.training_state`), and the trainer's documented seeding contract: each micro step seeds Python,
-NumPy and torch with `derived_seed(seed, step, micro, rank)` (`vim_ds.engine.trainer`, README "Same samples
+NumPy and torch with `derive_seed(seed, step, micro, rank)` (`vim_ds.data`, README "Same samples
 whatever the layout"), which the reference calls with the same function so that Mixup's and drop path's random
 draws are the same. The batches are the ones the trainer's loader produced, recorded by the
 `VIM_DS_RECORD_BATCHES` test hook before Mixup (`vim_ds/engine/faults.py`), with the seed each micro step used.
@@ -137,7 +137,8 @@ def reference_run(recipe: Recipe, batches: dict, init_file: str, ranks: int, acc
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.utils import ModelEmaV2
 
-    from vim_ds.engine.trainer import derived_seed, seed_everything  # the seeding contract (module docstring)
+    from vim_ds.data import derive_seed  # the seeding contract (module docstring)
+    from vim_ds.engine.trainer import seed_everything
 
     model = reference_model(recipe, init_file)
     skip = set(model.no_weight_decay())
@@ -175,7 +176,7 @@ def reference_run(recipe: Recipe, batches: dict, init_file: str, ranks: int, acc
         for rank in range(ranks):
             for micro in range(accum):
                 batch = batches[(step, micro, rank)]
-                seed = derived_seed(recipe.seed, step - 1, micro, rank)
+                seed = derive_seed(recipe.seed, step - 1, micro, rank)
                 assert batch["seed"] == seed, (step, micro, rank)
                 seed_everything(seed)
                 images, targets = batch["images"].clone(), batch["targets"].clone()

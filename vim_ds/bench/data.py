@@ -237,9 +237,10 @@ class VimDsPipeline:
 
     def mix(self, images, targets, step: int):
         if self.mixup is not None:  # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
-            from ..engine.trainer import derived_seed, seed_everything
+            from ..data.datasets import derive_seed
+            from ..engine.trainer import seed_everything
 
-            seed_everything(derived_seed(self.args.seed, step, 0, 0))
+            seed_everything(derive_seed(self.args.seed, step, 0, 0))
             images, targets = self.mixup(images, targets)
         return images
 

@@ -8,7 +8,6 @@ it had never stopped, and any rank count or accumulation split of one global bat
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import os
 import random
@@ -20,6 +19,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from ..data.datasets import derive_seed
 from ..models import build_model, param_groups
 from . import distributed, faults, signals
 from .ds_config import PRECISION_DTYPES, autocast_dtype
@@ -43,11 +43,6 @@ def _declare_direct_weight_reads(model: torch.nn.Module):
             for child in module.children():
                 for param in child.parameters():
                     register_external_parameter(module, param)
-
-
-def derived_seed(*parts) -> int:
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2 ** 63 - 1)
 
 
 @contextlib.contextmanager
@@ -358,7 +353,7 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------------------------
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
-        seed = derived_seed(self.args.seed, self.step, micro, self.dist.rank)
+        seed = derive_seed(self.args.seed, self.step, micro, self.dist.rank)
         seed_everything(seed)  # Mixup, drop path
         faults.record_batch(self.step + 1, micro, self.dist.rank, seed, images, targets)  # VIM_DS_RECORD_BATCHES
         if micro == 0 and faults.active("signal_in_step", self.step + 1, self.dist.rank):
