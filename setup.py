@@ -36,6 +36,14 @@ def _load_build_config():
 build_config = _load_build_config()
 
 
+def _version():
+    """The one version number, vim_ds/__init__.py's __version__ (read as text: importing vim_ds needs its kernels)."""
+    import re
+
+    with open(os.path.join(ROOT, "vim_ds", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
 def _flag(name, default):
     value = os.environ.get(name, default).strip().lower()
     if value not in ("0", "1", "auto"):
@@ -139,7 +147,7 @@ def cmdclass():
 
 setup(
     name="vim_ds",
-    version="0.1.0",
+    version=_version(),
     description="Vision Mamba (Vim) training with DeepSpeed on AMD Instinct and NVIDIA GPUs, and on CPU",
     packages=find_packages(include=["vim_ds", "vim_ds.*"]),
     ext_modules=extensions(),
