@@ -129,7 +129,8 @@ def test_missing_file_and_garbage_file(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint file not found"):
         load_model_weights(small(), tmp_path / "nope.pth")
     (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match="not a readable PyTorch checkpoint"):
+    with pytest.raises(CheckpointError, match="junk.pth is neither a PyTorch checkpoint nor a safetensors file: it "
+                                              "looks like a text file"):
         load_model_weights(small(), tmp_path / "junk.pth")
 
 
@@ -176,5 +177,6 @@ def test_safetensors_file_loads(tmp_path):
     x = torch.randn(1, 3, 32, 32)
     torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+    with pytest.raises(CheckpointError, match="bad.safetensors is neither a PyTorch checkpoint nor a safetensors "
+                                              "file: it looks like an unknown binary format"):
         load_model_weights(small(), tmp_path / "bad.safetensors")

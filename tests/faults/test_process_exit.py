@@ -16,9 +16,11 @@ fresh TMPDIR, and a hook that logs each folder multiprocessing makes, so the che
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,8 +58,11 @@ util.get_temp_dir = get_temp_dir
 def temp_dirs(tmp_path):
     """Environment for a fresh TMPDIR whose pymp-* folders are logged (with the `hook` folder on PYTHONPATH), and a
     check that the processes made some and that none is left."""
-    tmp, log = tmp_path / "TMPDIR", tmp_path / "pymp.log"
-    tmp.mkdir()
+    import tempfile
+
+    # short: the data loader's fork server listens on a socket in it, whose path (pymp-*/listener-*) must fit in
+    # AF_UNIX's 108 bytes, which a pytest-xdist tmp_path may not leave room for
+    tmp, log = Path(tempfile.mkdtemp(prefix="vd", dir="/tmp")), tmp_path / "pymp.log"
     env = {"TMPDIR": str(tmp), "PYMP_LOG": str(log)}
 
     def check(processes: int):
@@ -67,7 +72,8 @@ def temp_dirs(tmp_path):
         assert not [name for name in os.listdir(tmp) if name.startswith("pymp-")], os.listdir(tmp)
         log.unlink()
 
-    return env, check
+    yield env, check
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def hook_env(tmp_path, *sources, name: str = "hook") -> dict:
