@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 def _load_build_config():
     # Loaded by path: importing the vim_ds package itself would try to load the kernels being built.
-    spec = importlib.util.spec_from_file_location("build_config", os.path.join(ROOT, "vim_ds", "ops", "build_config.py"))
+    path = os.path.join(ROOT, "vim_ds", "ops", "build_config.py")
+    spec = importlib.util.spec_from_file_location("build_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -157,6 +158,7 @@ setup(
     # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
     install_requires=["torch", "torchvision", "timm>=1.0", "deepspeed", "numpy", "pillow", "pydantic>=2", "psutil",
                       "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],
-    extras_require={"test": ["pytest", "pytest-xdist", "filelock", "webdataset"], "tensorboard": ["tensorboard"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "filelock", "webdataset", "ruff"],
+                    "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},
 )

@@ -15,8 +15,8 @@ What keeps it honest:
   (fault injection, the scan backend), so each child imports them under its own environment.
 - What a fresh interpreter sets from the environment at start-up is set again in the child: stdout/stderr buffering
   (`PYTHONUNBUFFERED`), `sys.path` (`PYTHONPATH`, and a `sitecustomize` it brings: the negative controls of
-  tests/test_resume_exact.py put a bug back that way), OpenMP's thread count (`OMP_NUM_THREADS`, which libgomp reads when
-  torch loads it), numpy's global seed (a fresh process draws its own).
+  tests/test_resume_exact.py put a bug back that way), OpenMP's thread count (`OMP_NUM_THREADS`, which libgomp reads
+  when torch loads it), numpy's global seed (a fresh process draws its own).
 - Several ranks (`torchrun --standalone --nproc_per_node N -m MODULE`) are forked side by side with the variables
   torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1),
   and, as torchrun does, the others are stopped when one fails and the job's exit code is then 1.

@@ -166,7 +166,7 @@ def random_state_dict(cfg: VimConfig, seed: int = 0, dtype: torch.dtype = torch.
     A = -exp(A_log) with A_log in (-1, 2) varying per channel and state, norms' weights around 1 but not 1.
     """
     g = torch.Generator().manual_seed(seed)
-    D, E, N, R = cfg.embed_dim, cfg.d_inner, cfg.d_state, cfg.dt_rank
+    D, E, R = cfg.embed_dim, cfg.d_inner, cfg.dt_rank
 
     def randn(*shape, std=1.0, mean=0.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * std + mean

@@ -2,7 +2,6 @@
 ours against timm's loader)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re

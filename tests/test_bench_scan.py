@@ -23,7 +23,7 @@ def test_predict_on_a_cpu_prints_the_bounds_and_says_no_gpu(tmp_path, capsys):
     assert "[cpu" in text  # the CPU rows are still measured
     expected = scan_model.predictions()
     b = expected[1]["bounds"]["H100 SXM"]  # B=64 L=197 bf16
-    assert f"| B=64 D=768 L=197 N=16 | bfloat16 |" in text and f"{b['fwd_ms']:.3f} ({b['fwd_bound_by']})" in text
+    assert "| B=64 D=768 L=197 N=16 | bfloat16 |" in text and f"{b['fwd_ms']:.3f} ({b['fwd_bound_by']})" in text
     data = json.loads(out.read_text())
     assert data["device"] == "cpu" and data["modelled_gpu"] is None
     assert data["predictions"] == json.loads(json.dumps(expected))

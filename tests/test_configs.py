@@ -16,7 +16,8 @@ import pytest
 import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY
 
-SHIPPED = sorted(name[:-len(".json")] for name in os.listdir(os.path.join(ROOT, "ds_configs")) if name.endswith(".json"))
+SHIPPED = sorted(name[:-len(".json")] for name in os.listdir(os.path.join(ROOT, "ds_configs"))
+                 if name.endswith(".json"))
 
 
 def json_config_lines(stdout: str) -> list[str]:

@@ -108,7 +108,8 @@ def test_the_fake_saved_tensor_matches_the_real_one(mamba_module):
 def test_absent_mamba_ssm_is_a_one_line_error(mamba_module, monkeypatch):
     mamba_module(None)  # `import selective_scan_cuda` raises ImportError
     x = _inputs(1, 2, 3, 2, seed=5)
-    with pytest.raises(RuntimeError, match="^vim_ds ops: backend 'mamba' is unavailable: mamba_ssm is not installed") as e:
+    unavailable = "^vim_ds ops: backend 'mamba' is unavailable: mamba_ssm is not installed"
+    with pytest.raises(RuntimeError, match=unavailable) as e:
         scan_with_backend("mamba", **x, delta_softplus=True)
     assert "\n" not in str(e.value)
     monkeypatch.setenv("VIM_DS_SCAN", "mamba")  # undone after the test (os.environ set directly leaked to others)

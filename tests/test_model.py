@@ -121,7 +121,8 @@ def test_mismatched_checkpoint_lists_keys(tmp_path):
     with pytest.raises(CheckpointError, match=r"unexpected: layers\.2\.mixer\.A_b_log"):
         load_model_weights(small(), path)
     path = published_file(tmp_path / "wider.pth", small(embed_dim=48))
-    with pytest.raises(CheckpointError, match=r"shape mismatch: cls_token: checkpoint \(1, 1, 48\) vs model \(1, 1, 32\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"shape mismatch: cls_token: checkpoint \(1, 1, 48\) vs model \(1, 1, 32\)"):
         load_model_weights(small(), path)
 
 

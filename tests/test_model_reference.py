@@ -71,7 +71,8 @@ def test_oracle_self_causal_conv_matches_torch_conv1d():
     ref = F.conv1d(x, w, b, padding=3, groups=E)[..., :L]  # how the published nn.Conv1d path does it
     assert rel_err(pv.causal_depthwise_conv1d(x, w, b), ref) < 1e-14
     # L shorter than the kernel
-    assert rel_err(pv.causal_depthwise_conv1d(x[..., :2], w, b), F.conv1d(x[..., :2], w, b, padding=3, groups=E)[..., :2]) < 1e-14
+    assert rel_err(pv.causal_depthwise_conv1d(x[..., :2], w, b),
+                   F.conv1d(x[..., :2], w, b, padding=3, groups=E)[..., :2]) < 1e-14
 
 
 def test_oracle_self_softplus_silu():
@@ -111,7 +112,8 @@ def test_oracle_self_scan_matches_vim_ds_reference_scan():
     from vim_ds.ops.selective_scan_ref import selective_scan_ref
 
     kw = _scan_inputs(3)
-    assert rel_err(pv.selective_scan_naive(**kw, delta_softplus=True), selective_scan_ref(**kw, delta_softplus=True)) < 1e-13
+    assert rel_err(pv.selective_scan_naive(**kw, delta_softplus=True),
+                   selective_scan_ref(**kw, delta_softplus=True)) < 1e-13
 
 
 def _mixer_sd(cfg, seed):
@@ -125,8 +127,9 @@ def test_oracle_self_mixer_flip_symmetry():
     cfg = pv.VimConfig(embed_dim=32, depth=1)
     sd = _mixer_sd(cfg, 4)
     p = "layers.0.mixer."
-    for a, b in (("A_log", "A_b_log"), ("D", "D_b"), ("conv1d.weight", "conv1d_b.weight"), ("conv1d.bias", "conv1d_b.bias"),
-                 ("x_proj.weight", "x_proj_b.weight"), ("dt_proj.weight", "dt_proj_b.weight"), ("dt_proj.bias", "dt_proj_b.bias")):
+    for a, b in (("A_log", "A_b_log"), ("D", "D_b"), ("conv1d.weight", "conv1d_b.weight"),
+                 ("conv1d.bias", "conv1d_b.bias"), ("x_proj.weight", "x_proj_b.weight"),
+                 ("dt_proj.weight", "dt_proj_b.weight"), ("dt_proj.bias", "dt_proj_b.bias")):
         sd[p + b] = sd[p + a].clone()
     x = torch.randn(2, 13, 32, generator=torch.Generator().manual_seed(5), dtype=F64)
     y = pv.bimamba_v2_mixer(sd, p, x)

@@ -109,7 +109,8 @@ def test_opcheck_causal_conv1d(dtype, with_bias, reverse, backend):
 
 # The reference backend inside the branch is slow under opcheck's many runs: fewer combinations for it.
 BRANCH_CASES = [(dtype, with_bias, reverse, "auto") for dtype in DTYPES for with_bias in (False, True)
-                for reverse in (False, True)] + [(torch.float64, True, False, "ref"), (torch.float32, False, True, "ref")]
+                for reverse in (False, True)] \
+    + [(torch.float64, True, False, "ref"), (torch.float32, False, True, "ref")]
 
 
 @pytest.mark.parametrize("dtype, with_bias, reverse, backend", BRANCH_CASES)

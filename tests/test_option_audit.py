@@ -130,8 +130,8 @@ def test_controls_each_fault_is_reported():
     renamed = text.replace("test_predict_topk_classes_and_eval_crop_ratio` | 3 classes",
                            "test_predict_topk_classes` | 3 classes")
     assert renamed != text
-    assert audit(renamed, options) == ["predict: `--topk` names tests/test_option_wiring.py::test_predict_topk_classes, "
-                                       "which is no test there"]
+    assert audit(renamed, options) == [
+        "predict: `--topk` names tests/test_option_wiring.py::test_predict_topk_classes, which is no test there"]
 
     missing_file = text.replace("tests/test_compare_runs.py::test_a_run_beyond",
                                 "tests/test_compare.py::test_a_run_beyond")

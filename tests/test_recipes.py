@@ -212,8 +212,8 @@ def test_configs_lists_the_recipes():
 def _tiny(out, *extra):
     return ["--data-set", "synthetic", "--synthetic-size", "24", "--nb-classes", "4", *TINY, *QUIET_AUG,
             "--batch-size", "4", "--max-steps", "3", "--num_workers", "0", "--deepspeed_config", "zero0",
-            "--precision", "fp32", "--no-model-ema", "--warmup-epochs", "0", "--lr", "2e-3", "--unscale-lr", "--seed", "5",
-            "--output_dir", str(out), *extra]
+            "--precision", "fp32", "--no-model-ema", "--warmup-epochs", "0", "--lr", "2e-3", "--unscale-lr",
+            "--seed", "5", "--output_dir", str(out), *extra]
 
 
 @pytest.mark.slow

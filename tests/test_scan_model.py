@@ -167,7 +167,7 @@ def test_exp_and_fma_counts_are_those_of_a_correct_implementation(kind):
     both cancel); per (b, d, t) from the difference over L at fixed N."""
     fn = forward_steps if kind == "forward" else backward_steps
     b, d, (L1, L2), (N1, N2) = 2, 3, (4, 7), (3, 5)
-    T = {(n, l): _count(fn, b, d, l, n) for n in (N1, N2) for l in (L1, L2)}
+    T = {(n, length): _count(fn, b, d, length, n) for n in (N1, N2) for length in (L1, L2)}
     per_elem = [((T[N2, L2][i] - T[N2, L1][i]) - (T[N1, L2][i] - T[N1, L1][i])) / (b * d * (L2 - L1) * (N2 - N1))
                 for i in (0, 1)]
     per_row = [(T[N1, L2][i] - T[N1, L1][i]) / (b * d * (L2 - L1)) - per_elem[i] * N1 for i in (0, 1)]
@@ -178,7 +178,8 @@ def test_exp_and_fma_counts_are_those_of_a_correct_implementation(kind):
     assert per_elem == model[0] and per_row == model[1]
     cost = (m.forward_cost if kind == "forward" else m.backward_cost)(b, d, L2, N2)
     bdl = b * d * L2
-    assert cost.exp == model[0][0] * bdl * N2 + model[1][0] * bdl and cost.fma == model[0][1] * bdl * N2 + model[1][1] * bdl
+    assert cost.exp == model[0][0] * bdl * N2 + model[1][0] * bdl
+    assert cost.fma == model[0][1] * bdl * N2 + model[1][1] * bdl
 
 
 def test_the_counter_misses_nothing():
@@ -218,7 +219,8 @@ def test_the_kernel_comment_quotes_the_models_bounds():
                         "selective_scan_kernel.cuh")
     text = open(path).read()
     assert "// Performance model" in text
-    row = re.compile(r"^//\s+(?:B=(\d+)\s+D=(\d+)\s+L=(\d+))?\s+(fp32|bf16)\s+" + r"\s+".join([r"([\d.]+) / ([\d.]+)"] * 3))
+    row = re.compile(r"^//\s+(?:B=(\d+)\s+D=(\d+)\s+L=(\d+))?\s+(fp32|bf16)\s+"
+                     + r"\s+".join([r"([\d.]+) / ([\d.]+)"] * 3))
     quoted, shape = [], None
     for line in text.splitlines():
         hit = row.match(line)

@@ -11,7 +11,8 @@ end of a pipe only the test process can write to) sees the pipe close and does t
   `--resume auto` continues to the same weights, Adam moments, EMA, scheduler and position as the uninterrupted job,
   bit for bit. Also in the two other phases a signal can find the ranks in, on a 3-step epoch: during the
   evaluation at the epoch's end (cut short, the epoch's checkpoint saved owing it; the requeued job evaluates those
-  weights first, then starts the next epoch) and half-way through saving the epoch's checkpoint (the save completes and is the one resumed).
+  weights first, then starts the next epoch) and half-way through saving the epoch's checkpoint (the save completes
+  and is the one resumed).
 - The time limit with `--signal=TERM@N`: the ranks save before the kill, and a job chained with
   `--dependency=afternotok:JOBID` continues to the same end.
 - `scancel`: the ranks save, the job is CANCELLED and not queued again; a later `--resume auto` can continue.
@@ -539,8 +540,8 @@ def test_the_time_limit_signal_saves_and_an_afternotok_job_continues_to_the_end(
     """`--time=3 --signal=TERM@60` (the sbatch file's TERM@120, scaled down; SLURM may send it up to its 30 s check
     period early: with --time=4 the jobs here ended 150-180 s after the start): the ranks, waiting at step
     SIGNAL_STEP (or, on a machine so busy that their start-up took longer, at an earlier step), save and exit before
-    the kill at the limit (180 s); a job submitted with `--dependency=afternotok:<first>` starts because the first did not end
-    COMPLETED, resumes, and ends with the uninterrupted job's training state."""
+    the kill at the limit (180 s); a job submitted with `--dependency=afternotok:<first>` starts because the first did
+    not end COMPLETED, resumes, and ends with the uninterrupted job's training state."""
     out = tmp_path / "run"
     first = slurm.sbatch("slurm_mi300x.sbatch", ON_CPU + ["--time=3", "--signal=TERM@60"],
                          job_args(small_digits, out), **job_env(VIM_DS_INJECT=f"wait_for_signal@{SIGNAL_STEP}"))

@@ -1,6 +1,7 @@
 """Vim as a complete timm model: classifier API, forward_intermediates / features_only (class token in the middle
 removed, tokens back on their grid), prune_intermediate_layers, gradient checkpointing with unchanged gradients,
-torch.fx feature extraction, TorchScript's one-line refusal of script and torch.jit.trace + save + load, and pretrained=True resolving to the published files.
+torch.fx feature extraction, TorchScript's one-line refusal of script and torch.jit.trace + save + load, and
+pretrained=True resolving to the published files.
 
 Tiny configurations (depth 2-4, 32-48 pixel images) keep every test to a few seconds on a CPU.
 """

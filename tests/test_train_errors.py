@@ -47,7 +47,8 @@ def test_missing_split(digits, tmp_path):
 
 def test_fp16_on_cpu_is_refused_in_one_line(digits, tmp_path):
     proc = train(digits, tmp_path / "out", "--max-steps", "1", "--precision", "fp16", cfg="zero2_fp16")
-    assert_one_line_error(proc, "fp16 is not supported by DeepSpeed on CPU", "use --precision bf16, autocast-bf16 or fp32")
+    assert_one_line_error(proc, "fp16 is not supported by DeepSpeed on CPU",
+                          "use --precision bf16, autocast-bf16 or fp32")
 
 
 def test_empty_class_folder(digits, tmp_path):

@@ -21,8 +21,9 @@ The options go through `vim_ds.train.parse_args`, so a misread option name is ca
 
 Outputs are compared with `torch.equal`: both sides run the same float operations in the same order on the same
 CPU, so any difference is a difference in the pipeline. Besides the published defaults, cases set every option to a
-value other than its default, and each comparison has negative controls: the reference with one option changed (the one-line bug it stands for: the
-option ignored, misread or swapped) gives different outputs on the same images and seeds.
+value other than its default, and each comparison has negative controls: the reference with one option changed (the
+one-line bug it stands for: the option ignored, misread or swapped) gives different outputs on the same images and
+seeds.
 
 Sizes are above 32 px: at 32 px and below the published `build_transform` swaps the random-resized crop for a
 padded random crop (training) and skips the resize and crop (evaluation), which vim_ds deliberately does not do

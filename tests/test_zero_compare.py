@@ -38,7 +38,7 @@ def _rows():
 
     made = [row("zero0", 0, 400, 400, 800), row("zero1", 1, 400, 400, 400), row("zero2", 2, 400, 200, 400, 0.1),
             row("zero3", 3, 0, 0, 0, error="RuntimeError: boom")]
-    return [r for r, _ in made], {r["config"]: l for r, l in made if not r["error"]}
+    return [r for r, _ in made], {r["config"]: line for r, line in made if not r["error"]}
 
 
 def test_finish_rows_flags_disagreeing_losses_and_totals():
@@ -112,8 +112,8 @@ def test_zero_compare_tiny_two_ranks_fp32(tmp_path):
         return max(_ints(rows[config][f"{name}_bytes_per_rank"]))
 
     def states_without_master(config):
-        return max(sum(v) for v in zip(*(_ints(rows[config][f"{k}_bytes_per_rank"]) for k in ("param", "grad", "optim")))) \
-            - kind(config, "master")
+        per_kind = (_ints(rows[config][f"{k}_bytes_per_rank"]) for k in ("param", "grad", "optim"))
+        return max(sum(v) for v in zip(*per_kind)) - kind(config, "master")
 
     # ZeRO-3 partitions everything: model states per rank (DeepSpeed's extra fp32 master clone aside) <= 0.55 x
     assert states_without_master("zero3") <= 0.55 * states_without_master("zero0")

@@ -141,7 +141,8 @@ def test_a_checkpoint_without_recorded_names_resumes_with_one_note(zero0, digits
     assert note == (f"note: {tag} records no class names (saved by an earlier vim_ds): --data-path {args.data_path} "
                     f"is taken to have the classes it was trained on, in the same order; its checkpoints from now on "
                     f"record them")
-    assert check(str(tag), args, 10, ds, universal=False, classes=None) is None  # a caller without the data's names: no note
+    # a caller without the data's names: no note
+    assert check(str(tag), args, 10, ds, universal=False, classes=None) is None
 
 
 # -- convert and predict -------------------------------------------------------------------------------------------

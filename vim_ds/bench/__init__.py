@@ -1,4 +1,4 @@
-"""`vim-ds bench scan|model|train|convert|data`: how fast the kernels, the model and the trainer are, with their baselines.
+"""`vim-ds bench scan|model|train|convert|data`: how fast the kernels, the model and the trainer are, beside baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside

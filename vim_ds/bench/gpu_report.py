@@ -170,8 +170,8 @@ def build_report(out_dir) -> str:
     lines += ["", "## GPU tests", "", _gpu_tests(out_dir, ran_tests), ""]
     lines += _scan_section(_json(os.path.join(out_dir, "bench_scan.json")))
     skipped = "no GPU: not run." if no_gpu else "The step left no JSON (see its log)."
-    lines += _bench_section("Model: Vim vs DeiT (`vim-ds bench model`)", _json(os.path.join(out_dir, "bench_model.json")),
-                            skipped)
+    lines += _bench_section("Model: Vim vs DeiT (`vim-ds bench model`)",
+                            _json(os.path.join(out_dir, "bench_model.json")), skipped)
     lines += _bench_section("Training through the real trainer (`vim-ds bench train`)",
                             _json(os.path.join(out_dir, "bench_train.json")), skipped)
     return "\n".join(lines).rstrip() + "\n"

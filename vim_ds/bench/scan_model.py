@@ -180,7 +180,8 @@ def table(rows) -> str:
     for r in rows:
         cells = [f"{r['bounds'][g.name]['fwd_ms']:.3f} ({r['bounds'][g.name]['fwd_bound_by']}) / "
                  f"{r['bounds'][g.name]['fwd_bwd_ms']:.3f}" for g in GPUS]
-        costs = [f"{r[k]['bytes'] / 1e6:.1f} | {r[k]['exp'] / 1e9:.3f} | {r[k]['fma'] / 1e9:.2f}" for k in ("fwd", "bwd")]
+        costs = [f"{r[k]['bytes'] / 1e6:.1f} | {r[k]['exp'] / 1e9:.3f} | {r[k]['fma'] / 1e9:.2f}"
+                 for k in ("fwd", "bwd")]
         lines.append(f"| {r['shape']} | {r['dtype']} | {costs[0]} | {costs[1]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

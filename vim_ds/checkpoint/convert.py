@@ -118,8 +118,8 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
         safetensors = out_path.endswith(".safetensors")
     weights = ema_sd if ema else model_sd
     tensors = [weights] + ([ema_sd] if ema_sd is not None and not ema and not safetensors else [])
-    progress(f"writing {out_path} ({sum(v.numel() * v.element_size() for d in tensors for v in d.values()) / 2 ** 20:,.0f}"
-             f" MiB) ...")
+    size = sum(v.numel() * v.element_size() for d in tensors for v in d.values())
+    progress(f"writing {out_path} ({size / 2 ** 20:,.0f} MiB) ...")
     write_weights_file(out_path, weights, meta, "ema" if ema else "model", None if ema else ema_sd, safetensors,
                        stall=stall)
     return {"source": tag_dir, "out": out_path, "format": "safetensors" if safetensors else "torch",

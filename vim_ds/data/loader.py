@@ -26,7 +26,6 @@ import signal
 import threading
 import time
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 DEFAULT_WORKERS = 10  # the published Vim/DeiT default, per rank

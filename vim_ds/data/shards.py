@@ -289,8 +289,9 @@ def check_shards(root: str, need_train: bool = True) -> None:
 
 class ShardDataset(SeededDataset):
     """One split of a shards folder: sample i is `size` bytes at `offset` in its shard, decoded as the folder data
-    set decodes a file (`images.open_rgb`: 8-bit RGB, high-bit-depth images scaled), then transformed; with a `finish`, handed over as uint8
-    and finished in the consuming process, as the folder's samples are (datasets.SeededDataset)."""
+    set decodes a file (`images.open_rgb`: 8-bit RGB, high-bit-depth images scaled), then transformed; with a
+    `finish`, handed over as uint8 and finished in the consuming process, as the folder's samples are
+    (datasets.SeededDataset)."""
 
     def __init__(self, root: str, split: str, transform, finish=None):
         header, cols = read_index(root, split)

@@ -284,7 +284,8 @@ def write(path: str, options: dict) -> None:
     text = yaml.safe_dump(options, sort_keys=False, default_flow_style=None)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write("# vim-ds train: this run's effective options, written at its start. Start the same run again with\n"
-                "#   vim-ds train --config THIS_FILE --output_dir ANOTHER_DIR   (the command line wins over the file)\n")
+                "#   vim-ds train --config THIS_FILE --output_dir ANOTHER_DIR"
+                "   (the command line wins over the file)\n")
         if options.get(SEGMENTS_KEY):
             f.write(f"# It was resumed with other options: `{SEGMENTS_KEY}:` (at the end) lists from which step each "
                     f"later part ran\n# with which options changed; --config repeats the first part (the top "

@@ -263,7 +263,8 @@ class Trainer:
         if self.checkpointer is None:
             return
         self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
-                                                      summary={"model": self.args.model, "world_size": self.dist.world_size,
+                                                      summary={"model": self.args.model,
+                                                               "world_size": self.dist.world_size,
                                                                "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
         signals.STOP.last_checkpoint = self.last_checkpoint
 

@@ -352,7 +352,8 @@ class VisionMamba(nn.Module):
         return self._block_step(i, stream)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the middle."""
+        """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the
+        middle."""
         x, _ = self._embed(x)
         for i in range(len(self.layers)):
             x = self._run_block(i, x)

@@ -89,8 +89,8 @@ class ExtensionBackend:
 
 class MambaBackend:
     """mamba_ssm's kernel (its ``selective_scan_cuda`` extension) behind our ``fwd``/``bwd`` interface, to run the
-    model or a benchmark on it side by side with ours. Not a dependency: only used when asked for (``VIM_DS_SCAN=mamba``,
-    ``backend="mamba"``, ``vim-ds bench scan --mamba``).
+    model or a benchmark on it side by side with ours. Not a dependency: only used when asked for
+    (``VIM_DS_SCAN=mamba``, ``backend="mamba"``, ``vim-ds bench scan --mamba``).
 
     Its calls, as mamba_ssm's ``selective_scan_interface.py`` makes them:
     ``fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus) -> [out, x] (+ [out_z] with z)``, where B and C are
@@ -220,7 +220,8 @@ def _jit_build(kind):
         f"{kind}-torch{torch.__version__}",
     )
     os.makedirs(build_dir, exist_ok=True)
-    log.warning("vim_ds: vim_ds._scan_%s is not installed; JIT-building it into %s (compiled once, then reused)", kind, build_dir)
+    log.warning("vim_ds: vim_ds._scan_%s is not installed; JIT-building it into %s (compiled once, then reused)", kind,
+                build_dir)
     return cpp_extension.load(name=f"vim_ds_scan_{kind}", build_directory=build_dir,
                               verbose=os.environ.get("VIM_DS_JIT_VERBOSE", "0") == "1",
                               **build_config.jit_flags(args))
