@@ -151,27 +151,17 @@ def read_options(path: str) -> dict | None:
         raise RunError(str(exc).replace("--config ", "", 1)) from None
 
 
-def _shown(value) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, tuple)):
-        return " ".join(map(_shown, value))
-    if isinstance(value, dict):
-        return " ".join(f"{k}={_shown(v)}" for k, v in value.items())
-    return "(not set)" if value is None or value == "" else str(value)
-
-
 def option_differences(ref: Run, run: Run) -> list[str]:
     """`--lr 0.002 (reference) vs 0.001 (run X)` for each `vim-ds train` option the two runs' options.yaml set to
     different values (--output_dir aside: it is what tells runs apart)."""
     if ref.options is None or run.options is None:
         return []
-    from .engine.options_file import option_name
+    from .engine.options_file import option_name, shown
     from .train import build_parser
 
     parser = build_parser()
     keys = list(ref.options) + [k for k in run.options if k not in ref.options]
-    return [f"{option_name(parser, k)} {_shown(ref.options.get(k))} (reference) vs {_shown(run.options.get(k))} "
+    return [f"{option_name(parser, k)} {shown(ref.options.get(k))} (reference) vs {shown(run.options.get(k))} "
             f"({run.label})" for k in keys if k not in IGNORED_OPTIONS and ref.options.get(k) != run.options.get(k)]
 
 

@@ -183,20 +183,21 @@ def read_segments(data: dict, where: str, parser: argparse.ArgumentParser) -> li
                      sorted(d for d in actions if d not in NOT_RECORDED))
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """An option's value as a command line would spell it (used by notes here and by compare-runs)."""
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, (list, tuple)):
-        return " ".join(map(_shown, value))
+        return " ".join(map(shown, value))
     if isinstance(value, dict):
-        return " ".join(f"{k}={_shown(v)}" for k, v in value.items()) or "(none)"
+        return " ".join(f"{k}={shown(v)}" for k, v in value.items()) or "(none)"
     return "(not set)" if value is None or value == "" else str(value)
 
 
 def segment_changes(parser: argparse.ArgumentParser, segment: dict, before: dict) -> str:
     """`--lr 0.05 (was 0.01), --epochs 3 (was 2)`: what a segment changed, from the options in effect `before`."""
-    return ", ".join(f"{option_name(parser, dest)} {_shown(value)} (was "
-                     f"{_shown(before.get(dest, parser.get_default(dest)))})"
+    return ", ".join(f"{option_name(parser, dest)} {shown(value)} (was "
+                     f"{shown(before.get(dest, parser.get_default(dest)))})"
                      for dest, value in segment["options"].items())
 
 
