@@ -177,6 +177,24 @@ def test_a_universal_conversion_on_a_full_disk_is_one_line_and_removes_its_folde
         assert "global_step3_universal" not in os.listdir(disk)
 
 
+@pytest.mark.parametrize("words", ["RuntimeError: basic_ios::clear: iostream error",  # the C++ stream (CI's run)
+                                   "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 64",
+                                   ""])
+def test_a_full_or_read_only_disk_is_named_whatever_words_the_universal_writer_used(tmp_path, words):
+    """ds_to_universal's writers report a full disk in their own words, or none: the disk itself is looked at (a
+    real full tmpfs and a real read-only mount); a failure on a disk with room keeps the writer's last line."""
+    from vim_ds.engine.checkpointing import _universal_failure
+
+    stderr = f"Traceback (most recent call last):\n  ...\n{words}\n" if words else ""
+    with small_disk(tmp_path / "full", "64k") as full:
+        with contextlib.suppress(OSError):
+            (full / "filler").write_bytes(b"x" * 2 ** 17)  # more than fits: the disk is full
+        assert _universal_failure(stderr, str(full)) == "No space left on device"
+    with read_only(tmp_path / "ro") as ro:
+        assert _universal_failure(stderr, str(ro)) == "Read-only file system"
+    assert _universal_failure(stderr, str(tmp_path)) == (words or "no output")
+
+
 def test_a_signal_during_a_universal_conversion_removes_its_folder(config_run, tmp_path):
     if not preloaded.ENABLED:
         pytest.skip("watches the converter's stderr while it runs (the suite's preloaded server)")

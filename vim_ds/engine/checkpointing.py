@@ -261,8 +261,9 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
 
 
 def _universal_failure(stderr: str, save_dir: str) -> str:
-    """Why ds_to_universal failed, in a few words: a full or read-only disk as such (its traceback names it in
-    its own words, or only as torch's `unexpected pos`), else the last line it printed."""
+    """Why ds_to_universal failed, in a few words: a full or read-only disk as such, whichever words the failing
+    writer used (an errno in its traceback, torch's zip writer's `unexpected pos`, the C++ stream's `basic_ios::clear:
+    iostream error`, or none), else the last line it printed."""
     import errno
     import re
 
@@ -270,8 +271,14 @@ def _universal_failure(stderr: str, save_dir: str) -> str:
     for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
         if re.search(rf"\[Errno {code}\]|os error {code}\b|{re.escape(os.strerror(code))}", stderr):
             return os.strerror(code)
-    if "unexpected pos" in stderr or "inline_container" in stderr:
-        return _save_failure(save_dir, RuntimeError(lines[-1]))
+    try:  # checked while the partial folder still holds the space it took
+        fs = os.statvfs(save_dir)
+    except OSError:
+        return lines[-1]
+    if fs.f_bavail * fs.f_frsize < 2 ** 20:
+        return os.strerror(errno.ENOSPC)
+    if fs.f_flag & os.ST_RDONLY:
+        return os.strerror(errno.EROFS)
     return lines[-1]
 
 
