@@ -14,7 +14,7 @@ import torch
 def main(argv):
     from vim_ds.engine import distributed
     from vim_ds.engine.trainer import Trainer
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     args = parse_args(argv)
     dist_info = distributed.setup(args.local_rank)

@@ -15,7 +15,7 @@ def main(argv):
     from vim_ds.engine import distributed
     from vim_ds.engine.memory import state_bytes
     from vim_ds.engine.trainer import Trainer
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     args = parse_args(argv)
     trainer = Trainer(args, distributed.setup(args.local_rank))

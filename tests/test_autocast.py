@@ -88,7 +88,7 @@ def test_the_precision_name_everywhere():
     from vim_ds import zero_compare as zc
     from vim_ds.bench.runner import describe_config
     from vim_ds.engine.baselines import precision_label
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     assert precision_label("autocast-bf16") == "autocast-bf16" and precision_label("bf16") == "fp32+autocast-bf16"
     for stage in range(4):

@@ -234,7 +234,7 @@ def test_init_weights_of_another_model_are_refused(tmp_path):
 
 
 def test_one_source_of_initial_weights_at_a_time():
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--init-weights", "a.pth", "--finetune", "b.pth"])

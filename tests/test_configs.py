@@ -79,7 +79,7 @@ def test_our_deepspeed_options_are_deepspeeds():
     same option strings, defaults, types and actions as deepspeed.add_config_arguments."""
     import deepspeed
 
-    from vim_ds.train import add_deepspeed_arguments
+    from vim_ds.engine.run_options import add_deepspeed_arguments
 
     def options(parser):
         return {a.dest: (tuple(a.option_strings), a.default, a.type, type(a).__name__) for a in parser._actions
@@ -92,7 +92,7 @@ def test_our_deepspeed_options_are_deepspeeds():
 
 
 def test_deepscale_config_is_read_as_deepspeeds_deprecated_spelling():
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     assert parse_args(["--deepscale_config", "zero3"]).deepspeed_config == "zero3"
     assert parse_args(["--deepscale_config", "zero3", "--deepspeed_config", "zero3"]).deepspeed_config == "zero3"
@@ -118,14 +118,15 @@ def recording(real):
         return real(*args, **kwargs)
     return init_process_group
 dist.init_process_group = c10d.init_process_group = recording(c10d.init_process_group)
-import vim_ds.train as train
+from vim_ds.engine.run import run
+from vim_ds.engine.run_options import parse_args
 if os.environ.get("VIM_DS_NO_PREFLIGHT"):
     import vim_ds.engine.preflight as preflight
     preflight.check = lambda args, is_main: None
 for argv in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = train.run(train.parse_args(argv))
+        rc = run(parse_args(argv))
     engines = [o for o in gc.get_objects() if type(o).__name__ in ("DeepSpeedEngine", "Trainer")]
     print("RESULT " + json.dumps({"rc": rc, "deepspeed_imported": "deepspeed" in sys.modules, "stderr": err.getvalue(),
                                   "stdout": out.getvalue(), "process_group": bool(started), "engines": len(engines)}))

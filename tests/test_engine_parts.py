@@ -119,7 +119,7 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_command_line_follows_the_published_names():
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     args = parse_args(["--model", "vim_small", "--model-kwargs", "depth=4", "embed_dim=64", "name=x",
                        "--batch-size", "32", "--no-model-ema", "--no-repeated-aug", "--local_rank", "3",
@@ -142,7 +142,7 @@ def test_command_line_follows_the_published_names():
                                                 ("--data-timeout", "600", "below --dist-timeout"),
                                                 ("--num_workers", "-1", "0 or more")])
 def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args([option, value])

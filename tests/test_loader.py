@@ -33,7 +33,7 @@ def test_default_workers_are_capped_to_the_cores_per_rank(monkeypatch, cores, ra
 
 
 def test_explicit_num_workers_is_kept_and_the_default_resolved(monkeypatch):
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert parse_args(["--num_workers", "7"]).num_workers == 7

@@ -139,7 +139,7 @@ def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, cap
 
 def test_synthetic_data_set_options_build_that_data_set():
     from vim_ds.data import build_dataset
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     args = parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size", "30", "--input-size", "32"])
     train, classes = build_dataset(args, is_train=True)
@@ -151,7 +151,7 @@ def test_synthetic_data_set_options_build_that_data_set():
 
 def test_model_option_builds_that_variant():
     from vim_ds.models import build_model
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     small = build_model(parse_args(["--model", "vim_small", "--input-size", "32",
                                     "--model-kwargs", "depth=1", "patch_size=8", "stride=8"]), 10)
@@ -160,7 +160,7 @@ def test_model_option_builds_that_variant():
 
 
 def test_repeated_aug_flags():
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     assert parse_args(["--no-repeated-aug", "--repeated-aug"]).repeated_aug is True  # the last one given wins
     assert parse_args(["--repeated-aug", "--no-repeated-aug"]).repeated_aug is False

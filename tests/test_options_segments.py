@@ -50,7 +50,7 @@ def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, c
     assert "  options that differ:" not in out, out  # the first segments agree (the issue: "--lr 0.05 vs 0.002")
 
     # --config of it repeats the first segment, and says what it does not repeat
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     again = parse_args(["--config", str(changed / "options.yaml"), "--output_dir", str(tmp_path / "again")])
     assert (again.lr, again.max_steps) == (0.002, 3)

@@ -84,7 +84,7 @@ def recipe_effective(path: str) -> dict:
     from vim_ds.engine import options_file
     from vim_ds.engine.optim import scaled_lr
     from vim_ds.models import ALIASES
-    from vim_ds.train import build_parser, parse_args
+    from vim_ds.engine.run_options import build_parser, parse_args
 
     _, meta = options_file.load(path, build_parser())
     requires = meta.get("requires") or []
@@ -156,7 +156,7 @@ def test_a_one_value_mutation_fails_the_official_arguments(tmp_path, name, key, 
 
 
 def test_the_command_line_wins_over_the_file(tmp_path):
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     args = parse_args(["--config", "vim_small_pretrain", "--lr", "2e-3", "--no-model-ema", "--batch-size", "8"])
     assert (args.lr, args.model_ema, args.batch_size, args.model, args.drop_path) == (2e-3, False, 8, "vim_small", 0.05)
@@ -223,7 +223,7 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     (the same file with --lr 4e-3) has other losses, and compare-runs names --lr as the option that differs."""
     from vim_ds import compare_runs
     from vim_ds.engine import options_file
-    from vim_ds.train import build_parser, parse_args
+    from vim_ds.engine.run_options import build_parser, parse_args
 
     first, again, other = tmp_path / "first", tmp_path / "again", tmp_path / "other_lr"
     one_thread = train_env({"OMP_NUM_THREADS": "1"})  # the same in all three runs: the losses are compared exactly

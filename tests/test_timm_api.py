@@ -362,7 +362,7 @@ def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypat
     from vim_ds import bench
     from vim_ds.bench import train as bench_train
     from vim_ds.models import build_model
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     tiny = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=8", "stride=8", "--input-size", "32"]
     assert build_model(parse_args(tiny + ["--grad-checkpointing"]), 10).grad_checkpointing is True

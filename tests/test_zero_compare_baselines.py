@@ -66,7 +66,7 @@ def test_torch_state_bytes_counts_params_grads_and_adam_once():
 
 def test_baseline_precision_and_refusals():
     from vim_ds.engine.baselines import precision_label
-    from vim_ds.train import parse_args
+    from vim_ds.engine.run_options import parse_args
 
     assert precision_label("fp32") == "fp32" and precision_label("bf16") == "fp32+autocast-bf16"
     with pytest.raises(ValueError, match="fp16"):

@@ -128,7 +128,7 @@ def read_run(path: str, label: str) -> Run:
     run.options = read_options(os.path.join(os.path.dirname(file), OPTIONS_FILE))
     if run.options is not None:
         from .engine.options_file import SEGMENTS_KEY, read_segments
-        from .train import build_parser
+        from .engine.run_options import build_parser
 
         where = os.path.join(os.path.dirname(file), OPTIONS_FILE)
         try:
@@ -157,7 +157,7 @@ def option_differences(ref: Run, run: Run) -> list[str]:
     if ref.options is None or run.options is None:
         return []
     from .engine.options_file import option_name, shown
-    from .train import build_parser
+    from .engine.run_options import build_parser
 
     parser = build_parser()
     keys = list(ref.options) + [k for k in run.options if k not in ref.options]
@@ -218,7 +218,7 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
     for r in (ref, run):
         if r.segments:
             from .engine.options_file import describe_segments
-            from .train import build_parser
+            from .engine.run_options import build_parser
 
             notes.append(f"{r.label} was resumed with other options ("
                          f"{'; '.join(describe_segments(build_parser(), r.options or {}, r.segments))}); "

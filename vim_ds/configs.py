@@ -27,7 +27,7 @@ def describe_recipe(path: str) -> str:
     from .engine import options_file
     from .engine.optim import scaled_lr
     from .engine.shipped_configs import DEFAULT
-    from .train import build_parser
+    from .engine.run_options import build_parser
 
     parser = build_parser()
     options, meta = options_file.load(path, parser)

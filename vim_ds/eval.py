@@ -14,14 +14,15 @@ from typing import NoReturn
 
 def build_parser():
     """`vim-ds train`'s parser under this command's name (main adds `--eval`)."""
-    from .train import build_parser
+    from .engine.run_options import build_parser
 
     return build_parser(prog="vim-ds eval")
 
 
 def main(argv=None) -> NoReturn:
     from .engine import distributed
-    from .train import parse_args, run
+    from .engine.run import run
+    from .engine.run_options import parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # ends the process itself, as `vim-ds train` does (distributed.end_rank_process)

@@ -15,11 +15,7 @@ import argparse
 import os
 import sys
 
-
-def _key_value(text: str):
-    from .train import _key_value as kv
-
-    return kv(text)
+from .engine.run_options import key_value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--out", required=True, help="the program file to write (.pt2)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
-    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
+    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
     p.add_argument("--input-size", type=int, default=None, help="image side (default: the file's, else 224)")
     p.add_argument("--num-classes", type=int, default=None,
                    help="the head's classes (default: the file's); 0 with a backbone's weights (no head): the "

@@ -16,11 +16,7 @@ import argparse
 import os
 import sys
 
-
-def _key_value(text: str):
-    from .train import _key_value as kv
-
-    return kv(text)
+from .engine.run_options import key_value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
-    p.add_argument("--model-kwargs", nargs="*", type=_key_value, default=None, metavar="K=V")
+    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
     p.add_argument("--input-size", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None)
     p.add_argument("--eval-crop-ratio", type=float, default=0.875)

@@ -442,7 +442,7 @@ def _seed_like(pipe, position: int) -> None:
 def train_namespace(args):
     """`vim-ds train`'s parsed options for --data-path and --train-args: the transform and Mixup come from the
     same options, with the same defaults, as in training."""
-    from ..train import parse_args
+    from ..engine.run_options import parse_args
 
     try:
         extra = shlex.split(args.train_args)

@@ -1,0 +1,82 @@
+"""A training (or, with --eval, evaluation) run from parsed options to an exit code: the one library call of
+`vim-ds train` and `vim-ds eval`, with one-line errors and non-zero exit codes (2: bad input; 1: the run failed;
+128 + N: stopped by signal N, state saved)."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def run(args, prog: str = "vim-ds train") -> int:
+    """Train, or with --eval evaluate (`args` as run_options.parse_args returns them); `prog` names the command in
+    its messages."""
+    from ..checkpoint.files import CheckpointError
+    from ..data.loader import DataStall
+    from . import distributed, launcher_watch, options_file, output_dir, preflight, signals
+    from .checkpointing import SaveError
+    from .init_weights import first_line
+    from .run_options import build_parser
+    from .signals import StopRequested
+    from .trainer import Trainer, TrainingError
+
+    rank = os.environ.get("RANK", "0")
+    launchers = None if args.eval else launcher_watch.LauncherWatch()  # found first: see its start below
+    options = options_file.record(args, build_parser(prog))  # as parsed, before the checks resolve any name
+    try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
+        preflight.check(args, is_main=rank == "0")
+    except (ValueError, CheckpointError) as exc:
+        print(f"{prog}: error (rank {rank}): {first_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        dist_info = distributed.setup(args.local_rank, args.dist_timeout)
+    except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
+        # what it waited for and what bounded the wait: a node that never starts (or cannot reach the master) ends
+        # here after --dist-timeout, as torch's TCPStore times out waiting for the other ranks to join
+        env = os.environ
+        print(f"{prog}: error (rank {rank}): cannot initialise the process group ({env.get('WORLD_SIZE', '?')} "
+              f"ranks meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, --dist-timeout "
+              f"{args.dist_timeout:g} s): {first_line(exc)}", file=sys.stderr, flush=True)
+        return 2
+    trainer = None
+    started = False  # has the run written anything into --output_dir? (until then a refusal undoes the claim)
+    try:
+        if args.eval:
+            from .evaluate import evaluate_weights
+
+            evaluate_weights(args, dist_info)
+            return 0
+        signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
+        launchers.start(prog, dist_info.rank, dist_info.local_rank)  # and the same when the launcher is gone
+        output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
+        trainer = Trainer(args, dist_info)
+        if trainer.resume_path:
+            trainer.resume(trainer.resume_path)
+        started = True
+        if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
+            # written once nothing can refuse the run any more (a refused resume leaves the folder as it was); a
+            # resume with other options adds a segment to it (from which step they ran), said in a note
+            note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
+                                          build_parser(prog), step=trainer.step if trainer.resume_path else None)
+            if note:
+                print(note, flush=True)
+        record = trainer.fit()
+        if record and dist_info.is_main:
+            ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
+            print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
+                  f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+        return 0
+    except StopRequested as stop:
+        return 128 + stop.signum  # what a shell reports for the signal: stopped early, on purpose, state saved
+    except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
+        message = first_line(exc)
+        if os.environ.get("VIM_DS_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
+        return 1 if isinstance(exc, (TrainingError, SaveError, DataStall)) else 2  # 2: bad input
+    finally:
+        if trainer is not None:
+            trainer.close()
+        output_dir.release(undo=not started)  # a refused run leaves no folder or lock it created
+        distributed.teardown()
