@@ -100,11 +100,15 @@ def test_digits_split_is_deterministic_and_cli_refuses_non_empty_dir(digits, tmp
     assert listing(again) == listing(tmp_path / "other") and (again / "keep.txt").read_text() == "mine"
 
 
-def test_data_command_usage():
-    import vim_ds.data
+def test_data_command_usage(capsys):
+    import vim_ds.cli
 
-    assert vim_ds.data.main(["--help"]) == 0
-    assert vim_ds.data.main(["frobnicate"]) == 2
+    assert vim_ds.cli.main(["data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vim-ds data <command> [options]")
+    assert all(f"  {name}  " in out for name in ("digits", "shard", "photos")), out
+    assert vim_ds.cli.main(["data", "frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("vim-ds data: unknown command 'frobnicate'")
 
 
 # ---------------------------------------------------------------------------------------------- folder datasets

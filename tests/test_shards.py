@@ -38,12 +38,18 @@ def data_args(kind, path, **extra):
     return Namespace(data_set=kind, data_path=str(path), input_size=32, eval_crop_ratio=0.875, **extra)
 
 
-def test_sizes_parse():
+def test_sizes_parse(capsys):
     assert parse_size("1GB") == 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("4096") == 4096
     assert parse_size("1.5 kB") == 1500 and parse_size("2g") == 2 * 10**9
     for bad in ("", "GB", "1 parsec", "-1GB", "0"):
-        with pytest.raises(Exception):
+        with pytest.raises(ValueError):
             parse_size(bad)
+    # the command reports the library's reason as an option error
+    from vim_ds.data_commands.shard import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--data-path", "DIR", "--out", "SHARDS", "--shard-size", "1 parsec"])
+    assert "error: argument --shard-size: not a size: '1 parsec'" in capsys.readouterr().err
 
 
 def test_shards_read_back_with_tarfile_and_the_index_points_at_each_files_bytes(digits, shards):
@@ -107,10 +113,10 @@ def test_the_shard_dataset_is_the_folder_dataset_sample_by_sample(digits, shards
 
 
 def test_the_command_writes_and_refuses_to_overwrite(digits, tmp_path, capsys):
-    from vim_ds.data import main
+    from vim_ds.cli import main
 
     out = tmp_path / "s"
-    argv = ["shard", "--data-path", digits, "--out", str(out), "--shard-size", "1MB"]
+    argv = ["data", "shard", "--data-path", digits, "--out", str(out), "--shard-size", "1MB"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "train: 1437 images of 10 classes" in printed and "val: 360 images" in printed

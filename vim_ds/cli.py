@@ -1,4 +1,8 @@
-"""The `vim-ds` console script: one entry point, one subcommand per module (`vim-ds X` = `python -m vim_ds.X`)."""
+"""The `vim-ds` console script: one entry point, one subcommand per module (`vim-ds X` = `python -m vim_ds.X`).
+
+One dispatcher serves every level: a subcommand whose module holds a `COMMANDS` table of its own (`vim-ds data`:
+vim_ds.data_commands) is dispatched the same way one level down. Commands are imported by name, only the one run.
+"""
 from __future__ import annotations
 
 import importlib
@@ -16,27 +20,35 @@ SUBCOMMANDS = {
     "compare-runs": ("vim_ds.compare_runs", "loss curves of runs (clusters, vendors, layouts) vs a reference run"),
     "demo": ("vim_ds.demo", "a short demonstration of the model and kernels"),
     "configs": ("vim_ds.configs", "the DeepSpeed configs shipped with vim_ds (--deepspeed_config NAME), and copies"),
-    "data": ("vim_ds.data", "datasets: the digits ImageFolder, real-photo JPEGs (vim-ds data digits|photos --out DIR)"),
+    "data": ("vim_ds.data_commands",
+             "datasets: the digits ImageFolder, real-photo JPEGs (vim-ds data digits|photos --out DIR)"),
 }
 
 
-def usage() -> str:
-    width = max(map(len, SUBCOMMANDS))
-    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items())
-    return f"usage: vim-ds <command> [options]\n\ncommands:\n{rows}\n\n'vim-ds <command> --help' for options"
+def usage(prog: str = "vim-ds", table: dict = SUBCOMMANDS) -> str:
+    width = max(map(len, table))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items())
+    return f"usage: {prog} <command> [options]\n\ncommands:\n{rows}\n\n'{prog} <command> --help' for options"
+
+
+def dispatch(prog: str, table: dict, argv: list[str]) -> int:
+    """Run `prog NAME ARGS...`: the module `table` names for NAME gets ARGS (its `main(ARGS)`), or, when that module
+    is a level of its own (a `COMMANDS` table), `prog NAME` dispatches ARGS the same way. Returns the exit status."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog, table))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{usage(prog, table)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    if hasattr(module, "COMMANDS"):
+        return dispatch(f"{prog} {name}", module.COMMANDS, rest)
+    return module.main(rest) or 0
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"vim-ds: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest) or 0
+    return dispatch("vim-ds", SUBCOMMANDS, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""`python -m vim_ds.data <command>` = `vim-ds data <command>`."""
+"""`python -m vim_ds.data <command>` = `vim-ds data <command>`: an entry point of the commands (vim_ds.data_commands),
+not a part of the data library."""
 import sys
 
-from . import main
+from vim_ds.cli import main
 
-sys.exit(main())
+sys.exit(main(["data", *sys.argv[1:]]))

@@ -1,14 +1,12 @@
-"""`vim-ds data digits`: scikit-learn's bundled handwritten digits as an ImageNet-layout folder.
+"""scikit-learn's bundled handwritten digits as an ImageNet-layout folder (the command: `vim-ds data digits`).
 
 1,797 real 8x8 grayscale images of 10 classes ship inside scikit-learn, so a real image-classification run
 (decode, augment, train, evaluate) works on a machine with no network and no ImageNet.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,28 +51,6 @@ def write_digits(out_dir, val_fraction: float = 0.2, seed: int = 0) -> dict:
     return counts
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vim-ds data digits",
-        description="Write scikit-learn's 1,797 handwritten 8x8 digit images as PNG files in the ImageNet layout "
-                    "(DIR/train/<digit>/*.png, DIR/val/<digit>/*.png), ready for "
-                    "`--data-set folder --data-path DIR`.")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (must be empty or new)")
-    parser.add_argument("--val-fraction", type=_fraction, default=0.2, metavar="F",
-                        help="fraction of each class written to val/ (default 0.2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
-    parser.add_argument("--force", action="store_true",
-                        help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
-    return parser
-
-
 def clear_output_folder(out: Path, force: bool) -> str | None:
     """Make `out` ready for a data set writer: why not (a file; a non-empty folder without `force`), or None after
     removing its train/ and val/ (with `force`; nothing else in it is touched)."""
@@ -86,21 +62,3 @@ def clear_output_folder(out: Path, force: bool) -> str | None:
         for split in ("train", "val"):
             shutil.rmtree(out / split, ignore_errors=True)
     return None
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-
-    out = Path(args.out)
-    problem = clear_output_folder(out, args.force)
-    if problem:
-        print(f"vim-ds data digits: {problem}", file=sys.stderr)
-        return 2
-    counts = write_digits(out, val_fraction=args.val_fraction, seed=args.seed)
-    print(f"wrote {counts['train']} training and {counts['val']} validation images of {counts['classes']} classes "
-          f"to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

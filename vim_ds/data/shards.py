@@ -20,13 +20,11 @@ is written as an empty member and is skipped when training, as the folder data s
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
 import os
 import re
-import sys
 import tarfile
 
 import numpy as np
@@ -50,10 +48,10 @@ def parse_size(text: str) -> int:
     """'1GB' = 10**9 bytes, '512MiB' = 512 * 2**20, '4096' = 4096 bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(text), re.IGNORECASE)
     if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1GB, 500MB, 2GiB, 1048576)")
+        raise ValueError(f"not a size: {text!r} (examples: 1GB, 500MB, 2GiB, 1048576)")
     size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
     if size < 1:
-        raise argparse.ArgumentTypeError(f"a shard size must be at least one byte, got {text!r}")
+        raise ValueError(f"a shard size must be at least one byte, got {text!r}")
     return size
 
 
@@ -354,41 +352,3 @@ class ShardDataset(SeededDataset):
 
 
 READERS["shards"] = ShardDataset
-
-
-# -- the command -----------------------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vim-ds data shard",
-        description="Write an ImageNet-layout folder (DIR/train/<class>/*, DIR/val/<class>/*) or one folder of class "
-                    "folders as WebDataset tar shards with an index of member offsets, for "
-                    "`vim-ds train --data-set shards --data-path SHARDS` (the same samples, order and labels as "
-                    "`--data-set folder --data-path DIR`).")
-    parser.add_argument("--data-path", required=True, metavar="DIR", help="the folder to write")
-    parser.add_argument("--out", required=True, metavar="SHARDS", help="output folder (created if needed)")
-    parser.add_argument("--shard-size", type=parse_size, default=10**9, metavar="SIZE",
-                        help="bytes per shard, about (default 1GB; units kB MB GB, KiB MiB GiB)")
-    parser.add_argument("--split", metavar="NAME",
-                        help="write DIR itself (a folder of class folders) as split NAME (train or val); default: "
-                             "DIR's train/ and val/ when it has both, else DIR as 'train'")
-    parser.add_argument("--force", action="store_true", help="replace the split(s) already in SHARDS")
-    return parser
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        headers = write_shards(args.data_path, args.out, args.shard_size, split=args.split, force=args.force)
-    except DataError as exc:
-        print(f"vim-ds data shard: error: {exc}", file=sys.stderr)
-        return 2
-    for split, header in headers.items():
-        total = sum(s["bytes"] for s in header["shards"])
-        print(f"{split}: {header['num_samples']} images of {len(header['classes'])} classes in "
-              f"{len(header['shards'])} shard(s), {total / 1e6:.1f} MB, index {index_path(args.out, split)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
