@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     import torch
 
     import vim_ds
-    from vim_ds.env import accelerator
+    from vim_ds.engine.run_info import accelerator
     from vim_ds.ops import backends
     from vim_ds.ops.selective_scan import scan_with_backend
 

@@ -6,16 +6,7 @@ import json
 import platform
 import sys
 
-
-def accelerator() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        kind = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
-        return f"{kind}: {torch.cuda.device_count()} x {', '.join(names)}"
-    build = "ROCm" if torch.version.hip else ("CUDA" if torch.version.cuda else "CPU-only")
-    return f"CPU ({torch.get_num_threads()} threads; torch is a {build} build, no GPU visible)"
+from .engine.run_info import accelerator
 
 
 def _version(dist: str) -> str:

@@ -36,6 +36,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def accelerator() -> str:
+    """The GPUs torch sees (ROCm or CUDA, count and names), or the CPU build: `vim-ds env`'s and the demo's line."""
+    if torch.cuda.is_available():
+        kind = f"ROCm {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return f"{kind}: {torch.cuda.device_count()} x {', '.join(names)}"
+    build = "ROCm" if torch.version.hip else ("CUDA" if torch.version.cuda else "CPU-only")
+    return f"CPU ({torch.get_num_threads()} threads; torch is a {build} build, no GPU visible)"
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
