@@ -65,11 +65,33 @@ def test_bench_train_refuses_fp16_on_cpu(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("fp16 runs on a GPU")
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["train", "--configs", "zero0", "--precision", "fp16"])
-    assert exit_info.value.code == 2
+    assert bench.main(["train", "--configs", "zero0", "--precision", "fp16"]) == 2
     err = capsys.readouterr().err
-    assert "fp16 is GPU only" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("vim-ds bench train: error: fp16 is GPU only") and len(err.strip().splitlines()) == 1
+
+
+def test_a_malformed_model_kwarg_is_a_usage_error_of_bench_train(capsys):
+    """Refused by the parser, before any launch."""
+    from vim_ds import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["train", "--configs", "zero0", "--model-kwargs", "depth=2", "embed_dim"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "vim-ds bench train: error: argument --model-kwargs: expected KEY=VALUE, got 'embed_dim'"
+
+
+@pytest.mark.parametrize("option, value", [("--steps", "0"), ("--warmup-steps", "-1"), ("--nproc", "0"),
+                                           ("--batch-size", "0"), ("--num-workers", "-1")])
+def test_out_of_range_counts_are_usage_errors(option, value, capsys):
+    from vim_ds import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["train", "--configs", "zero0", option, value])
+    assert exit_info.value.code == 2
+    least = 0 if option in ("--warmup-steps", "--num-workers") else 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"vim-ds bench: error: {option} must be at least {least}, got {value}"
 
 # -- the pieces, without launching anything -----------------------------------------------------------------------
 

@@ -84,6 +84,17 @@ def test_report_without_matplotlib_writes_the_measured_part_and_one_line(tmp_pat
     assert err == ["vim-ds zero-compare: report.png not written: matplotlib is missing (pip install matplotlib)"]
 
 
+def test_a_malformed_model_kwarg_is_a_usage_error_of_zero_compare(tmp_path):
+    """argparse refuses it under zero-compare's own name, before anything is built or launched."""
+    out = tmp_path / "cmp"
+    proc = subprocess.run([sys.executable, "-m", "vim_ds.zero_compare", "--model", "vim_tiny", "--out", str(out),
+                           "--model-kwargs", "depth"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("vim-ds zero-compare: error: argument --model-kwargs"), proc.stderr
+    assert not out.exists()
+
+
 def _ints(cell):
     return [int(float(v)) for v in cell.split()]
 

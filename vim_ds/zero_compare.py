@@ -28,6 +28,8 @@ import os
 import shutil
 import sys
 
+from .engine.run_options import key_value
+
 KINDS = ("param", "grad", "optim")
 CSV_COLUMNS = ("config", "engine", "stage", "offload", "precision", "ranks", "param_bytes_per_rank",
                "grad_bytes_per_rank",
@@ -362,7 +364,7 @@ def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dic
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds zero-compare", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="KEY=VALUE")
     p.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--offload", action="store_true", help="also zero2_offload and zero3_offload")
     p.add_argument("--precision", choices=["bf16", "fp32", "autocast-bf16"], default="bf16")
@@ -399,10 +401,10 @@ def _baseline_precision(precision: str) -> str:
 
 
 def main(argv=None) -> int:
-    from .bench.runner import key_value, run_train_config
+    from .bench.runner import run_train_config
 
     args = parse_args(argv)
-    model_kwargs = dict(key_value(kv) for kv in args.model_kwargs)
+    model_kwargs = dict(args.model_kwargs)
     os.makedirs(args.out, exist_ok=True)
     try:
         psi, largest, shapes = model_params(args.model, model_kwargs, args.input_size, args.nb_classes)
@@ -447,9 +449,9 @@ def main(argv=None) -> int:
         rows.append(row)
     finish_rows(rows, losses, psi, shapes)
     estimates = deepspeed_estimates(psi, largest, args.ranks) if psi else None
-    settings = dict(model=args.model, kwargs=" ".join(args.model_kwargs), input_size=args.input_size,
-                    ranks=args.ranks, launcher=args.launcher, batch_size=args.batch_size, steps=args.steps,
-                    precision=args.precision)
+    settings = dict(model=args.model, kwargs=" ".join(f"{k}={v}" for k, v in args.model_kwargs),
+                    input_size=args.input_size, ranks=args.ranks, launcher=args.launcher, batch_size=args.batch_size,
+                    steps=args.steps, precision=args.precision)
     write_report(rows, args.out, settings, psi, estimates)
     print(open(os.path.join(args.out, "report.md")).read())
     return 1 if any(r.get("error") for r in rows) else 0

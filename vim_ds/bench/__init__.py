@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from ..engine.run_options import key_value
 from . import convert, data, model, scan, train
 from .runner import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
@@ -29,9 +30,21 @@ __all__ = ["DEFAULT_TRAIN_CONFIGS", "LOOP_OVERHEAD_GOAL", "MI210_FP32_FINETUNE_I
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`vim-ds bench`'s options; each subcommand's parser carries what runs it (`run`: args -> results, written by
+    --json) and, where it has them, its checks of the parsed values (`check`) and its exit status (`exit_status`:
+    results -> status)."""
     parser = argparse.ArgumentParser(prog="vim-ds bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(check=None, exit_status=None)
     sub = parser.add_subparsers(dest="what", required=True)
+    for add in (_add_scan, _add_model, _add_train, _add_convert):
+        add(sub)
+    data.add_parser(sub)
+    sub.choices["data"].set_defaults(run=data.run_data, check=data.check_args)
+    return parser
+
+
+def _add_scan(sub) -> None:
     p = sub.add_parser("scan", help="selective-scan kernels vs the pure-PyTorch reference")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dim", type=int, default=384, help="channels (d_inner); 384 is Vim-tiny's")
@@ -48,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mamba", action="store_true",
                    help="also time mamba_ssm's kernel (an error if it is not installed or there is no GPU) "
                    "[timed on a GPU whenever installed]; VIM_DS_SCAN=mamba asks the same")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(run=scan.run_scan)
+
+
+def _add_model(sub) -> None:
     m = sub.add_parser("model", help="Vim vs DeiT: training step and high-resolution inference")
     m.add_argument("--train-batch", type=int, default=8)
     m.add_argument("--hires", type=int, default=1024, help="image side for the inference comparison")
@@ -55,8 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rounds", type=int, default=2, help="alternating measurements per model (fastest kept)")
     m.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile (inductor) training-step rows [eager and compiled, side by side]")
-    for q in (p, m):
-        q.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    m.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    m.set_defaults(run=model.run_model)
+
+
+def _add_train(sub) -> None:
     t = sub.add_parser(
         "train", help="training images/s and peak memory per rank for each ZeRO stage (real trainer and launcher)",
         description="Train on synthetic data once per DeepSpeed config through a real launcher and report images/s "
@@ -69,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=None, help="ranks [the number of GPUs, or 2 on a CPU]")
     t.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
     t.add_argument("--model", default="vim_tiny")
-    t.add_argument("--model-kwargs", nargs="*", default=[], metavar="K=V",
+    t.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V",
                    help="model constructor overrides, e.g. depth=2 embed_dim=32 patch_size=4 stride=4")
     t.add_argument("--input-size", type=int, default=224)
     t.add_argument("--batch-size", type=int, default=None, help="micro batch per rank [64 on GPUs, 8 on a CPU]")
@@ -87,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep", metavar="DIR", help="keep each run's output directory as DIR/<config> (replaced if "
                    "present) [a temporary directory, removed]")
     t.add_argument("--json", metavar="FILE", help="also write the settings and every run's results as JSON")
+    t.set_defaults(run=train.run_train, check=train.check_args, exit_status=train.exit_status)
+
+
+def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="peak memory of `vim-ds convert` against the fp32 model size, "
                        "and the checkpoint verification's time",
                        description="Make a checkpoint (1 training step on synthetic data through torchrun), or take "
@@ -101,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nproc", type=int, default=2)
     c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
     c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    data.add_parser(sub)
-    return parser
+    c.set_defaults(run=convert.run_convert)
 
 
 def main(argv=None) -> int:
+    """argv -> the subcommand's checks -> its run -> --json and the exit status. A ValueError out of a run is bad
+    input (BenchError, the data set's DataError, Mixup's odd batch, an unusable --mamba or --precision): one line
+    `vim-ds bench WHAT: error: ...` (VIM_DS_TRACEBACK=1 adds the traceback) and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["_child"]:
         print(json.dumps(model.child(json.loads(argv[1]))))
@@ -115,46 +142,24 @@ def main(argv=None) -> int:
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.what == "data":
-        data.check_args(parser, args)
-        try:
-            results = data.run_data(args)
-        except ValueError as exc:  # bad input (BenchError, the data set's DataError, Mixup's odd batch): one line
-            if os.environ.get("VIM_DS_TRACEBACK"):
-                import traceback
-
-                traceback.print_exc()
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print(f"{data.PROG}: error: {message}", file=sys.stderr)
-            return 2
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
-    if args.what == "convert":
-        results = convert.run_convert(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
-    if args.what == "train":
-        for name in ("steps", "warmup_steps", "nproc", "batch_size", "num_workers"):
-            value = getattr(args, name)
-            if value is not None and value < (1 if name in ("steps", "nproc", "batch_size") else 0):
-                parser.error(f"--{name.replace('_', '-')} must be at least "
-                             f"{1 if name in ('steps', 'nproc', 'batch_size') else 0}, got {value}")
-        rows = train.run_train(args)
-        return 1 if any("error" in r for r in rows) else 0
-    if args.what == "scan":
-        try:
-            results = scan.run_scan(args)
-        except scan.ScanBenchError as exc:
-            print(f"vim-ds bench scan: error: {exc}", file=sys.stderr)
-            return 2
-    else:
-        results = model.run_model(args)
+    if args.check:
+        args.check(parser, args)
+    try:
+        results = args.run(args)
+    except ValueError as exc:
+        return _refused(f"vim-ds bench {args.what}", exc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    return args.exit_status(results) if args.exit_status else 0
 
+
+def _refused(prog: str, exc: ValueError) -> int:
+    """Bad input: its first line under the subcommand's name, exit status 2."""
+    if os.environ.get("VIM_DS_TRACEBACK"):
+        import traceback
+
+        traceback.print_exc()
+    text = str(exc).strip()
+    print(f"{prog}: error: {text.splitlines()[0] if text else type(exc).__name__}", file=sys.stderr)
+    return 2

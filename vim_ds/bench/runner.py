@@ -219,16 +219,3 @@ def run_train_config(config: str, *, nproc: int, launcher: str, model: str, mode
         row["error"] = f"cannot read the run's metrics: {str(exc).strip().splitlines()[0]}"
     return row
 
-
-def key_value(text: str):
-    """A `--model-kwargs` entry K=V as (K, the Python literal V or the string V); exits with a usage error."""
-    import ast
-
-    if "=" not in text:
-        print(f"vim-ds bench train: error: --model-kwargs expects KEY=VALUE, got {text!r}", file=sys.stderr)
-        raise SystemExit(2)
-    key, value = text.split("=", 1)
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value

@@ -12,8 +12,8 @@ from .timing import timeit
 REF_MAX_SEQLEN = 1024  # the pure-PyTorch loop is timed only up to this length (longer ones take minutes)
 
 
-class ScanBenchError(Exception):
-    """A request the bench cannot serve (one line; `vim-ds bench` exits 2)."""
+class ScanBenchError(ValueError):
+    """A request the bench cannot serve: bad input (one line; `vim-ds bench` exits 2)."""
 
 
 def scan_inputs(batch, dim, seqlen, d_state, dtype, device):

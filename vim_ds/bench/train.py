@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 
-from .runner import describe_config, key_value, resolve_config, run_train_config
+from .runner import describe_config, resolve_config, run_train_config
 
 DEFAULT_TRAIN_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 # The published Vim fine-tuning speed we compare a GPU against: about 39 images/s per GPU, from the Vim
@@ -78,7 +77,23 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_train(args):
+def check_args(parser, args) -> None:
+    """The counts' ranges, as usage errors of `parser`."""
+    for name, least in (("steps", 1), ("warmup_steps", 0), ("nproc", 1), ("batch_size", 1), ("num_workers", 0)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+
+
+def exit_status(results) -> int:
+    """1 when a config's run failed, else 0."""
+    return 1 if any("error" in r for r in results["rows"]) else 0
+
+
+def run_train(args) -> dict:
+    """One run per config; returns what --json holds (settings, rows, loop-overhead verdict, the reference rate),
+    also written to --json after each run (a stopped benchmark keeps the runs it finished). A ValueError: bad
+    input."""
     import shlex
 
     gpus = _gpu_count()
@@ -86,10 +101,8 @@ def run_train(args):
     nproc = args.nproc or gpus or 2
     batch_size = args.batch_size or (64 if gpus else 8)
     if args.precision == "fp16" and not gpus:
-        print("vim-ds bench train: error: fp16 is GPU only (DeepSpeed refuses it on CPU); use --precision bf16 "
-              "or fp32", file=sys.stderr)
-        raise SystemExit(2)
-    model_kwargs = dict(key_value(kv) for kv in args.model_kwargs)
+        raise ValueError("fp16 is GPU only (DeepSpeed refuses it on CPU); use --precision bf16 or fp32")
+    model_kwargs = dict(args.model_kwargs)
     settings = dict(device=device, nproc=nproc, launcher=args.launcher, model=args.model, model_kwargs=model_kwargs,
                     input_size=args.input_size, batch_size=batch_size, steps=args.steps, warmup=args.warmup_steps,
                     precision=args.precision or "bf16", workers=args.num_workers, nb_classes=args.nb_classes,
@@ -139,8 +152,9 @@ def run_train(args):
                       f"{_fmt(row['peak_memory_mb_max'], '.0f')} MiB per rank, loop overhead "
                       f"{_fmt(None if overhead is None else 100 * overhead, '.1f')} % ({row['wall_s']:.0f} s)",
                       flush=True)
-            if args.json:
-                _write_json(args.json, settings, rows, args.model)
+            if args.json:  # progress: `vim-ds bench` writes the final one
+                with open(args.json, "w") as f:
+                    json.dump(train_results(settings, rows, args.model), f, indent=2)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -154,14 +168,12 @@ def run_train(args):
     if not gpus:
         print(f"(CPU: peak memory is each process's peak resident set size; images/s are for {nproc} processes "
               f"sharing this machine's cores)")
-    if args.json:
-        _write_json(args.json, settings, rows, args.model)
-    return rows
+    return train_results(settings, rows, args.model)
 
 
-def _write_json(path, settings, rows, model):
+def train_results(settings, rows, model) -> dict:
+    """The settings, the rows and the verdicts, as --json holds them."""
     reference_lines(rows, model)  # adds vs_mi210_fp32_finetune to the rows it applies to
     ok, worst = loop_overhead_verdict(rows)
-    with open(path, "w") as f:
-        json.dump({"settings": settings, "rows": rows, "loop_overhead_max": worst, "loop_overhead_ok": ok,
-                   "reference_images_per_sec_per_gpu": MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU}, f, indent=2)
+    return {"settings": settings, "rows": rows, "loop_overhead_max": worst, "loop_overhead_ok": ok,
+            "reference_images_per_sec_per_gpu": MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU}
