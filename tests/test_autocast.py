@@ -86,7 +86,7 @@ def test_the_precision_name_everywhere():
     """The baselines run autocast-bf16 as their bf16 (fp32 parameters + autocast), under its own name; it holds
     what fp32 holds (zero-compare's expectation); `vim-ds eval`, train and bench accept it."""
     from vim_ds import zero_compare as zc
-    from vim_ds.bench.runner import describe_config
+    from vim_ds.engine.launched_runs import describe_config
     from vim_ds.engine.baselines import precision_label
     from vim_ds.engine.run_options import parse_args
 

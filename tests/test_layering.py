@@ -111,7 +111,7 @@ def entry_point(module: str) -> bool:
 
 
 def unit(module: str) -> str:
-    """The layer unit of a module: vim_ds.engine.trainer -> engine, vim_ds.bench.runner -> bench, vim_ds -> '';
+    """The layer unit of a module: vim_ds.engine.trainer -> engine, vim_ds.bench.train -> bench, vim_ds -> '';
     an entry point is a unit of its own: vim_ds.data.__main__ -> data.__main__."""
     parts = module.split(".")
     if entry_point(module):
@@ -150,7 +150,7 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_vim_ds_is_layered_without_cycles():
     graph = import_graph()
-    assert {"vim_ds.engine.trainer", "vim_ds.train", "vim_ds.bench.runner", "vim_ds.models.factory"} <= set(graph)
+    assert {"vim_ds.engine.trainer", "vim_ds.train", "vim_ds.bench.train", "vim_ds.models.factory"} <= set(graph)
     # every subcommand of `vim-ds`, at every level, is a command unit here (a new one cannot escape the rule)
     assert {module.split(".")[1] for module in subcommand_modules()} <= commands(), commands()
     assert {"vim_ds.data_commands.digits", "vim_ds.data_commands.shard"} <= set(subcommand_modules())

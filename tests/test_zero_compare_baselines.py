@@ -157,7 +157,7 @@ def test_ddp_and_fsdp_rows_hold_the_expected_bytes_and_agree_with_zero0(report):
 def test_a_baseline_with_another_lr_is_flagged(report, tmp_path):
     """Negative control: the DDP baseline with the lr doubled, else the same launch, disagrees with ZeRO-0 by more
     than the tolerance."""
-    from vim_ds.bench.runner import run_train_config
+    from vim_ds.engine.launched_runs import run_train_config
 
     out, _ = report
     run_dir = tmp_path / "ddp_lr2"

@@ -1,7 +1,7 @@
 """`vim-ds zero-compare`: ZeRO stages side by side, measured model-state bytes per rank beside the theory.
 
 Each configuration (ds_configs/zeroN.json, with --offload also zero2_offload / zero3_offload) is one real launch
-of the trainer on synthetic data (`vim_ds.bench.runner.run_train_config`); its metrics.jsonl summary carries the
+of the trainer on synthetic data (`vim_ds.engine.launched_runs.run_train_config`); its metrics.jsonl summary carries the
 bytes of parameters, gradients and optimizer states that rank held (`vim_ds.engine.memory.state_bytes`, see its
 docstring for what each number includes), peak memory, throughput and the per-step losses. Written to --out:
 
@@ -401,7 +401,7 @@ def _baseline_precision(precision: str) -> str:
 
 
 def main(argv=None) -> int:
-    from .bench.runner import run_train_config
+    from .engine.launched_runs import run_train_config
 
     args = parse_args(argv)
     model_kwargs = dict(args.model_kwargs)

@@ -21,7 +21,7 @@ import sys
 
 from ..engine.run_options import key_value
 from . import convert, data, model, scan, train
-from .runner import REPO_DIR, error_line, run_train_config, summarise_metrics
+from ..engine.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
                     REFERENCE_SPEEDUP_GOAL, reference_lines)
 

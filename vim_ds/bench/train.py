@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 
-from .runner import describe_config, resolve_config, run_train_config
+from ..engine.launched_runs import describe_config, resolve_config, run_train_config
 
 DEFAULT_TRAIN_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 # The published Vim fine-tuning speed we compare a GPU against: about 39 images/s per GPU, from the Vim

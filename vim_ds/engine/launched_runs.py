@@ -1,6 +1,6 @@
-"""Launching the real trainer for a benchmark: DeepSpeed config names, the launcher command line, the launcher's
-process group, its one-line error, and the summary of its metrics.jsonl. Used by `vim-ds bench train` and
-`vim-ds zero-compare`."""
+"""Runs of the real trainer started by a real launcher (torchrun or deepspeed) as a child process group, for the
+commands that measure training (`vim-ds bench train`, `vim-ds zero-compare`): DeepSpeed config names, the launcher
+command line, the launcher's process group, its one-line error, and the summary of its metrics.jsonl."""
 from __future__ import annotations
 
 import json
