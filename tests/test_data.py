@@ -1,6 +1,6 @@
 """Data pipeline: the digits writer, folder and synthetic datasets with real files, per-sample seeding, bad images,
 one-line data errors, and the batch samplers' split-independence."""
-import argparse
+import dataclasses
 import logging
 import random
 import sys
@@ -16,15 +16,13 @@ from vim_ds.data import (DataError, GlobalBatchSampler, ShardedEvalSampler, buil
                          write_digits)
 
 import preloaded
+from data_options import dataset_config
 
 
-def make_args(**overrides):
-    args = dict(data_set="folder", data_path=None, input_size=32, nb_classes=10, synthetic_size=64,
-                color_jitter=0.3, aa="rand-m9-mstd0.5-inc1", train_interpolation="bicubic", reprob=0.25,
-                remode="pixel", recount=1, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), hflip=0.5, eval_crop_ratio=0.875,
-                seed=0)
-    args.update(overrides)
-    return argparse.Namespace(**args)
+def data_config(**overrides):
+    """The data config of a run with these options (by dest) on top of the recipe's defaults."""
+    return dataset_config(**{"data_set": "folder", "data_path": None, "input_size": 32, "nb_classes": 10,
+                             "synthetic_size": 64, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -115,8 +113,8 @@ def test_data_command_usage(capsys):
 
 def test_folder_dataset_on_digits(digits):
     out, _ = digits
-    train, n_train = build_dataset(make_args(data_path=str(out)), is_train=True)
-    val, n_val = build_dataset(make_args(data_path=str(out), data_set="IMNET"), is_train=False)
+    train, n_train = build_dataset(data_config(data_path=str(out)), is_train=True)
+    val, n_val = build_dataset(data_config(data_path=str(out), data_set="IMNET"), is_train=False)
     assert n_train == n_val == 10 and train.classes == val.classes == [str(d) for d in range(10)]
     assert len(train) == len(train.samples) == 1437 and len(val) == 360
     path, target = train.samples[0]
@@ -134,7 +132,7 @@ def test_folder_dataset_on_digits(digits):
 
 def test_sample_seed_makes_augmentation_a_pure_function_and_leaves_global_rngs_alone(digits):
     out, _ = digits
-    train, _ = build_dataset(make_args(data_path=str(out), reprob=1.0, input_size=24), is_train=True)
+    train, _ = build_dataset(data_config(data_path=str(out), reprob=1.0, input_size=24), is_train=True)
     random.seed(7)
     np.random.seed(7)
     torch.manual_seed(7)
@@ -159,7 +157,7 @@ def test_bad_images_are_skipped_with_a_warning(tmp_path, caplog):
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(jpeg, quality=95)
     jpeg.write_bytes(jpeg.read_bytes()[:400])  # truncated
     (root / "train" / "b" / "2.png").write_text("not an image at all")
-    dataset, _ = build_dataset(make_args(data_path=str(root)), is_train=True)
+    dataset, _ = build_dataset(data_config(data_path=str(root)), is_train=True)
     index = {p: i for i, (p, _) in enumerate(dataset.samples)}
     with caplog.at_level(logging.WARNING):
         results = {p: dataset[(i, 42)] for p, i in index.items()}
@@ -181,14 +179,14 @@ def test_bad_images_are_skipped_with_a_warning(tmp_path, caplog):
 def test_nothing_decodable_is_a_data_error(tmp_path):
     root = write_folder(tmp_path / "data", {"train": {"a": 0}, "val": {"a": 1}})
     (root / "train" / "a" / "x.png").write_bytes(b"")
-    dataset, _ = build_dataset(make_args(data_path=str(root)), is_train=True)
+    dataset, _ = build_dataset(data_config(data_path=str(root)), is_train=True)
     with pytest.raises(DataError, match="cannot be decoded"):
         dataset[0]
 
 
-def _error(args, is_train=True):
+def _error(config, is_train=True):
     with pytest.raises(DataError) as info:
-        build_dataset(args, is_train)
+        build_dataset(config, is_train)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -196,51 +194,51 @@ def _error(args, is_train=True):
 
 def test_data_errors_are_one_line_and_name_the_path(tmp_path):
     missing = tmp_path / "nowhere"
-    assert str(missing) in _error(make_args(data_path=str(missing))) and "does not exist" in _error(
-        make_args(data_path=str(missing)))
-    assert "--data-path" in _error(make_args(data_path=None))
+    assert str(missing) in _error(data_config(data_path=str(missing))) and "does not exist" in _error(
+        data_config(data_path=str(missing)))
+    assert "--data-path" in _error(data_config(data_path=None))
 
     root = write_folder(tmp_path / "d1", {"train": {"a": 1, "b": 1}})
-    message = _error(make_args(data_path=str(root)), is_train=False)
+    message = _error(data_config(data_path=str(root)), is_train=False)
     assert str(root / "val") in message and "missing" in message
     (root / "val").mkdir()
-    message = _error(make_args(data_path=str(root)), is_train=False)
+    message = _error(data_config(data_path=str(root)), is_train=False)
     assert str(root / "val") in message and "no class folders" in message
 
     write_folder(root, {"val": {"a": 1, "c": 1}})
-    message = _error(make_args(data_path=str(root)), is_train=False)
+    message = _error(data_config(data_path=str(root)), is_train=False)
     assert "'b' is in train/ but not in val/" in message
 
     root2 = write_folder(tmp_path / "d2", {"train": {"a": 2, "b": 0}, "val": {"a": 1, "b": 1}})
     (root2 / "train" / "b" / "notes.txt").write_text("no images here")
-    message = _error(make_args(data_path=str(root2)))
+    message = _error(data_config(data_path=str(root2)))
     assert str(root2 / "train" / "b") in message and "no image files" in message
 
-    assert "unknown --data-set" in _error(make_args(data_set="CIFAR"))
+    assert "unknown --data-set" in _error(data_config(data_set="CIFAR"))
 
 
 def test_synthetic_dataset_is_deterministic_per_index():
-    args = make_args(data_set="synthetic", synthetic_size=50, nb_classes=7, input_size=16, seed=3)
-    train, classes = build_dataset(args, is_train=True)
-    val, _ = build_dataset(args, is_train=False)
+    config = data_config(data_set="synthetic", synthetic_size=50, nb_classes=7, input_size=16, seed=3)
+    train, classes = build_dataset(config, is_train=True)
+    val, _ = build_dataset(config, is_train=False)
     assert classes == 7 and len(train) == 50 and len(val) == 5
     image, target, ok = train[4]
     assert image.shape == (3, 16, 16) and ok == 1 and 0 <= target < 7
-    assert torch.equal(train[(4, 11)][0], image) and torch.equal(build_dataset(args, True)[0][4][0], image)
+    assert torch.equal(train[(4, 11)][0], image) and torch.equal(build_dataset(config, True)[0][4][0], image)
     assert not torch.equal(val[4][0], image) and not torch.equal(train[5][0], image)
-    assert not torch.equal(build_dataset(make_args(**{**vars(args), "seed": 4}), True)[0][4][0], image)
+    assert not torch.equal(build_dataset(dataclasses.replace(config, seed=4), True)[0][4][0], image)
     assert set(int(train[i][1]) for i in range(50)) == set(range(7))
 
 
 def test_train_transform_options_reach_timm():
-    train = build_transform(make_args(aa="none", reprob=0.0, input_size=48), is_train=True)
+    train = build_transform(data_config(aa="none", reprob=0.0, input_size=48).transform, is_train=True)
     names = [type(t).__name__ for t in train.transforms]
     assert "RandAugment" not in names and "RandomErasing" not in names and "ColorJitter" in names
-    names = [type(t).__name__ for t in build_transform(make_args(), is_train=True).transforms]
+    names = [type(t).__name__ for t in build_transform(data_config().transform, is_train=True).transforms]
     assert "RandAugment" in names and "RandomErasing" in names
     image = Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))
     assert train(image).shape == (3, 48, 48)
-    assert build_transform(make_args(input_size=224), is_train=False)(image).shape == (3, 224, 224)
+    assert build_transform(data_config(input_size=224).transform, is_train=False)(image).shape == (3, 224, 224)
 
 
 # ---------------------------------------------------------------------------------------------------- samplers
@@ -329,14 +327,14 @@ def test_sharded_eval_sampler_reads_every_index_once(num_samples, world, batch):
 
 def test_dataloader_with_both_samplers(digits):
     out, _ = digits
-    train, _ = build_dataset(make_args(data_path=str(out), input_size=16), is_train=True)
+    train, _ = build_dataset(data_config(data_path=str(out), input_size=16), is_train=True)
     sampler = GlobalBatchSampler(len(train), micro_batch=4, accum_steps=1, rank=0, world_size=1, seed=0)
     images, targets, ok = next(iter(torch.utils.data.DataLoader(train, batch_sampler=sampler)))
     assert images.shape == (4, 3, 16, 16) and targets.dtype == torch.int64 and ok.tolist() == [1, 1, 1, 1]
     # augmentations do not depend on the worker count: worker processes see the same sample seeds
     workers = torch.utils.data.DataLoader(train, batch_sampler=sampler, num_workers=2)
     assert torch.equal(next(iter(workers))[0], images)
-    val, _ = build_dataset(make_args(data_path=str(out), input_size=16), is_train=False)
+    val, _ = build_dataset(data_config(data_path=str(out), input_size=16), is_train=False)
     loader = torch.utils.data.DataLoader(val, batch_sampler=ShardedEvalSampler(len(val), batch_size=128, rank=1,
                                                                               world_size=2))
     assert sum(len(t) for _, t, _ in loader) == 180

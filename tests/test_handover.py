@@ -8,25 +8,30 @@ worker count and batch split; controls show the comparison sees a dropped erasin
 """
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 
+from data_options import dataset_config
 from vim_ds.data import GlobalBatchSampler, build_dataset, build_transform
 from vim_ds.data.datasets import erase_seed, seeded_rngs
-from vim_ds.data.loader import build_loader
+from vim_ds.data.loader import LoaderConfig, build_loader
+
+SEED = 5
 
 
-def _args(folder, **changes):
+def _config(folder):
     # a high erasing probability and two rectangles, so that most samples have erased pixels to compare
-    return argparse.Namespace(**{"data_set": "folder", "data_path": folder, "input_size": 32, "reprob": 0.8,
-                                 "recount": 2, "seed": 5, "num_workers": 2, "data_timeout": 60, **changes})
+    return dataset_config(data_set="folder", data_path=folder, input_size=32, reprob=0.8, recount=2, seed=SEED)
 
 
-def _reference(dataset, args, key, *, erase=True, normalize_twice=False):
+def _workers(workers: int = 2) -> LoaderConfig:
+    return LoaderConfig(num_workers=workers, data_timeout=60)
+
+
+def _reference(dataset, config, key, *, erase=True, normalize_twice=False):
     """The old in-worker float pipeline for one (index, sample seed)."""
-    steps = list(build_transform(args, is_train=True).transforms)
+    steps = list(build_transform(config.transform, is_train=True).transforms)
     assert [type(s).__name__ for s in steps[-3:]] == ["MaybeToTensor", "Normalize", "RandomErasing"]
     index, seed = key
     with seeded_rngs(seed):
@@ -41,16 +46,15 @@ def _reference(dataset, args, key, *, erase=True, normalize_twice=False):
     return image
 
 
-def _loaded(dataset, args, *, micro_batch, world_size, workers, steps=6):
+def _loaded(dataset, *, micro_batch, world_size, workers, steps=6):
     """{key: image} of the first `steps` optimizer steps, read by every rank's loader of that layout."""
     images = {}
     for rank in range(world_size):
         sampler = GlobalBatchSampler(len(dataset), micro_batch=micro_batch, accum_steps=1, rank=rank,
-                                     world_size=world_size, seed=args.seed, repeats=1)
+                                     world_size=world_size, seed=SEED, repeats=1)
         sampler.set_epoch(0)
         keys = list(sampler)[:steps]
-        loader = build_loader(dataset, sampler, argparse.Namespace(**{**vars(args), "num_workers": workers}),
-                              "train", persistent=False)
+        loader = build_loader(dataset, sampler, _workers(workers), "train", persistent=False)
         try:
             for batch_keys, (batch, _targets, ok) in zip(keys, loader):
                 assert batch.dtype == torch.float32 and bool(ok.all())
@@ -61,45 +65,45 @@ def _loaded(dataset, args, *, micro_batch, world_size, workers, steps=6):
 
 
 def test_workers_hand_over_uint8(digits):
-    args = _args(digits)
-    dataset, _ = build_dataset(args, is_train=True)
+    config = _config(digits)
+    dataset, _ = build_dataset(config, is_train=True)
     assert dataset.finish is not None and dataset.finish.erasing is not None
     image, target, ok, seed = dataset.handover_item((3, 77))
     assert image.dtype == torch.uint8 and image.shape == (3, 32, 32) and seed == erase_seed(77)
     sampler = GlobalBatchSampler(len(dataset), micro_batch=4, accum_steps=1, rank=0, world_size=1, seed=1)
-    loader = build_loader(dataset, sampler, args, "train")
+    loader = build_loader(dataset, sampler, _workers(), "train")
     try:
         raw = next(iter(loader._batches()))  # what crossed the process boundary
     finally:
         loader.shutdown()
     assert raw[0].dtype == torch.uint8 and raw[3].dtype == torch.int64 and len(raw) == 4
-    val, _ = build_dataset(args, is_train=False)
+    val, _ = build_dataset(config, is_train=False)
     assert val.finish is not None and val.finish.erasing is None and val.handover_item(0)[0].dtype == torch.uint8
 
 
 def test_batches_equal_the_float_pipeline_sample_for_sample_whatever_the_layout(digits):
-    args = _args(digits)
-    dataset, _ = build_dataset(args, is_train=True)
+    config = _config(digits)
+    dataset, _ = build_dataset(config, is_train=True)
     layouts = [dict(micro_batch=8, world_size=1, workers=2), dict(micro_batch=4, world_size=2, workers=0)]
-    first, second = (_loaded(dataset, args, **layout) for layout in layouts)
+    first, second = (_loaded(dataset, **layout) for layout in layouts)
     assert first.keys() == second.keys() and len(first) == 48
     keys = sorted(first)
-    reference = {key: _reference(dataset, args, key) for key in keys}
+    reference = {key: _reference(dataset, config, key) for key in keys}
     for key in keys:
         assert torch.equal(first[key], reference[key]), key
         assert torch.equal(second[key], reference[key]), key
         assert torch.equal(dataset[key][0], reference[key]), key  # a single sample gets the same finish
     # controls: the reference without erasing, or normalised twice, is told apart
-    erased = [key for key in keys if not torch.equal(first[key], _reference(dataset, args, key, erase=False))]
+    erased = [key for key in keys if not torch.equal(first[key], _reference(dataset, config, key, erase=False))]
     assert len(erased) >= len(keys) // 2, "erasing at p = 0.8 should change most samples"
-    assert not any(torch.equal(first[key], _reference(dataset, args, key, normalize_twice=True)) for key in keys)
+    assert not any(torch.equal(first[key], _reference(dataset, config, key, normalize_twice=True)) for key in keys)
 
 
 def test_erasing_does_not_disturb_the_consuming_process_rngs(digits):
     """The consuming process's generators (Mixup, drop path are seeded after the batch, but other code may draw)
     are as they were after a batch has been finished."""
-    args = _args(digits)
-    dataset, _ = build_dataset(args, is_train=True)
+    config = _config(digits)
+    dataset, _ = build_dataset(config, is_train=True)
     items = [dataset.handover_item((i, 100 + i)) for i in range(4)]
     images = torch.stack([item[0] for item in items])
     random.seed(9)

@@ -2,7 +2,6 @@
 without workers, a stall that ends with one line naming the loader, and the default worker count."""
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import re
@@ -13,15 +12,17 @@ import time
 import pytest
 import torch
 
+from data_options import dataset_config
 from train_utils import ROOT
 
 from vim_ds.data import GlobalBatchSampler, build_dataset
-from vim_ds.data.loader import DataStall, build_loader, default_num_workers
+from vim_ds.data.loader import DataStall, LoaderConfig, build_loader, default_num_workers
+
+SYNTHETIC = dataset_config(data_set="synthetic", synthetic_size=48, input_size=16, nb_classes=10, seed=3)
 
 
-def synthetic_args(**changes):
-    return argparse.Namespace(**{"data_set": "synthetic", "synthetic_size": 48, "input_size": 16, "nb_classes": 10,
-                                 "seed": 3, "num_workers": 2, "data_timeout": 60, **changes})
+def workers(num_workers: int | None = 2, data_timeout: float = 60) -> LoaderConfig:
+    return LoaderConfig(num_workers=num_workers, data_timeout=data_timeout)
 
 
 @pytest.mark.parametrize("cores,ranks,expected", [(2, 2, 1), (2, 4, 1), (8, 2, 4), (64, 1, 10), (64, 8, 8)])
@@ -38,24 +39,24 @@ def test_explicit_num_workers_is_kept_and_the_default_resolved(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert parse_args(["--num_workers", "7"]).num_workers == 7
     assert parse_args([]).num_workers is None  # resolved per rank, once LOCAL_WORLD_SIZE is known
-    dataset, _ = build_dataset(synthetic_args(), is_train=False)
+    dataset, _ = build_dataset(SYNTHETIC, is_train=False)
     batches = [[0, 1], [2, 3]]
-    assert build_loader(dataset, batches, synthetic_args(num_workers=7), "val").num_workers == 7
-    assert build_loader(dataset, batches, synthetic_args(num_workers=0), "val").num_workers == 0
-    assert build_loader(dataset, batches, synthetic_args(num_workers=None), "val", local_world_size=2).num_workers == 1
+    assert build_loader(dataset, batches, workers(7), "val").num_workers == 7
+    assert build_loader(dataset, batches, workers(0), "val").num_workers == 0
+    assert build_loader(dataset, batches, workers(None), "val", local_world_size=2).num_workers == 1
 
 
 def test_workers_come_from_the_fork_server_and_give_the_batches_of_no_workers():
-    dataset, _ = build_dataset(synthetic_args(), is_train=True)
+    dataset, _ = build_dataset(SYNTHETIC, is_train=True)
     sampler = GlobalBatchSampler(len(dataset), micro_batch=4, accum_steps=2, rank=1, world_size=2, seed=3)
-    with_workers = build_loader(dataset, sampler, synthetic_args(), "train", persistent=True,
+    with_workers = build_loader(dataset, sampler, workers(), "train", persistent=True,
                                 leave_signals_to_owner=True)
     assert with_workers.multiprocessing_context.get_start_method() == "forkserver"
     try:
         for epoch in range(2):  # persistent workers, a new epoch order
             sampler.set_epoch(epoch)
             got = list(with_workers)
-            expected = list(build_loader(dataset, sampler, synthetic_args(num_workers=0), "train"))
+            expected = list(build_loader(dataset, sampler, workers(0), "train"))
             assert len(got) == len(expected) == len(sampler)
             for a, b in zip(got, expected):
                 assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -66,18 +67,18 @@ def test_workers_come_from_the_fork_server_and_give_the_batches_of_no_workers():
 def test_folder_datasets_and_their_transforms_pickle_for_the_workers(digits):
     """Workers receive the dataset pickled (no fork): the training transform (RandAugment with vim_ds's
     posterize, random erasing) must survive it and augment a sample seed identically."""
-    args = argparse.Namespace(data_set="folder", data_path=digits, input_size=32, eval_crop_ratio=0.875)
+    config = dataset_config(data_set="folder", data_path=digits, input_size=32)
     for is_train in (True, False):
-        dataset, _ = build_dataset(args, is_train=is_train)
+        dataset, _ = build_dataset(config, is_train=is_train)
         copy = pickle.loads(pickle.dumps(dataset))
         for key in [(0, 11), (len(dataset) - 1, 12)]:
             assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(dataset[key], copy[key]))
 
 
 def test_a_stalled_loader_raises_one_line_naming_it_and_its_workers_are_killed():
-    dataset, _ = build_dataset(synthetic_args(), is_train=False)
+    dataset, _ = build_dataset(SYNTHETIC, is_train=False)
     # stall_at=2: the 2nd sample a worker loads blocks (what VIM_DS_INJECT=stall_val@2 makes the engine ask for)
-    loader = build_loader(dataset, [[0], [1], [2]], synthetic_args(num_workers=1, data_timeout=3), "val",
+    loader = build_loader(dataset, [[0], [1], [2]], workers(1, data_timeout=3), "val",
                           persistent=True, stall_at=2)
     iterator = iter(loader)
     t0 = time.monotonic()
@@ -115,16 +116,18 @@ def test_workers_start_while_other_threads_hold_locks():
 
 KILLED_OWNER = """
 import os, signal, sys
-import argparse
 from vim_ds.data import build_dataset
-from vim_ds.data.loader import build_loader
+from vim_ds.data.loader import LoaderConfig, build_loader
+from vim_ds.engine.components import dataset_config
+from vim_ds.engine.run_options import build_parser
 
-args = argparse.Namespace(data_set="synthetic", synthetic_size=8, input_size=16, nb_classes=10, seed=3,
-                          num_workers=1, data_timeout=60)
-dataset, _ = build_dataset(args, is_train=False)
+args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "8", "--input-size", "16",
+                                  "--nb-classes", "10", "--seed", "3"])
+dataset, _ = build_dataset(dataset_config(args), is_train=False)
 # control: the worker watches a living process (the test) instead of this one, as torch's own check watches the server
 owner = int(sys.argv[2]) if sys.argv[1] == "control" else None
-loader = build_loader(dataset, [[0], [1], [2], [3]], args, "val", persistent=True, owner_pid=owner)
+loader = build_loader(dataset, [[0], [1], [2], [3]], LoaderConfig(num_workers=1, data_timeout=60), "val",
+                      persistent=True, owner_pid=owner)
 iterator = iter(loader)
 next(iterator)
 from multiprocessing import forkserver

@@ -139,11 +139,12 @@ def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, cap
 
 def test_synthetic_data_set_options_build_that_data_set():
     from vim_ds.data import build_dataset
+    from vim_ds.engine.components import dataset_config
     from vim_ds.engine.run_options import parse_args
 
     args = parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size", "30", "--input-size", "32"])
-    train, classes = build_dataset(args, is_train=True)
-    val, _ = build_dataset(args, is_train=False)
+    train, classes = build_dataset(dataset_config(args), is_train=True)
+    val, _ = build_dataset(dataset_config(args), is_train=False)
     assert classes == 7 and len(train) == 30 and len(val) == 3
     image, target = train.load(0)
     assert image.shape == (3, 32, 32) and 0 <= target < 7

@@ -7,12 +7,12 @@ import os
 import shutil
 import sys
 import tarfile
-from argparse import Namespace
 
 import pytest
 import torch
 
 import preloaded
+from data_options import dataset_config
 from train_utils import QUIET_AUG, ROOT, TINY, config, records, run_train, step_losses
 
 from vim_ds.data import build_dataset
@@ -34,8 +34,8 @@ def columns(root, split):
         return json.loads(f.readline()), json.loads(f.readline())
 
 
-def data_args(kind, path, **extra):
-    return Namespace(data_set=kind, data_path=str(path), input_size=32, eval_crop_ratio=0.875, **extra)
+def data_config(kind, path):
+    return dataset_config(data_set=kind, data_path=str(path), input_size=32)
 
 
 def test_sizes_parse(capsys):
@@ -55,7 +55,7 @@ def test_sizes_parse(capsys):
 def test_shards_read_back_with_tarfile_and_the_index_points_at_each_files_bytes(digits, shards):
     for split in ("train", "val"):
         header, cols = columns(shards, split)
-        folder = build_dataset(data_args("folder", digits), is_train=split == "train")[0]
+        folder = build_dataset(data_config("folder", digits), is_train=split == "train")[0]
         assert header["classes"] == folder.classes and cols["label"] == folder.targets
         assert cols["path"] == [os.path.relpath(p, digits) for p, _ in folder.samples]
         assert len(header["shards"]) > 1 and [s["file"] for s in header["shards"]] == \
@@ -103,8 +103,8 @@ def test_webdataset_and_timms_wds_reader_read_the_shards(digits, shards):
 
 def test_the_shard_dataset_is_the_folder_dataset_sample_by_sample(digits, shards):
     for is_train in (True, False):
-        folder, n_folder = build_dataset(data_args("folder", digits), is_train=is_train)
-        sharded, n_sharded = build_dataset(data_args("shards", shards), is_train=is_train)
+        folder, n_folder = build_dataset(data_config("folder", digits), is_train=is_train)
+        sharded, n_sharded = build_dataset(data_config("shards", shards), is_train=is_train)
         assert (len(sharded), n_sharded, sharded.classes, sharded.targets) == \
             (len(folder), n_folder, folder.classes, folder.targets)
         for index in (0, 1, 700 % len(folder), len(folder) - 1):
@@ -156,7 +156,7 @@ def test_an_index_pointing_past_the_end_of_its_shard_is_refused(damaged):
     cols["offset"][5] = header["shards"][cols["shard"][5]]["bytes"] - 10
     with open(index_path(str(damaged), "val"), "w") as f:
         f.write(json.dumps(header) + "\n" + json.dumps(cols) + "\n")
-    for check in (lambda: check_shards(str(damaged)), lambda: build_dataset(data_args("shards", damaged), False)):
+    for check in (lambda: check_shards(str(damaged)), lambda: build_dataset(data_config("shards", damaged), False)):
         with pytest.raises(DataError, match=r"sample 5 \(val/.*\) points at bytes .* which has .*write the shards"):
             check()
 
@@ -170,8 +170,8 @@ def test_undecodable_members_are_skipped_as_undecodable_files_in_the_folder(digi
     files[4].write_bytes(b"")
     out = tmp_path / "shards"
     write_shards(str(data), str(out), SMALL_SHARDS)
-    folder, _ = build_dataset(data_args("folder", data), is_train=True)
-    sharded, _ = build_dataset(data_args("shards", out), is_train=True)
+    folder, _ = build_dataset(data_config("folder", data), is_train=True)
+    sharded, _ = build_dataset(data_config("shards", out), is_train=True)
     first = folder.samples.index((str(files[0]), 2))
     for index in range(first - 1, first + 6):
         a, b = folder[(index, 99)], sharded[(index, 99)]

@@ -46,6 +46,8 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
 from vim_ds.data import build_dataset
 from vim_ds.data.datasets import erase_seed
+from vim_ds.data.mixup import build_mixup
+from vim_ds.engine.components import dataset_config, mixup_config
 from vim_ds.engine.trainer import Trainer
 from vim_ds.engine.run_options import parse_args
 
@@ -106,7 +108,7 @@ def _timm_own_ops():
 
 def _vim_ds_train(folder: str, argv) -> tuple[list, list]:
     """vim_ds's training samples for every (image, seed): (outputs, [(path, seed)])."""
-    dataset, _ = build_dataset(_args(folder, *argv), is_train=True)
+    dataset, _ = build_dataset(dataset_config(_args(folder, *argv)), is_train=True)
     keys = [(i, seed) for i in range(len(dataset)) for seed in SEEDS]
     samples = [dataset[key] for key in keys]
     assert all(ok == 1 for _, _, ok in samples)
@@ -206,7 +208,7 @@ EVAL_CASES = {
 @pytest.mark.parametrize("case", list(EVAL_CASES))
 def test_eval_transform_equals_timm(image_folder, case):
     argv, size, ratio, controls = EVAL_CASES[case]
-    dataset, _ = build_dataset(_args(image_folder, *argv), is_train=False)
+    dataset, _ = build_dataset(dataset_config(_args(image_folder, *argv)), is_train=False)
     ours = [dataset[i][0] for i in range(len(dataset))]
     paths = [path for path, _ in dataset.samples]
     published = dict(input_size=size, is_training=False, interpolation="bicubic", crop_pct=ratio)
@@ -263,7 +265,7 @@ def _same_mixing(a: Mixup, b: Mixup) -> bool:
 def test_mixup_equals_published_construction(case):
     argv, published, controls = MIXUP_CASES[case]
     args = _args("unused", *argv)
-    ours = Trainer._build_mixup(SimpleNamespace(args=args, batch=SimpleNamespace(micro=8), num_classes=7))
+    ours = build_mixup(mixup_config(args), micro_batch=8, num_classes=7)
     reference = Mixup(**published)
     assert isinstance(ours, Mixup) and vars(ours) == vars(reference)
     assert _same_mixing(ours, reference)
@@ -278,7 +280,7 @@ def test_no_mixup_when_published_recipe_has_none():
     """mixup_active = mixup > 0 or cutmix > 0 or cutmix_minmax is not None; without it, label smoothing (or plain
     cross entropy at 0) as the published main.py chooses."""
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0.2")
-    assert Trainer._build_mixup(SimpleNamespace(args=args, batch=SimpleNamespace(micro=8), num_classes=7)) is None
+    assert build_mixup(mixup_config(args), micro_batch=8, num_classes=7) is None
     criterion = Trainer._build_criterion(SimpleNamespace(args=args, mixup=None))
     assert type(criterion) is LabelSmoothingCrossEntropy and criterion.smoothing == 0.2
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0")

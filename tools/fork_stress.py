@@ -83,11 +83,10 @@ def _loader(start: str, timeout: float):
     if start == "fork":
         return DataLoader(Numbers(), batch_size=4, num_workers=2, timeout=timeout,
                           multiprocessing_context=multiprocessing.get_context("fork"))
-    from vim_ds.data.loader import build_loader
+    from vim_ds.data.loader import LoaderConfig, build_loader
 
-    args = argparse.Namespace(num_workers=2, data_timeout=timeout)
     sampler = [list(range(i, i + 4)) for i in range(0, 16, 4)]
-    return build_loader(Numbers(), sampler, args, "stress")
+    return build_loader(Numbers(), sampler, LoaderConfig(num_workers=2, data_timeout=timeout), "stress")
 
 
 def run(start: str, loaders: int, timeout: float, threads: list[str]) -> int:

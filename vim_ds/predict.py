@@ -135,12 +135,11 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
 
     from .data.datasets import decode_failure
     from .data.images import open_rgb
-    from .data.transforms import build_transform
+    from .data.transforms import eval_transform
 
     model, input_size, num_classes, recorded = build_with_names(args)
     names = class_names(args.classes, num_classes, recorded, args.weights)
-    transform = build_transform(argparse.Namespace(input_size=input_size, eval_crop_ratio=args.eval_crop_ratio),
-                                is_train=False)
+    transform = eval_transform(input_size, args.eval_crop_ratio)
     results = []
     for path in args.images:
         try:

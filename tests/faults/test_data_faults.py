@@ -9,11 +9,11 @@ import shutil
 import subprocess
 import sys
 import time
-from argparse import Namespace
 
 import pytest
 from PIL import Image
 
+from data_options import dataset_config
 from train_utils import QUIET_AUG, ROOT, TINY, config, error_line, records, run_train
 
 PER_CLASS = {"train": 12, "val": 3}  # 120 training images: 15 steps of 8 per epoch, every image read each epoch
@@ -81,8 +81,8 @@ def test_broken_files_are_skipped_counted_and_named(small, tmp_path):
     # the empty validation folder keeps its class index, and the classes after it theirs (no silent shift)
     from vim_ds.data import build_dataset
 
-    val, num_classes = build_dataset(Namespace(data_set="folder", data_path=str(small), input_size=32,
-                                               eval_crop_ratio=0.875), is_train=False)
+    val, num_classes = build_dataset(dataset_config(data_set="folder", data_path=str(small), input_size=32),
+                                     is_train=False)
     assert num_classes == 10 and val.class_to_idx == {str(c): c for c in range(10)}
     assert sorted(set(val.targets)) == list(range(9))
 

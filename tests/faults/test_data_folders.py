@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from argparse import Namespace
 
 import pytest
 from torchvision.datasets import ImageFolder
 
+from data_options import dataset_config
 from train_utils import QUIET_AUG, TINY, config, error_line, run_train
 from vim_ds.data import DataError, build_dataset
 
@@ -30,7 +30,7 @@ def data(digits, tmp_path):
 
 
 def build(root, is_train=True):
-    dataset, num_classes = build_dataset(Namespace(data_set="folder", data_path=str(root), input_size=32),
+    dataset, num_classes = build_dataset(dataset_config(data_set="folder", data_path=str(root), input_size=32),
                                          is_train)
     assert num_classes == len(dataset.classes)
     return dataset

@@ -16,13 +16,13 @@ import logging
 import os
 import struct
 import zlib
-from argparse import Namespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from data_options import dataset_config
 from vim_ds.data import build_dataset
 from vim_ds.data.images import open_rgb
 from vim_ds.data.shards import write_shards
@@ -127,16 +127,16 @@ def folders(tmp_path_factory):
     return str(eight), str(sixteen), str(root / "shards")
 
 
-def data_args(kind, path):
-    return Namespace(data_set=kind, data_path=str(path), input_size=32, eval_crop_ratio=0.875)
+def data_config(kind, path):
+    return dataset_config(data_set=kind, data_path=str(path), input_size=32)
 
 
 @pytest.mark.parametrize("is_train", [True, False], ids=["train", "eval"])
 def test_folder_and_shard_items_are_those_of_the_8_bit_originals(folders, is_train):
     eight, sixteen, shards = folders
-    expected, _ = build_dataset(data_args("folder", eight), is_train)
+    expected, _ = build_dataset(data_config("folder", eight), is_train)
     for kind, path in (("folder", sixteen), ("shards", shards)):
-        dataset, _ = build_dataset(data_args(kind, path), is_train)
+        dataset, _ = build_dataset(data_config(kind, path), is_train)
         assert len(dataset) == len(expected) == 2 * len(KINDS)
         for index in range(len(dataset)):
             key = (index, 77 + index)  # the same sample seed: the same augmentation

@@ -32,7 +32,6 @@ import shlex
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 PROG = "vim-ds bench data"
 STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",
@@ -111,19 +110,18 @@ class VimDsPipeline:
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
         from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
-        from ..engine.trainer import Trainer
+        from ..data.mixup import build_mixup
+        from ..engine.components import dataset_config, mixup_config
 
         self.args, self.is_train = train_args, is_train
-        self.dataset, num_classes = build_dataset(train_args, is_train=is_train)
+        self.dataset, num_classes = build_dataset(dataset_config(train_args), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
         self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))  # the trainer's eval batch
         if is_train:
             self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
                                               world_size=1, seed=train_args.seed,
                                               repeats=3 if train_args.repeated_aug else 1)
-            # Trainer._build_mixup reads args, the micro batch and the class count only
-            self.mixup = Trainer._build_mixup(SimpleNamespace(args=train_args, batch=SimpleNamespace(micro=batch_size),
-                                                              num_classes=num_classes))
+            self.mixup = build_mixup(mixup_config(train_args), batch_size, num_classes)
         else:
             self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
             self.mixup = None
@@ -136,9 +134,9 @@ class VimDsPipeline:
 
     # loader
     def make_loader(self, workers: int):
-        from ..data.loader import build_loader
+        from ..data.loader import LoaderConfig, build_loader
 
-        return build_loader(self.dataset, self.sampler, SimpleNamespace(num_workers=workers, data_timeout=0),
+        return build_loader(self.dataset, self.sampler, LoaderConfig(num_workers=workers, data_timeout=0),
                             "train" if self.is_train else "val", persistent=True)
 
     def batches(self, loader):

@@ -26,12 +26,12 @@ def recorded(meta: dict | None, num_classes: int | None = None) -> list[str] | N
     return list(names)
 
 
-def data_source(args) -> str:
-    """How the user named the data a run reads (for the messages)."""
-    kind = getattr(args, "data_set", "IMNET")
-    if kind == "synthetic":
+def data_source(data) -> str:
+    """How the user named the data a run reads (for the messages); `data`: the run's data set (a
+    `vim_ds.data.datasets.DatasetConfig`: its `data_set` and `data_path`)."""
+    if data.data_set == "synthetic":
         return "--data-set synthetic"
-    return f"--data-path {getattr(args, 'data_path', None)}"
+    return f"--data-path {data.data_path}"
 
 
 def _shown(name: str) -> str:

@@ -20,6 +20,7 @@ import operator
 import os
 import random
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from .images import open_rgb
-from .transforms import build_handover_transform
+from .transforms import TransformConfig, build_handover_transform
 
 log = logging.getLogger(__name__)
 
@@ -374,31 +375,43 @@ def _is_rank0() -> bool:
 READERS: dict = {}
 
 
-def build_dataset(args, is_train: bool):
-    """(dataset, num_classes) for the trainer's `--data-set`:
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Which data a run reads; the fields are `vim-ds train`'s options of the same names (the engine fills every
+    one from them: engine/components.py)."""
+
+    data_set: str  # IMNET, folder, shards, synthetic, or another reader's name (READERS)
+    data_path: str | None
+    nb_classes: int  # synthetic only
+    synthetic_size: int  # synthetic only: training images (validation: a tenth)
+    seed: int  # synthetic only: the images
+    transform: TransformConfig  # synthetic images come at transform.input_size, untransformed
+
+
+def build_dataset(config: DatasetConfig, is_train: bool):
+    """(dataset, num_classes) for `config.data_set`:
 
     * `IMNET`, `folder`: `data_path/train/<class>/*` and `data_path/val/<class>/*` (class index = sorted folder name;
       the val split must have exactly the train split's classes).
     * `shards`: `data_path` written by `vim-ds data shard` (`shards.py`): the folder's samples, order and labels,
       read by offset from tar shards.
-    * `synthetic`: `synthetic_size` training images (default 1280) and max(1, synthetic_size // 10) validation
-      images of `nb_classes` classes at `input_size`, generated on the fly (no augmentation: they are noise).
+    * `synthetic`: `synthetic_size` training images and max(1, synthetic_size // 10) validation images of
+      `nb_classes` classes at `transform.input_size`, generated on the fly (no augmentation: they are noise).
     """
-    kind = getattr(args, "data_set", "IMNET")
+    kind = config.data_set
     if kind == "synthetic":
-        size = int(getattr(args, "synthetic_size", 1280))
+        size = int(config.synthetic_size)
         if not is_train:
             size = max(1, size // 10)
-        classes = int(getattr(args, "nb_classes", 1000))
-        dataset = SyntheticDataset(size, getattr(args, "input_size", 224), classes, getattr(args, "seed", 0), is_train)
+        classes = int(config.nb_classes)
+        dataset = SyntheticDataset(size, config.transform.input_size, classes, config.seed, is_train)
         return dataset, classes
     if kind in ("IMNET", "folder"):
-        dataset = _folder_dataset(getattr(args, "data_path", None), is_train,
-                                  *build_handover_transform(args, is_train))
+        dataset = _folder_dataset(config.data_path, is_train, *build_handover_transform(config.transform, is_train))
         return dataset, len(dataset.classes)
     if kind in READERS:
-        dataset = READERS[kind](getattr(args, "data_path", None) or "", "train" if is_train else "val",
-                                *build_handover_transform(args, is_train))
+        dataset = READERS[kind](config.data_path or "", "train" if is_train else "val",
+                                *build_handover_transform(config.transform, is_train))
         return dataset, len(dataset.classes)
     raise DataError(f"unknown --data-set {kind!r}: choose IMNET or folder (ImageNet layout), shards (written by "
                     f"`vim-ds data shard`) or synthetic")

@@ -25,6 +25,7 @@ import select
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -247,17 +248,25 @@ class _StallAt(Dataset):
         return self.dataset[key]
 
 
-def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: int | None = None,
+@dataclass(frozen=True)
+class LoaderConfig:
+    """The loader settings a run chooses; the fields are `vim-ds train`'s options of the same names (the engine
+    fills them from there: engine/components.py)."""
+
+    num_workers: int | None  # worker processes; None: `default_num_workers`; 0: read in the calling process
+    data_timeout: float | None  # seconds for the workers to deliver a batch; 0 or None: no limit
+
+
+def build_loader(dataset, batch_sampler, config: LoaderConfig, name: str, *, local_world_size: int | None = None,
                  persistent: bool = False, pin_memory: bool = False, leave_signals_to_owner: bool = False,
                  stall_at: int | None = None, signal_at: tuple[int, int, int] | None = None,
                  owner_pid: int | None = None) -> Loader:
-    """The DataLoader for `dataset` (read in `batch_sampler`'s batches) with `args.num_workers` workers (None: the
-    machine's default, `default_num_workers`) started from the fork server, and `args.data_timeout` seconds (0 or
-    absent: no limit) to deliver each batch. Fault injection, chosen by the engine: `stall_at`, the sample count at
+    """The DataLoader for `dataset` (read in `batch_sampler`'s batches) with `config.num_workers` workers (None: the
+    machine's default, `default_num_workers`) started from the fork server, and `config.data_timeout` seconds (0 or
+    None: no limit) to deliver each batch. Fault injection, chosen by the engine: `stall_at`, the sample count at
     which a worker blocks for good; `signal_at`, (sample count, signal, pid or 0 for the process group) a worker
     sends. Workers exit when `owner_pid` (default: this process) is gone."""
-    workers = args.num_workers if getattr(args, "num_workers", None) is not None \
-        else default_num_workers(local_world_size)
+    workers = config.num_workers if config.num_workers is not None else default_num_workers(local_world_size)
     finish = getattr(dataset, "finish", None)
     if finish is not None:
         dataset = _Handover(dataset)
@@ -271,4 +280,4 @@ def build_loader(dataset, batch_sampler, args, name: str, *, local_world_size: i
                   pin_memory=pin_memory,
                   persistent_workers=persistent, prefetch_factor=4, multiprocessing_context=_worker_context(),
                   worker_init_fn=functools.partial(_worker_init, leave_signals_to_owner, owner_pid or os.getpid()),
-                  timeout=float(getattr(args, "data_timeout", 0) or 0))
+                  timeout=float(config.data_timeout or 0))

@@ -10,6 +10,9 @@ accelerator take timm's path unchanged.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from timm.data import Mixup
 from timm.data.mixup import cutmix_bbox_and_lam
 
@@ -39,3 +42,34 @@ class PairwiseMixup(Mixup):
                 a.mul_(lam).add_(b_share)
                 b.mul_(lam).add_(a_share)
         return lam
+
+
+@dataclass(frozen=True)
+class MixupConfig:
+    """Mixup/CutMix as a run sets them; the fields are `vim-ds train`'s options of the same names (the engine fills
+    every one from them: engine/components.py), passed to timm's `Mixup` as the published main.py passes them."""
+
+    mixup: float  # alpha; 0: off
+    cutmix: float  # alpha; 0: off (unless cutmix_minmax is given)
+    cutmix_minmax: Sequence[float] | None  # (min, max) box area fraction: CutMix alone, whatever the alphas
+    mixup_prob: float
+    mixup_switch_prob: float
+    mixup_mode: str
+    smoothing: float  # label smoothing of the mixed targets
+
+    @property
+    def active(self) -> bool:
+        return self.mixup > 0 or self.cutmix > 0 or self.cutmix_minmax is not None
+
+
+def build_mixup(config: MixupConfig, micro_batch: int, num_classes: int) -> PairwiseMixup | None:
+    """The Mixup/CutMix of a run whose micro batches have `micro_batch` images of `num_classes` classes; None when
+    both are off. Pairs are mixed within a micro batch, which must therefore be even."""
+    if not config.active:
+        return None
+    if micro_batch % 2:
+        raise ValueError(f"Mixup/CutMix mix pairs within a micro batch, which must be even (it is "
+                         f"{micro_batch}); change --batch-size or pass --mixup 0 --cutmix 0")
+    return PairwiseMixup(mixup_alpha=config.mixup, cutmix_alpha=config.cutmix, cutmix_minmax=config.cutmix_minmax,
+                         prob=config.mixup_prob, switch_prob=config.mixup_switch_prob, mode=config.mixup_mode,
+                         label_smoothing=config.smoothing, num_classes=num_classes)

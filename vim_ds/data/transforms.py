@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 from PIL import Image, ImageOps
@@ -34,35 +35,58 @@ def _auto_augment(aa) -> str | None:
     return str(aa)
 
 
-def build_transform(args, is_train: bool):
-    """The transform for one split, from the trainer's argparse namespace.
+@dataclass(frozen=True)
+class TransformConfig:
+    """What the transforms are made from; the fields are `vim-ds train`'s options of the same names (the engine
+    fills every one from them: engine/components.py)."""
+
+    input_size: int
+    eval_crop_ratio: float  # evaluation: resize the short side to input_size / eval_crop_ratio, centre-crop
+    # training: timm's ImageNet pipeline
+    scale: tuple[float, float]  # random-resized-crop area range
+    ratio: tuple[float, float]  # random-resized-crop aspect range
+    hflip: float
+    aa: str | None  # RandAugment/AutoAugment policy; None, "" or "none": off
+    color_jitter: float  # timm applies it only when `aa` is off
+    train_interpolation: str
+    reprob: float  # random erasing
+    remode: str
+    recount: int
+
+
+def build_transform(config: TransformConfig, is_train: bool):
+    """The transform for one split.
 
     Training: timm's ImageNet training pipeline (RandomResizedCrop with `scale`/`ratio`, horizontal flip,
     RandAugment `aa` or else colour jitter — timm applies colour jitter only when auto-augment is off —, then
-    normalisation and random erasing). Evaluation: resize the short side to input_size / eval_crop_ratio (bicubic),
-    centre-crop input_size. Unlike DeiT, small inputs are not special-cased: every image goes through the resize,
-    which is what makes 8x8 digits usable at 32 px or 224 px.
+    normalisation and random erasing). Evaluation: `eval_transform`.
     """
-    size = int(getattr(args, "input_size", 224))
-    if is_train:
-        return create_transform(
-            size,
-            is_training=True,
-            color_jitter=getattr(args, "color_jitter", 0.3),
-            auto_augment=_auto_augment(getattr(args, "aa", "rand-m9-mstd0.5-inc1")),
-            interpolation=getattr(args, "train_interpolation", "bicubic"),
-            re_prob=getattr(args, "reprob", 0.25),
-            re_mode=getattr(args, "remode", "pixel"),
-            re_count=getattr(args, "recount", 1),
-            scale=tuple(getattr(args, "scale", (0.08, 1.0))),
-            ratio=tuple(getattr(args, "ratio", (3.0 / 4.0, 4.0 / 3.0))),
-            hflip=getattr(args, "hflip", 0.5),
-            mean=IMAGENET_DEFAULT_MEAN,
-            std=IMAGENET_DEFAULT_STD,
-        )
-    resize = int(size / getattr(args, "eval_crop_ratio", 0.875))
+    if not is_train:
+        return eval_transform(config.input_size, config.eval_crop_ratio)
+    return create_transform(
+        int(config.input_size),
+        is_training=True,
+        color_jitter=config.color_jitter,
+        auto_augment=_auto_augment(config.aa),
+        interpolation=config.train_interpolation,
+        re_prob=config.reprob,
+        re_mode=config.remode,
+        re_count=config.recount,
+        scale=config.scale,
+        ratio=config.ratio,
+        hflip=config.hflip,
+        mean=IMAGENET_DEFAULT_MEAN,
+        std=IMAGENET_DEFAULT_STD,
+    )
+
+
+def eval_transform(input_size: int, eval_crop_ratio: float):
+    """Resize the short side to input_size / eval_crop_ratio (bicubic), centre-crop input_size, normalise. Unlike
+    DeiT, small inputs are not special-cased: every image goes through the resize, which is what makes 8x8 digits
+    usable at 32 px or 224 px."""
+    size = int(input_size)
     return T.Compose([
-        T.Resize(resize, interpolation=InterpolationMode.BICUBIC),
+        T.Resize(int(size / eval_crop_ratio), interpolation=InterpolationMode.BICUBIC),
         T.CenterCrop(size),
         T.ToTensor(),
         T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
@@ -150,6 +174,6 @@ def split_transform(transform):
     return worker, Finish(normalize.mean, normalize.std, erasing)
 
 
-def build_handover_transform(args, is_train: bool):
+def build_handover_transform(config: TransformConfig, is_train: bool):
     """`build_transform`'s pipeline split for uint8 hand-over: (worker transform -> uint8 tensor, `Finish`)."""
-    return split_transform(build_transform(args, is_train))
+    return split_transform(build_transform(config, is_train))

@@ -74,21 +74,23 @@ def load_eval_weights(args, model, classes: list | None = None) -> dict | None:
     from ..checkpoint.consolidate import fp32_state_dict
     from ..checkpoint.convert import client_state
     from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
+    from .components import dataset_config
 
     source = args.resume or args.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
     fix = "evaluate it on the data it was trained on"
+    data = class_names.data_source(dataset_config(args))
     if os.path.isdir(source):
         save_dir, tag = deepspeed_dir.resolve(source)
         class_names.check(source, class_names.recorded(client_state(os.path.join(save_dir, tag), mmap=True)),
-                          class_names.data_source(args), classes, fix)
+                          data, classes, fix)
         load_into(model, fp32_state_dict(save_dir, tag), source)
         ema_path = os.path.join(save_dir, tag, deepspeed_dir.EMA_FILE)
         return safe_load.load(ema_path) if os.path.isfile(ema_path) else None
     obj = load_weights_file(source)
     weights, ema = split_weights(obj, source)
-    class_names.check(source, class_names.of_file(source, obj), class_names.data_source(args), classes, fix)
+    class_names.check(source, class_names.of_file(source, obj), data, classes, fix)
     head = weights.get("head.weight")
     if torch.is_tensor(head) and head.shape[0] != model.num_classes:
         # loading would re-initialise the head (right for --finetune) and score a random classifier
@@ -105,10 +107,12 @@ def evaluate_weights(args, dist_info) -> dict:
     from ..data.loader import build_loader
     from ..models import build_model, load_state_dict_into
     from . import faults
+    from .components import dataset_config, loader_config
     from .ds_config import PRECISION_DTYPES, autocast_dtype
     from .metrics import MetricsLog
 
-    val_set, num_classes = build_dataset(args, is_train=False)
+    data = dataset_config(args)
+    val_set, num_classes = build_dataset(data, is_train=False)
     model = build_model(args, num_classes)
     ema_state = load_eval_weights(args, model, [str(c) for c in getattr(val_set, "classes", None) or []])
     precision = args.precision or "fp32"
@@ -119,7 +123,7 @@ def evaluate_weights(args, dist_info) -> dict:
     batch = max(1, int(1.5 * (args.batch_size or 64)))
     loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
                                                       world_size=dist_info.world_size),
-                          args, "val", local_world_size=dist_info.local_world_size,
+                          loader_config(args), "val", local_world_size=dist_info.local_world_size,
                           stall_at=faults.number("stall_val", dist_info.rank))
     shape = (3, args.input_size, args.input_size)
     record = {"step": None, "epoch": None, "source": args.resume or args.finetune}

@@ -81,6 +81,7 @@ def peak_memory_mb(device: torch.device) -> float:
 class Trainer:
     def __init__(self, args, dist_info: distributed.DistInfo):
         from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
+        from .components import dataset_config
         from .ds_config import prepare_ds_config
         from .ema import ShardedEMA
         from .checkpointing import Checkpointer
@@ -90,8 +91,9 @@ class Trainer:
         self.device = dist_info.device
 
         # data: which images go into which optimizer step is fixed here, before the engine exists
-        self.train_set, num_classes = build_dataset(args, is_train=True)
-        self.val_set, _ = build_dataset(args, is_train=False)
+        self.data_config = dataset_config(args)
+        self.train_set, num_classes = build_dataset(self.data_config, is_train=True)
+        self.val_set, _ = build_dataset(self.data_config, is_train=False)
         self.num_classes = num_classes
         # the class names in label order: part of what the run is (recorded in its checkpoints, compared on resume)
         self.classes = [str(name) for name in getattr(self.train_set, "classes", None) or []]
@@ -117,7 +119,10 @@ class Trainer:
                 print(note, flush=True)
         self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
         self.autocast_dtype = autocast_dtype(self.ds.precision)  # the DeepSpeed engine enters it itself
-        self.mixup = self._build_mixup()
+        from ..data.mixup import build_mixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
+        from .components import mixup_config
+
+        self.mixup = build_mixup(mixup_config(args), self.batch.micro, num_classes)
 
         self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
                                           accum_steps=self.batch.accum, rank=dist_info.rank,
@@ -138,7 +143,7 @@ class Trainer:
         if args.finetune:
             from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
 
-            note = load_finetune_weights(model, args.finetune, self.classes, data_source(args))
+            note = load_finetune_weights(model, args.finetune, self.classes, data_source(self.data_config))
             if note and dist_info.is_main:
                 print(note, flush=True)
         from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
@@ -217,24 +222,13 @@ class Trainer:
 
     def _loader(self, dataset, batch_sampler, name: str):
         from ..data.loader import build_loader  # workers from a fork server, --data-timeout: see its docstring
+        from .components import loader_config
 
-        return build_loader(dataset, batch_sampler, self.args, name, local_world_size=self.dist.local_world_size,
+        return build_loader(dataset, batch_sampler, loader_config(self.args), name,
+                            local_world_size=self.dist.local_world_size,
                             persistent=True, pin_memory=self.args.pin_mem and self.device.type != "cpu",
                             leave_signals_to_owner=True, stall_at=faults.number(f"stall_{name}", self.dist.rank),
                             signal_at=faults.signal_at(faults.number(f"signal_in_{name}", self.dist.rank)))
-
-    def _build_mixup(self):
-        args = self.args
-        if not (args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None):
-            return None
-        if self.batch.micro % 2:
-            raise ValueError(f"Mixup/CutMix mix pairs within a micro batch, which must be even (it is "
-                             f"{self.batch.micro}); change --batch-size or pass --mixup 0 --cutmix 0")
-        from ..data.mixup import PairwiseMixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
-
-        return PairwiseMixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
-                     prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
-                     label_smoothing=args.smoothing, num_classes=self.num_classes)
 
     def _build_criterion(self):
         from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy

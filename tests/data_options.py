@@ -1,0 +1,28 @@
+"""The data layer's configs as a run fills them (`vim_ds.engine.components`), for tests that build datasets,
+transforms, loaders and Mixup without a run: `vim-ds train`'s defaults with some options changed (by dest)."""
+from __future__ import annotations
+
+import argparse
+
+from vim_ds.engine import components
+from vim_ds.engine.run_options import build_parser
+
+
+def train_options(**changes) -> argparse.Namespace:
+    """The train parser's defaults (as parsed from an empty command line, before parse_args's checks), changed."""
+    args = build_parser().parse_args([])
+    unknown = set(changes) - set(vars(args))
+    assert not unknown, f"not options of vim-ds train: {sorted(unknown)}"
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def dataset_config(**changes):
+    return components.dataset_config(train_options(**changes))
+
+
+def transform_config(**changes):
+    return components.transform_config(train_options(**changes))
+
+
+def loader_config(**changes):
+    return components.loader_config(train_options(**changes))
