@@ -2,12 +2,13 @@
 the same run (issue 37, item 4).
 
 Our side: `vim_ds.engine.run_options.parse_args(["--config", RECIPE, ...])`, then
-`vim_ds.models.build_model(args, classes)`, the call the trainer makes (vim_ds/engine/trainer.py). The published
-side (tests/published_vim.py, which imports nothing from vim_ds): the recipe's `recipe: source:` script's options
-over main.py's defaults, main.py's create_model keyword arguments, the registered function's and VisionMamba's own
-defaults, and from those what VisionMamba.__init__ builds (`published_modules`, `published_shapes`,
-`published_flags`, `published_init`) and computes (`vim_forward`, which models train mode's dropout and per-block
-drop path in the published order of random draws, and the residual_in_fp32 / fused_add_norm flags).
+`vim_ds.engine.components.model_config(args, classes).build()`, the call the trainer makes
+(vim_ds/engine/trainer.py). The published side (tests/published_vim.py, which imports nothing from vim_ds): the
+recipe's `recipe: source:` script's options over main.py's defaults, main.py's create_model keyword arguments, the
+registered function's and VisionMamba's own defaults, and from those what VisionMamba.__init__ builds
+(`published_modules`, `published_shapes`, `published_flags`, `published_init`) and computes (`vim_forward`, which
+models train mode's dropout and per-block drop path in the published order of random draws, and the
+residual_in_fp32 / fused_add_norm flags).
 
 Compared, module by module (path -> kind and attributes): every Linear/Conv (sizes, kernel, stride, padding,
 groups, bias), every norm (type, eps), every Dropout p, every block's DropPath probability and the final one;
@@ -73,13 +74,13 @@ def recipe_source(recipe: str) -> str:
 
 def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     """The model `vim-ds train --config RECIPE EXTRA...` trains, built by the trainer's own call."""
-    from vim_ds.models import build_model
+    from vim_ds.engine.components import model_config
     from vim_ds.engine.run_options import parse_args
 
     requires = recipe_file(recipe)["recipe"].get("requires") or ()
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one
     args = parse_args(["--config", recipe, "--data-path", "/nonexistent", *needs, *extra])
-    return build_model(args, classes)  # what Trainer.__init__ calls (the --finetune weights are loaded after)
+    return model_config(args, classes).build()  # what Trainer.__init__ calls (the --finetune weights are loaded after)
 
 
 def published_args(recipe: str, classes: int, size: dict | None = None, **options) -> dict:

@@ -102,9 +102,9 @@ def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys
 
 def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, capsys):
     """Each option of `vim-ds zero-compare` at a value other than its default reaches the training runs it launches
-    (bench.runner.run_train_config, replaced here: no run starts) or the report it writes."""
+    (engine.launched_runs.run_train_config, replaced here: no run starts) or the report it writes."""
     from vim_ds import zero_compare
-    from vim_ds.bench import runner
+    from vim_ds.engine import launched_runs as runner
 
     launched = []
 
@@ -151,12 +151,13 @@ def test_synthetic_data_set_options_build_that_data_set():
 
 
 def test_model_option_builds_that_variant():
-    from vim_ds.models import build_model
+    from vim_ds.engine.components import model_config
     from vim_ds.engine.run_options import parse_args
 
-    small = build_model(parse_args(["--model", "vim_small", "--input-size", "32",
-                                    "--model-kwargs", "depth=1", "patch_size=8", "stride=8"]), 10)
-    tiny = build_model(parse_args(["--model-kwargs", "depth=1", "patch_size=8", "stride=8", "--input-size", "32"]), 10)
+    small = model_config(parse_args(["--model", "vim_small", "--input-size", "32",
+                                     "--model-kwargs", "depth=1", "patch_size=8", "stride=8"]), 10).build()
+    tiny = model_config(parse_args(["--model-kwargs", "depth=1", "patch_size=8", "stride=8", "--input-size", "32"]),
+                        10).build()
     assert small.embed_dim == 384 and tiny.embed_dim == 192  # vim_small's width; the control: the default vim_tiny
 
 

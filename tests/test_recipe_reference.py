@@ -121,14 +121,12 @@ def test_position_embeddings_resample_as_the_published_finetuning_does(grids):
 
 
 def test_finetuning_into_another_class_count_resets_the_head_and_resamples():
-    from argparse import Namespace
-
-    from vim_ds.models import build_model, load_state_dict_into
+    from vim_ds.models import ModelConfig, load_state_dict_into
 
     kwargs = {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
     torch.manual_seed(0)
-    source = build_model(Namespace(model="vim_tiny", model_kwargs=kwargs, input_size=32, drop=0.0, drop_path=0.0), 10)
-    target = build_model(Namespace(model="vim_tiny", model_kwargs=kwargs, input_size=48, drop=0.0, drop_path=0.0), 5)
+    source = ModelConfig("vim_tiny", 10, 32, kwargs).build()
+    target = ModelConfig("vim_tiny", 5, 48, kwargs).build()
     load_state_dict_into(target, source.state_dict())  # strict: every other tensor is loaded
     assert target.head.weight.shape == (5, 32)  # re-initialised for 5 classes, nothing of the 10-class head kept
     assert not torch.equal(target.head.weight, source.head.weight[:5].detach())

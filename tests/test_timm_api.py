@@ -361,12 +361,12 @@ def test_pretrained_resolves_to_the_published_hugging_face_file(name, tmp_path, 
 def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypatch, tmp_path):
     from vim_ds import bench
     from vim_ds.bench import train as bench_train
-    from vim_ds.models import build_model
+    from vim_ds.engine.components import model_config
     from vim_ds.engine.run_options import parse_args
 
     tiny = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=8", "stride=8", "--input-size", "32"]
-    assert build_model(parse_args(tiny + ["--grad-checkpointing"]), 10).grad_checkpointing is True
-    assert build_model(parse_args(tiny), 10).grad_checkpointing is False
+    assert model_config(parse_args(tiny + ["--grad-checkpointing"]), 10).build().grad_checkpointing is True
+    assert model_config(parse_args(tiny), 10).build().grad_checkpointing is False
 
     launched = []
 

@@ -42,12 +42,14 @@ def export(args) -> tuple[str, int, int]:
     """Write the program; return (path, input size, classes: 0 for a backbone's features)."""
     import torch
 
-    from .predict import build
+    from .checkpoint.weights_model import load_model
 
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):  # before the (slow) export, not after it
         raise ValueError(f"--out: no such directory: {directory}")
-    model, input_size, num_classes = build(args, backbone_ok=True)
+    model, input_size, num_classes, _ = load_model(args.weights, model=args.model, kwargs=args.model_kwargs,
+                                                    input_size=args.input_size, num_classes=args.num_classes,
+                                                    ema=args.ema, backbone_ok=True)
     example = torch.randn(2, 3, input_size, input_size)
     dynamic = None if args.static_batch else {"x": {0: torch.export.Dim("batch", min=1, max=4096)}}
     with torch.no_grad():

@@ -79,65 +79,19 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
     return recorded
 
 
-def build(args, backbone_ok: bool = False):
-    """(model, input size, classes) from --weights and the model options. A file without a classification head is
-    refused (a random head would be built in its place), unless `backbone_ok` and --num-classes 0 ask for the
-    backbone alone (timm's convention: the model then returns its pooled features)."""
-    model, input_size, num_classes, _ = build_with_names(args, backbone_ok)
-    return model, input_size, num_classes
-
-
-def build_with_names(args, backbone_ok: bool = False):
-    """build's (model, input size, classes), and the class names the file records (None when it records none)."""
-    import timm
-    import torch
-
-    from . import models  # noqa: F401  (registers the Vim variants)
-    from .checkpoint.convert import read_vim_ds_meta
-    from .checkpoint.files import is_safetensors, load_into, load_weights_file, select_weights
-
-    obj = load_weights_file(args.weights)
-    meta = read_vim_ds_meta(args.weights if is_safetensors(args.weights) else obj) or {}
-    state = select_weights(obj, args.weights, ema=args.ema)
-    name = args.model or meta.get("model")
-    if not name:
-        raise ValueError(f"{args.weights} does not name its model: give --model")
-    kwargs = dict(args.model_kwargs) if args.model_kwargs is not None else dict(meta.get("model_kwargs") or {})
-    input_size = args.input_size or meta.get("input_size") or 224
-    head = state.get("head.weight")
-    has_head = isinstance(head, torch.Tensor)
-    if not has_head and not (backbone_ok and args.num_classes == 0):
-        hint = "; or pass --num-classes 0 to export the backbone's features" if backbone_ok else ""
-        raise ValueError(f"{args.weights} has no classification head (no head.weight): it holds a backbone, and a "
-                         f"random head would classify in its place; give the weights of a trained classifier{hint}")
-    num_classes = head.shape[0] if has_head else 0
-    if has_head and args.num_classes not in (None, num_classes):
-        # loading would re-initialise the head: a random classifier, different on each run
-        raise ValueError(f"{args.weights} classifies {num_classes} classes, --num-classes is {args.num_classes}: "
-                         f"omit --num-classes (or give {num_classes})")
-    try:
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=input_size,
-                                  **kwargs)
-    except RuntimeError as exc:
-        raise ValueError(f"unknown model {name!r}") from exc
-    except TypeError as exc:
-        raise ValueError(f"--model-kwargs: {exc}") from exc
-    load_into(model, state, args.weights)
-    from .checkpoint.class_names import recorded
-
-    return model.eval(), input_size, model.num_classes, recorded(meta, model.num_classes)
-
-
 def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
     """(image path, its top classes with probabilities) per image, or (path, why it cannot be read): an image that
     does not decode, like one PIL refuses as a decompression bomb, does not stop the others."""
     import torch
 
+    from .checkpoint.weights_model import load_model
     from .data.datasets import decode_failure
     from .data.images import open_rgb
     from .data.transforms import eval_transform
 
-    model, input_size, num_classes, recorded = build_with_names(args)
+    model, input_size, num_classes, recorded = load_model(args.weights, model=args.model, kwargs=args.model_kwargs,
+                                                          input_size=args.input_size,
+                                                          num_classes=args.num_classes, ema=args.ema)
     names = class_names(args.classes, num_classes, recorded, args.weights)
     transform = eval_transform(input_size, args.eval_crop_ratio)
     results = []

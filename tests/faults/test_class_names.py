@@ -127,6 +127,7 @@ def test_a_checkpoint_without_recorded_names_resumes_with_one_note(zero0, digits
 
     from vim_ds.checkpoint.convert import client_state
     from vim_ds.engine.resume_check import check
+    from vim_ds.models import ModelConfig
 
     tag = tmp_path / "global_step3"
     shutil.copytree(os.path.join(zero0, "checkpoints", "global_step3"), tag)
@@ -134,15 +135,15 @@ def test_a_checkpoint_without_recorded_names_resumes_with_one_note(zero0, digits
     state = torch.load(state_file, weights_only=False)
     del state["classes"]
     torch.save(state, state_file)
-    args = argparse.Namespace(model="vim_tiny", model_kwargs=client_state(str(tag))["model_kwargs"], input_size=32,
-                              data_set="folder", data_path=str(tmp_path / "renamed"))
-    ds = argparse.Namespace(zero_stage=0, precision="fp32")
-    note = check(str(tag), args, 10, ds, universal=False, classes=SHIFTED)
-    assert note == (f"note: {tag} records no class names (saved by an earlier vim_ds): --data-path {args.data_path} "
+    model = ModelConfig("vim_tiny", 10, 32, client_state(str(tag))["model_kwargs"])
+    source = f"--data-path {tmp_path / 'renamed'}"
+    ds = argparse.Namespace(zero_stage=0, precision="fp32")  # what check reads of the prepared DeepSpeed config
+    note = check(str(tag), model, source, ds, universal=False, classes=SHIFTED)
+    assert note == (f"note: {tag} records no class names (saved by an earlier vim_ds): {source} "
                     f"is taken to have the classes it was trained on, in the same order; its checkpoints from now on "
                     f"record them")
     # a caller without the data's names: no note
-    assert check(str(tag), args, 10, ds, universal=False, classes=None) is None
+    assert check(str(tag), model, source, ds, universal=False, classes=None) is None
 
 
 # -- convert and predict -------------------------------------------------------------------------------------------

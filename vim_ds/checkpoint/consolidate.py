@@ -38,15 +38,12 @@ def named_param_groups(path: str, state: dict) -> list[list[tuple[str, torch.Siz
     """(name, shape) of each parameter in the optimizer's groups, in their order, for a checkpoint without ZeRO
     partitions (whose files number parameters instead of naming them): the model's `param_groups`, rebuilt from
     the model description the trainer saves in its client state."""
-    import argparse
+    from ..models import ModelConfig, param_groups
 
-    from ..models import build_model, param_groups
-
-    args = argparse.Namespace(model=state.get("model"), model_kwargs=state.get("model_kwargs") or {},
-                              input_size=state.get("input_size"), drop=0.0, drop_path=0.0)
-    if not args.model or not state.get("num_classes"):
+    config = ModelConfig.from_description(state)
+    if config is None:
         raise CheckpointError(f"{path} has optimizer state but no model description to name its parameters")
-    model = build_model(args, state["num_classes"])  # on CPU: the Vim constructor cannot run on the meta device
+    model = config.build()  # on CPU: the Vim constructor cannot run on the meta device
     names = {id(p): n for n, p in model.named_parameters()}
     return [[(names[id(p)], p.shape) for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
 

@@ -19,12 +19,13 @@ import torch
 from . import deepspeed_dir, safe_load
 from .atomic_write import write_atomically
 from .consolidate import fp32_state_dict
+from ..models.factory import DESCRIPTION_KEYS
 from .files import CheckpointError, is_safetensors
 
 _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
-# "classes": the class names the run was trained on, in label order (see class_names.py; absent before they were)
-META_KEYS = ("model", "model_kwargs", "num_classes", "input_size", "step", "epoch", "zero_stage", "precision",
-             "classes")
+# the model's description (models.ModelConfig), where the run was, and "classes": the class names the run was
+# trained on, in label order (see class_names.py; absent before they were)
+META_KEYS = DESCRIPTION_KEYS + ("step", "epoch", "zero_stage", "precision", "classes")
 
 
 def client_state(tag_dir: str, mmap: bool = False) -> dict:

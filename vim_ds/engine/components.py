@@ -1,13 +1,14 @@
-"""Where a run's parsed options become the data layer's configs: the one place the argparse namespace crosses into
-vim_ds.data (and the data naming of vim_ds.checkpoint). Each function takes `args` as `run_options.parse_args`
-returns them and fills every field of one config; the library below never sees the namespace, and a default lives
-only in the parser."""
+"""Where a run's parsed options become the configs of the layers below the engine: the one place the argparse
+namespace crosses into vim_ds.data (and the data naming of vim_ds.checkpoint) and vim_ds.models. Each function
+takes `args` as `run_options.parse_args` returns them and fills every field of one config; the library below never
+sees the namespace, and a default lives only in the parser."""
 from __future__ import annotations
 
 from ..data.datasets import DatasetConfig
 from ..data.loader import LoaderConfig
 from ..data.mixup import MixupConfig
 from ..data.transforms import TransformConfig
+from ..models import ModelConfig
 
 
 def transform_config(args) -> TransformConfig:
@@ -30,3 +31,9 @@ def mixup_config(args) -> MixupConfig:
     return MixupConfig(mixup=args.mixup, cutmix=args.cutmix, cutmix_minmax=args.cutmix_minmax,
                        mixup_prob=args.mixup_prob, mixup_switch_prob=args.mixup_switch_prob,
                        mixup_mode=args.mixup_mode, smoothing=args.smoothing)
+
+
+def model_config(args, num_classes: int) -> ModelConfig:
+    """The model the options describe, with `num_classes` from the data."""
+    return ModelConfig(args.model, num_classes, args.input_size, dict(args.model_kwargs), drop=args.drop,
+                       drop_path=args.drop_path, grad_checkpointing=args.grad_checkpointing)

@@ -105,15 +105,16 @@ def evaluate_weights(args, dist_info) -> dict:
     validation set, the model replicated on every rank and the set sharded; rank 0 logs the record."""
     from ..data import ShardedEvalSampler, build_dataset
     from ..data.loader import build_loader
-    from ..models import build_model, load_state_dict_into
+    from ..models import load_state_dict_into
     from . import faults
     from .components import dataset_config, loader_config
     from .ds_config import PRECISION_DTYPES, autocast_dtype
     from .metrics import MetricsLog
+    from .components import model_config
 
     data = dataset_config(args)
     val_set, num_classes = build_dataset(data, is_train=False)
-    model = build_model(args, num_classes)
+    model = model_config(args, num_classes).build()
     ema_state = load_eval_weights(args, model, [str(c) for c in getattr(val_set, "classes", None) or []])
     precision = args.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":

@@ -89,11 +89,11 @@ def _data(args) -> None:
 def _model(args) -> None:
     """The model, built on the meta device with the run's options (a placeholder head: the class count comes from
     the data)."""
-    from ..models import build_model
+    from .components import model_config
 
     classes = args.nb_classes if getattr(args, "data_set", "") == "synthetic" else 1000
     with torch.device("meta"):
-        build_model(args, classes)
+        model_config(args, classes).build()
 
 
 def _files(args) -> None:

@@ -48,33 +48,22 @@ def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, un
             f"{precision}, and {cannot}: resume with a {same}{convert}")
 
 
-def _description(model: str, model_kwargs: dict, num_classes: int, input_size: int) -> str:
-    kwargs = "".join(f" {k}={v}" for k, v in sorted(model_kwargs.items()))
-    return f"{model}{kwargs}, {num_classes} classes, input size {input_size}"
-
-
-def _shapes(model: str, model_kwargs: dict, num_classes: int, input_size: int) -> dict[str, tuple]:
-    import argparse
-
-    from ..models import build_model
-
-    args = argparse.Namespace(model=model, model_kwargs=dict(model_kwargs), input_size=input_size, drop=0.0,
-                              drop_path=0.0)
+def _shapes(model) -> dict[str, tuple]:
     with torch.random.fork_rng(devices=[]):  # on CPU: the Vim constructor cannot run on the meta device
-        return {k: tuple(v.shape) for k, v in build_model(args, num_classes).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in model.build().state_dict().items()}
 
 
-def _model_refusal(tag_dir: str, saved: dict, args, num_classes: int) -> str | None:
-    keys = ("model", "model_kwargs", "num_classes", "input_size")
-    if any(saved.get(k) is None for k in keys):
+def _model_refusal(tag_dir: str, saved: dict, model) -> str | None:
+    """Another model than the checkpoint's (`model`: this run's models.ModelConfig): named by its first parameter
+    of another shape."""
+    from ..models import ModelConfig
+
+    there = ModelConfig.from_description(saved)
+    if there is None or saved.get("model_kwargs") is None:
         return None  # no description: DeepSpeed's strict load still refuses another model
-    from ..models import ALIASES
-
-    there = (saved["model"], saved["model_kwargs"], saved["num_classes"], saved["input_size"])
-    here = (args.model, args.model_kwargs, num_classes, args.input_size)
-    if (ALIASES.get(there[0], there[0]), *there[1:]) == (ALIASES.get(here[0], here[0]), *here[1:]):
+    if there.same_description(model):
         return None  # the same description (a model built twice to compare costs seconds for Vim-base)
-    saved_shapes, shapes = _shapes(*there), _shapes(*here)
+    saved_shapes, shapes = _shapes(there), _shapes(model)
     differ = [k for k in saved_shapes if saved_shapes[k] != shapes.get(k)] + \
         [k for k in shapes if k not in saved_shapes]
     if not differ:
@@ -83,36 +72,35 @@ def _model_refusal(tag_dir: str, saved: dict, args, num_classes: int) -> str | N
     shown = lambda table: str(table[first]) if first in table else "absent"  # noqa: E731
     more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
     return (f"{tag_dir} holds another model ({first}: {shown(saved_shapes)} there, {shown(shapes)} in this run{more}): "
-            f"it was {_description(*there)}; this run builds {_description(*here)}; resume with its --model, "
+            f"it was {there.shown()}; this run builds {model.shown()}; resume with its --model, "
             f"--model-kwargs, --input-size and data")
 
 
-def _classes_refusal(tag_dir: str, saved: dict, args, classes: list | None) -> str | None:
+def _classes_refusal(tag_dir: str, saved: dict, data_source: str, classes: list | None) -> str | None:
     """Other class names than the checkpoint's (a class folder renamed, added or removed; the same count would
     train on with labels that mean other classes)."""
     from ..checkpoint import class_names
 
-    return class_names.refusal(tag_dir, class_names.recorded(saved), class_names.data_source(args), classes,
+    return class_names.refusal(tag_dir, class_names.recorded(saved), data_source, classes,
                                "resume with the data it was trained on")
 
 
-def check(tag_dir: str, args, num_classes: int, ds, universal: bool, classes: list | None = None) -> str | None:
+def check(tag_dir: str, model, data_source: str, ds, universal: bool, classes: list | None = None) -> str | None:
     """Raise CheckpointError (one line: what the checkpoint was saved by, what this run is, what to do) when this
     run's DeepSpeed engine could not load the checkpoint in `tag_dir` (`universal`: loaded as a universal
-    checkpoint, already one or converted for another rank count), or when it was trained on other class names than
-    `classes` (this run's data, in label order). Returns a note for rank 0 to print, or None: a checkpoint saved
+    checkpoint, already one or converted for another rank count), or when it holds another model than `model` (a
+    models.ModelConfig), or was trained on other class names than `classes` (this run's data, named in messages as
+    `data_source`, in label order). Returns a note for rank 0 to print, or None: a checkpoint saved
     before the names were recorded cannot be compared (the run's next checkpoint records them)."""
     from ..checkpoint.convert import client_state
 
     saved = client_state(tag_dir, mmap=True)
     problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, universal) or \
-        _classes_refusal(tag_dir, saved, args, classes) or _model_refusal(tag_dir, saved, args, num_classes)
+        _classes_refusal(tag_dir, saved, data_source, classes) or _model_refusal(tag_dir, saved, model)
     if problem:
         raise CheckpointError(problem)
     if classes and saved.get("precision") is not None and "classes" not in saved:  # vim_ds's, from before
-        from ..checkpoint.class_names import data_source
-
-        return (f"note: {tag_dir} records no class names (saved by an earlier vim_ds): {data_source(args)} is "
+        return (f"note: {tag_dir} records no class names (saved by an earlier vim_ds): {data_source} is "
                 f"taken to have the classes it was trained on, in the same order; its checkpoints from now on "
                 f"record them")
     return None

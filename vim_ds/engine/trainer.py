@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from ..data.datasets import derive_seed
-from ..models import build_model, param_groups
+from ..models import param_groups
 from . import distributed, faults, signals
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .init_weights import first_line
+from .components import model_config
 
 
 class TrainingError(RuntimeError):
@@ -95,6 +96,7 @@ class Trainer:
         self.train_set, num_classes = build_dataset(self.data_config, is_train=True)
         self.val_set, _ = build_dataset(self.data_config, is_train=False)
         self.num_classes = num_classes
+        self.model_config = model_config(args, num_classes)  # what the model is: built below, checked on resume
         # the class names in label order: part of what the run is (recorded in its checkpoints, compared on resume)
         self.classes = [str(name) for name in getattr(self.train_set, "classes", None) or []]
 
@@ -139,7 +141,7 @@ class Trainer:
 
         # model and engine
         seed_everything(args.seed)  # identical initial weights on every rank
-        model = build_model(args, num_classes)
+        model = self.model_config.build()
         if args.finetune:
             from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
 
@@ -149,8 +151,7 @@ class Trainer:
         from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
 
         self.init_weights_info = init_weights.apply(args, model, {
-            "model": args.model, "model_kwargs": args.model_kwargs, "num_classes": num_classes,
-            "input_size": args.input_size, "step": 0, "epoch": 0, "zero_stage": self.ds.zero_stage,
+            **self.model_config.description(), "step": 0, "epoch": 0, "zero_stage": self.ds.zero_stage,
             "precision": self.ds.precision, "tag": "init", "classes": self.classes}, dist_info)
         self.num_params = sum(p.numel() for p in model.parameters())
         warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
@@ -245,8 +246,7 @@ class Trainer:
         return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
                 "images_seen": self.images_seen, "images_bad": self.images_bad, "best_acc1": self.best_acc1,
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
-                "zero_stage": self.ds.zero_stage, "model": self.args.model, "model_kwargs": self.args.model_kwargs,
-                "num_classes": self.num_classes, "classes": self.classes, "input_size": self.args.input_size,
+                "zero_stage": self.ds.zero_stage, **self.model_config.description(), "classes": self.classes,
                 "args": vars(self.args),
                 "run_id": self.run_id, "evaluation_owed": self.evaluation_owed,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
@@ -309,6 +309,7 @@ class Trainer:
                 if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
                     print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
                           f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
+        from ..checkpoint.class_names import data_source
         from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
 
         tag_dir = os.path.join(save_dir, tag)
@@ -316,7 +317,8 @@ class Trainer:
         marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
         saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
         to_convert = not already_universal and saved_world not in (None, self.dist.world_size) and bool(saved_stage)
-        note = check(tag_dir, args, self.num_classes, self.ds, universal=already_universal or to_convert,
+        note = check(tag_dir, self.model_config, data_source(self.data_config), self.ds,
+                     universal=already_universal or to_convert,
                      classes=self.classes)  # and other class names: labels that would mean other classes
         if note and self.dist.is_main:
             print(note, flush=True)
@@ -537,7 +539,7 @@ class Trainer:
 
         state = self.ema.full_state_dict()  # a collective under ZeRO-3
         with torch.random.fork_rng(devices=[]):
-            replica = build_model(self.args, self.num_classes)
+            replica = self.model_config.build()
         load_state_dict_into(replica, state, strict=True)
         return replica.to(self.device, self.dtype).eval()
 

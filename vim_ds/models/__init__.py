@@ -1,7 +1,8 @@
 """Vim models, registered in timm's registry on import (``timm.create_model("vim_tiny")`` after ``import vim_ds``)."""
 from .vim import (ALIASES, VARIANTS, BiMambaMixer, Block, PatchEmbed, RMSNorm, VisionMamba, checkpoint_filter_fn,
                   load_state_dict_into, resample_pos_embed)
-from .factory import build_model, param_groups
+from .factory import DESCRIPTION_KEYS, ModelConfig, param_groups
 
 __all__ = ["ALIASES", "VARIANTS", "BiMambaMixer", "Block", "PatchEmbed", "RMSNorm", "VisionMamba",
-           "build_model", "checkpoint_filter_fn", "load_state_dict_into", "param_groups", "resample_pos_embed"]
+           "DESCRIPTION_KEYS", "ModelConfig", "checkpoint_filter_fn", "load_state_dict_into", "param_groups",
+           "resample_pos_embed"]

@@ -1,33 +1,80 @@
-"""Models from a run's arguments, and which of their parameters take weight decay.
+"""What a model is (`ModelConfig`), how it is built, and which of its parameters take weight decay.
 
-Both are facts about the model that several layers need: the trainer builds its model and AdamW groups from them,
-evaluation builds the model to score, and checkpoint conversion rebuilds the groups to name the fp32 master weights
-that DeepSpeed's stage-0 optimizer stores in group order.
+These are facts about the model that several layers need: the trainer builds its model and AdamW groups from them
+and records the description in its checkpoints; evaluation, resume checks, prediction and export rebuild the model
+from that description; checkpoint conversion rebuilds the groups to name the fp32 master weights that DeepSpeed's
+stage-0 optimizer stores in group order.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Mapping
+
 import torch
 
+# The keys under which a checkpoint's client state and a converted file's metadata describe the model.
+DESCRIPTION_KEYS = ("model", "model_kwargs", "num_classes", "input_size")
 
-def build_model(args, num_classes: int) -> torch.nn.Module:
-    """The model named by `args.model` (a registered Vim name or alias) with the run's size, dropout,
-    `--model-kwargs` and `--grad-checkpointing`; randomly initialised (the caller loads `--finetune` weights)."""
-    import timm
 
-    from . import vim  # noqa: F401  (registers the Vim variants)
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A model as a run names it: a registered Vim name or alias, its constructor overrides (`--model-kwargs`), the
+    head's classes and the image side. Dropout, stochastic depth and gradient checkpointing change how it trains,
+    not its weights, so checkpoints record only the description (`description()`)."""
 
-    try:
-        model = timm.create_model(args.model, pretrained=False, num_classes=num_classes, img_size=args.input_size,
-                                  drop_rate=args.drop, drop_path_rate=args.drop_path, **args.model_kwargs)
-    except RuntimeError as exc:
-        if "Unknown model" in str(exc):
-            raise ValueError(f"unknown model {args.model!r} (try vim_tiny, vim_small, vim_base, vim_small_s8)") from exc
-        raise
-    except TypeError as exc:
-        raise ValueError(f"--model-kwargs: {exc}") from exc
-    if getattr(args, "grad_checkpointing", False):  # --grad-checkpointing (absent from converters' namespaces)
-        model.set_grad_checkpointing(True)
-    return model
+    name: str
+    num_classes: int
+    input_size: int = 224
+    kwargs: Mapping = dataclasses.field(default_factory=dict)
+    drop: float = 0.0
+    drop_path: float = 0.0
+    grad_checkpointing: bool = False
+
+    @classmethod
+    def from_description(cls, description: Mapping) -> "ModelConfig | None":
+        """The model a checkpoint or converted file describes (DESCRIPTION_KEYS), or None where it does not."""
+        if any(description.get(key) is None for key in ("model", "num_classes", "input_size")):
+            return None
+        return cls(description["model"], description["num_classes"], description["input_size"],
+                   dict(description.get("model_kwargs") or {}))
+
+    def description(self) -> dict:
+        """What checkpoints and converted files record (DESCRIPTION_KEYS)."""
+        return {"model": self.name, "model_kwargs": dict(self.kwargs), "num_classes": self.num_classes,
+                "input_size": self.input_size}
+
+    def same_description(self, other: "ModelConfig") -> bool:
+        """The same description, an alias (vim_t) counting as its name (vim_tiny)."""
+        from .vim import ALIASES
+
+        canonical = lambda c: (ALIASES.get(c.name, c.name), dict(c.kwargs), c.num_classes, c.input_size)  # noqa: E731
+        return canonical(self) == canonical(other)
+
+    def shown(self) -> str:
+        """`vim_tiny depth=2, 10 classes, input size 32`, as messages name a model."""
+        kwargs = "".join(f" {k}={v}" for k, v in sorted(self.kwargs.items()))
+        return f"{self.name}{kwargs}, {self.num_classes} classes, input size {self.input_size}"
+
+    def build(self) -> torch.nn.Module:
+        """The model, randomly initialised (the caller loads weights); a bad name or keyword is a ValueError."""
+        import timm
+
+        from . import vim  # noqa: F401  (registers the Vim variants)
+
+        try:
+            model = timm.create_model(self.name, pretrained=False, num_classes=self.num_classes,
+                                      img_size=self.input_size, drop_rate=self.drop, drop_path_rate=self.drop_path,
+                                      **self.kwargs)
+        except RuntimeError as exc:
+            if "Unknown model" in str(exc):
+                raise ValueError(f"unknown model {self.name!r} (try vim_tiny, vim_small, vim_base, "
+                                 f"vim_small_s8)") from exc
+            raise
+        except TypeError as exc:
+            raise ValueError(f"--model-kwargs: {exc}") from exc
+        if self.grad_checkpointing:
+            model.set_grad_checkpointing(True)
+        return model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
