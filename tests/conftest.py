@@ -90,7 +90,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for path, (tests, wall_s, cpu_s) in sorted(files.items(), key=lambda kv: -kv[1][1]):
         terminalreporter.write_line(f"{wall_s:8.0f} {cpu_s:8.0f} {tests:6d}  {path}")
     terminalreporter.write_line(f"the run: {cpu:.0f} s CPU in {wall:.0f} s wall on {os.cpu_count()} cores "
-                                f"({100 * cpu / max(wall * (os.cpu_count() or 1), 1e-9):.0f} % of them busy)")
+                                f"({100 * cpu / max(wall * (os.cpu_count() or 1), 1e-9):.0f} % of them busy) of "
+                                f"{_cpu_model()}")
+
+
+def _cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo's `model name`): the suite's times are compared per machine kind."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "a CPU")
+    except OSError:
+        return "a CPU"
 
 
 # The files that take longest (minutes each, most of it in one file's module fixtures or waiting on timeouts and
