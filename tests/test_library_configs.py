@@ -1,8 +1,8 @@
-"""The data layer takes configs, never the command line's namespace (issue 37, item 1): no function in
-vim_ds/data/ or vim_ds/checkpoint/ has a parameter named `args`, and no code there reads `args.NAME` or
-`getattr(args, ...)`. `args` is the name of a parsed argparse namespace; only the commands hold one, and the engine
-turns it into the data layer's configs (vim_ds/engine/components.py), so an option's default lives in the parser
-alone. Checked on the source (AST), like tests/test_layering.py checks the imports.
+"""The layers below the engine take configs, never the command line's namespace (issue 37, item 1): no function in
+vim_ds/data/, vim_ds/checkpoint/, vim_ds/models/ or vim_ds/ops/ has a parameter named `args`, and no code there
+reads `args.NAME` or `getattr(args, ...)`. `args` is the name of a parsed argparse namespace; only the commands hold
+one, and the engine turns it into the configs of the layers below (vim_ds/engine/components.py), so an option's
+default lives in the parser alone. Checked on the source (AST), like tests/test_layering.py checks the imports.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import ast
 import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
-LIBRARY = ("data", "checkpoint")
+LIBRARY = ("data", "checkpoint", "models", "ops")
 
 
 class _NamespaceUses(ast.NodeVisitor):
@@ -74,13 +74,13 @@ def main(argv=None):
                                       ("main", 9, "lambda args: ..."), ("main", 9, "args.out")]
 
 
-def test_the_data_layer_never_takes_the_namespace():
+def test_the_layers_below_the_engine_never_take_the_namespace():
     assert library_files(), f"no modules under {PACKAGE_DIR}"
     problems = []
     for path in library_files():
         name = path.relative_to(PACKAGE_DIR).as_posix()
         problems += [f"vim_ds/{name}:{line}: {what} (in {function})"
                      for function, line, what in namespace_uses(path.read_text())]
-    assert not problems, ("the data layer takes its config (TransformConfig, DatasetConfig, LoaderConfig, "
-                          "MixupConfig: vim_ds/engine/components.py builds them from the options) or plain "
-                          "values, never the namespace:\n" + "\n".join(problems))
+    assert not problems, ("the layers below the engine take their config (TransformConfig, DatasetConfig, "
+                          "LoaderConfig, MixupConfig, ModelConfig: vim_ds/engine/components.py builds them from "
+                          "the options) or plain values, never the namespace:\n" + "\n".join(problems))

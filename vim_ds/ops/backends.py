@@ -214,7 +214,7 @@ def _jit_build(kind):
     root = _source_root()
     if root is None:
         raise RuntimeError("the kernel sources (csrc/) are not installed")
-    args = build_config.cpu_extension_args(root) if kind == "cpu" else build_config.gpu_extension_args(root)
+    extension = build_config.cpu_extension_args(root) if kind == "cpu" else build_config.gpu_extension_args(root)
     build_dir = os.path.join(
         os.environ.get("VIM_DS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vim_ds")),
         f"{kind}-torch{torch.__version__}",
@@ -224,7 +224,7 @@ def _jit_build(kind):
                 build_dir)
     return cpp_extension.load(name=f"vim_ds_scan_{kind}", build_directory=build_dir,
                               verbose=os.environ.get("VIM_DS_JIT_VERBOSE", "0") == "1",
-                              **build_config.jit_flags(args))
+                              **build_config.jit_flags(extension))
 
 
 def _gpu_unavailable_reason():

@@ -44,13 +44,14 @@ def gpu_extension_args(root, hip=None):
     }
 
 
-def jit_flags(args):
-    """cpp_extension.load() takes flat lists rather than a per-compiler dict."""
-    flags = args["extra_compile_args"]
+def jit_flags(extension: dict) -> dict:
+    """cpp_extension.load()'s keywords for an extension's setup() keywords (`*_extension_args`): it takes flat
+    lists rather than a per-compiler dict."""
+    flags = extension["extra_compile_args"]
     return {
-        "sources": args["sources"],
-        "extra_include_paths": args["include_dirs"],
+        "sources": extension["sources"],
+        "extra_include_paths": extension["include_dirs"],
         "extra_cflags": flags["cxx"],
         "extra_cuda_cflags": flags.get("nvcc", []),
-        "extra_ldflags": args.get("extra_link_args", []),
+        "extra_ldflags": extension.get("extra_link_args", []),
     }
