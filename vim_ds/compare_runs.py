@@ -359,14 +359,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from .engine.errors import first_line, report_error
+
     args = parse_args(argv)
     try:
         runs = [read_run(path, label) for path, label in zip(args.runs, labels_for(args.runs))]
         ref, others = runs[0], runs[1:]
         results = [compare(ref, run, args.tolerance) for run in others]
     except RunError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(PROG, exc)
     print(report(ref, others, results, args.tolerance), flush=True)
     if args.out:
         try:
@@ -375,8 +376,7 @@ def main(argv=None) -> int:
                 f.write(markdown(ref, others, results, args.tolerance))
             write_csv(os.path.join(args.out, "compare_runs.csv"), ref, others, results)
         except OSError as exc:
-            print(f"{PROG}: error: cannot write to {args.out}: {exc}", file=sys.stderr)
-            return 2
+            return report_error(PROG, f"cannot write to {args.out}: {first_line(exc)}")
         try:
             plot(os.path.join(args.out, "compare_runs.png"), ref, others, results, args.tolerance)
         except ImportError as exc:  # the numbers (stdout, .md, .csv) are already out

@@ -45,27 +45,26 @@ def describe_recipe(path: str) -> str:
 
 
 def main(argv=None, prog: str = "vim-ds configs") -> int:
+    from .engine.errors import first_line, report_error
     from .engine.shipped_configs import DEFAULT, RECIPES, describe, recipes, shipped, shipped_dir
 
     args = build_parser(prog).parse_args(argv)
     configs = shipped()
     if not configs:
-        print(f"{prog}: error: no shipped DeepSpeed configs found (looked for vim_ds/ds_configs/ and the source "
-              f"checkout's ds_configs/): reinstall vim_ds", file=sys.stderr)
-        return 2
+        return report_error(prog, "no shipped DeepSpeed configs found (looked for vim_ds/ds_configs/ and the "
+                                  "source checkout's ds_configs/): reinstall vim_ds")
     if args.write:
         try:
             os.makedirs(args.write, exist_ok=True)
             existing = [name for name in configs if os.path.exists(os.path.join(args.write, f"{name}.json"))]
             if existing:
-                print(f"{prog}: error: {args.write} already holds {', '.join(f'{n}.json' for n in existing)}; "
-                      f"nothing was written (move them away or give another folder)", file=sys.stderr)
-                return 2
+                held = ", ".join(f"{n}.json" for n in existing)
+                return report_error(prog, f"{args.write} already holds {held}; nothing was written (move them away "
+                                          f"or give another folder)")
             for name, path in configs.items():
                 shutil.copyfile(path, os.path.join(args.write, f"{name}.json"))
         except OSError as exc:
-            print(f"{prog}: error: cannot write to {args.write}: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+            return report_error(prog, f"cannot write to {args.write}: {exc.strerror or first_line(exc)}")
         print(f"wrote {len(configs)} DeepSpeed configs to {args.write}: {', '.join(configs)}")
         return 0
     width = max(map(len, configs))

@@ -90,6 +90,7 @@ def _main(args, target: list) -> int:
     from .checkpoint.convert import convert
     from .checkpoint.files import CheckpointError
     from .engine import faults
+    from .engine.errors import report_error
 
     try:
         stall = None  # fault injection (VIM_DS_INJECT=stall_convert_write@1): stop mid-write for a signal test
@@ -101,9 +102,7 @@ def _main(args, target: list) -> int:
                     progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True),
                     stall=stall)
     except (CheckpointError, OSError) as exc:
-        message = " ".join(str(exc).split())
-        print(f"vim-ds convert: error: {message}", file=sys.stderr)
-        return 2
+        return report_error("vim-ds convert", exc)
     ema = "" if args.ema or not s["has_ema"] else " + EMA"
     print(f"wrote {s['out']} ({s['format']}): {s['model']} {s['weights']} weights{ema}, {s['tensors']} tensors, "
           f"{s['parameters']:,} parameters, {s['num_classes']} classes, step {s['step']} "

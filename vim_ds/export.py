@@ -15,11 +15,14 @@ import argparse
 import os
 import sys
 
+from .engine.errors import report_error
 from .engine.run_options import key_value
+
+PROG = "vim-ds export"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vim-ds export", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--out", required=True, help="the program file to write (.pt2)")
@@ -61,13 +64,11 @@ def export(args) -> tuple[str, int, int]:
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     if not os.path.isfile(args.weights):
-        print(f"vim-ds export: error: --weights: no such file: {args.weights}", file=sys.stderr)
-        return 2
+        return report_error(PROG, f"--weights: no such file: {args.weights}")
     try:
         path, size, num_classes = export(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"vim-ds export: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return report_error(PROG, exc)
     returns = "logits" if num_classes else "pooled features (no head)"
     print(f"wrote {path}: images (batch, 3, {size}, {size}) -> {returns}; load with `import vim_ds` then "
           f"torch.export.load")

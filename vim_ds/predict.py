@@ -16,11 +16,14 @@ import argparse
 import os
 import sys
 
+from .engine.errors import report_error
 from .engine.run_options import key_value
+
+PROG = "vim-ds predict"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vim-ds predict", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("images", nargs="+", metavar="IMAGE")
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
@@ -115,12 +118,11 @@ def main(argv=None) -> int:
     try:
         results = predict(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
-        print(f"vim-ds predict: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return report_error(PROG, exc)
     unreadable = 0
     for path, top in results:
         if isinstance(top, str):
-            print(f"vim-ds predict: error: cannot read image {path} ({' '.join(top.split())})", file=sys.stderr)
+            report_error(PROG, f"cannot read image {path} ({top})")
             unreadable += 1
         else:
             print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))

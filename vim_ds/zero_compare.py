@@ -401,6 +401,7 @@ def _baseline_precision(precision: str) -> str:
 
 
 def main(argv=None) -> int:
+    from .engine.errors import first_line
     from .engine.launched_runs import run_train_config
 
     args = parse_args(argv)
@@ -409,7 +410,8 @@ def main(argv=None) -> int:
     try:
         psi, largest, shapes = model_params(args.model, model_kwargs, args.input_size, args.nb_classes)
     except Exception as exc:  # noqa: BLE001 (the runs report the same error; the report says why no theory)
-        print(f"vim-ds zero-compare: cannot build {args.model} to count its parameters: {exc}", file=sys.stderr)
+        print(f"vim-ds zero-compare: cannot build {args.model} to count its parameters: {first_line(exc)}",
+              file=sys.stderr)
         psi, largest, shapes = None, 0, None
     warmup = 1 if args.steps > 1 else 0
     extra = [] if args.lr is None else ["--lr", args.lr]

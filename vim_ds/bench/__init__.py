@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from ..engine.errors import report_error
 from ..engine.run_options import key_value
 from . import convert, data, model, scan, train
 from ..engine.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
@@ -147,19 +148,8 @@ def main(argv=None) -> int:
     try:
         results = args.run(args)
     except ValueError as exc:
-        return _refused(f"vim-ds bench {args.what}", exc)
+        return report_error(f"vim-ds bench {args.what}", exc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return args.exit_status(results) if args.exit_status else 0
-
-
-def _refused(prog: str, exc: ValueError) -> int:
-    """Bad input: its first line under the subcommand's name, exit status 2."""
-    if os.environ.get("VIM_DS_TRACEBACK"):
-        import traceback
-
-        traceback.print_exc()
-    text = str(exc).strip()
-    print(f"{prog}: error: {text.splitlines()[0] if text else type(exc).__name__}", file=sys.stderr)
-    return 2

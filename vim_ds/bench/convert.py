@@ -10,6 +10,8 @@ import sys
 import tempfile
 import time
 
+from ..engine.errors import report_error
+
 
 def child(ckpt: str, out: str) -> dict:
     """Run in a fresh process: peak RSS after the imports (the floor), then after `vim-ds convert`."""
@@ -67,12 +69,13 @@ def run_convert(args) -> dict:
                   f"checkpoint ...", file=sys.stderr, flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise SystemExit(f"vim-ds bench convert: error: training failed: "
-                                 f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(report_error("vim-ds bench convert", f"training failed: {last}", code=1))
         out = subprocess.run([sys.executable, "-m", "vim_ds.bench", "_convert_child", ckpt,
                               os.path.join(tmp, "converted.pth")], capture_output=True, text=True)
         if out.returncode != 0:
-            raise SystemExit(f"vim-ds bench convert: error: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+            last = (out.stderr.strip().splitlines() or ["?"])[-1]
+            raise SystemExit(report_error("vim-ds bench convert", last, code=1))
         r = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

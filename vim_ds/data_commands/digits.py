@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from ..data.digits import clear_output_folder, write_digits
+from ..engine.errors import report_error
 
 
 def _fraction(text: str) -> float:
@@ -36,8 +37,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     problem = clear_output_folder(out, args.force)
     if problem:
-        print(f"vim-ds data digits: {problem}", file=sys.stderr)
-        return 2
+        return report_error("vim-ds data digits", problem)
     counts = write_digits(out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {counts['train']} training and {counts['val']} validation images of {counts['classes']} classes "
           f"to {out}")

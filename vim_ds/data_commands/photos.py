@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..data.digits import clear_output_folder
 from ..data.photos import DEFAULT_QUALITY, DEFAULT_SIZES, write_photos
+from ..engine.errors import report_error
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -48,14 +49,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     problem = clear_output_folder(out, args.force)
     if problem:
-        print(f"{prog}: error: {problem}", file=sys.stderr)
-        return 2
+        return report_error(prog, problem)
     try:
         counts = write_photos(out, classes=args.classes, per_class=args.per_class, val_per_class=args.val_per_class,
                               seed=args.seed, quality=args.quality, sizes=args.sizes)
     except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(prog, exc)
     print(f"wrote {counts['train']} training and {counts['val']} validation JPEGs (quality {args.quality}) of "
           f"{counts['classes']} classes to {out}")
     return 0

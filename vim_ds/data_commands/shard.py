@@ -7,6 +7,7 @@ import sys
 
 from ..data.datasets import DataError
 from ..data.shards import index_path, parse_size, write_shards
+from ..engine.errors import report_error
 
 
 def _shard_size(text: str) -> int:
@@ -39,8 +40,7 @@ def main(argv=None) -> int:
     try:
         headers = write_shards(args.data_path, args.out, args.shard_size, split=args.split, force=args.force)
     except DataError as exc:
-        print(f"vim-ds data shard: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error("vim-ds data shard", exc)
     for split, header in headers.items():
         total = sum(s["bytes"] for s in header["shards"])
         print(f"{split}: {header['num_samples']} images of {len(header['classes'])} classes in "

@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import distributed
+from .errors import first_line
 
 
 def sha256_file(path: str) -> str:
@@ -22,12 +23,6 @@ def sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none): one-line error reports."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_init_weights(model: torch.nn.Module, path: str) -> str:

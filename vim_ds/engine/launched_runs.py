@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from .errors import first_line
+
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -201,7 +203,7 @@ def run_train_config(config: str, *, nproc: int, launcher: str, model: str, mode
             steps=steps, warmup=warmup, precision=precision, workers=workers, out_dir=out_dir,
             nb_classes=nb_classes, extra_args=extra_args)
     except (OSError, ValueError) as exc:  # unknown name, unreadable or invalid JSON
-        return {**row, "error": str(exc).strip().splitlines()[0]}
+        return {**row, "error": first_line(exc)}
     os.makedirs(out_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
@@ -216,6 +218,6 @@ def run_train_config(config: str, *, nproc: int, launcher: str, model: str, mode
     try:
         row.update(summarise_metrics(os.path.join(out_dir, "metrics.jsonl"), warmup))
     except (OSError, ValueError, KeyError) as exc:
-        row["error"] = f"cannot read the run's metrics: {str(exc).strip().splitlines()[0]}"
+        row["error"] = f"cannot read the run's metrics: {first_line(exc)}"
     return row
 
