@@ -64,11 +64,14 @@ def _save_failure(save_dir: str, exc: Exception) -> str:
 
 
 class Checkpointer:
-    def __init__(self, engine, save_dir: str, rank: int, keep_last: int = 2):
+    def __init__(self, engine, save_dir: str, rank: int, keep_last: int = 2,
+                 fault_hook: faults.FaultHook | None = None):
+        """`fault_hook`: the rank's fault injection (by default `faults.for_rank`), called half-way through a save."""
         self.engine = engine
         self.save_dir = save_dir
         self.rank = rank
         self.keep_last = keep_last
+        self.faults = fault_hook or faults.for_rank(rank)
         self.saved: list[str] = []       # tags this run saved
         self.resumed_from: str | None = None
 
@@ -81,12 +84,7 @@ class Checkpointer:
         try:
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state, save_latest=False)
             ema_state = ema.full_state_dict() if ema is not None else None  # collective under ZeRO-3
-            if faults.active("kill_in_save", step, self.rank):
-                faults.kill_self()
-            if faults.active("signal_in_save", step, self.rank):
-                faults.send_signal()
-            if faults.active("wait_for_signal_in_save", step, self.rank):
-                faults.wait_for_signal()
+            self.faults.in_save(step)  # VIM_DS_INJECT: kill_in_save, signal_in_save, wait_for_signal_in_save
             torch.save(rng_state(), os.path.join(tag_dir, layout.rng_file(self.rank)))
             if self.rank == 0 and ema_state is not None:
                 torch.save(ema_state, os.path.join(tag_dir, layout.EMA_FILE))
@@ -147,7 +145,7 @@ class Checkpointer:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
         from ..checkpoint import safe_load
 
-        save_dir, tag = layout.resolve(path, verify=False)  # the trainer chose (and verified) it: _plan_resume
+        save_dir, tag = layout.resolve(path, verify=False)  # the trainer chose (and verified) it: parts.plan_resume
         try:  # DeepSpeed unpickles with weights_only=False: forced to weights-only loads here
             with safe_load.deepspeed_loads(os.path.join(save_dir, tag)):
                 loaded, client_state = self.engine.load_checkpoint(save_dir, tag=tag, load_module_strict=True,

@@ -125,7 +125,7 @@ def evaluate_weights(args, dist_info) -> dict:
     loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
                                                       world_size=dist_info.world_size),
                           loader_config(args), "val", local_world_size=dist_info.local_world_size,
-                          stall_at=faults.number("stall_val", dist_info.rank))
+                          stall_at=faults.for_rank(dist_info.rank).loader("val")["stall_at"])
     shape = (3, args.input_size, args.input_size)
     record = {"step": None, "epoch": None, "source": args.resume or args.finetune}
     record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape,

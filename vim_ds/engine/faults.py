@@ -37,6 +37,10 @@ once the bytes of OUT are written, before OUT gets them (fsynced, not yet named)
 a test sends a real signal (or SIGKILL) to a converter that is writing; with `--universal`, once ds_to_universal has
 written the folder, before its completion marker.
 
+The training loop reaches all of this through one object, `for_rank(rank)`, built once per rank: one call per point
+where a fault can strike (before a micro step, on a step's loss, at an evaluation batch, in a save, in a data
+loader's workers). Nothing injected and nothing recorded, it is `NO_FAULTS`, whose calls do nothing.
+
 One recording hook, for tests/test_recipe_step.py (an independent reference of the training step replays what the
 trainer consumed): `VIM_DS_RECORD_BATCHES=DIR` makes every rank save each training micro batch as the loader
 delivered it (before Mixup), with the seed its micro step was seeded with, to `DIR/step{S}_micro{M}_rank{R}.pt`
@@ -139,3 +143,85 @@ def record_batch(step: int, micro: int, rank: int, seed: int, images, targets) -
     os.makedirs(_RECORD_DIR, exist_ok=True)
     torch.save({"images": images.detach().cpu().clone(), "targets": targets.detach().cpu().clone(), "seed": seed},
                os.path.join(_RECORD_DIR, f"step{step}_micro{micro}_rank{rank}.pt"))
+
+
+class FaultHook:
+    """The faults VIM_DS_INJECT injects into one rank (and VIM_DS_RECORD_BATCHES's recording), at each point of the
+    training loop where one can strike. Steps are optimizer steps counted from 1, as in VIM_DS_INJECT."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def _active(self, name: str, step: int) -> bool:
+        return active(name, step, self.rank)
+
+    def before_micro_step(self, step: int, micro: int, seed: int, images, targets) -> None:
+        """A micro step of optimizer step `step` is about to run on this batch (seeded with `seed`): record it, and
+        at the step's first micro step send a signal, hang or wait for a signal."""
+        record_batch(step, micro, self.rank, seed, images, targets)  # VIM_DS_RECORD_BATCHES
+        if micro == 0 and self._active("signal_in_step", step):
+            send_signal()
+        if micro == 0 and self._active("hang", step):
+            hang()
+        if micro == 0 and self._active("wait_for_signal", step):
+            wait_for_signal()
+
+    def on_loss(self, step: int, loss):
+        """The loss of a micro step of optimizer step `step`, before backward (NaN under `nan_loss`)."""
+        if self._active("nan_loss", step):
+            return loss * float("nan")
+        return loss
+
+    def in_evaluation(self, step: int, batch: int, trained: bool) -> None:
+        """Before batch `batch` (counted from 0 over the model's and the EMA's evaluations) of the evaluation after
+        step `step`; `trained`: this process trained a step (not the evaluation a resumed run owes, which a
+        `wait_for_signal_in_eval` lets through)."""
+        if self._active("signal_in_eval", step) and batch == 0:
+            send_signal()
+        if self._active("wait_for_signal_in_eval", step) and batch == 0 and trained:
+            wait_for_signal()
+
+    def in_save(self, step: int) -> None:
+        """Half-way through saving the step-`step` checkpoint (DeepSpeed's files written, vim_ds's not yet)."""
+        if self._active("kill_in_save", step):
+            kill_self()
+        if self._active("signal_in_save", step):
+            send_signal()
+        if self._active("wait_for_signal_in_save", step):
+            wait_for_signal()
+
+    def loader(self, name: str) -> dict:
+        """The keywords of `data.loader.build_loader` that make the `name` loader's workers stall or send a signal
+        (`stall_NAME`, `signal_in_NAME`)."""
+        return {"stall_at": number(f"stall_{name}", self.rank),
+                "signal_at": signal_at(number(f"signal_in_{name}", self.rank))}
+
+
+class _NoFaults(FaultHook):
+    """Nothing injected, nothing recorded: every point is a no-op."""
+
+    def __init__(self):
+        super().__init__(-1)
+
+    def before_micro_step(self, step, micro, seed, images, targets) -> None:
+        pass
+
+    def on_loss(self, step, loss):
+        return loss
+
+    def in_evaluation(self, step, batch, trained) -> None:
+        pass
+
+    def in_save(self, step) -> None:
+        pass
+
+    def loader(self, name: str) -> dict:
+        return {"stall_at": None, "signal_at": None}
+
+
+NO_FAULTS = _NoFaults()
+
+
+def for_rank(rank: int) -> FaultHook:
+    """The fault hook of `rank`: NO_FAULTS unless VIM_DS_INJECT or VIM_DS_RECORD_BATCHES is set."""
+    return FaultHook(rank) if _FAULTS or _RECORD_DIR else NO_FAULTS
