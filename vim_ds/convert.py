@@ -50,13 +50,15 @@ def _stop_on_signals() -> dict:
     the clean-up. A SIGHUP the process was started ignoring (nohup) stays ignored. SIGKILL cannot be caught: what
     it leaves is described in vim_ds/checkpoint/atomic_write.py."""
     def on_signal(signum, _frame):
-        for other in STOP_SIGNALS:  # the clean-up is not cut short by a second signal (or a second Ctrl-C)
+        # the clean-up is not cut short by a second signal (or a second Ctrl-C)
+        for other in STOP_SIGNALS:
             signal.signal(other, signal.SIG_IGN)
         raise Stopped(signum)
 
     import threading
 
-    if threading.current_thread() is not threading.main_thread():  # main() called from a thread: Python's own
+    # main() called from a thread: Python's own
+    if threading.current_thread() is not threading.main_thread():
         return {}
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
 
 
 def _main(args, target: list) -> int:
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger (bound to stdout at import) -> stderr,
+    # DeepSpeed's logger (bound to stdout at import) -> stderr,
+    with contextlib.redirect_stdout(sys.stderr):
         import deepspeed.utils.zero_to_fp32  # noqa: F401  so that stdout is the one-line summary
     from .checkpoint.convert import convert
     from .checkpoint.files import CheckpointError
@@ -93,7 +96,8 @@ def _main(args, target: list) -> int:
     from .engine.errors import report_error
 
     try:
-        stall = None  # fault injection (VIM_DS_INJECT=stall_convert_write@1): stop mid-write for a signal test
+        # fault injection (VIM_DS_INJECT=stall_convert_write@1): stop mid-write for a signal test
+        stall = None
         if faults.number("stall_convert_write", 0) is not None:
             stall = lambda: faults.stall(f"writing {target[0]}")  # noqa: E731
         if args.universal:
@@ -116,7 +120,8 @@ def _universal(args, target: list, stall=None) -> int:
 
     save_dir, tag = deepspeed_dir.resolve(os.path.join(args.checkpoint, args.tag) if args.tag else args.checkpoint)
     target[0] = os.path.join(save_dir, tag + UNIVERSAL_SUFFIX)
-    universal = universal_copy(save_dir, tag, stall)  # a failed or stopped conversion removes its partial folder
+    # a failed or stopped conversion removes its partial folder
+    universal = universal_copy(save_dir, tag, stall)
     print(f"wrote {os.path.join(save_dir, universal)} (DeepSpeed universal checkpoint): resume it with "
           f"--resume {os.path.join(save_dir, universal)} on any number of ranks")
     return 0

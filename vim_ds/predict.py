@@ -50,7 +50,8 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
     if spec:
         folder = os.path.isdir(spec)
         if folder:
-            from .data.datasets import class_folders  # as training numbered them: hidden folders are no classes
+            # as training numbered them: hidden folders are no classes
+            from .data.datasets import class_folders
 
             names = class_folders(spec)
         elif os.path.isfile(spec):
@@ -66,7 +67,8 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
                                      "file records their names)"))
         if len(names) != num_classes:
             raise ValueError(f"--classes: {len(names)} names in {spec}, the model has {num_classes} classes")
-        if recorded and names != recorded:  # a file of other names (descriptions, another language): in label order
+        # a file of other names (descriptions, another language): in label order
+        if recorded and names != recorded:
             from .checkpoint.class_names import listing
 
             print(f"note: --classes {spec} names none of the classes {weights} records ({listing(recorded)}); "
@@ -77,7 +79,8 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
         from timm.data import ImageNetInfo
 
         info = ImageNetInfo()
-        if not recorded or recorded == list(info.label_names()):  # ImageNet's synsets in their order: described
+        # ImageNet's synsets in their order: described
+        if not recorded or recorded == list(info.label_names()):
             return [info.index_to_description(i) for i in range(1000)]
     return recorded
 

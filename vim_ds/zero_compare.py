@@ -416,10 +416,12 @@ def main(argv=None) -> int:
     warmup = 1 if args.steps > 1 else 0
     extra = [] if args.lr is None else ["--lr", args.lr]
     extra += [] if args.warmup_epochs is None else ["--warmup-epochs", args.warmup_epochs]
-    extra += ["--no-model-ema"] if args.baselines else []  # the baselines keep no EMA: time the same loop
+    # the baselines keep no EMA: time the same loop
+    extra += ["--no-model-ema"] if args.baselines else []
     runs = [(name, stage, offload, "deepspeed", name) for name, stage, offload in configurations(args.stages,
                                                                                                args.offload)]
-    runs += [(engine, None, "-", engine, "zero0") for engine in args.baselines]  # zero0.json: batch, AdamW, lr
+    # zero0.json: batch, AdamW, lr
+    runs += [(engine, None, "-", engine, "zero0") for engine in args.baselines]
     rows, losses = [], {}
     for name, stage, offload, engine, config in runs:
         run_dir = os.path.join(args.out, "runs", name)

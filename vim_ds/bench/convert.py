@@ -26,7 +26,8 @@ def child(ckpt: str, out: str) -> dict:
     from ..checkpoint.files import CheckpointError
     from ..engine.trainer import peak_memory_mb
 
-    def peak_bytes() -> int:  # this process's peak resident set so far, as the trainer's run summary reports it
+    # this process's peak resident set so far, as the trainer's run summary reports it
+    def peak_bytes() -> int:
         return int(peak_memory_mb(torch.device("cpu")) * 2 ** 20)
 
     floor = peak_bytes()

@@ -116,7 +116,8 @@ class VimDsPipeline:
         self.args, self.is_train = train_args, is_train
         self.dataset, num_classes = build_dataset(dataset_config(train_args), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
-        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))  # the trainer's eval batch
+        # the trainer's eval batch
+        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
         if is_train:
             self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
                                               world_size=1, seed=train_args.seed,
@@ -126,7 +127,8 @@ class VimDsPipeline:
             self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
             self.mixup = None
         self.steps = transform_steps(self.dataset.transform)
-        self.finish = getattr(self.dataset, "finish", None)  # normalise + erase after the uint8 hand-over
+        # normalise + erase after the uint8 hand-over
+        self.finish = getattr(self.dataset, "finish", None)
         self.where = {"mixup": "training process"}
         if self.finish is not None:
             self.where.update(to_tensor_normalize="training process (normalise) + worker (to uint8 tensor)",
@@ -234,7 +236,8 @@ class VimDsPipeline:
         return self.mix(images, targets, step)
 
     def mix(self, images, targets, step: int):
-        if self.mixup is not None:  # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
+        # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
+        if self.mixup is not None:
             from ..data.datasets import derive_seed
             from ..engine.trainer import seed_everything
 
@@ -275,7 +278,8 @@ class TimmPipeline:
             self.kwargs = dict(is_training=False, interpolation="bicubic", crop_pct=a.eval_crop_ratio)
         self.kwargs.update(input_size=(3, size, size), batch_size=self.batch_size, mean=IMAGENET_DEFAULT_MEAN,
                            std=IMAGENET_DEFAULT_STD, collate_fn=self.collate_fn, device=torch.device("cpu"))
-        probe = self.make_loader(0)  # the transform and prefetcher create_loader builds, for the in-process part
+        # the transform and prefetcher create_loader builds, for the in-process part
+        probe = self.make_loader(0)
         self.prefetcher = probe
         self.steps = transform_steps(self.dataset.transform)
         self.where = {"to_tensor_normalize": "training process (normalise) + worker (to uint8 tensor)",
@@ -407,7 +411,8 @@ def measure_in_process(pipe, sample: int, keys=None, offset: int = 0) -> dict:
             batch = pipe.collate(samples)
             if timed:
                 spent = time.process_time() - t0
-                if pipe.name == "timm" and pipe.collate_fn is not None:  # FastCollateMixup: collate and mix
+                # FastCollateMixup: collate and mix
+                if pipe.name == "timm" and pipe.collate_fn is not None:
                     t1 = time.process_time()
                     _fast_collate(samples)  # the collation alone, to tell the two apart
                     plain = time.process_time() - t1
@@ -496,7 +501,8 @@ def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
     kind = "training" if is_train else "evaluation"
     rows = {p.name: [] for p in pipes}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in a worker; and no thread spin-up in the consuming process's CPU time
+    # as in a worker; and no thread spin-up in the consuming process's CPU time
+    torch.set_num_threads(1)
     try:
         in_proc = {p.name: [] for p in pipes}
         keys = pipes[0].keys(args.sample)  # timm's in-process pass reads the same images

@@ -9,7 +9,8 @@ import os
 from . import scan_model
 from .timing import timeit
 
-REF_MAX_SEQLEN = 1024  # the pure-PyTorch loop is timed only up to this length (longer ones take minutes)
+# the pure-PyTorch loop is timed only up to this length (longer ones take minutes)
+REF_MAX_SEQLEN = 1024
 
 
 class ScanBenchError(ValueError):

@@ -41,7 +41,8 @@ BENCH_SHAPES = (
 BENCH_DTYPES = ("float32", "bfloat16")
 
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-PARAM_BYTES = 4  # A, D, delta_bias and their gradients are fp32 (fp64 only for fp64 input, not benchmarked)
+# A, D, delta_bias and their gradients are fp32 (fp64 only for fp64 input, not benchmarked)
+PARAM_BYTES = 4
 
 FWD_EXP_PER_ELEM, BWD_EXP_PER_ELEM = 1, 1  # per (b, d, t, n)
 FWD_EXP_PER_ROW, BWD_EXP_PER_ROW = 4, 5  # per (b, d, t): see the module docstring
@@ -116,7 +117,8 @@ class KernelCost:
 def forward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
     e = ELEM_BYTES[dtype]
     bdl, bnl, elems = batch * dim * seqlen, batch * d_state * seqlen, batch * dim * seqlen * d_state
-    read = 3 * bdl * e + 2 * bnl * e + (dim * d_state + 2 * dim) * PARAM_BYTES  # u delta z, B C, A D bias
+    # u delta z, B C, A D bias
+    read = 3 * bdl * e + 2 * bnl * e + (dim * d_state + 2 * dim) * PARAM_BYTES
     write = bdl * e  # out
     return KernelCost(read + write, FWD_EXP_PER_ELEM * elems + FWD_EXP_PER_ROW * bdl,
                       FWD_FMA_PER_ELEM * elems + FWD_FMA_PER_ROW * bdl)

@@ -16,7 +16,8 @@ DEFAULT_TRAIN_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "z
 # whole node divided by its 8 GPUs). The goal is at least REFERENCE_SPEEDUP_GOAL times that per GPU in bf16.
 MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU = 39.0
 REFERENCE_SPEEDUP_GOAL = 4.0
-LOOP_OVERHEAD_GOAL = 0.10  # data wait + the loop's bookkeeping (logging, loss all-reduce, EMA) vs the whole step
+# data wait + the loop's bookkeeping (logging, loss all-reduce, EMA) vs the whole step
+LOOP_OVERHEAD_GOAL = 0.10
 
 
 def loop_overhead_verdict(rows) -> tuple[bool | None, float | None]:

@@ -47,7 +47,8 @@ def remove_stale_temporaries(out_path: str) -> list[str]:
     """Remove the temporaries of writers into OUT's folder that have ended (killed with SIGKILL); returns them."""
     folder, name = os.path.split(os.path.abspath(out_path))
     ours = re.compile(rf"^\..+\.tmp\.{re.escape(HOST)}\.(\d+)$")
-    legacy = re.compile(rf"^{re.escape(name)}\.tmp(\d+)$")  # `OUT.tmpPID` of vim_ds versions before this one
+    # `OUT.tmpPID` of vim_ds versions before this one
+    legacy = re.compile(rf"^{re.escape(name)}\.tmp(\d+)$")
     removed = []
     try:
         entries = os.listdir(folder)
@@ -72,7 +73,8 @@ def _unnamed_file(folder: str) -> int | None:
     if os.environ.get("VIM_DS_NO_TMPFILE") == "1" or not hasattr(os, "O_TMPFILE"):
         return None
     try:
-        fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o666)  # the umask applies, as for a named file
+        # the umask applies, as for a named file
+        fd = os.open(folder, os.O_TMPFILE | os.O_WRONLY, 0o666)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
             return None  # the filesystem (or kernel) has no O_TMPFILE: a named temporary instead
@@ -132,16 +134,19 @@ def write_atomically(out_path: str, write, stall=None) -> None:
         os.fsync(fd)
         if stall is not None:
             stall()
-        if not os.path.lexists(staged):  # the unnamed file gets its (hidden) name now that it is whole
+        # the unnamed file gets its (hidden) name now that it is whole
+        if not os.path.lexists(staged):
             dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.link(f"/proc/self/fd/{fd}", os.path.basename(staged), src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
-                        follow_symlinks=True)  # linkat(AT_SYMLINK_FOLLOW): the file behind the descriptor
+                        # linkat(AT_SYMLINK_FOLLOW): the file behind the descriptor
+                        follow_symlinks=True)
             finally:
                 os.close(dir_fd)
         os.replace(staged, out_path)
         _fsync_folder(folder)
-    except BaseException as exc:  # an error, Ctrl-C, a caught SIGTERM: nothing of the new file is left
+    # an error, Ctrl-C, a caught SIGTERM: nothing of the new file is left
+    except BaseException as exc:
         cause = _cause(exc, folder, shown_folder) if isinstance(exc, Exception) else None
         if fd is not None:
             os.close(fd)

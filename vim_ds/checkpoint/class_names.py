@@ -129,7 +129,8 @@ def of_file(path: str, obj: dict | None = None, num_classes: int | None = None) 
     path = os.fspath(path)
     if isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict):  # a .pth, whatever its name
         return recorded(obj["vim_ds"], num_classes)
-    if obj is not None and not is_safetensors(path):  # by content: a safetensors file renamed .pth has them too
+    # by content: a safetensors file renamed .pth has them too
+    if obj is not None and not is_safetensors(path):
         return None
     try:  # the names are in a safetensors file's metadata, which a loaded state dict does not carry
         return recorded(read_vim_ds_meta(path), num_classes)
@@ -159,7 +160,8 @@ def load_finetune_weights(model, path: str, classes: list[str] | None, where: st
             raise CheckpointError(refusal(f"--finetune {path}", was, where, list(classes),
                                           "its head's rows would start on other classes; finetune on data with its "
                                           "class names in its order (rename the folders back)"))
-        state = {k: v for k, v in state.items() if not k.startswith("head.")}  # another task: a fresh head
+        # another task: a fresh head
+        state = {k: v for k, v in state.items() if not k.startswith("head.")}
         note = (f"note: --finetune {path} was trained on other classes ({listing(was)}) than {where} has "
                 f"({listing(list(classes))}): its head is not used, the head starts afresh")
     load_into(model, state, path)

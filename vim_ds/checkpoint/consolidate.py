@@ -29,7 +29,8 @@ def _module_weights(tag_dir: str) -> dict[str, torch.Tensor]:
     if not module:
         raise CheckpointError(f"{path} holds no module weights")
     optimizer = state.get("optimizer")
-    if isinstance(optimizer, dict) and optimizer.get("fp32_groups"):  # half-precision stage 0: fp32 masters
+    # half-precision stage 0: fp32 masters
+    if isinstance(optimizer, dict) and optimizer.get("fp32_groups"):
         return _fp32_masters(path, state, optimizer["fp32_groups"])
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
 
@@ -75,7 +76,8 @@ def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
     tag_dir = os.path.join(save_dir, tag)
     if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
         return _module_weights(tag_dir)
-    try:  # zero_to_fp32 loads with weights_only=False: forced to weights_only here; it narrates every tensor
+    # zero_to_fp32 loads with weights_only=False: forced to weights_only here; it narrates every tensor
+    try:
         with safe_load.deepspeed_loads(tag_dir), contextlib.redirect_stdout(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag)
     except CheckpointError:

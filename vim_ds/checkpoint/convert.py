@@ -137,7 +137,8 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
     if safetensors is None:
         safetensors = out_path.endswith(".safetensors")
 
-    def write(path: str):  # into the unnamed (or hidden) temporary that becomes out_path: see atomic_write
+    # into the unnamed (or hidden) temporary that becomes out_path: see atomic_write
+    def write(path: str):
         if safetensors:
             from safetensors.torch import save
 
@@ -147,7 +148,8 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
                         "weights": which}
             if meta.get("classes"):  # str -> str only: the names as a JSON list
                 metadata["classes"] = json.dumps(list(meta["classes"]))
-            data = save({k: v.contiguous() for k, v in weights.items()},  # bytes: save_file renames on its own
+            # bytes: save_file renames on its own
+            data = save({k: v.contiguous() for k, v in weights.items()},
                         metadata=metadata)
             with open(path, "wb") as f:
                 f.write(data)
@@ -167,7 +169,8 @@ def read_vim_ds_meta(obj_or_path) -> dict | None:
         meta = obj_or_path.get("vim_ds")
         return meta if isinstance(meta, dict) else None
     path = os.fspath(obj_or_path)
-    if is_safetensors(path):  # by its content: a safetensors file renamed .pth still describes its model
+    # by its content: a safetensors file renamed .pth still describes its model
+    if is_safetensors(path):
         from safetensors import safe_open
 
         try:

@@ -34,7 +34,8 @@ _BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the d
 def _unpickler_reason(text: str) -> str:
     """The one informative line of torch.load's long weights-only error (or the first line of any other)."""
     lines = [line.strip() for line in text.replace("WeightsUnpickler error:", "\n").splitlines() if line.strip()]
-    refused_global = [line for line in lines if "GLOBAL" in line]  # torch's wording differs between cases
+    # torch's wording differs between cases
+    refused_global = [line for line in lines if "GLOBAL" in line]
     if refused_global:
         return refused_global[0].split(". ")[0].rstrip(".")
     informative = [line for line in lines if not line.startswith(_BOILERPLATE)]
@@ -66,11 +67,13 @@ def sniff(path: str) -> tuple[str, str]:
         header = int.from_bytes(head[:8], "little")
         if header <= size - 8:
             return SAFETENSORS, "a safetensors file"
-        if header < 2**32:  # a plausible header length, longer than the file: cut short (not a stray '{')
+        # a plausible header length, longer than the file: cut short (not a stray '{')
+        if header < 2**32:
             return "", f"a safetensors file cut short (its header alone is {header} bytes, the file {size})"
     if head.startswith(b"PK\x03\x04"):
         return TORCH, "a zip archive (torch.save's format)"
-    if head.startswith(b"\x80") and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # pickle protocol 2-5
+    # pickle protocol 2-5
+    if head.startswith(b"\x80") and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return TORCH, "a pickle (torch.save's legacy format)"
     text = head.lstrip().lower()
     if head.startswith(b"version https://git-lfs"):
@@ -128,7 +131,8 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
         with open(path, "rb") as f, torch.serialization.safe_globals(SAFE_GLOBALS):
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:
-        if not kind:  # torch.load's complaint (`Unsupported operand 60`, `invalid load key`) would not say it
+        # torch.load's complaint (`Unsupported operand 60`, `invalid load key`) would not say it
+        if not kind:
             raise CheckpointError(f"{path} is neither a PyTorch checkpoint nor a safetensors file: it looks like "
                                   f"{what}") from exc
         raise refusal(path, exc) from exc

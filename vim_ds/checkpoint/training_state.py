@@ -36,12 +36,18 @@ POSITION = ("epoch", "step", "step_in_epoch", "images_seen", "images_bad")
 
 @dataclass
 class TrainingState:
-    weights: dict[str, torch.Tensor]                     # fp32 (master) weights
-    moments: dict[str, dict[str, torch.Tensor]]          # name -> {"exp_avg", "exp_avg_sq"}
-    steps: dict[str, float]                              # name -> Adam's step count
-    groups: list[dict]                                   # HYPERPARAMETERS and "params": [names], in group order
-    scheduler: dict                                      # the lr scheduler's state_dict
-    position: dict                                       # POSITION values of the client state
+    # fp32 (master) weights
+    weights: dict[str, torch.Tensor]
+    # name -> {"exp_avg", "exp_avg_sq"}
+    moments: dict[str, dict[str, torch.Tensor]]
+    # name -> Adam's step count
+    steps: dict[str, float]
+    # HYPERPARAMETERS and "params": [names], in group order
+    groups: list[dict]
+    # the lr scheduler's state_dict
+    scheduler: dict
+    # POSITION values of the client state
+    position: dict
     ema: dict[str, torch.Tensor] | None = None
     files: list[str] = field(default_factory=list)
 
@@ -64,7 +70,8 @@ def _unpartitioned_stage0(tag_dir: str, model_states: dict) -> tuple:
     from .consolidate import named_param_groups
 
     optimizer = model_states.get("optimizer") or {}
-    inner = optimizer.get("optimizer_state_dict", optimizer)  # FP16_Optimizer (bf16) wraps the torch one
+    # FP16_Optimizer (bf16) wraps the torch one
+    inner = optimizer.get("optimizer_state_dict", optimizer)
     names = named_param_groups(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), model_states)
     flat_names = [n for group in names for n, _ in group]
     moments, steps = {}, {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 from .datasets import DataError, SeededDataset, build_dataset, derive_seed, seeded_rngs
 from .digits import write_digits
 from .sampler import GlobalBatchSampler, ShardedEvalSampler, sample_seed
-from .shards import ShardDataset, write_shards  # also registers --data-set shards with build_dataset
+# also registers --data-set shards with build_dataset
+from .shards import ShardDataset, write_shards
 from .transforms import build_transform
 
 __all__ = ["DataError", "SeededDataset", "build_dataset", "build_transform", "derive_seed", "seeded_rngs",

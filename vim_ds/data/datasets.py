@@ -33,7 +33,8 @@ from .transforms import TransformConfig, build_handover_transform
 
 log = logging.getLogger(__name__)
 
-MAX_BAD_IN_A_ROW = 100  # more consecutive undecodable files than this is a broken data set, not a few bad files
+# more consecutive undecodable files than this is a broken data set, not a few bad files
+MAX_BAD_IN_A_ROW = 100
 
 
 class DataError(ValueError):
@@ -42,7 +43,8 @@ class DataError(ValueError):
 
 def derive_seed(*parts) -> int:
     """A 63-bit seed from a tuple of ints/strings (blake2b): well mixed, stable across processes and Python runs."""
-    parts = tuple(p if isinstance(p, str) else int(p) for p in parts)  # numpy ints would repr differently
+    # numpy ints would repr differently
+    parts = tuple(p if isinstance(p, str) else int(p) for p in parts)
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -95,7 +97,8 @@ class SeededDataset(Dataset):
     """Base class: key parsing, per-sample seeding and skipping of undecodable files. Subclasses implement
     `__len__` and `load(index) -> (image_tensor, target)`, raising `BadImage` for a file that cannot be decoded."""
 
-    finish = None  # a `transforms.Finish` when samples leave the workers as uint8 (see `handover_item`)
+    # a `transforms.Finish` when samples leave the workers as uint8 (see `handover_item`)
+    finish = None
     # restore the global generators after a seeded sample? None: only outside data-loader workers
     restore_rngs = None
 
@@ -187,7 +190,8 @@ class FolderDataset(SeededDataset):
         path, target = self.samples[index]
         try:
             image = self.loader(path)
-        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
+        # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
+        except Exception as exc:
             raise BadImage(path, decode_failure(path, exc)) from exc
         return self.transform(image), target
 
@@ -204,7 +208,8 @@ def _entries(folder: str):
             hidden.append(entry.path)
             continue
         try:
-            is_dir = entry.is_dir()  # follows a symlink; a dangling one is a file (undecodable, skipped later)
+            # follows a symlink; a dangling one is a file (undecodable, skipped later)
+            is_dir = entry.is_dir()
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a link to itself, or links that point at each other
                 raise DataError(f"symlink loop: {_named(entry.path)} never reaches a file or folder; "
@@ -236,7 +241,8 @@ class _FolderScan:
     """
 
     def __init__(self, split_dir: str):
-        self.hidden, class_dirs, _ = _entries(split_dir)  # files beside the class folders are not samples
+        # files beside the class folders are not samples
+        self.hidden, class_dirs, _ = _entries(split_dir)
         self.classes = [os.path.basename(path) for path in class_dirs]
         self.samples, self.ignored = [], []
         self.seen = {}  # identity -> (path, class) of every folder listed so far
@@ -250,7 +256,8 @@ class _FolderScan:
         for idx, (path, name, key) in enumerate(zip(class_dirs, self.classes, keys)):
             listed = []
             self._walk(path, name, {**holders, key: path}, listed)
-            for _, files in sorted(listed):  # ImageFolder's order: folders by path, then files by name
+            # ImageFolder's order: folders by path, then files by name
+            for _, files in sorted(listed):
                 for file in files:
                     if has_file_allowed_extension(file, IMG_EXTENSIONS):
                         self.samples.append((file, idx))
@@ -356,10 +363,12 @@ def _folder_dataset(root: str, is_train: bool, transform, finish=None) -> Folder
         if counts[idx]:
             continue
         folder = os.path.join(root, split, name)
-        if is_train:  # a class the model could never learn: almost always a failed copy or extraction
+        # a class the model could never learn: almost always a failed copy or extraction
+        if is_train:
             raise DataError(f"class folder {folder} has no image files ({' '.join(IMG_EXTENSIONS)}); add its "
                             f"images, or remove the folder (which renumbers the classes after it)")
-        if _is_rank0():  # still a class of the head: its index (and every later one) stays where training put it
+        # still a class of the head: its index (and every later one) stays where training put it
+        if _is_rank0():
             log.warning("warning: class folder %s has no image files; class %d (%s) is not evaluated",
                         folder, idx, name)
     return dataset

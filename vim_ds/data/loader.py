@@ -253,8 +253,10 @@ class LoaderConfig:
     """The loader settings a run chooses; the fields are `vim-ds train`'s options of the same names (the engine
     fills them from there: engine/components.py)."""
 
-    num_workers: int | None  # worker processes; None: `default_num_workers`; 0: read in the calling process
-    data_timeout: float | None  # seconds for the workers to deliver a batch; 0 or None: no limit
+    # worker processes; None: `default_num_workers`; 0: read in the calling process
+    num_workers: int | None
+    # seconds for the workers to deliver a batch; 0 or None: no limit
+    data_timeout: float | None
 
 
 def build_loader(dataset, batch_sampler, config: LoaderConfig, name: str, *, local_world_size: int | None = None,

@@ -51,7 +51,8 @@ class MixupConfig:
 
     mixup: float  # alpha; 0: off
     cutmix: float  # alpha; 0: off (unless cutmix_minmax is given)
-    cutmix_minmax: Sequence[float] | None  # (min, max) box area fraction: CutMix alone, whatever the alphas
+    # (min, max) box area fraction: CutMix alone, whatever the alphas
+    cutmix_minmax: Sequence[float] | None
     mixup_prob: float
     mixup_switch_prob: float
     mixup_mode: str

@@ -37,7 +37,8 @@ def make_photo(source: np.ndarray, size: tuple[int, int], rng: np.random.Generat
     width, height = size
     src_h, src_w = source.shape[:2]
     aspect = width / height
-    max_w = min(src_w, int(src_h * aspect))  # the largest window of the target's aspect that fits the source
+    # the largest window of the target's aspect that fits the source
+    max_w = min(src_w, int(src_h * aspect))
     max_h = min(src_h, int(max_w / aspect))
     side = np.sqrt(rng.uniform(0.4, 1.0))
     crop_w, crop_h = max(8, int(max_w * side)), max(8, int(max_h * side))

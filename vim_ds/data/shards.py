@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 FORMAT, VERSION = "vim-ds shards", 1
 SPLITS = ("train", "val")
 INFO = "_info.json"
-IMAGE_EXTS = {"jpeg": "jpg", "jpg": "jpg", "png": "png", "webp": "webp"}  # timm's wds reader: jpg;png;webp
+# timm's wds reader: jpg;png;webp
+IMAGE_EXTS = {"jpeg": "jpg", "jpg": "jpg", "png": "png", "webp": "webp"}
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
           "ti": 2**40}
 
@@ -74,7 +75,8 @@ def member_key(index: int) -> str:
 
 def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = size, 0o444, 0  # no time stamps: the same folder gives the same bytes
+    # no time stamps: the same folder gives the same bytes
+    info.size, info.mode, info.mtime = size, 0o444, 0
     return info
 
 
@@ -113,7 +115,8 @@ class _SplitWriter:
             self._roll()
         key = member_key(index)
         self.tar.addfile(_tarinfo(f"{key}.{member_ext(relpath)}", len(data)), io.BytesIO(data))
-        offset = self.tar.offset - _padded(len(data))  # the data follows its header, padded to whole blocks
+        # the data follows its header, padded to whole blocks
+        offset = self.tar.offset - _padded(len(data))
         self.tar.addfile(_tarinfo(f"{key}.cls", len(cls)), io.BytesIO(cls))
         self.shards[-1]["samples"] += 1
         for column, value in zip(self.columns.values(), (len(self.shards) - 1, offset, len(data), label, relpath)):
@@ -341,7 +344,8 @@ class ShardDataset(SeededDataset):
             raise BadImage(where, "empty file")
         try:
             image = open_rgb(io.BytesIO(data))
-        except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
+        # PIL raises OSError, SyntaxError, ValueError, EOFError ... for broken files
+        except Exception as exc:
             if isinstance(exc, UnidentifiedImageError):
                 reason = "not an image PIL can identify"
             else:

@@ -41,7 +41,8 @@ class TransformConfig:
     fills every one from them: engine/components.py)."""
 
     input_size: int
-    eval_crop_ratio: float  # evaluation: resize the short side to input_size / eval_crop_ratio, centre-crop
+    # evaluation: resize the short side to input_size / eval_crop_ratio, centre-crop
+    eval_crop_ratio: float
     # training: timm's ImageNet pipeline
     scale: tuple[float, float]  # random-resized-crop area range
     ratio: tuple[float, float]  # random-resized-crop aspect range

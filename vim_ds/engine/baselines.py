@@ -59,7 +59,8 @@ class TorchEngine:
         self.clip = float(ds.config.get("gradient_clipping") or 0.0)
         model = model.to(device)
         names = {id(p): n for n, p in model.named_parameters()}
-        group_names = [[names[id(p)] for p in g["params"]] for g in groups]  # FSDP replaces the Parameters
+        # FSDP replaces the Parameters
+        group_names = [[names[id(p)] for p in g["params"]] for g in groups]
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -103,7 +104,8 @@ class TorchEngine:
             self.wrapped.require_backward_grad_sync = on
 
     def backward(self, loss: torch.Tensor):
-        self._sync(self.micro == self.accum - 1)  # reduce only on the accumulation boundary's backward
+        # reduce only on the accumulation boundary's backward
+        self._sync(self.micro == self.accum - 1)
         (loss / self.accum).backward()
 
     def step(self):

@@ -122,7 +122,8 @@ def _unlink_deepspeed_shm_buffer(rank: int, world: int):
         dist.barrier()
     try:
         os.unlink(deepspeed_shm_buffer(rank))
-    except FileNotFoundError:  # ranks on several hosts, or a DeepSpeed without the op: nothing was created
+    # ranks on several hosts, or a DeepSpeed without the op: nothing was created
+    except FileNotFoundError:
         pass
 
 
@@ -142,7 +143,8 @@ def _choose_gloo_interface():
     try:
         addr = socket.gethostbyname(master)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((addr, 9))  # UDP: nothing is sent, the kernel only picks the route and source address
+            # UDP: nothing is sent, the kernel only picks the route and source address
+            probe.connect((addr, 9))
             local = probe.getsockname()[0]
     except OSError:
         return
@@ -244,6 +246,7 @@ def remove_multiprocessing_temp_dir() -> None:
         finalizers = [f for f in list(util._finalizer_registry.values())
                       if getattr(f, "_callback", None) is util._remove_temp_dir]
         for finalizer in finalizers:
-            finalizer()  # multiprocessing.util.Finalize: runs once, and only in the process that registered it
+            # multiprocessing.util.Finalize: runs once, and only in the process that registered it
+            finalizer()
     except Exception:  # noqa: BLE001 - a private API that may change: keep the folder rather than fail the exit
         pass

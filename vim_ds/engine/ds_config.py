@@ -30,7 +30,8 @@ PRECISIONS = ("bf16", "fp16", "fp32", "autocast-bf16")
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                     "autocast-bf16": torch.float32}
 AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # the dtype torch.autocast runs the forward in
-TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})  # what DeepSpeed 0.19.8 reads
+# what DeepSpeed 0.19.8 reads
+TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})
 DEFAULT_MICRO_BATCH = 64
 DEFAULT_ACCUM_STEPS = 1
 
@@ -200,7 +201,8 @@ def prepare_ds_config(
         raise ConfigError(f"{src}: still \"auto\" with nothing to fill it: {', '.join(left)}; "
                           f"set a value in the JSON")
 
-    if config.get("zero_optimization") != zero_section:  # "auto" values in it were filled: check again
+    # "auto" values in it were filled: check again
+    if config.get("zero_optimization") != zero_section:
         zero = _check_zero(config, src)
     offload_optimizer = _offload_device(zero.offload_optimizer) in ("cpu", "nvme")
     offload_param = _offload_device(zero.offload_param) in ("cpu", "nvme")
@@ -285,7 +287,8 @@ def _model_field_names(model_cls, loc: tuple) -> set[str]:
     try:
         for part in loc:
             annotation = model_cls.model_fields[part].annotation
-            args = getattr(annotation, "__args__", None) or (annotation,)  # Optional[Model] -> Model
+            # Optional[Model] -> Model
+            args = getattr(annotation, "__args__", None) or (annotation,)
             model_cls = next(a for a in args if hasattr(a, "model_fields"))
         names = set()
         for name, field in model_cls.model_fields.items():

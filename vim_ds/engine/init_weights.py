@@ -74,7 +74,8 @@ def apply(args, model: torch.nn.Module, meta: dict, dist_info: distributed.DistI
     if error:
         from ..checkpoint.files import CheckpointError
 
-        raise CheckpointError(error)  # a bad or missing file is bad input (exit 2), as for --finetune
+        # a bad or missing file is bad input (exit 2), as for --finetune
+        raise CheckpointError(error)
     if failed:
         what = "load --init-weights" if load else "write --save-init-weights"
         raise RuntimeError(f"rank {int(failed) - 1} could not {what} (its error is in its log)")

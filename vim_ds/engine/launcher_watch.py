@@ -34,7 +34,8 @@ import time
 
 from . import signals
 
-INTERVAL = 1.0  # seconds between checks: the stop comes at most this much later than a SIGTERM would
+# seconds between checks: the stop comes at most this much later than a SIGTERM would
+INTERVAL = 1.0
 # `python -m MODULE` launchers, and launcher scripts (console scripts run as `python SCRIPT`)
 LAUNCHER_MODULES = ("deepspeed.launcher.runner", "deepspeed.launcher.launch", "torch.distributed.run",
                     "torch.distributed.launch")
@@ -80,7 +81,8 @@ def launchers(pid: int | None = None) -> list[tuple[object, str]]:
                 break
             chain.append((proc, name))
             proc = proc.parent()
-    except psutil.Error:  # a process above ended while we looked: what was found so far is still watched
+    # a process above ended while we looked: what was found so far is still watched
+    except psutil.Error:
         pass
     return chain
 
@@ -99,7 +101,8 @@ class LauncherWatch:
     orphaned the rank, and the rank's parent is then init), watched from `start` on."""
 
     def __init__(self):
-        self.chain = launchers()  # (and psutil imported here, in the main thread, not first in the watching one)
+        # (and psutil imported here, in the main thread, not first in the watching one)
+        self.chain = launchers()
 
     def start(self, prog: str, rank: int, local_rank: int) -> None:
         if self.chain and local_rank == 0:
@@ -114,6 +117,7 @@ class LauncherWatch:
                     if signals.STOP.first is None:
                         line = f"{prog}: rank {rank}: the launcher ({name}, pid {proc.pid}) is gone; saving a " \
                                f"checkpoint and stopping\n"
-                        os.write(2, line.encode())  # not print(): no lock of sys.stderr's is taken here
+                        # not print(): no lock of sys.stderr's is taken here
+                        os.write(2, line.encode())
                     signals.STOP.request(signal.SIGTERM)
                     return

@@ -24,7 +24,8 @@ class PerStepScheduler:
 
         peak = min(group.get("initial_lr", group["lr"]) for group in optimizer.param_groups)
         problem = schedule_error(peak, min_lr, warmup_lr if warmup_steps > 0 else None)
-        if problem:  # the last line of defence (train.py's preflight and the Trainer say it first, in full)
+        # the last line of defence (train.py's preflight and the Trainer say it first, in full)
+        if problem:
             raise ValueError(f"the lr schedule would not decay: {problem}")
         self.optimizer = optimizer
         self.num_updates = 0

@@ -28,7 +28,8 @@ from . import distributed
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process
-_created: list[str] = []  # what `claim` created on this process (folders, the lock file), in the order made
+# what `claim` created on this process (folders, the lock file), in the order made
+_created: list[str] = []
 
 
 def _makedirs(path: str) -> None:
@@ -219,7 +220,8 @@ def claim(args, dist_info) -> None:
                 error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
             if note:
                 print(note, flush=True)
-            if not error and getattr(args, "engine", "deepspeed") == "deepspeed":  # the baselines save nothing
+            # the baselines save nothing
+            if not error and getattr(args, "engine", "deepspeed") == "deepspeed":
                 error = _unwritable(os.path.join(output_dir, "checkpoints"))
     error = distributed.broadcast_object(error)
     if error:

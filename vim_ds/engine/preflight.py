@@ -46,7 +46,8 @@ def check(args, is_main: bool) -> None:
         problem = output_dir.check(args) or _resume_overwrite(args)
         if problem:
             raise ValueError(problem)
-        _deepspeed_config(args, is_main)  # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
+        # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
+        _deepspeed_config(args, is_main)
 
 
 def _deepspeed_config(args, is_main: bool) -> None:
@@ -82,7 +83,8 @@ def _data(args) -> None:
 
     if getattr(args, "data_set", "IMNET") in ("IMNET", "folder"):
         check_layout(args.data_path, need_train=not args.eval)
-    elif getattr(args, "data_set", "") == "shards":  # each split's index, its shards, their sizes, every offset
+    # each split's index, its shards, their sizes, every offset
+    elif getattr(args, "data_set", "") == "shards":
         check_shards(args.data_path or "", need_train=not args.eval)
 
 

@@ -30,7 +30,8 @@ def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, un
     saved_world = saved.get("world_size")
     if saved_precision is None:
         return None  # not written by vim_ds's trainer: left to DeepSpeed
-    both_1_or_2 = stage in (1, 2) and saved_stage in (1, 2)  # the universal format loads there in any precision
+    # the universal format loads there in any precision
+    both_1_or_2 = stage in (1, 2) and saved_stage in (1, 2)
     if universal:
         if both_1_or_2 or stage == saved_stage == 3:
             return None
@@ -49,7 +50,8 @@ def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, un
 
 
 def _shapes(model) -> dict[str, tuple]:
-    with torch.random.fork_rng(devices=[]):  # on CPU: the Vim constructor cannot run on the meta device
+    # on CPU: the Vim constructor cannot run on the meta device
+    with torch.random.fork_rng(devices=[]):
         return {k: tuple(v.shape) for k, v in model.build().state_dict().items()}
 
 
@@ -62,7 +64,8 @@ def _model_refusal(tag_dir: str, saved: dict, model) -> str | None:
     if there is None or saved.get("model_kwargs") is None:
         return None  # no description: DeepSpeed's strict load still refuses another model
     if there.same_description(model):
-        return None  # the same description (a model built twice to compare costs seconds for Vim-base)
+        # the same description (a model built twice to compare costs seconds for Vim-base)
+        return None
     saved_shapes, shapes = _shapes(there), _shapes(model)
     differ = [k for k in saved_shapes if saved_shapes[k] != shapes.get(k)] + \
         [k for k in shapes if k not in saved_shapes]
@@ -99,7 +102,8 @@ def check(tag_dir: str, model, data_source: str, ds, universal: bool, classes: l
         _classes_refusal(tag_dir, saved, data_source, classes) or _model_refusal(tag_dir, saved, model)
     if problem:
         raise CheckpointError(problem)
-    if classes and saved.get("precision") is not None and "classes" not in saved:  # vim_ds's, from before
+    # vim_ds's, from before
+    if classes and saved.get("precision") is not None and "classes" not in saved:
         return (f"note: {tag_dir} records no class names (saved by an earlier vim_ds): {data_source} is "
                 f"taken to have the classes it was trained on, in the same order; its checkpoints from now on "
                 f"record them")

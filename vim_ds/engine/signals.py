@@ -25,7 +25,8 @@ import os
 import signal
 import time
 
-SAME_PRESS = 1.0  # seconds: a SIGINT this soon after the first is the same Ctrl-C relayed by a launcher
+# seconds: a SIGINT this soon after the first is the same Ctrl-C relayed by a launcher
+SAME_PRESS = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -64,7 +65,8 @@ class StopSignals:
                 "no checkpoint of this run was saved"
             if self.is_main:
                 _say(f"second Ctrl-C: stopping now without saving; {where}")
-            os._exit(128 + signal.SIGINT)  # at once: no clean-up that could wait on other ranks or workers
+            # at once: no clean-up that could wait on other ranks or workers
+            os._exit(128 + signal.SIGINT)
 
     def request(self, signum: int):
         """A stop this process asks for itself, counted as if `signum` had arrived (its launcher is gone: see
@@ -86,7 +88,8 @@ class StopSignals:
 
 
 def _say(line: str):
-    os.write(2, (line + "\n").encode())  # not print(): a handler may run while the main thread is inside print()
+    # not print(): a handler may run while the main thread is inside print()
+    os.write(2, (line + "\n").encode())
 
 
 STOP = StopSignals()

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import torch.fx
 import torch.utils.checkpoint
 from timm.layers import DropPath, lecun_normal_, to_2tuple, trunc_normal_
-from timm.models._features import feature_take_indices  # what timm's own models use (not re-exported)
+# what timm's own models use (not re-exported)
+from timm.models._features import feature_take_indices
 
 from ..ops import ssm_branch_fn
 from ..ops.ssm_branch import project
@@ -150,7 +151,8 @@ class BiMambaMixer(nn.Module):
         dt = torch.exp(torch.rand(d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus: softplus(bias) = dt
+            # inverse softplus: softplus(bias) = dt
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             for linear in (self.in_proj, self.x_proj, self.dt_proj_b, self.x_proj_b, self.out_proj):
                 if linear.bias is not None:
                     linear.bias.zero_()
@@ -242,7 +244,8 @@ class VisionMamba(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(p=drop_rate)
 
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]  # cpu: also under meta
+        # cpu: also under meta
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]
         ssm_cfg = dict(ssm_cfg or {})
         self.layers = nn.ModuleList([
             Block(embed_dim,
@@ -250,7 +253,8 @@ class VisionMamba(nn.Module):
                   drop_path=dpr[i - 1] if i > 0 else 0.0, norm_eps=norm_epsilon)
             for i in range(depth)
         ])
-        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()  # last mixer's output
+        # last mixer's output
+        self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0 else nn.Identity()
         self.norm_f = RMSNorm(embed_dim, eps=norm_epsilon)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         # Every block's output is a (embed_dim, grid) map at the patch stride (see forward_intermediates).
@@ -568,7 +572,8 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> VisionMamba:
 
     arch = dict(VARIANTS[ALIASES.get(variant, variant)][0])
     arch.update(kwargs)  # depth=, embed_dim=, img_size=, ... override the published defaults
-    out_indices = arch.pop("out_indices", 3)  # features_only: the last 3 blocks unless told, as timm's ViT
+    # features_only: the last 3 blocks unless told, as timm's ViT
+    out_indices = arch.pop("out_indices", 3)
     feature_cls = arch.pop("feature_cls", "getter")
     if arch.get("features_only") and feature_cls != "getter":
         raise ValueError(f"Vim's features come from forward_intermediates (feature_cls='getter'); "

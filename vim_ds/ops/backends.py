@@ -30,10 +30,12 @@ log = logging.getLogger("vim_ds")
 
 BACKENDS = ("ref", "cpu", "cuda", "mamba")
 ENV_BACKEND = "VIM_DS_SCAN"  # ref|cpu|cuda|mamba: force a backend
-MAMBA_MODULE = "selective_scan_cuda"  # mamba_ssm's compiled kernel (pip install mamba-ssm, on a CUDA machine)
+# mamba_ssm's compiled kernel (pip install mamba-ssm, on a CUDA machine)
+MAMBA_MODULE = "selective_scan_cuda"
 MAMBA_CHUNK = 2048  # mamba_ssm's kernel keeps one (decay, state) pair per state and per 2048 steps
 ENV_JIT = "VIM_DS_JIT"  # 0: never JIT-build a missing kernel
-ENV_CPU_ISA = "VIM_DS_CPU_ISA"  # sse2|avx2|avx512 (x86-64): the CPU kernel's variant; default: the widest
+# sse2|avx2|avx512 (x86-64): the CPU kernel's variant; default: the widest
+ENV_CPU_ISA = "VIM_DS_CPU_ISA"
 
 
 # Inside a registered op's implementation the dispatcher has switched autograd off (its keys are excluded), so the
@@ -337,7 +339,8 @@ def report() -> dict:
             rows[kind] = {"available": False, "how": "", "reason": str(exc)}
             continue
         rows[kind] = {"available": loaded.backend is not None, "how": loaded.how, "reason": loaded.reason}
-        if kind == "cpu" and loaded.backend is not None:  # which instruction-set variant, of those the CPU runs
+        # which instruction-set variant, of those the CPU runs
+        if kind == "cpu" and loaded.backend is not None:
             module = loaded.backend.module
             rows[kind]["how"] += f", {module.isa()} (of {', '.join(module.available_isas())})"
     return rows

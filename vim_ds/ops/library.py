@@ -40,7 +40,8 @@ def resolve(backend: str, device: torch.device):
         return backends.get_backend(device)
     if backend == "ref":
         return backends.RefBackend()
-    if backend == "mamba":  # mamba_ssm's kernel, when installed; it checks its own devices and dtypes
+    # mamba_ssm's kernel, when installed; it checks its own devices and dtypes
+    if backend == "mamba":
         loaded = backends.load("mamba")
         if loaded.backend is None:
             raise RuntimeError(f"vim_ds ops: backend 'mamba' is unavailable: {loaded.reason}")
@@ -183,7 +184,8 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tenso
                                                  dout.to(x.dtype).contiguous(), reverse)
     else:
         w = weight.to(x.dtype)
-        if reverse:  # the output is the full convolution's last L steps, computed with the flipped taps
+        # the output is the full convolution's last L steps, computed with the flipped taps
+        if reverse:
             full, w = F.pad(dout, (k - 1, 0)), w.flip(-1)
         else:  # the full convolution's first L steps
             full = F.pad(dout, (0, k - 1))
@@ -260,7 +262,8 @@ def _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_s
     u = F.silu(c)
     dt_rank = dt_proj_weight.shape[1]
     x_dbl = project(x_proj_weight.to(u.dtype), u)  # (batch, dt_rank + 2 * d_state, L)
-    delta = project(dt_proj_weight.to(u.dtype), x_dbl[:, :dt_rank])  # dt_proj's bias is added inside the scan
+    # dt_proj's bias is added inside the scan
+    delta = project(dt_proj_weight.to(u.dtype), x_dbl[:, :dt_rank])
     B = x_dbl[:, dt_rank:dt_rank + d_state].contiguous()
     C = x_dbl[:, dt_rank + d_state:].contiguous()
     return c, u.contiguous(), x_dbl, delta.contiguous(), B, C
