@@ -1,0 +1,107 @@
+"""`vim-ds train`'s options are engine/run_config.py's typed fields (issue 37, item 1): the parser is generated from
+them, so every option of `build_parser()` is one field's metadata and every field with an option is on the
+parser (both ways, with a negative control: a hand-added option or a changed default is found); the range rules
+that `range_error` applies are the fields'; and RunConfig.from_namespace holds what parse_args returns."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from vim_ds.engine.run_config import GROUPS, OPTIONS, RULES, RunConfig
+from vim_ds.engine.run_options import build_parser, parse_args, range_error
+
+KIND = {"store": argparse._StoreAction, "store_true": argparse._StoreTrueAction}
+
+
+def mismatches(parser: argparse.ArgumentParser) -> list[str]:
+    """Everything on `parser` that is not exactly run_config's fields (and every field missing from it)."""
+    problems, seen = [], set()
+    groups = [g for g in parser._action_groups if g.title not in ("positional arguments", "options")]
+    if [(g.title, g.description) for g in groups] != [(c.TITLE, c.DESCRIPTION) for c in GROUPS]:
+        problems.append(f"groups {[g.title for g in groups]} are not run_config's")
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        option = OPTIONS.get(action.dest)
+        if option is None:
+            problems.append(f"{action.option_strings}: no field named {action.dest}")
+            continue
+        if action.option_strings == [option.negative]:
+            if not isinstance(action, argparse._StoreFalseAction):
+                problems.append(f"{option.negative} does not store False")
+            continue
+        got = (tuple(action.option_strings), type(action), action.default, action.type, action.nargs,
+               action.choices and tuple(action.choices), action.metavar, action.help)
+        nargs = option.nargs if option.action == "store" else 0  # a flag takes no value
+        want = (option.flags, KIND[option.action], option.default, option.type, nargs, option.choices,
+                option.metavar, option.help)
+        if got != want:
+            problems.append(f"{option.flag}: the parser has {got}, the field {want}")
+        if action.dest in seen:
+            problems.append(f"{option.flag}: on the parser twice")
+        seen.add(action.dest)
+    problems += [f"{option.flag}: a field that is not on the parser" for dest, option in OPTIONS.items()
+                 if dest not in seen]
+    return problems
+
+
+def test_the_parser_is_the_fields_both_ways():
+    assert mismatches(build_parser()) == []
+    assert mismatches(build_parser("vim-ds eval")) == []
+    # the only field that is not an option: what parse_args derives from the command line
+    fields = [f.name for group in GROUPS for f in dataclasses.fields(group)]
+    assert sorted(set(fields) - set(OPTIONS)) == ["lr_defaults"] and len(fields) == len(set(fields))
+
+
+def test_a_hand_made_option_or_a_changed_default_is_found():
+    """The negative control: options added to the parser beside the fields, or changed there, are named."""
+    extra = build_parser()
+    extra.add_argument("--not-a-field", type=int, default=3)
+    assert mismatches(extra) == ["['--not-a-field']: no field named not_a_field"]
+    changed = build_parser()
+    changed.set_defaults(lr=1e-3)
+    assert [p.split(":")[0] for p in mismatches(changed)] == ["--lr"]
+    missing = build_parser()
+    missing._actions = [a for a in missing._actions if a.dest != "seed"]
+    assert mismatches(missing) == ["--seed: a field that is not on the parser"]
+
+
+FAILS = {"> 0": 0, "0 or more": -1, "at least 1": 0, "between 0 and 1": 2, "in [0, 1)": 1, "in (0, 1]": 0}
+
+
+@pytest.mark.parametrize("dest", [d for d, o in OPTIONS.items() if o.rule])
+def test_range_rules_come_from_the_fields(dest):
+    option = OPTIONS[dest]
+    assert option.rule in RULES
+    value = FAILS[option.rule]
+    bad = [value] * option.nargs if option.nargs else value
+    shown = " ".join([str(value)] * (option.nargs or 1))
+    hint = f" ({option.hint})" if option.hint else ""
+    namespace = argparse.Namespace(**{**vars(parse_args([])), dest: bad})
+    assert range_error(namespace) == f"{option.flag} must be {option.rule}, got {shown}{hint}"
+
+
+def test_an_option_without_a_rule_is_not_checked():
+    """The control: a value no rule covers (a negative --seed, --log-interval) is left alone."""
+    assert not OPTIONS["seed"].rule and not OPTIONS["log_interval"].rule
+    assert range_error(argparse.Namespace(**{**vars(parse_args([])), "seed": -1, "log_interval": -1})) is None
+
+
+def test_the_typed_config_holds_what_parse_args_returns():
+    args = parse_args(["--model-kwargs", "depth=2", "embed_dim=32", "--opt-betas", "0.8", "0.9", "--no-pin-mem",
+                       "--cutmix-minmax", "0.2", "0.8", "--lr", "0.01", "--num-workers", "3"])
+    config = RunConfig.from_namespace(args)
+    assert config.model.model_kwargs == {"depth": 2, "embed_dim": 32} and config.optim.lr == 0.01
+    assert config.optim.opt_betas == (0.8, 0.9) and config.augment.cutmix_minmax == (0.2, 0.8)
+    assert config.data.pin_mem is False and config.data.num_workers == 3
+    assert config.optim.lr_defaults == ("min_lr", "warmup_lr")
+    # every value is the namespace's (lists as tuples), and the dict round trip gives the same config
+    plain = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()}
+    assert config.to_dict() == plain
+    assert RunConfig.from_namespace(argparse.Namespace(**config.to_dict())) == config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.optim.lr = 1.0
+    # the defaults of the fields are the parser's
+    assert RunConfig().to_dict() == {**vars(build_parser().parse_args([])), "lr_defaults": ()}
