@@ -1,5 +1,5 @@
 """Test helper, launched like training (torchrun, any rank count): build the DeepSpeed engine through
-vim_ds.engine.trainer.Trainer, restore a checkpoint with DeepSpeed's own load_checkpoint (--resume), and write the
+vim_ds.engine.parts.build_trainer, restore a checkpoint with DeepSpeed's own load_checkpoint (--resume), and write the
 logits of a fixed batch (torch.manual_seed(0), 4 random 3 x input_size^2 images) to $LOGITS_OUT from rank 0.
 
 usage: torchrun ... tests/engine_logits.py <vim-ds train arguments, with --resume CKPT_DIR>"""
@@ -13,12 +13,12 @@ import torch
 
 def main(argv):
     from vim_ds.engine import distributed
-    from vim_ds.engine.trainer import Trainer
+    from vim_ds.engine.parts import build_trainer
     from vim_ds.engine.run_options import parse_args
 
     args = parse_args(argv)
     dist_info = distributed.setup(args.local_rank)
-    trainer = Trainer(args, dist_info)
+    trainer = build_trainer(args, dist_info)
     trainer.resume(args.resume)
     torch.manual_seed(0)
     x = torch.randn(4, 3, args.input_size, args.input_size)

@@ -1,5 +1,5 @@
-"""Test helper, run as one plain process: build the DeepSpeed engine through vim_ds.engine.trainer.Trainer, run one
-forward/backward, and print as JSON what `vim_ds.engine.memory.state_bytes` reads from the engine with the
+"""Test helper, run as one plain process: build the DeepSpeed engine through vim_ds.engine.parts.build_trainer, run
+one forward/backward, and print as JSON what `vim_ds.engine.memory.state_bytes` reads from the engine with the
 gradients live (after backward) and after `engine.step()` has freed them, with the model's parameter count.
 
 usage: python tests/engine_state_bytes.py <vim-ds train arguments>"""
@@ -14,11 +14,11 @@ import torch
 def main(argv):
     from vim_ds.engine import distributed
     from vim_ds.engine.memory import state_bytes
-    from vim_ds.engine.trainer import Trainer
+    from vim_ds.engine.parts import build_trainer
     from vim_ds.engine.run_options import parse_args
 
     args = parse_args(argv)
-    trainer = Trainer(args, distributed.setup(args.local_rank))
+    trainer = build_trainer(args, distributed.setup(args.local_rank))
     engine = trainer.engine
     images, targets, _ = next(iter(trainer.train_loader))
     loss = torch.nn.functional.cross_entropy(engine(images.to(trainer.dtype)).float(), targets)

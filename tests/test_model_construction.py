@@ -3,7 +3,7 @@ the same run (issue 37, item 4).
 
 Our side: `vim_ds.engine.run_options.parse_args(["--config", RECIPE, ...])`, then
 `vim_ds.engine.components.model_config(args, classes).build()`, the call the trainer makes
-(vim_ds/engine/trainer.py). The published side (tests/published_vim.py, which imports nothing from vim_ds): the
+(vim_ds/engine/parts.py). The published side (tests/published_vim.py, which imports nothing from vim_ds): the
 recipe's `recipe: source:` script's options over main.py's defaults, main.py's create_model keyword arguments, the
 registered function's and VisionMamba's own defaults, and from those what VisionMamba.__init__ builds
 (`published_modules`, `published_shapes`, `published_flags`, `published_init`) and computes (`vim_forward`, which
@@ -80,7 +80,7 @@ def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     requires = recipe_file(recipe)["recipe"].get("requires") or ()
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one
     args = parse_args(["--config", recipe, "--data-path", "/nonexistent", *needs, *extra])
-    return model_config(args, classes).build()  # what Trainer.__init__ calls (the --finetune weights are loaded after)
+    return model_config(args, classes).build()  # what parts.build_trainer calls (--finetune weights: loaded after)
 
 
 def published_args(recipe: str, classes: int, size: dict | None = None, **options) -> dict:

@@ -35,7 +35,6 @@ import contextlib
 import os
 import random
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -48,7 +47,7 @@ from vim_ds.data import build_dataset
 from vim_ds.data.datasets import erase_seed
 from vim_ds.data.mixup import build_mixup
 from vim_ds.engine.components import dataset_config, mixup_config
-from vim_ds.engine.trainer import Trainer
+from vim_ds.engine.parts import build_criterion
 from vim_ds.engine.run_options import parse_args
 
 SEEDS = (0, 1, 7, 2024, 31337, 29)  # sample seeds: the dataset seeds random/numpy/torch from them for each image;
@@ -273,7 +272,7 @@ def test_mixup_equals_published_construction(case):
         control = Mixup(**{**published, **change})
         assert vars(ours) != vars(control) and not _same_mixing(ours, control), change
     # with Mixup the targets are soft (smoothing already in them): timm's SoftTargetCrossEntropy, as published
-    assert type(Trainer._build_criterion(SimpleNamespace(args=args, mixup=ours))) is SoftTargetCrossEntropy
+    assert type(build_criterion(args.smoothing, ours)) is SoftTargetCrossEntropy
 
 
 def test_no_mixup_when_published_recipe_has_none():
@@ -281,7 +280,7 @@ def test_no_mixup_when_published_recipe_has_none():
     cross entropy at 0) as the published main.py chooses."""
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0.2")
     assert build_mixup(mixup_config(args), micro_batch=8, num_classes=7) is None
-    criterion = Trainer._build_criterion(SimpleNamespace(args=args, mixup=None))
+    criterion = build_criterion(args.smoothing, None)
     assert type(criterion) is LabelSmoothingCrossEntropy and criterion.smoothing == 0.2
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0")
-    assert type(Trainer._build_criterion(SimpleNamespace(args=args, mixup=None))) is torch.nn.CrossEntropyLoss
+    assert type(build_criterion(args.smoothing, None)) is torch.nn.CrossEntropyLoss

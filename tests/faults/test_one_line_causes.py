@@ -127,7 +127,7 @@ def test_which_stage_and_precision_changes_are_refused(tmp_path, saved, run, wor
     from vim_ds.engine.resume_check import _optimizer_refusal
 
     state = {"zero_stage": saved[0], "precision": saved[1], "world_size": 1}
-    universal = world != state["world_size"] and saved[0] > 0  # as Trainer._plan_resume decides
+    universal = world != state["world_size"] and saved[0] > 0  # as parts.plan_resume decides
     problem = _optimizer_refusal(str(tmp_path), state, run[0], run[1], universal)
     assert bool(problem) == refused, problem
     if problem:

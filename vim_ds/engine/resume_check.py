@@ -25,7 +25,7 @@ def _optimizer(stage: int, precision: str) -> str:
 
 
 def _optimizer_refusal(tag_dir: str, saved: dict, stage: int, precision: str, universal: bool) -> str | None:
-    """`universal`: the run loads it through a universal checkpoint (decided by Trainer._plan_resume)."""
+    """`universal`: the run loads it through a universal checkpoint (decided by parts.plan_resume)."""
     saved_stage, saved_precision = int(saved.get("zero_stage") or 0), saved.get("precision")
     saved_world = saved.get("world_size")
     if saved_precision is None:

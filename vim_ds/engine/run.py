@@ -17,7 +17,8 @@ def run(args, prog: str = "vim-ds train") -> int:
     from .init_weights import first_line
     from .run_options import build_parser
     from .signals import StopRequested
-    from .trainer import Trainer, TrainingError
+    from .parts import build_trainer
+    from .trainer import TrainingError
 
     rank = os.environ.get("RANK", "0")
     launchers = None if args.eval else launcher_watch.LauncherWatch()  # found first: see its start below
@@ -48,7 +49,7 @@ def run(args, prog: str = "vim-ds train") -> int:
         signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         launchers.start(prog, dist_info.rank, dist_info.local_rank)  # and the same when the launcher is gone
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
-        trainer = Trainer(args, dist_info)
+        trainer = build_trainer(args, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         started = True

@@ -1,4 +1,5 @@
-"""The training loop: a short class holding its parts (data, DeepSpeed engine, loss, EMA, checkpoints, metrics).
+"""The training loop: a short class running its parts (data, DeepSpeed engine, loss, EMA, checkpoints, metrics),
+which `vim_ds.engine.parts` builds from the options; its position is a `Progress`.
 
 Determinism contract: which images form optimizer step s depends only on (seed, epoch) (see
 `vim_ds/data/sampler.py`), each image's augmentation only on its sample seed, and the randomness of the step
@@ -14,36 +15,18 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from ..data.datasets import derive_seed
-from ..models import param_groups
 from . import distributed, faults, signals
-from .ds_config import PRECISION_DTYPES, autocast_dtype
-from .init_weights import first_line
-from .components import model_config
+from .errors import first_line
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (the loss diverged, too many unreadable images, ...)."""
-
-
-def _declare_direct_weight_reads(model: torch.nn.Module):
-    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
-    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
-    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    from ..models.vim import BiMambaMixer
-
-    for module in model.modules():
-        if isinstance(module, BiMambaMixer):
-            for child in module.children():
-                for param in child.parameters():
-                    register_external_parameter(module, param)
 
 
 @contextlib.contextmanager
@@ -79,176 +62,75 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+@dataclass
+class Progress:
+    """Where the run is: what a checkpoint records of it (`position`, restored by `restore`), and what this process
+    counts on its own (the bad steps in a row, the last checkpoint, the step it started from)."""
+    epoch: int = 0
+    step: int = 0            # optimizer steps done
+    step_in_epoch: int = 0
+    images_seen: float = 0.0
+    images_bad: float = 0.0
+    best_acc1: float = 0.0
+    # the epoch whose evaluation a stop signal cut short (recorded in the checkpoint saved then, so that the run
+    # which resumes it evaluates those same weights first: a stop loses no evaluation, the final one included)
+    evaluation_owed: int | None = None
+    bad_steps: int = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
+    last_checkpoint: str | None = None
+    started_at: int = 0      # the step this process started from (stopping: was anything trained since?)
+
+    def restore(self, state: dict):
+        """Continue from a checkpoint's client state (checkpoints of older vim_ds lack the later keys)."""
+        self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+        self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
+        self.best_acc1 = state.get("best_acc1", 0.0)
+        self.evaluation_owed = state.get("evaluation_owed")
+
+
 class Trainer:
-    def __init__(self, args, dist_info: distributed.DistInfo):
-        from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
-        from .components import dataset_config
-        from .ds_config import prepare_ds_config
-        from .ema import ShardedEMA
-        from .checkpointing import Checkpointer
-        from .optim import PerStepScheduler, ds_auto_values
+    """Runs the loop over parts built elsewhere (`vim_ds.engine.parts.build_trainer` builds them from the options):
+    the data (`parts.Data`), the DeepSpeed config, the model's description (`parts.Model`), the engine
+    (`parts.Engine`), Mixup and the loss, the EMA, the checkpointer, the run id, the checkpoint to resume, and the
+    rank's fault injection (`faults.FaultHook`). Its position is `progress` (a `Progress`)."""
 
+    def __init__(self, args, dist_info: distributed.DistInfo, *, data, ds, lr: float, model, engine, mixup,
+                 criterion, ema, checkpointer, run_id: str, resume_path: str = "",
+                 fault_hook: faults.FaultHook = faults.NO_FAULTS):
         self.args, self.dist = args, dist_info
-        self.device = dist_info.device
-
-        # data: which images go into which optimizer step is fixed here, before the engine exists
-        self.data_config = dataset_config(args)
-        self.train_set, num_classes = build_dataset(self.data_config, is_train=True)
-        self.val_set, _ = build_dataset(self.data_config, is_train=False)
-        self.num_classes = num_classes
-        self.model_config = model_config(args, num_classes)  # what the model is: built below, checked on resume
-        # the class names in label order: part of what the run is (recorded in its checkpoints, compared on resume)
-        self.classes = [str(name) for name in getattr(self.train_set, "classes", None) or []]
-
-        def auto_values(batch):
-            values = ds_auto_values(args, batch)
-            self.lr = values["optimizer.params.lr"]
-            return values
-
-        if not args.deepspeed_config:
-            raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
-        self.ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
-                                    device_type=self.device.type, micro_batch=args.batch_size,
-                                    accum_steps=args.accum_steps, precision=args.precision, auto_values=auto_values)
-        self.resume_path = self._plan_resume(args)
-        self.batch = self.ds.batch
-        # a number written in the JSON wins over the command line; the optimizer starts from what is there
-        self.lr = self.ds.config.get("optimizer", {}).get("params", {}).get("lr", self.lr)
-        from .optim import check_lr_settings, peak_lr  # as the preflight did: floor and warmup start vs the peak
-
-        for note in check_lr_settings(args, *peak_lr(args, self.ds)):
-            if dist_info.is_main:
-                print(note, flush=True)
-        self.dtype = PRECISION_DTYPES[self.ds.precision]  # parameters and inputs (fp32 under autocast-bf16)
-        self.autocast_dtype = autocast_dtype(self.ds.precision)  # the DeepSpeed engine enters it itself
-        from ..data.mixup import build_mixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
-        from .components import mixup_config
-
-        self.mixup = build_mixup(mixup_config(args), self.batch.micro, num_classes)
-
-        self.sampler = GlobalBatchSampler(len(self.train_set), micro_batch=self.batch.micro,
-                                          accum_steps=self.batch.accum, rank=dist_info.rank,
-                                          world_size=dist_info.world_size, seed=args.seed,
-                                          repeats=3 if args.repeated_aug else 1)
-        self.steps_per_epoch = self.sampler.steps_per_epoch
-        self.total_steps = args.epochs * self.steps_per_epoch
-        if args.max_steps:
-            self.total_steps = min(self.total_steps, args.max_steps)
-        self.train_loader = self._loader(self.train_set, self.sampler, "train")
-        eval_batch = max(1, int(1.5 * self.batch.micro))
-        self.val_loader = self._loader(self.val_set, ShardedEvalSampler(
-            len(self.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size), "val")
-
-        # model and engine
-        seed_everything(args.seed)  # identical initial weights on every rank
-        model = self.model_config.build()
-        if args.finetune:
-            from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
-
-            note = load_finetune_weights(model, args.finetune, self.classes, data_source(self.data_config))
-            if note and dist_info.is_main:
-                print(note, flush=True)
-        from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
-
-        self.init_weights_info = init_weights.apply(args, model, {
-            **self.model_config.description(), "step": 0, "epoch": 0, "zero_stage": self.ds.zero_stage,
-            "precision": self.ds.precision, "tag": "init", "classes": self.classes}, dist_info)
-        self.num_params = sum(p.numel() for p in model.parameters())
-        warmup_steps = int(round(args.warmup_epochs * self.steps_per_epoch))
-
-        def scheduler(optimizer):
-            return PerStepScheduler(optimizer, total_steps=args.epochs * self.steps_per_epoch,
-                                    warmup_steps=warmup_steps, warmup_lr=args.warmup_lr, min_lr=args.min_lr)
-
-        self.engine_kind = getattr(args, "engine", "deepspeed")
-        if self.engine_kind == "deepspeed":
-            import deepspeed
-
-            self.engine, _, _, self.scheduler = deepspeed.initialize(
-                model=model, model_parameters=param_groups(model, args.weight_decay), config=self.ds.config,
-                lr_scheduler=scheduler)
-            if args.compile:
-                self._compile(args.compile_backend)
-        else:  # a PyTorch DDP/FSDP baseline for `vim-ds zero-compare`: same model, groups, data, loss, schedule
-            from .baselines import TorchEngine
-
-            self.engine = TorchEngine(self.engine_kind, model, param_groups(model, args.weight_decay), self.ds,
-                                      self.device, scheduler)
-            self.scheduler = self.engine.scheduler
-            self.dtype = torch.float32  # fp32 parameters (bf16: under autocast)
-        self.criterion = self._build_criterion()
+        self.data, self.ds, self.lr, self.model = data, ds, lr, model
+        self.engine, self.engine_kind, self.dtype = engine.engine, engine.kind, engine.dtype
+        self.autocast_dtype, self._compile_what = engine.autocast_dtype, engine.compile_what
+        self.mixup, self.criterion, self.ema, self.checkpointer = mixup, criterion, ema, checkpointer
+        self.run_id, self.resume_path, self.faults = run_id, resume_path, fault_hook
+        self.progress = Progress()
         # DeepSpeed reports no norm without ZeRO; the baselines report theirs
-        self._own_grad_norm = self.ds.zero_stage == 0 and self.engine_kind == "deepspeed"
+        self._own_grad_norm = ds.zero_stage == 0 and self.engine_kind == "deepspeed"
         self._grad_norm = None
         self._skipped_by_us = False  # the last optimizer step was made a no-op here (fp32 without ZeRO)
-        self.ema = ShardedEMA(self.engine.module, args.model_ema_decay) if args.model_ema else None
-        saves = args.output_dir and self.engine_kind == "deepspeed"  # baselines save nothing
-        self.checkpointer = Checkpointer(self.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
-                                         args.keep_checkpoints) if saves else None
-
-        # which run this is: a resumed run continues its checkpoint's lineage, and prunes only that lineage's
-        # checkpoints (see Checkpointer._prune)
-        import uuid
-
-        self.run_id = distributed.broadcast_object(uuid.uuid4().hex[:16])
-        # position in the run
-        self.epoch = 0
-        self.step = 0            # optimizer steps done
-        self.step_in_epoch = 0
-        self.images_seen = self.images_bad = 0.0
-        self.best_acc1 = 0.0
-        self.last_checkpoint = None
-        self.bad_steps = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
-        self._started_at = 0     # the step this process started from (stopping: was anything trained since?)
         self._stop_signal = None  # the signal the ranks agreed on during an evaluation, which it cut short
-        # the epoch whose evaluation a stop signal cut short (recorded in the checkpoint saved then, so that the run
-        # which resumes it evaluates those same weights first: a stop loses no evaluation, the final one included)
-        self.evaluation_owed: int | None = None
         self._eval_batches = 0
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
-    # -- construction helpers -----------------------------------------------------------------------------------
-
-    def _compile(self, backend: str):
-        """torch.compile through DeepSpeed (its hooks stay in place); what DeepSpeed refuses becomes one line."""
-        deepcompile = bool(getattr(self.engine, "is_deepcompile_enabled", lambda: False)())
-        self._compile_what = f"ZeRO-{self.ds.zero_stage}" + (" with DeepCompile" if deepcompile else "")
-        if self.ds.zero_stage == 3:
-            _declare_direct_weight_reads(self.engine.module)
-        try:
-            self.engine.compile(backend=backend)
-        except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
-            raise ValueError(f"--compile: DeepSpeed cannot compile the model under {self._compile_what} "
-                             f"({first_line(exc)}); train without --compile") from exc
-
-    def _loader(self, dataset, batch_sampler, name: str):
-        from ..data.loader import build_loader  # workers from a fork server, --data-timeout: see its docstring
-        from .components import loader_config
-
-        return build_loader(dataset, batch_sampler, loader_config(self.args), name,
-                            local_world_size=self.dist.local_world_size,
-                            persistent=True, pin_memory=self.args.pin_mem and self.device.type != "cpu",
-                            leave_signals_to_owner=True, stall_at=faults.number(f"stall_{name}", self.dist.rank),
-                            signal_at=faults.signal_at(faults.number(f"signal_in_{name}", self.dist.rank)))
-
-    def _build_criterion(self):
-        from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-
-        if self.mixup is not None:
-            return SoftTargetCrossEntropy()  # Mixup already smooths the targets
-        if self.args.smoothing > 0:
-            return LabelSmoothingCrossEntropy(smoothing=self.args.smoothing)
-        return torch.nn.CrossEntropyLoss()
+    # what the run header (run_info.header), `vim-ds train` and the tests' helpers read
+    device = property(lambda self: self.dist.device)
+    batch = property(lambda self: self.ds.batch)
+    step = property(lambda self: self.progress.step)
+    train_set = property(lambda self: self.data.datasets.train_set)
+    train_loader = property(lambda self: self.data.train_loader)
+    num_classes = property(lambda self: self.data.datasets.num_classes)
+    total_steps = property(lambda self: self.data.total_steps)
+    init_weights_info = property(lambda self: self.model.init_weights_info)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
     def client_state(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
-                "images_seen": self.images_seen, "images_bad": self.images_bad, "best_acc1": self.best_acc1,
+        p = self.progress
+        return {"epoch": p.epoch, "step": p.step, "step_in_epoch": p.step_in_epoch,
+                "images_seen": p.images_seen, "images_bad": p.images_bad, "best_acc1": p.best_acc1,
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
-                "zero_stage": self.ds.zero_stage, **self.model_config.description(), "classes": self.classes,
-                "args": vars(self.args),
-                "run_id": self.run_id, "evaluation_owed": self.evaluation_owed,
+                "zero_stage": self.ds.zero_stage, **self.model.config.description(),
+                "classes": self.data.datasets.classes, "args": vars(self.args),
+                "run_id": self.run_id, "evaluation_owed": p.evaluation_owed,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
                 # (pure data parallelism: no tensor-parallel patterns to declare)
                 "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
@@ -256,11 +138,10 @@ class Trainer:
     def save(self):
         if self.checkpointer is None:
             return
-        self.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema,
-                                                      summary={"model": self.args.model,
-                                                               "world_size": self.dist.world_size,
-                                                               "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
-        signals.STOP.last_checkpoint = self.last_checkpoint
+        self.progress.last_checkpoint = self.checkpointer.save(
+            self.client_state(), self.ema, summary={"model": self.args.model, "world_size": self.dist.world_size,
+                                                    "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
+        signals.STOP.last_checkpoint = self.progress.last_checkpoint
 
     def resume(self, path: str):
         from ..checkpoint.files import CheckpointError
@@ -273,101 +154,31 @@ class Trainer:
             raise CheckpointError(f"{path} was trained with a global batch of "
                                   f"{state['batch']['micro'] * state['batch']['accum'] * state['batch']['world']}, "
                                   f"this run has {self.batch.global_}; the data order would not continue")
-        self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
-        self.images_seen, self.images_bad = state.get("images_seen", 0.0), state.get("images_bad", 0.0)
-        self.best_acc1 = state.get("best_acc1", 0.0)
+        self.progress.restore(state)
         self.run_id = state.get("run_id") or self.run_id  # checkpoints of vim_ds before run ids start a lineage
-        self.evaluation_owed = state.get("evaluation_owed")
-        self.last_checkpoint = signals.STOP.last_checkpoint = path
+        self.progress.last_checkpoint = signals.STOP.last_checkpoint = path
         if self.dist.is_main:
-            print(f"resumed {path} at epoch {self.epoch}, step {self.step}", flush=True)
-
-    def _plan_resume(self, args) -> str:
-        """The checkpoint directory to resume ('' for none), decided before the engine exists: a ZeRO-1/2/3
-        checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
-        conversion, and the engine is configured to load it so."""
-        from ..checkpoint import deepspeed_dir
-        from ..checkpoint.files import CheckpointError, sniff  # sniff: a weights file by its content, any name
-        from .checkpointing import universal_copy
-
-        path = args.resume
-        if not path or args.eval:
-            return ""
-        if path == "auto":
-            path = _auto_resume_path(args)
-        elif path.endswith((".pth", ".pt", ".bin", ".safetensors")) or (os.path.isfile(path) and sniff(path)[0]):
-            raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
-                                  f"--finetune {path} to start from it (or --eval to evaluate it)")
-        if not path:
-            return ""
-        if deepspeed_dir.is_tag_dir(path) and not deepspeed_dir.is_complete(path):
-            raise CheckpointError(f"--resume {path}: an interrupted save (no {deepspeed_dir.MARKER}), never "
-                                  f"resumed; resume its save directory for the newest complete checkpoint")
-        save_dir, tag = deepspeed_dir.resolve(path, fall_back=True)  # the newest intact one (checksums)
-        if self.dist.is_main:
-            for broken in deepspeed_dir.incomplete_tags(save_dir):
-                if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
-                    print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
-                          f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
-        from ..checkpoint.class_names import data_source
-        from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
-
-        tag_dir = os.path.join(save_dir, tag)
-        already_universal = os.path.isdir(os.path.join(tag_dir, "zero"))  # `vim-ds convert --universal`
-        marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
-        saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
-        to_convert = not already_universal and saved_world not in (None, self.dist.world_size) and bool(saved_stage)
-        note = check(tag_dir, self.model_config, data_source(self.data_config), self.ds,
-                     universal=already_universal or to_convert,
-                     classes=self.classes)  # and other class names: labels that would mean other classes
-        if note and self.dist.is_main:
-            print(note, flush=True)
-        from .output_dir import resume_overwrite_error  # a branch from an older step: never over a newer one
-
-        problem = resume_overwrite_error(args, tag_dir)
-        if problem:
-            raise CheckpointError(problem)
-        if already_universal:
-            self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
-            return tag_dir
-        if not to_convert:
-            return tag_dir
-        if self.dist.is_main:
-            print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
-                  f"converting it to a universal checkpoint for {self.dist.world_size}", flush=True)
-            universal = universal_copy(save_dir, tag)
-        else:
-            universal = None
-        universal = distributed.broadcast_object(universal)
-        self.ds.config.setdefault("checkpoint", {})["load_universal"] = True
-        return os.path.join(save_dir, universal)
+            print(f"resumed {path} at epoch {self.progress.epoch}, step {self.progress.step}", flush=True)
 
     def checkpointer_for(self, path):
         from .checkpointing import Checkpointer
 
-        return self.checkpointer or Checkpointer(self.engine, os.path.dirname(path), self.dist.rank, 0)
+        return self.checkpointer or Checkpointer(self.engine, os.path.dirname(path), self.dist.rank, 0, self.faults)
 
     # -- one optimizer step -------------------------------------------------------------------------------------
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
-        seed = derive_seed(self.args.seed, self.step, micro, self.dist.rank)
+        step = self.progress.step + 1  # the optimizer step this micro step belongs to
+        seed = derive_seed(self.args.seed, step - 1, micro, self.dist.rank)
         seed_everything(seed)  # Mixup, drop path
-        faults.record_batch(self.step + 1, micro, self.dist.rank, seed, images, targets)  # VIM_DS_RECORD_BATCHES
-        if micro == 0 and faults.active("signal_in_step", self.step + 1, self.dist.rank):
-            faults.send_signal()
-        if micro == 0 and faults.active("hang", self.step + 1, self.dist.rank):
-            faults.hang()
-        if micro == 0 and faults.active("wait_for_signal", self.step + 1, self.dist.rank):
-            faults.wait_for_signal()
+        self.faults.before_micro_step(step, micro, seed, images, targets)  # VIM_DS_INJECT, VIM_DS_RECORD_BATCHES
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
         with self._compile_errors():
             logits = self.engine(images.to(self.dtype))
-            loss = self.criterion(logits.float(), targets)
-            if faults.active("nan_loss", self.step + 1, self.dist.rank):
-                loss = loss * float("nan")
+            loss = self.faults.on_loss(step, self.criterion(logits.float(), targets))  # nan_loss
             self.engine.backward(loss)
         skip = self._skipped_by_us = False
         if self._own_grad_norm and micro == self.batch.accum - 1:
@@ -413,13 +224,14 @@ class Trainer:
         loop's own bookkeeping ("other": loss all-reduce, checks, EMA, metrics, checkpoints), so the summary can
         say what the loop itself costs.
         """
-        self.sampler.set_epoch(self.epoch, self.step_in_epoch)
+        p = self.progress
+        self.data.sampler.set_epoch(p.epoch, p.step_in_epoch)
         self.engine.train()
         accum = self.batch.accum
         loss_sum, bad, seen = 0.0, 0.0, 0.0
         spent = {"data": 0.0, "compute": 0.0, "other": 0.0}
         t_step = t_mark = time.perf_counter()
-        for i, (images, targets, ok) in enumerate(self.train_loader):
+        for i, (images, targets, ok) in enumerate(self.data.train_loader):
             t_data = time.perf_counter()
             spent["data"] += t_data - t_mark
             micro = i % accum
@@ -436,27 +248,27 @@ class Trainer:
                 [float(loss_sum), bad, seen, *signals.STOP.votes()], self.device)  # and agree on a stop signal
             stop = signals.STOP.agreed(votes)
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
-            self.step += 1
-            self.step_in_epoch += 1
+            p.step += 1
+            p.step_in_epoch += 1
             applied = self._check(loss, bad, seen)
             if self.ema is not None and applied:
                 self.ema.update()
             grad_norm = self._grad_norm if self._own_grad_norm else self.engine.get_global_grad_norm()
             now = time.perf_counter()
             spent["other"] += now - t_mark
-            metrics.step({"step": self.step, "epoch": self.epoch, "loss": loss, "lr": lr,
+            metrics.step({"step": p.step, "epoch": p.epoch, "loss": loss, "lr": lr,
                           "grad_norm": None if grad_norm is None else float(grad_norm),
                           "samples_per_sec": self.batch.global_ / max(now - t_step, 1e-9),
                           "step_time": now - t_step, "data_time": spent["data"], "compute_time": spent["compute"],
-                          "other_time": spent["other"], "bad_images": int(self.images_bad),
+                          "other_time": spent["other"], "bad_images": int(p.images_bad),
                           **({} if applied else {"skipped": True})})
             self._add_timing(spent)
             loss_sum, bad, seen = 0.0, 0.0, 0.0
-            done = self.step >= self.total_steps
-            at_epoch_end = self.step_in_epoch == self.steps_per_epoch
+            done = p.step >= self.data.total_steps
+            at_epoch_end = p.step_in_epoch == self.data.steps_per_epoch
             if stop:
                 self._stop(stop)
-            if self.args.save_interval and self.step % self.args.save_interval == 0 and not (done or at_epoch_end):
+            if self.args.save_interval and p.step % self.args.save_interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
             spent = {"data": 0.0, "compute": 0.0, "other": t_mark - now}  # metrics and saving: this loop's cost
@@ -475,31 +287,32 @@ class Trainer:
 
     def _check(self, loss: float, bad: float, seen: float) -> bool:
         """Account for the step just taken; False when its update was skipped. Raises TrainingError to stop."""
-        self.images_bad += bad
-        self.images_seen += seen
+        p = self.progress
+        p.images_bad += bad
+        p.images_seen += seen
         floor = min(len(self.train_set), 1000)
         limit = self.args.max_bad_images
-        if self.images_bad > limit * self.images_seen and self.images_seen >= floor:
-            raise TrainingError(f"{int(self.images_bad)} of {int(self.images_seen)} training images read so far "
+        if p.images_bad > limit * p.images_seen and p.images_seen >= floor:
+            raise TrainingError(f"{int(p.images_bad)} of {int(p.images_seen)} training images read so far "
                                 f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
                                 f"bad file is named in the log)")
         applied = self.engine.was_step_applied() and not self._skipped_by_us
         if self.ds.precision == "fp16":
             return applied  # DeepSpeed's loss scaler skips overflowing steps and lowers the scale: its decision
         if applied and math.isfinite(loss):
-            self.bad_steps = 0
+            p.bad_steps = 0
         else:
-            self.bad_steps += 1
-            where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
+            p.bad_steps += 1
+            where = f"the last good checkpoint is {p.last_checkpoint}" if p.last_checkpoint else \
                 "no checkpoint was saved"
             what = f"loss is {loss}" if not math.isfinite(loss) else "the gradients are not finite"
             if applied:  # cannot happen with DeepSpeed 0.19's checks; stop rather than train on corrupted weights
-                raise TrainingError(f"{what} at step {self.step} and the update was applied; stopping, {where}")
-            if self.bad_steps >= self.args.max_bad_steps:
-                raise TrainingError(f"{what} at step {self.step} (epoch {self.epoch}), {self.bad_steps} consecutive "
+                raise TrainingError(f"{what} at step {p.step} and the update was applied; stopping, {where}")
+            if p.bad_steps >= self.args.max_bad_steps:
+                raise TrainingError(f"{what} at step {p.step} (epoch {p.epoch}), {p.bad_steps} consecutive "
                                     f"bad step(s) (--max-bad-steps {self.args.max_bad_steps}); stopping, {where}")
             if self.dist.is_main:
-                print(f"warning: {what} at step {self.step}; the update was skipped ({self.bad_steps} of at most "
+                print(f"warning: {what} at step {p.step}; the update was skipped ({p.bad_steps} of at most "
                       f"{self.args.max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
         return applied
 
@@ -508,8 +321,7 @@ class Trainer:
     def close(self):
         """Stop the data-loader workers now. They ignore SIGTERM and SIGINT (see `data/loader.py`), so they must be
         told to exit, not left to multiprocessing's exit handler, which would SIGTERM and then wait for good."""
-        for loader in (self.train_loader, self.val_loader):
-            loader.shutdown()
+        self.data.close()
 
     def _agreed_stop(self) -> int | None:
         """The signal all ranks stop on, agreed now (a collective: every rank calls it at the same point)."""
@@ -517,19 +329,20 @@ class Trainer:
 
     def _stop(self, signum: int, saved: bool = False):
         """The ranks agreed to stop on `signum`: save (unless this step was just saved) and stop, all together."""
-        if not saved and self.step > self._started_at:
+        p = self.progress
+        if not saved and p.step > p.started_at:
             self.save()
         if self.dist.is_main:
             name = signal.Signals(signum).name
             if self.checkpointer is None:
                 where = "nothing saved (no --output_dir)"
-            elif self.step == self._started_at and not saved:
+            elif p.step == p.started_at and not saved:
                 where = "no step taken yet, nothing to save" + \
                     ("; continue with --resume auto" if self.resume_path else "")
             else:
-                where = f"saved {self.last_checkpoint}; continue with --resume auto"
-            print(f"stopping on {name} after step {self.step} of {self.total_steps}: {where}", flush=True)
-        raise signals.StopRequested(signum, self.last_checkpoint)
+                where = f"saved {p.last_checkpoint}; continue with --resume auto"
+            print(f"stopping on {name} after step {p.step} of {self.total_steps}: {where}", flush=True)
+        raise signals.StopRequested(signum, p.last_checkpoint)
 
     # -- evaluation ---------------------------------------------------------------------------------------------
 
@@ -539,18 +352,15 @@ class Trainer:
 
         state = self.ema.full_state_dict()  # a collective under ZeRO-3
         with torch.random.fork_rng(devices=[]):
-            replica = self.model_config.build()
+            replica = self.model.config.build()
         load_state_dict_into(replica, state, strict=True)
         return replica.to(self.device, self.dtype).eval()
 
     def _stop_during_evaluation(self) -> bool:
         """Asked by the evaluation at each batch: have the ranks agreed to stop on a signal? A full evaluation can
         outlast the 30 s a launcher leaves between SIGTERM and SIGKILL, so a stop cuts it short."""
-        if faults.active("signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0:
-            faults.send_signal()
-        if faults.active("wait_for_signal_in_eval", self.step, self.dist.rank) and self._eval_batches == 0 \
-                and self.step > self._started_at:  # not in the evaluation a resumed run owes: that one goes through
-            faults.wait_for_signal()
+        p = self.progress  # trained: not the evaluation a resumed run owes (a wait_for_signal_in_eval lets it through)
+        self.faults.in_evaluation(p.step, self._eval_batches, trained=p.step > p.started_at)
         self._eval_batches += 1
         self._stop_signal = self._agreed_stop()
         return self._stop_signal is not None
@@ -563,22 +373,22 @@ class Trainer:
         shape = (3, self.args.input_size, self.args.input_size)
         self._eval_batches, self._stop_signal = 0, None
         self.engine.eval()
-        record = {"step": self.step, "epoch": epoch}
-        result = evaluate(self.engine, self.val_loader, self.device, self.dtype, shape,  # autocasts itself
+        record = {"step": self.progress.step, "epoch": epoch}
+        result = evaluate(self.engine, self.data.val_loader, self.device, self.dtype, shape,  # autocasts itself
                           stop=self._stop_during_evaluation)
         record.update({f"eval_{k}": v for k, v in result.items()})
         if self.ema is not None and self._stop_signal is None:
-            ema_result = evaluate(self._ema_replica(), self.val_loader, self.device, self.dtype, shape,
+            ema_result = evaluate(self._ema_replica(), self.data.val_loader, self.device, self.dtype, shape,
                                   self.autocast_dtype, stop=self._stop_during_evaluation)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
-        self.evaluation_owed = epoch if self._stop_signal is not None else None
+        self.progress.evaluation_owed = epoch if self._stop_signal is not None else None
         if self._stop_signal is not None:
             return None
         if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
             raise TrainingError(f"{result['bad_images']} validation images did not decode (more than "
                                 f"--max-bad-images {self.args.max_bad_images:g}); check the dataset")
-        self.best_acc1 = max(self.best_acc1, result["acc1"])
+        self.progress.best_acc1 = max(self.progress.best_acc1, result["acc1"])
         metrics.evaluation(record)
         return record
 
@@ -605,7 +415,8 @@ class Trainer:
         per_rank = self._per_rank([peak_memory_mb(self.device)] + [float(held[k]) for k in kinds])
         peaks = per_rank[0]
         state = {f"{kind}_per_rank": [int(v) for v in values] for kind, values in zip(kinds, per_rank[1:])}
-        return {"summary": True, "step": self.step, "steps_timed": t["steps"], "world_size": self.dist.world_size,
+        return {"summary": True, "step": self.progress.step, "steps_timed": t["steps"],
+                "world_size": self.dist.world_size,
                 "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "engine": self.engine_kind,
                 "engine_precision": getattr(self.engine, "precision", self.ds.precision),
                 "global_batch": self.batch.global_,
@@ -616,59 +427,44 @@ class Trainer:
     def fit(self) -> dict | None:
         from .metrics import MetricsLog
 
-        args = self.args
-        metrics = MetricsLog(args.output_dir, self.dist.is_main, self.total_steps, self.step, args.log_interval,
+        args, p = self.args, self.progress
+        metrics = MetricsLog(args.output_dir, self.dist.is_main, self.total_steps, p.step, args.log_interval,
                              args.tensorboard)
         from .run_info import header
 
         metrics.header(header(self))  # what `vim-ds compare-runs` checks and reports
         if self.dist.is_main:
-            print(f"training {args.model} ({self.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} images, "
-                  f"{self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "
+            print(f"training {args.model} ({self.model.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} "
+                  f"images, {self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "
                   f"{self.ds.precision}, global batch {self.batch.global_} = {self.batch.micro} x {self.batch.accum} "
-                  f"accumulation x {self.dist.world_size} ranks, {self.steps_per_epoch} steps/epoch, lr {self.lr:.3e}",
-                  flush=True)
+                  f"accumulation x {self.dist.world_size} ranks, {self.data.steps_per_epoch} steps/epoch, "
+                  f"lr {self.lr:.3e}", flush=True)
         record = None
-        self._started_at = self.step
+        p.started_at = p.step
         try:
             stop = self._agreed_stop()  # a signal while the run was being built
             if stop:
                 self._stop(stop)
-            if self.evaluation_owed is not None:  # the checkpoint's evaluation was cut short by a stop: do it now
+            if p.evaluation_owed is not None:  # the checkpoint's evaluation was cut short by a stop: do it now
                 if self.dist.is_main:
-                    print(f"evaluating step {self.step} first: a stop cut its evaluation short", flush=True)
-                record = self.evaluate(metrics, self.evaluation_owed)
+                    print(f"evaluating step {p.step} first: a stop cut its evaluation short", flush=True)
+                record = self.evaluate(metrics, p.evaluation_owed)
                 if self._stop_signal:  # cut short again: the checkpoint resumed from still owes it
                     self._stop(self._stop_signal, saved=True)
-            while self.epoch < args.epochs and self.step < self.total_steps:
-                epoch = self.epoch
+            while p.epoch < args.epochs and p.step < self.total_steps:
+                epoch = p.epoch
                 if self.train_epoch(metrics):
-                    self.epoch += 1
-                    self.step_in_epoch = 0
+                    p.epoch += 1
+                    p.step_in_epoch = 0
                 record = self.evaluate(metrics, epoch) or record
                 self.save()
                 stop = self._stop_signal or self._agreed_stop()  # a signal during the evaluation or the save
-                finished = self.step >= self.total_steps or self.epoch >= args.epochs
+                finished = p.step >= self.total_steps or p.epoch >= args.epochs
                 if stop and (self._stop_signal or not finished):  # a finished run whose evaluation is whole: done
                     self._stop(stop, saved=True)
             if record is None and self.dist.is_main:
-                print(f"nothing to train: the run is already at step {self.step} of {self.total_steps}", flush=True)
+                print(f"nothing to train: the run is already at step {p.step} of {self.total_steps}", flush=True)
             metrics.summary(self.run_summary())
         finally:
             metrics.close()
         return record
-
-
-def _auto_resume_path(args) -> str:
-    from ..checkpoint import deepspeed_dir
-
-    if not args.output_dir:
-        raise ValueError("--resume auto looks in --output_dir; none was given")
-    save_dir = os.path.join(args.output_dir, "checkpoints")
-    if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
-        return save_dir
-    interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
-    if interrupted and os.environ.get("RANK", "0") == "0":
-        print(f"warning: --resume auto: {save_dir} holds only interrupted saves ({', '.join(interrupted)}: no "
-              f"{deepspeed_dir.MARKER}), which are never resumed; starting from step 0", file=sys.stderr, flush=True)
-    return ""  # nothing saved yet: start from scratch

@@ -1,0 +1,364 @@
+"""The parts of a training run, each built by a small function from the parsed options (`args`, as
+`run_options.parse_args` returns them) and the rank's `DistInfo`: the data, the DeepSpeed config, the resume plan, the
+model, the engine (DeepSpeed, or a DDP/FSDP baseline) with its schedule, the loss, the EMA and the checkpointer.
+`build_trainer` builds them in the order a run needs and hands them to `Trainer`, which only runs the loop.
+
+The order is part of the contract (see `build_trainer`): the resume plan is decided before the engine exists (a
+universal checkpoint changes the engine's config), the initial weights are drawn right after `seed_everything` so that
+every rank draws the same ones, and collectives (the resume plan's conversion, the run id) come at the same point on
+every rank.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from . import distributed, faults
+from .components import dataset_config, loader_config, mixup_config, model_config
+from .ds_config import PRECISION_DTYPES, autocast_dtype
+from .errors import first_line
+from .trainer import Trainer, seed_everything
+
+
+@dataclass
+class Datasets:
+    """The training and validation sets, and the class names in label order (part of what the run is: recorded in
+    its checkpoints, compared on resume)."""
+    config: object  # data.datasets.DatasetConfig
+    train_set: object
+    val_set: object
+    num_classes: int
+    classes: list[str]
+
+
+@dataclass
+class Data:
+    """The datasets and how they are read: which images go into which optimizer step is fixed by the sampler."""
+    datasets: Datasets
+    sampler: object  # data.GlobalBatchSampler
+    train_loader: object
+    val_loader: object
+    steps_per_epoch: int
+    total_steps: int
+
+    def close(self):
+        """Stop the loaders' workers (see Trainer.close)."""
+        for loader in (self.train_loader, self.val_loader):
+            loader.shutdown()
+
+
+@dataclass
+class Model:
+    """What the model is (built from `config`, checked on resume) and where its initial weights came from."""
+    config: object  # models.ModelConfig
+    num_params: int
+    init_weights_info: dict
+
+
+@dataclass
+class Engine:
+    """The engine that trains the model (a DeepSpeed engine, or a baseline's `baselines.TorchEngine`), its lr
+    schedule, and the dtypes of the parameters and of autocast."""
+    engine: object
+    scheduler: object
+    kind: str                 # "deepspeed", "ddp" or "fsdp"
+    dtype: torch.dtype        # parameters and inputs (fp32 under autocast-bf16)
+    autocast_dtype: torch.dtype | None  # the DeepSpeed engine enters it itself
+    compile_what: str | None  # with --compile: what was compiled ("ZeRO-2", ...), for its error messages
+
+
+def build_datasets(args) -> Datasets:
+    from ..data import build_dataset
+
+    config = dataset_config(args)
+    train_set, num_classes = build_dataset(config, is_train=True)
+    val_set, _ = build_dataset(config, is_train=False)
+    return Datasets(config, train_set, val_set, num_classes,
+                    [str(name) for name in getattr(train_set, "classes", None) or []])
+
+
+def build_ds_config(args, dist_info: distributed.DistInfo):
+    """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
+    from (a number written in the JSON wins over the command line)."""
+    from .ds_config import prepare_ds_config
+    from .optim import ds_auto_values
+
+    filled = {}
+
+    def auto_values(batch):
+        values = ds_auto_values(args, batch)
+        filled["lr"] = values["optimizer.params.lr"]
+        return values
+
+    if not args.deepspeed_config:
+        raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
+    ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
+                           device_type=dist_info.device.type, micro_batch=args.batch_size,
+                           accum_steps=args.accum_steps, precision=args.precision, auto_values=auto_values)
+    return ds, ds.config.get("optimizer", {}).get("params", {}).get("lr", filled["lr"])
+
+
+def print_lr_notes(args, ds, dist_info: distributed.DistInfo):
+    """As the preflight did: the lr floor and the warmup start against the peak."""
+    from .optim import check_lr_settings, peak_lr
+
+    for note in check_lr_settings(args, *peak_lr(args, ds)):
+        if dist_info.is_main:
+            print(note, flush=True)
+
+
+def auto_resume_path(args) -> str:
+    from ..checkpoint import deepspeed_dir
+
+    if not args.output_dir:
+        raise ValueError("--resume auto looks in --output_dir; none was given")
+    save_dir = os.path.join(args.output_dir, "checkpoints")
+    if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
+        return save_dir
+    interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
+    if interrupted and os.environ.get("RANK", "0") == "0":
+        print(f"warning: --resume auto: {save_dir} holds only interrupted saves ({', '.join(interrupted)}: no "
+              f"{deepspeed_dir.MARKER}), which are never resumed; starting from step 0", file=sys.stderr, flush=True)
+    return ""  # nothing saved yet: start from scratch
+
+
+def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: Datasets) -> str:
+    """The checkpoint directory to resume ('' for none), decided before the engine exists: a ZeRO-1/2/3
+    checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
+    conversion, and the engine is configured (in `ds`) to load it so."""
+    from ..checkpoint import deepspeed_dir
+    from ..checkpoint.files import CheckpointError, sniff  # sniff: a weights file by its content, any name
+    from .checkpointing import universal_copy
+
+    path = args.resume
+    if not path or args.eval:
+        return ""
+    if path == "auto":
+        path = auto_resume_path(args)
+    elif path.endswith((".pth", ".pt", ".bin", ".safetensors")) or (os.path.isfile(path) and sniff(path)[0]):
+        raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
+                              f"--finetune {path} to start from it (or --eval to evaluate it)")
+    if not path:
+        return ""
+    if deepspeed_dir.is_tag_dir(path) and not deepspeed_dir.is_complete(path):
+        raise CheckpointError(f"--resume {path}: an interrupted save (no {deepspeed_dir.MARKER}), never "
+                              f"resumed; resume its save directory for the newest complete checkpoint")
+    save_dir, tag = deepspeed_dir.resolve(path, fall_back=True)  # the newest intact one (checksums)
+    if dist_info.is_main:
+        for broken in deepspeed_dir.incomplete_tags(save_dir):
+            if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
+                print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
+                      f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
+    from ..checkpoint.class_names import data_source
+    from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
+
+    tag_dir = os.path.join(save_dir, tag)
+    already_universal = os.path.isdir(os.path.join(tag_dir, "zero"))  # `vim-ds convert --universal`
+    marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
+    saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
+    to_convert = not already_universal and saved_world not in (None, dist_info.world_size) and bool(saved_stage)
+    note = check(tag_dir, model_cfg, data_source(datasets.config), ds,
+                 universal=already_universal or to_convert,
+                 classes=datasets.classes)  # and other class names: labels that would mean other classes
+    if note and dist_info.is_main:
+        print(note, flush=True)
+    from .output_dir import resume_overwrite_error  # a branch from an older step: never over a newer one
+
+    problem = resume_overwrite_error(args, tag_dir)
+    if problem:
+        raise CheckpointError(problem)
+    if already_universal:
+        ds.config.setdefault("checkpoint", {})["load_universal"] = True
+        return tag_dir
+    if not to_convert:
+        return tag_dir
+    if dist_info.is_main:
+        print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
+              f"converting it to a universal checkpoint for {dist_info.world_size}", flush=True)
+        universal = universal_copy(save_dir, tag)
+    else:
+        universal = None
+    universal = distributed.broadcast_object(universal)
+    ds.config.setdefault("checkpoint", {})["load_universal"] = True
+    return os.path.join(save_dir, universal)
+
+
+def build_mixup(args, batch, num_classes: int):
+    from ..data import mixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
+
+    return mixup.build_mixup(mixup_config(args), batch.micro, num_classes)
+
+
+def build_loader(args, dist_info: distributed.DistInfo, dataset, batch_sampler, name: str,
+                 fault_hook: faults.FaultHook):
+    from ..data import loader  # workers from a fork server, --data-timeout: see build_loader's docstring
+
+    return loader.build_loader(dataset, batch_sampler, loader_config(args), name,
+                               local_world_size=dist_info.local_world_size, persistent=True,
+                               pin_memory=args.pin_mem and dist_info.device.type != "cpu",
+                               leave_signals_to_owner=True, **fault_hook.loader(name))
+
+
+def build_data(args, dist_info: distributed.DistInfo, datasets: Datasets, batch,
+               fault_hook: faults.FaultHook) -> Data:
+    """The sampler and loaders of `datasets` for the global batch `batch` (ds_config.BatchSizes)."""
+    from ..data import GlobalBatchSampler, ShardedEvalSampler
+
+    sampler = GlobalBatchSampler(len(datasets.train_set), micro_batch=batch.micro, accum_steps=batch.accum,
+                                 rank=dist_info.rank, world_size=dist_info.world_size, seed=args.seed,
+                                 repeats=3 if args.repeated_aug else 1)
+    steps_per_epoch = sampler.steps_per_epoch
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    train_loader = build_loader(args, dist_info, datasets.train_set, sampler, "train", fault_hook)
+    eval_batch = max(1, int(1.5 * batch.micro))
+    val_loader = build_loader(args, dist_info, datasets.val_set, ShardedEvalSampler(
+        len(datasets.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size), "val",
+        fault_hook)
+    return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
+
+
+def build_model(args, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds) -> tuple:
+    """(the model with its initial weights, Model): the same weights on every rank (drawn after
+    `seed_everything(args.seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights)."""
+    seed_everything(args.seed)  # identical initial weights on every rank
+    model = model_cfg.build()
+    if args.finetune:
+        from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
+
+        note = load_finetune_weights(model, args.finetune, datasets.classes, data_source(datasets.config))
+        if note and dist_info.is_main:
+            print(note, flush=True)
+    from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
+
+    info = init_weights.apply(args, model, {
+        **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
+        "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info)
+    return model, Model(model_cfg, sum(p.numel() for p in model.parameters()), info)
+
+
+def build_scheduler(args, steps_per_epoch: int):
+    """The per-step lr schedule, as a function of the optimizer (the engine builds the optimizer)."""
+    from .optim import PerStepScheduler
+
+    warmup_steps = int(round(args.warmup_epochs * steps_per_epoch))
+
+    def scheduler(optimizer):
+        return PerStepScheduler(optimizer, total_steps=args.epochs * steps_per_epoch,
+                                warmup_steps=warmup_steps, warmup_lr=args.warmup_lr, min_lr=args.min_lr)
+
+    return scheduler
+
+
+def build_engine(args, dist_info: distributed.DistInfo, model: torch.nn.Module, ds, steps_per_epoch: int) -> Engine:
+    """The DeepSpeed engine (compiled with --compile), or with --engine ddp/fsdp the PyTorch baseline of
+    `vim-ds zero-compare`: the same model, parameter groups, data, loss and schedule."""
+    from ..models import param_groups
+
+    scheduler = build_scheduler(args, steps_per_epoch)
+    kind = getattr(args, "engine", "deepspeed")
+    dtype = PRECISION_DTYPES[ds.precision]
+    if kind == "deepspeed":
+        import deepspeed
+
+        engine, _, _, lr_scheduler = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, args.weight_decay), config=ds.config,
+            lr_scheduler=scheduler)
+        what = compile_engine(engine, ds, args.compile_backend) if args.compile else None
+        return Engine(engine, lr_scheduler, kind, dtype, autocast_dtype(ds.precision), what)
+    from .baselines import TorchEngine
+
+    engine = TorchEngine(kind, model, param_groups(model, args.weight_decay), ds, dist_info.device, scheduler)
+    # fp32 parameters (bf16: under autocast)
+    return Engine(engine, engine.scheduler, kind, torch.float32, autocast_dtype(ds.precision), None)
+
+
+def _declare_direct_weight_reads(model: torch.nn.Module):
+    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
+    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
+    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from ..models.vim import BiMambaMixer
+
+    for module in model.modules():
+        if isinstance(module, BiMambaMixer):
+            for child in module.children():
+                for param in child.parameters():
+                    register_external_parameter(module, param)
+
+
+def compile_engine(engine, ds, backend: str) -> str:
+    """torch.compile through DeepSpeed (its hooks stay in place); what DeepSpeed refuses becomes one line. Returns
+    what was compiled, for the messages of a compilation that fails later (it compiles lazily)."""
+    deepcompile = bool(getattr(engine, "is_deepcompile_enabled", lambda: False)())
+    what = f"ZeRO-{ds.zero_stage}" + (" with DeepCompile" if deepcompile else "")
+    if ds.zero_stage == 3:
+        _declare_direct_weight_reads(engine.module)
+    try:
+        engine.compile(backend=backend)
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
+        raise ValueError(f"--compile: DeepSpeed cannot compile the model under {what} "
+                         f"({first_line(exc)}); train without --compile") from exc
+    return what
+
+
+def build_criterion(smoothing: float, mixup):
+    """The training loss: soft-target cross-entropy under Mixup (which already smooths the targets), else
+    label-smoothing cross-entropy with --smoothing, else plain cross-entropy."""
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+
+    if mixup is not None:
+        return SoftTargetCrossEntropy()  # Mixup already smooths the targets
+    if smoothing > 0:
+        return LabelSmoothingCrossEntropy(smoothing=smoothing)
+    return torch.nn.CrossEntropyLoss()
+
+
+def build_ema(args, engine):
+    from .ema import ShardedEMA
+
+    return ShardedEMA(engine.module, args.model_ema_decay) if args.model_ema else None
+
+
+def build_checkpointer(args, dist_info: distributed.DistInfo, engine: Engine, fault_hook: faults.FaultHook):
+    """The checkpointer of --output_dir (None without one; the baselines save nothing)."""
+    from .checkpointing import Checkpointer
+
+    if not (args.output_dir and engine.kind == "deepspeed"):
+        return None
+    return Checkpointer(engine.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
+                        args.keep_checkpoints, fault_hook)
+
+
+def new_run_id() -> str:
+    """Which run this is, the same on every rank (a collective): a resumed run continues its checkpoint's lineage
+    instead, and prunes only that lineage's checkpoints (see Checkpointer._prune)."""
+    import uuid
+
+    return distributed.broadcast_object(uuid.uuid4().hex[:16])
+
+
+def build_trainer(args, dist_info: distributed.DistInfo) -> Trainer:
+    """The parts of the run `args` describes, built in the order it needs, and the Trainer that runs them."""
+    fault_hook = faults.for_rank(dist_info.rank)  # VIM_DS_INJECT: no-ops unless set
+    # data: which images go into which optimizer step is fixed here, before the engine exists
+    datasets = build_datasets(args)
+    model_cfg = model_config(args, datasets.num_classes)  # what the model is: built below, checked on resume
+    ds, lr = build_ds_config(args, dist_info)
+    resume_path = plan_resume(args, dist_info, ds, model_cfg, datasets)  # may set the engine's load_universal
+    print_lr_notes(args, ds, dist_info)
+    mixup = build_mixup(args, ds.batch, datasets.num_classes)
+    data = build_data(args, dist_info, datasets, ds.batch, fault_hook)
+    model, model_parts = build_model(args, dist_info, model_cfg, datasets, ds)
+    engine = build_engine(args, dist_info, model, ds, data.steps_per_epoch)
+    criterion = build_criterion(args.smoothing, mixup)
+    ema = build_ema(args, engine.engine)
+    checkpointer = build_checkpointer(args, dist_info, engine, fault_hook)
+    return Trainer(args, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
+                   criterion=criterion, ema=ema, checkpointer=checkpointer, run_id=new_run_id(),
+                   resume_path=resume_path, fault_hook=fault_hook)
