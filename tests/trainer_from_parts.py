@@ -1,0 +1,49 @@
+"""Test helper, one process (a world of one; launched as `torchrun --standalone --nproc_per_node=1 THIS ARGS`, which
+the suite forks from its preloaded server): build the parts of the run that `vim-ds train ARGS` describes with the
+builder functions of vim_ds.engine.parts, one by one, hand them to a Trainer and run it (no output-folder claim, no
+options.yaml: only the loop and its checkpoints). tests/test_trainer_parts.py compares its checkpoint with the same
+run through `python -m vim_ds.train`.
+
+usage: torchrun --standalone --nproc_per_node=1 tests/trainer_from_parts.py <vim-ds train arguments>"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv) -> int:
+    from vim_ds.engine import distributed, faults, parts
+    from vim_ds.engine.components import model_config
+    from vim_ds.engine.run_options import parse_args
+    from vim_ds.engine.trainer import Trainer
+
+    args = parse_args(argv)
+    dist_info = distributed.setup(args.local_rank, args.dist_timeout)
+    hook = faults.for_rank(dist_info.rank)
+    # the order of parts.build_trainer: data, config, resume plan, mixup, loaders, weights (seeded), engine, ...
+    datasets = parts.build_datasets(args)
+    model_cfg = model_config(args, datasets.num_classes)
+    ds, lr = parts.build_ds_config(args, dist_info)
+    resume_path = parts.plan_resume(args, dist_info, ds, model_cfg, datasets)
+    mixup = parts.build_mixup(args, ds.batch, datasets.num_classes)
+    data = parts.build_data(args, dist_info, datasets, ds.batch, hook)
+    model, described = parts.build_model(args, dist_info, model_cfg, datasets, ds)
+    engine = parts.build_engine(args, dist_info, model, ds, data.steps_per_epoch)
+    trainer = Trainer(args, dist_info, data=data, ds=ds, lr=lr, model=described, engine=engine, mixup=mixup,
+                      criterion=parts.build_criterion(args.smoothing, mixup), ema=parts.build_ema(args, engine.engine),
+                      checkpointer=parts.build_checkpointer(args, dist_info, engine, hook),
+                      run_id=parts.new_run_id(), resume_path=resume_path, fault_hook=hook)
+    try:
+        if trainer.resume_path:
+            trainer.resume(trainer.resume_path)
+        trainer.fit()
+        print(f"trained to step {trainer.progress.step}: {trainer.progress.last_checkpoint}", flush=True)
+    finally:
+        trainer.close()
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    from vim_ds.engine import distributed
+
+    distributed.end_rank_process(main(sys.argv[1:]))
