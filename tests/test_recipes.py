@@ -84,9 +84,9 @@ def recipe_effective(path: str) -> dict:
     from vim_ds.engine import options_file
     from vim_ds.engine.optim import scaled_lr
     from vim_ds.models import ALIASES
-    from vim_ds.engine.run_options import build_parser, parse_args
+    from vim_ds.engine.run_options import parse_args
 
-    _, meta = options_file.load(path, build_parser())
+    _, meta = options_file.load(path)
     requires = meta.get("requires") or []
     args = parse_args(["--config", path] + (["--finetune", "pretrained.pth"] if "finetune" in requires else []))
     gpus = meta.get("gpus") or 1  # a file without `recipe:` documents no GPU count: one
@@ -223,7 +223,7 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     (the same file with --lr 4e-3) has other losses, and compare-runs names --lr as the option that differs."""
     from vim_ds import compare_runs
     from vim_ds.engine import options_file
-    from vim_ds.engine.run_options import build_parser, parse_args
+    from vim_ds.engine.run_options import parse_args
 
     first, again, other = tmp_path / "first", tmp_path / "again", tmp_path / "other_lr"
     one_thread = train_env({"OMP_NUM_THREADS": "1"})  # the same in all three runs: the losses are compared exactly
@@ -236,9 +236,8 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     assert (saved["lr"], saved["seed"], saved["deepspeed_config"], saved["model_kwargs"]) == \
         (2e-3, 5, "zero0", {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4})
 
-    parser = build_parser()
-    original = options_file.record(parse_args(_tiny(first)), parser)
-    restarted = options_file.record(parse_args(["--config", str(recorded), "--output_dir", str(again)]), parser)
+    original = options_file.record(parse_args(_tiny(first)))
+    restarted = options_file.record(parse_args(["--config", str(recorded), "--output_dir", str(again)]))
     assert {**restarted, "output_dir": None} == {**original, "output_dir": None}
 
     # side by side, one OpenMP thread each (two processes spinning two threads each on 2 cores waste much of them)

@@ -128,11 +128,10 @@ def read_run(path: str, label: str) -> Run:
     run.options = read_options(os.path.join(os.path.dirname(file), OPTIONS_FILE))
     if run.options is not None:
         from .engine.options_file import SEGMENTS_KEY, read_segments
-        from .engine.run_options import build_parser
 
         where = os.path.join(os.path.dirname(file), OPTIONS_FILE)
         try:
-            run.segments = read_segments(run.options, where, build_parser())
+            run.segments = read_segments(run.options, where)
         except ValueError as exc:
             raise RunError(str(exc)) from None
         run.options = {k: v for k, v in run.options.items() if k != SEGMENTS_KEY}
@@ -157,11 +156,9 @@ def option_differences(ref: Run, run: Run) -> list[str]:
     if ref.options is None or run.options is None:
         return []
     from .engine.options_file import option_name, shown
-    from .engine.run_options import build_parser
 
-    parser = build_parser()
     keys = list(ref.options) + [k for k in run.options if k not in ref.options]
-    return [f"{option_name(parser, k)} {shown(ref.options.get(k))} (reference) vs {shown(run.options.get(k))} "
+    return [f"{option_name(k)} {shown(ref.options.get(k))} (reference) vs {shown(run.options.get(k))} "
             f"({run.label})" for k in keys if k not in IGNORED_OPTIONS and ref.options.get(k) != run.options.get(k)]
 
 
@@ -218,10 +215,9 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
     for r in (ref, run):
         if r.segments:
             from .engine.options_file import describe_segments
-            from .engine.run_options import build_parser
 
             notes.append(f"{r.label} was resumed with other options ("
-                         f"{'; '.join(describe_segments(build_parser(), r.options or {}, r.segments))}); "
+                         f"{'; '.join(describe_segments(r.options or {}, r.segments))}); "
                          f"`options that differ` compares the options each run started with")
     if lr_diff is not None and lr_diff > 1e-6:
         notes.append(f"the learning rates differ (max relative difference {lr_diff:.2e}): another recipe")

@@ -26,12 +26,11 @@ def describe_recipe(path: str) -> str:
     DeepSpeed config and precision, and where it comes from."""
     from .engine import options_file
     from .engine.optim import scaled_lr
+    from .engine.run_config import OPTIONS
     from .engine.shipped_configs import DEFAULT
-    from .engine.run_options import build_parser
 
-    parser = build_parser()
-    options, meta = options_file.load(path, parser)
-    value = {a.dest: a.default for a in parser._actions}
+    options, meta = options_file.load(path)
+    value = {dest: option.default for dest, option in OPTIONS.items()}
     value.update(options)
     gpus = int(meta.get("gpus") or 1)
     micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1

@@ -12,13 +12,16 @@ options that change how or where a run runs, not what it computes (NOT_PART_OF_T
 `vim-ds compare-runs` compares the first segments and lists the later ones. A file without `segments:` (every
 file written before they existed) is one segment.
 The command line wins over the file: train.parse_args makes the file's values the parser's defaults, then parses
-the command line. Every value goes through its option's own type and choices, so `lr: 1e-3` (a string to YAML 1.1)
-is the float 0.001, and a wrong value is a one-line error naming the file and the key.
+the command line. Every value goes through its option's own type and choices (engine/run_config.py defines the
+options), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error naming the
+file and the key.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+
+from .run_config import OPTIONS, Option
 
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
 META_KEY = "recipe"
@@ -32,6 +35,7 @@ NOT_PART_OF_THE_RUN = ("resume", "output_dir", "num_workers", "data_timeout", "d
                        "pin_mem", "save_interval", "keep_checkpoints", "tensorboard")
 # the options the lr schedule is built from: a resume that changes one rebuilds it from the new values
 SCHEDULE_OPTIONS = ("lr", "unscale_lr", "min_lr", "warmup_lr", "warmup_epochs", "epochs")
+SETTABLE = sorted(dest for dest in OPTIONS if dest not in NOT_RECORDED)  # the keys a file may set
 
 
 def _derived_data_timeout(args) -> float:
@@ -46,57 +50,45 @@ def _derived_data_timeout(args) -> float:
 DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda args: args.engine == "deepspeed"}
 
 
-def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """dest -> the action that sets it with a value (for a flag pair such as --model-ema/--no-model-ema, either)."""
-    actions = {}
-    for action in parser._actions:
-        if action.option_strings and not isinstance(action, argparse._HelpAction):
-            actions.setdefault(action.dest, action)
-    return actions
+def option_name(dest: str) -> str:
+    """The option as one types it: `--lr`, `--num_workers`, `--drop-path` (the dest itself if no option has it)."""
+    return OPTIONS[dest].flag if dest in OPTIONS else dest
 
 
-def option_name(parser: argparse.ArgumentParser, dest: str) -> str:
-    """The option as one types it: `--lr`, `--num_workers`, `--drop-path`."""
-    action = _actions(parser).get(dest)
-    if action is None:
-        return dest
-    return next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-
-
-def _convert(action: argparse.Action, value, where: str):
+def _convert(option: Option, value, where: str):
     if value is None:
         return None
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if option.action == "store_true":  # a flag, or a flag pair such as --model-ema/--no-model-ema
         if not isinstance(value, bool):
             raise ValueError(f"{where}: expected true or false, got {value!r}")
         return value
-    nargs = action.nargs
+    nargs = option.nargs
     if nargs in ("*", "+") or isinstance(nargs, int):
-        if action.dest == "model_kwargs" and isinstance(value, dict):
+        if option.dest == "model_kwargs" and isinstance(value, dict):
             return {str(k): v for k, v in value.items()}
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         if isinstance(nargs, int) and len(items) != nargs:
             raise ValueError(f"{where}: expected {nargs} values, got {len(items)}")
-        return [_one(action, item, where) for item in items]
-    return _one(action, value, where)
+        return [_one(option, item, where) for item in items]
+    return _one(option, value, where)
 
 
-def _one(action: argparse.Action, value, where: str):
+def _one(option: Option, value, where: str):
     if isinstance(value, (dict, list)):
         raise ValueError(f"{where}: expected one value, got {value!r}")
     try:
-        if action.type in (int, float):
-            if isinstance(value, bool) or (action.type is int and isinstance(value, float)):
-                raise ValueError(f"expected {'a whole number' if action.type is int else 'a number'}")
-            value = action.type(value)
-        elif action.type is not None:
-            value = action.type(str(value))
+        if option.type in (int, float):
+            if isinstance(value, bool) or (option.type is int and isinstance(value, float)):
+                raise ValueError(f"expected {'a whole number' if option.type is int else 'a number'}")
+            value = option.type(value)
+        elif option.type is not None:
+            value = option.type(str(value))
         else:
             value = str(value)
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"{where}: {value!r} is not a valid value ({exc})") from None
-    if action.choices is not None and value not in action.choices:
-        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    if option.choices is not None and value not in option.choices:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, option.choices))}")
     return value
 
 
@@ -121,11 +113,9 @@ def read(path: str) -> dict:
     return data
 
 
-def load(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
+def load(path: str) -> tuple[dict, dict]:
     """(option dest -> value, the `recipe:` description) from the file; a ValueError names the first bad key."""
     data = read(path)
-    actions = _actions(parser)
-    settable = sorted(d for d in actions if d not in NOT_RECORDED)
     options, meta, segments = {}, {}, []
     for key, value in data.items():
         key = str(key)
@@ -136,22 +126,22 @@ def load(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
             meta = dict(value)
             continue
         if key == SEGMENTS_KEY:
-            segments = _segments(value, f"--config {path}: {SEGMENTS_KEY}", actions, settable)
+            segments = _segments(value, f"--config {path}: {SEGMENTS_KEY}")
             continue
         dest = key.lstrip("-").replace("-", "_")
-        if dest not in settable:
-            close = difflib.get_close_matches(dest, settable, n=1, cutoff=0.6)
-            hint = f" (did you mean {option_name(parser, close[0])}, `{close[0]}:`?)" if close else ""
+        if dest not in SETTABLE:
+            close = difflib.get_close_matches(dest, SETTABLE, n=1, cutoff=0.6)
+            hint = f" (did you mean {option_name(close[0])}, `{close[0]}:`?)" if close else ""
             raise ValueError(f"--config {path}: unknown option {key!r}{hint}")
         if dest in options:
             raise ValueError(f"--config {path}: {key!r} is given twice")
-        options[dest] = _convert(actions[dest], value, f"--config {path}: {key}")
+        options[dest] = _convert(OPTIONS[dest], value, f"--config {path}: {key}")
     if segments:
         meta = {**meta, SEGMENTS_KEY: segments}
     return options, meta
 
 
-def _segments(value, where: str, actions: dict, settable: list) -> list[dict]:
+def _segments(value, where: str) -> list[dict]:
     """The `segments:` of a run's record, checked and converted: [{"from_step": N, "options": {dest: value}}]."""
     if not isinstance(value, list):
         raise ValueError(f"{where}: expected a list of {{from_step: N, options: {{...}}}}, got {value!r}")
@@ -167,20 +157,18 @@ def _segments(value, where: str, actions: dict, settable: list) -> list[dict]:
         options = {}
         for key, item in segment["options"].items():
             dest = str(key).lstrip("-").replace("-", "_")
-            if dest not in settable:
+            if dest not in SETTABLE:
                 raise ValueError(f"{here}: unknown option {key!r}")
-            options[dest] = _convert(actions[dest], item, f"{here}: {key}")
+            options[dest] = _convert(OPTIONS[dest], item, f"{here}: {key}")
         out.append({"from_step": step, "options": options})
     return out
 
 
-def read_segments(data: dict, where: str, parser: argparse.ArgumentParser) -> list[dict]:
+def read_segments(data: dict, where: str) -> list[dict]:
     """The later segments of a run's record (`read`'s mapping), checked: [] for a run of one segment."""
     if SEGMENTS_KEY not in data:
         return []
-    actions = _actions(parser)
-    return _segments(data[SEGMENTS_KEY], f"{where}: {SEGMENTS_KEY}", actions,
-                     sorted(d for d in actions if d not in NOT_RECORDED))
+    return _segments(data[SEGMENTS_KEY], f"{where}: {SEGMENTS_KEY}")
 
 
 def shown(value) -> str:
@@ -194,35 +182,39 @@ def shown(value) -> str:
     return "(not set)" if value is None or value == "" else str(value)
 
 
-def segment_changes(parser: argparse.ArgumentParser, segment: dict, before: dict) -> str:
+def _default(dest: str):
+    return OPTIONS[dest].default if dest in OPTIONS else None
+
+
+def segment_changes(segment: dict, before: dict) -> str:
     """`--lr 0.05 (was 0.01), --epochs 3 (was 2)`: what a segment changed, from the options in effect `before`."""
-    return ", ".join(f"{option_name(parser, dest)} {shown(value)} (was "
-                     f"{shown(before.get(dest, parser.get_default(dest)))})"
+    return ", ".join(f"{option_name(dest)} {shown(value)} (was {shown(before.get(dest, _default(dest)))})"
                      for dest, value in segment["options"].items())
 
 
-def describe_segments(parser: argparse.ArgumentParser, first: dict, segments: list[dict]) -> list[str]:
+def describe_segments(first: dict, segments: list[dict]) -> list[str]:
     """One `from step N: --lr 0.05 (was 0.01)` per later segment of a run whose first segment ran with `first`."""
     current, lines = dict(first), []
     for segment in segments:
-        lines.append(f"from step {segment['from_step']}: {segment_changes(parser, segment, current)}")
+        lines.append(f"from step {segment['from_step']}: {segment_changes(segment, current)}")
         current.update(segment["options"])
     return lines
 
 
-def segments_note(path: str, parser: argparse.ArgumentParser, first: dict, segments: list[dict]) -> str:
+def segments_note(path: str, first: dict, segments: list[dict]) -> str:
     """The note `--config` of a multi-segment record prints: what it repeats, and what it does not."""
     return (f"note: --config {path} records a run whose options changed during it ("
-            f"{'; '.join(describe_segments(parser, first, segments))}); this run repeats its first segment, the "
+            f"{'; '.join(describe_segments(first, segments))}); this run repeats its first segment, the "
             f"options it started with; to repeat a later one, stop at its step (--max-steps) and resume with its "
             f"options")
 
 
-def write_run(path: str, options: dict, parser: argparse.ArgumentParser, step: int | None) -> str | None:
+def write_run(path: str, options: dict, parser=None, step: int | None = None) -> str | None:
     """Record a run's options (`record`) in `path`. A fresh run (step None), or one without a readable record,
     writes them whole. A run resumed at `step` keeps the record it continues: when an option that matters
     (not NOT_PART_OF_THE_RUN) differs from what was in effect, a segment {from_step, options: the changed ones} is
-    appended, and the returned note says which; the same options leave the file as it is (None)."""
+    appended, and the returned note says which; the same options leave the file as it is (None). `parser` is not
+    read (the options are engine/run_config.py's); run.py still passes one."""
     import os
 
     if step is None or not os.path.isfile(path):
@@ -230,7 +222,7 @@ def write_run(path: str, options: dict, parser: argparse.ArgumentParser, step: i
         return None
     try:
         data = read(path)
-        first, meta = load(path, parser)
+        first, meta = load(path)
     except ValueError as exc:
         write(path, options)
         return f"note: {path} could not be read ({exc}); written again with this run's options"
@@ -239,11 +231,11 @@ def write_run(path: str, options: dict, parser: argparse.ArgumentParser, step: i
     for segment in segments:
         current.update(segment["options"])
     changed = {dest: value for dest, value in options.items()
-               if dest not in NOT_PART_OF_THE_RUN and value != _plain(current.get(dest, parser.get_default(dest)))}
+               if dest not in NOT_PART_OF_THE_RUN and value != _plain(current.get(dest, _default(dest)))}
     if not changed:
         return None
     segment = {"from_step": int(step), "options": changed}
-    what = segment_changes(parser, segment, current)
+    what = segment_changes(segment, current)
     data[SEGMENTS_KEY] = list(data.get(SEGMENTS_KEY) or []) + [segment]
     write(path, data)
     rebuilt = any(dest in SCHEDULE_OPTIONS for dest in changed)
@@ -251,12 +243,13 @@ def write_run(path: str, options: dict, parser: argparse.ArgumentParser, step: i
             f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
-def record(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
-    """The effective options of a run as a YAML-ready mapping (tuples as lists), in the parser's order."""
+def record(args: argparse.Namespace, parser=None) -> dict:
+    """The effective options of a run as a YAML-ready mapping (tuples as lists), in the order of --help. `parser`
+    is not read (the options are engine/run_config.py's); run.py still passes one."""
     from . import shipped_configs
 
     out = {}
-    for dest in _actions(parser):
+    for dest in OPTIONS:
         if dest in NOT_RECORDED or not hasattr(args, dest):
             continue
         value = getattr(args, dest)

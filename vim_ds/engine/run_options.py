@@ -99,13 +99,13 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
         return {}
     try:
         path = shipped_configs.resolve_recipe(known.config)
-        options, meta = options_file.load(path, parser)
+        options, meta = options_file.load(path)
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
     if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":  # a run resumed with other
         # options: the file's top level is how it started, which is what this run repeats
-        print(options_file.segments_note(known.config, parser, options, meta[options_file.SEGMENTS_KEY]),
+        print(options_file.segments_note(known.config, options, meta[options_file.SEGMENTS_KEY]),
               flush=True)
     return meta
 
