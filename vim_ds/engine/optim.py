@@ -78,7 +78,7 @@ def check_lr_settings(args, peak: float, peak_from: str, fix: str) -> list[str]:
     scaling, or the DeepSpeed config's own number): a --min-lr, or with a warmup a --warmup-lr, above the peak.
 
     A value given (on the command line or in a --config file) is refused with a ValueError naming the values and
-    the fix. The built-in default (args.lr_defaults, set by train.parse_args: the recipe's 1e-5 / 1e-6, meant for a
+    the fix. The built-in default (args.lr_defaults, set by parse_args: the recipe's 1e-5 / 1e-6, meant for a
     global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, on `args`, and
     the returned note says so: a user who never chose the floor is not refused for a small batch, and the lr never
     rises. `peak_from` says where the peak comes from; `fix` how to raise it."""

@@ -11,7 +11,7 @@ options that change how or where a run runs, not what it computes (NOT_PART_OF_T
 `--config` of such a file repeats the first segment, with a note naming the later ones (`segments_note`);
 `vim-ds compare-runs` compares the first segments and lists the later ones. A file without `segments:` (every
 file written before they existed) is one segment.
-The command line wins over the file: train.parse_args makes the file's values the parser's defaults, then parses
+The command line wins over the file: run_options.parse_args makes the file's values the parser's defaults, then parses
 the command line. Every value goes through its option's own type and choices (engine/run_config.py defines the
 options), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error naming the
 file and the key.
@@ -44,7 +44,7 @@ def _derived_data_timeout(args) -> float:
     return default_data_timeout(args.dist_timeout)
 
 
-# options that train.parse_args derives from others when not given: recorded as null (not given) when they hold
+# options that run_options.parse_args derives from others when not given: recorded as null (not given) when they hold
 # the derived value, so that a run started from the record with, say, another --dist-timeout or --engine derives
 # them again instead of being refused for a value nobody gave
 DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda args: args.engine == "deepspeed"}
@@ -209,12 +209,11 @@ def segments_note(path: str, first: dict, segments: list[dict]) -> str:
             f"options")
 
 
-def write_run(path: str, options: dict, parser=None, step: int | None = None) -> str | None:
+def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     """Record a run's options (`record`) in `path`. A fresh run (step None), or one without a readable record,
     writes them whole. A run resumed at `step` keeps the record it continues: when an option that matters
     (not NOT_PART_OF_THE_RUN) differs from what was in effect, a segment {from_step, options: the changed ones} is
-    appended, and the returned note says which; the same options leave the file as it is (None). `parser` is not
-    read (the options are engine/run_config.py's); run.py still passes one."""
+    appended, and the returned note says which; the same options leave the file as it is (None)."""
     import os
 
     if step is None or not os.path.isfile(path):
@@ -243,9 +242,9 @@ def write_run(path: str, options: dict, parser=None, step: int | None = None) ->
             f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
-def record(args: argparse.Namespace, parser=None) -> dict:
-    """The effective options of a run as a YAML-ready mapping (tuples as lists), in the order of --help. `parser`
-    is not read (the options are engine/run_config.py's); run.py still passes one."""
+def record(args: argparse.Namespace) -> dict:
+    """The effective options of a run as a YAML-ready mapping (tuples as lists), in the order of --help (the options
+    are engine/run_config.py's)."""
     from . import shipped_configs
 
     out = {}
@@ -256,7 +255,7 @@ def record(args: argparse.Namespace, parser=None) -> dict:
         if dest == "deepspeed_config" and not value:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
         elif dest in DERIVED and value == DERIVED[dest](args):
-            value = None  # derived from other options by train.parse_args: derived again from the file's
+            value = None  # derived from other options by run_options.parse_args: derived again from the file's
         out[dest] = _plain(value)
     return out
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 
 def run(args, prog: str = "vim-ds train") -> int:
@@ -14,30 +13,27 @@ def run(args, prog: str = "vim-ds train") -> int:
     from ..data.loader import DataStall
     from . import distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .checkpointing import SaveError
-    from .init_weights import first_line
-    from .run_options import build_parser
-    from .signals import StopRequested
+    from .errors import first_line, report_error
     from .parts import build_trainer
+    from .signals import StopRequested
     from .trainer import TrainingError
 
     rank = os.environ.get("RANK", "0")
     launchers = None if args.eval else launcher_watch.LauncherWatch()  # found first: see its start below
-    options = options_file.record(args, build_parser(prog))  # as parsed, before the checks resolve any name
+    options = options_file.record(args)  # as parsed, before the checks resolve any name
     try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
         preflight.check(args, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
-        print(f"{prog}: error (rank {rank}): {first_line(exc)}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(prog, exc, rank=rank)
     try:
         dist_info = distributed.setup(args.local_rank, args.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
         # what it waited for and what bounded the wait: a node that never starts (or cannot reach the master) ends
         # here after --dist-timeout, as torch's TCPStore times out waiting for the other ranks to join
         env = os.environ
-        print(f"{prog}: error (rank {rank}): cannot initialise the process group ({env.get('WORLD_SIZE', '?')} "
-              f"ranks meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, --dist-timeout "
-              f"{args.dist_timeout:g} s): {first_line(exc)}", file=sys.stderr, flush=True)
-        return 2
+        return report_error(prog, f"cannot initialise the process group ({env.get('WORLD_SIZE', '?')} ranks "
+                                  f"meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
+                                  f"--dist-timeout {args.dist_timeout:g} s): {first_line(exc)}", rank=rank)
     trainer = None
     started = False  # has the run written anything into --output_dir? (until then a refusal undoes the claim)
     try:
@@ -57,7 +53,7 @@ def run(args, prog: str = "vim-ds train") -> int:
             # written once nothing can refuse the run any more (a refused resume leaves the folder as it was); a
             # resume with other options adds a segment to it (from which step they ran), said in a note
             note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
-                                          build_parser(prog), step=trainer.step if trainer.resume_path else None)
+                                          step=trainer.step if trainer.resume_path else None)
             if note:
                 print(note, flush=True)
         record = trainer.fit()
@@ -69,13 +65,9 @@ def run(args, prog: str = "vim-ds train") -> int:
     except StopRequested as stop:
         return 128 + stop.signum  # what a shell reports for the signal: stopped early, on purpose, state saved
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
-        message = first_line(exc)
-        if os.environ.get("VIM_DS_TRACEBACK"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"{prog}: error (rank {dist_info.rank}): {message}", file=sys.stderr, flush=True)
-        return 1 if isinstance(exc, (TrainingError, SaveError, DataStall)) else 2  # 2: bad input
+        # 1: the run failed; 2: bad input
+        code = 1 if isinstance(exc, (TrainingError, SaveError, DataStall)) else 2
+        return report_error(prog, exc, code=code, rank=dist_info.rank)
     finally:
         if trainer is not None:
             trainer.close()
