@@ -127,13 +127,11 @@ def of_file(path: str, obj: dict | None = None, num_classes: int | None = None) 
     from .convert import read_vim_ds_meta
 
     path = os.fspath(path)
-    if isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict):  # a .pth, whatever its name
-        return recorded(obj["vim_ds"], num_classes)
-    # by content: a safetensors file renamed .pth has them too
-    if obj is not None and not is_safetensors(path):
-        return None
-    try:  # the names are in a safetensors file's metadata, which a loaded state dict does not carry
-        return recorded(read_vim_ds_meta(path), num_classes)
+    # a loaded .pth carries its description; a safetensors file (whatever its name) keeps it in its metadata, which
+    # a loaded state dict does not carry
+    source = path if obj is None or is_safetensors(path) else obj
+    try:
+        return recorded(read_vim_ds_meta(source), num_classes)
     except (CheckpointError, ValueError, OSError):
         return None  # not readable as a converted file's description: what loads it says why
 
