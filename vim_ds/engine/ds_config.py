@@ -109,6 +109,8 @@ class PreparedConfig:
     offload_optimizer: bool
     offload_param: bool
     source: str  # file path or "<dict>"
+    # the dotted paths whose "auto" was filled from the command line (the others hold what the JSON says)
+    filled: frozenset = frozenset()
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -194,8 +196,7 @@ def prepare_ds_config(
     config["train_micro_batch_size_per_gpu"] = batch.micro
     config["gradient_accumulation_steps"] = batch.accum
 
-    if auto_values is not None:
-        _fill_auto(config, auto_values(batch))
+    filled = _fill_auto(config, auto_values(batch)) if auto_values is not None else frozenset()
     left = list(_auto_paths(config))
     if left:
         raise ConfigError(f"{src}: still \"auto\" with nothing to fill it: {', '.join(left)}; "
@@ -218,6 +219,7 @@ def prepare_ds_config(
         offload_optimizer=offload_optimizer,
         offload_param=offload_param,
         source=src,
+        filled=filled,
     )
 
 
@@ -465,8 +467,10 @@ def _resolve_batch(config: dict, src: str, world: int, micro_cli: int | None, ac
 # ----------------------------------------------------------------------------------------------------- 4. "auto"
 
 
-def _fill_auto(config: dict, values: Mapping[str, Any]) -> None:
-    """Replace "auto" at each dotted path with its value; explicit numbers in the JSON are kept."""
+def _fill_auto(config: dict, values: Mapping[str, Any]) -> frozenset:
+    """Replace "auto" at each dotted path with its value; explicit numbers in the JSON are kept. Returns the paths
+    filled."""
+    filled = set()
     for path, value in values.items():
         node: Any = config
         *parents, leaf = path.split(".")
@@ -474,6 +478,8 @@ def _fill_auto(config: dict, values: Mapping[str, Any]) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(leaf) == AUTO:
             node[leaf] = copy.deepcopy(value)
+            filled.add(path)
+    return frozenset(filled)
 
 
 def _auto_paths(node: Any, prefix: str = "") -> Iterator[str]:

@@ -107,12 +107,10 @@ def _exact(value: float) -> str:
 def peak_lr(args, prepared) -> tuple[float, str, str]:
     """(the optimizer's peak lr, where it comes from, how to raise it) for a prepared DeepSpeed config
     (ds_config.PreparedConfig): its optimizer.params.lr, a number written in the JSON winning over --lr."""
-    from .ds_config import AUTO, load_ds_config
-
     scaled = scaled_lr(args.lr, prepared.batch.global_, args.unscale_lr)
-    lr = prepared.config.get("optimizer", {}).get("params", {}).get("lr", scaled)
-    raw = load_ds_config(prepared.source) if prepared.source != "<dict>" else {}
-    if raw.get("optimizer", {}).get("params", {}).get("lr", AUTO) != AUTO:
+    params = prepared.config.get("optimizer", {}).get("params", {})
+    lr = params.get("lr", scaled)
+    if "lr" in params and "optimizer.params.lr" not in prepared.filled:  # a number the JSON holds
         return lr, f"optimizer.params.lr in {prepared.source}, which wins over --lr", \
             f", or a larger optimizer.params.lr in {prepared.source}"
     if args.unscale_lr:
