@@ -51,13 +51,16 @@ class Run:
     path: str                       # the metrics.jsonl
     label: str
     header: dict | None = None      # the first header record (a resumed run appends more)
-    losses: dict = field(default_factory=dict)   # step -> loss (a resumed run's later record of a step wins)
+    # step -> loss (a resumed run's later record of a step wins)
+    losses: dict = field(default_factory=dict)
     lrs: dict = field(default_factory=dict)      # step -> lr
     evals: dict = field(default_factory=dict)    # step -> evaluation record
     global_batch: int | None = None
-    options: dict | None = None     # the run's options.yaml (`vim-ds train` writes it), None without one: the
+    # the run's options.yaml (`vim-ds train` writes it), None without one: the
+    options: dict | None = None
     # options it started with; a run resumed with other options records the later ones in segments
-    segments: list = field(default_factory=list)  # [{"from_step": N, "options": {changed}}], in order
+    # [{"from_step": N, "options": {changed}}], in order
+    segments: list = field(default_factory=list)
 
     def describe(self) -> str:
         h = self.header or {}
@@ -209,7 +212,8 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
         notes.append(f"the precisions differ ({p_ref} vs {p_run}): expect differences of half-precision "
                      f"rounding, not of fp32's")
     unrecorded = [r.label for r in (ref, run) if r.options is None]
-    if len(unrecorded) == 1:  # both without: runs from before vim_ds recorded options, nothing to add
+    # both without: runs from before vim_ds recorded options, nothing to add
+    if len(unrecorded) == 1:
         notes.append(f"no {OPTIONS_FILE} in {unrecorded[0]} (a run from before vim_ds recorded its "
                      f"options): the options are not compared")
     for r in (ref, run):

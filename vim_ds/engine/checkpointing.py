@@ -20,7 +20,8 @@ from ..checkpoint.files import CheckpointError
 from . import distributed, faults
 
 
-UNIVERSAL_SUFFIX = "_universal"  # `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
+# `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
+UNIVERSAL_SUFFIX = "_universal"
 
 
 class SaveError(RuntimeError):
@@ -44,7 +45,8 @@ def set_rng_state(state: dict):
     if isinstance(numpy_state, dict):
         numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
                        numpy_state["has_gauss"], numpy_state["cached_gaussian"])
-    np.random.set_state(numpy_state)  # a tuple with a NumPy array: files written before the dict format
+    # a tuple with a NumPy array: files written before the dict format
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -80,15 +82,19 @@ class Checkpointer:
         tag = f"global_step{step}"
         tag_dir = os.path.join(self.save_dir, tag)
         if self.rank == 0 and os.path.exists(os.path.join(tag_dir, layout.MARKER)):
-            os.remove(os.path.join(tag_dir, layout.MARKER))  # being rewritten: not complete until done again
+            # being rewritten: not complete until done again
+            os.remove(os.path.join(tag_dir, layout.MARKER))
         try:
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state, save_latest=False)
-            ema_state = ema.full_state_dict() if ema is not None else None  # collective under ZeRO-3
-            self.faults.in_save(step)  # VIM_DS_INJECT: kill_in_save, signal_in_save, wait_for_signal_in_save
+            # collective under ZeRO-3
+            ema_state = ema.full_state_dict() if ema is not None else None
+            # VIM_DS_INJECT: kill_in_save, signal_in_save, wait_for_signal_in_save
+            self.faults.in_save(step)
             torch.save(rng_state(), os.path.join(tag_dir, layout.rng_file(self.rank)))
             if self.rank == 0 and ema_state is not None:
                 torch.save(ema_state, os.path.join(tag_dir, layout.EMA_FILE))
-        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError from its writer
+        # torch.save reports a full disk as a RuntimeError from its writer
+        except (OSError, RuntimeError) as exc:
             cause = _save_failure(self.save_dir, exc)
             # Free what the failed save wrote (it has no marker, so it would never be resumed anyway); the other
             # ranks stop too, as soon as their next collective finds this one gone.
@@ -100,7 +106,8 @@ class Checkpointer:
         distributed.barrier()  # every rank's files are on disk
         if self.rank == 0:
             marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **(summary or {}),
-                      "files": layout.file_checksums(tag_dir)}  # checked before the checkpoint is used
+                      # checked before the checkpoint is used
+                      "files": layout.file_checksums(tag_dir)}
             layout.write_atomic(os.path.join(tag_dir, layout.MARKER), json.dumps(marker, indent=1))
             layout.write_atomic(os.path.join(self.save_dir, "latest"), tag)
             self._prune(keep=tag)
@@ -145,7 +152,8 @@ class Checkpointer:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
         from ..checkpoint import safe_load
 
-        save_dir, tag = layout.resolve(path, verify=False)  # the trainer chose (and verified) it: parts.plan_resume
+        # the trainer chose (and verified) it: parts.plan_resume
+        save_dir, tag = layout.resolve(path, verify=False)
         try:  # DeepSpeed unpickles with weights_only=False: forced to weights-only loads here
             with safe_load.deepspeed_loads(os.path.join(save_dir, tag)):
                 loaded, client_state = self.engine.load_checkpoint(save_dir, tag=tag, load_module_strict=True,
@@ -153,7 +161,8 @@ class Checkpointer:
                                                                    load_lr_scheduler_states=True)
         except CheckpointError:
             raise
-        except Exception as exc:  # DeepSpeed's messages span many lines; keep the first informative one
+        # DeepSpeed's messages span many lines; keep the first informative one
+        except Exception as exc:
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise CheckpointError(f"cannot resume {os.path.join(save_dir, tag)}: {first}") from exc
         if loaded is None:
@@ -191,7 +200,8 @@ def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
     from ..checkpoint import safe_load
 
     saved = safe_load.load(optimizer_state_path).get("param_groups") or []
-    base = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    base = getattr(optimizer, "optimizer", optimizer)
     groups = base.param_groups
     if len(saved) != len(groups):
         raise CheckpointError(f"{optimizer_state_path} has {len(saved)} parameter groups, the optimizer "
@@ -203,7 +213,8 @@ def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
             group.update(wrong)
             repaired.append(f"group {i}: {', '.join(sorted(wrong))}")
     seen, shared = set(), False
-    for state in base.state.values():  # keyed by ZeRO-3's flat fp32 partitions (not in `params` between steps)
+    # keyed by ZeRO-3's flat fp32 partitions (not in `params` between steps)
+    for state in base.state.values():
         step = state.get("step")
         if isinstance(step, torch.Tensor):
             if id(step) in seen:
@@ -247,8 +258,10 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
             stall()
         marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
         layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
-    except BaseException as exc:  # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no
-        cause = _save_failure(save_dir, exc) if isinstance(exc, OSError) else None  # partial folder is left
+    # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no
+    except BaseException as exc:
+        # partial folder is left
+        cause = _save_failure(save_dir, exc) if isinstance(exc, OSError) else None
         if proc is not None:
             _end_group(proc)
         shutil.rmtree(dst, ignore_errors=True)

@@ -67,7 +67,8 @@ class Engine:
     kind: str                 # "deepspeed", "ddp" or "fsdp"
     dtype: torch.dtype        # parameters and inputs (fp32 under autocast-bf16)
     autocast_dtype: torch.dtype | None  # the DeepSpeed engine enters it itself
-    compile_what: str | None  # with --compile: what was compiled ("ZeRO-2", ...), for its error messages
+    # with --compile: what was compiled ("ZeRO-2", ...), for its error messages
+    compile_what: str | None
 
 
 def build_datasets(args) -> Datasets:
@@ -130,7 +131,8 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
     checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
     conversion, and the engine is configured (in `ds`) to load it so."""
     from ..checkpoint import deepspeed_dir
-    from ..checkpoint.files import CheckpointError, sniff  # sniff: a weights file by its content, any name
+    # sniff: a weights file by its content, any name
+    from ..checkpoint.files import CheckpointError, sniff
     from .checkpointing import universal_copy
 
     path = args.resume
@@ -153,7 +155,8 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
                 print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
                       f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
     from ..checkpoint.class_names import data_source
-    from .resume_check import check  # another stage, precision or model: one line now, not DeepSpeed's failure
+    # another stage, precision or model: one line now, not DeepSpeed's failure
+    from .resume_check import check
 
     tag_dir = os.path.join(save_dir, tag)
     already_universal = os.path.isdir(os.path.join(tag_dir, "zero"))  # `vim-ds convert --universal`
@@ -162,10 +165,12 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
     to_convert = not already_universal and saved_world not in (None, dist_info.world_size) and bool(saved_stage)
     note = check(tag_dir, model_cfg, data_source(datasets.config), ds,
                  universal=already_universal or to_convert,
-                 classes=datasets.classes)  # and other class names: labels that would mean other classes
+                 # and other class names: labels that would mean other classes
+                 classes=datasets.classes)
     if note and dist_info.is_main:
         print(note, flush=True)
-    from .output_dir import resume_overwrite_error  # a branch from an older step: never over a newer one
+    # a branch from an older step: never over a newer one
+    from .output_dir import resume_overwrite_error
 
     problem = resume_overwrite_error(args, tag_dir)
     if problem:
@@ -194,7 +199,8 @@ def build_mixup(args, batch, num_classes: int):
 
 def build_loader(args, dist_info: distributed.DistInfo, dataset, batch_sampler, name: str,
                  fault_hook: faults.FaultHook):
-    from ..data import loader  # workers from a fork server, --data-timeout: see build_loader's docstring
+    # workers from a fork server, --data-timeout: see build_loader's docstring
+    from ..data import loader
 
     return loader.build_loader(dataset, batch_sampler, loader_config(args), name,
                                local_world_size=dist_info.local_world_size, persistent=True,
@@ -228,12 +234,14 @@ def build_model(args, dist_info: distributed.DistInfo, model_cfg, datasets: Data
     seed_everything(args.seed)  # identical initial weights on every rank
     model = model_cfg.build()
     if args.finetune:
-        from ..checkpoint.class_names import data_source, load_finetune_weights  # refused: a head for other names
+        # refused: a head for other names
+        from ..checkpoint.class_names import data_source, load_finetune_weights
 
         note = load_finetune_weights(model, args.finetune, datasets.classes, data_source(datasets.config))
         if note and dist_info.is_main:
             print(note, flush=True)
-    from . import init_weights  # --init-weights / --save-init-weights, before the engine copies the weights
+    # --init-weights / --save-init-weights, before the engine copies the weights
+    from . import init_weights
 
     info = init_weights.apply(args, model, {
         **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
@@ -348,9 +356,11 @@ def build_trainer(args, dist_info: distributed.DistInfo) -> Trainer:
     fault_hook = faults.for_rank(dist_info.rank)  # VIM_DS_INJECT: no-ops unless set
     # data: which images go into which optimizer step is fixed here, before the engine exists
     datasets = build_datasets(args)
-    model_cfg = model_config(args, datasets.num_classes)  # what the model is: built below, checked on resume
+    # what the model is: built below, checked on resume
+    model_cfg = model_config(args, datasets.num_classes)
     ds, lr = build_ds_config(args, dist_info)
-    resume_path = plan_resume(args, dist_info, ds, model_cfg, datasets)  # may set the engine's load_universal
+    # may set the engine's load_universal
+    resume_path = plan_resume(args, dist_info, ds, model_cfg, datasets)
     print_lr_notes(args, ds, dist_info)
     mixup = build_mixup(args, ds.batch, datasets.num_classes)
     data = build_data(args, dist_info, datasets, ds.batch, fault_hook)

@@ -19,9 +19,11 @@ def run(args, prog: str = "vim-ds train") -> int:
     from .trainer import TrainingError
 
     rank = os.environ.get("RANK", "0")
-    launchers = None if args.eval else launcher_watch.LauncherWatch()  # found first: see its start below
+    # found first: see its start below
+    launchers = None if args.eval else launcher_watch.LauncherWatch()
     options = options_file.record(args)  # as parsed, before the checks resolve any name
-    try:  # what the command line names, checked by every rank before the process group and DeepSpeed start
+    # what the command line names, checked by every rank before the process group and DeepSpeed start
+    try:
         preflight.check(args, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
         return report_error(prog, exc, rank=rank)
@@ -35,21 +37,25 @@ def run(args, prog: str = "vim-ds train") -> int:
                                   f"meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
                                   f"--dist-timeout {args.dist_timeout:g} s): {first_line(exc)}", rank=rank)
     trainer = None
-    started = False  # has the run written anything into --output_dir? (until then a refusal undoes the claim)
+    # has the run written anything into --output_dir? (until then a refusal undoes the claim)
+    started = False
     try:
         if args.eval:
             from .evaluate import evaluate_weights
 
             evaluate_weights(args, dist_info)
             return 0
-        signals.install(dist_info.is_main)  # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
-        launchers.start(prog, dist_info.rank, dist_info.local_rank)  # and the same when the launcher is gone
+        # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
+        signals.install(dist_info.is_main)
+        # and the same when the launcher is gone
+        launchers.start(prog, dist_info.rank, dist_info.local_rank)
         output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
         trainer = build_trainer(args, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         started = True
-        if dist_info.is_main and args.output_dir:  # `--config OUTPUT_DIR/options.yaml` starts this run again;
+        # `--config OUTPUT_DIR/options.yaml` starts this run again;
+        if dist_info.is_main and args.output_dir:
             # written once nothing can refuse the run any more (a refused resume leaves the folder as it was); a
             # resume with other options adds a segment to it (from which step they ran), said in a note
             note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
@@ -63,7 +69,8 @@ def run(args, prog: str = "vim-ds train") -> int:
                   f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
         return 0
     except StopRequested as stop:
-        return 128 + stop.signum  # what a shell reports for the signal: stopped early, on purpose, state saved
+        # what a shell reports for the signal: stopped early, on purpose, state saved
+        return 128 + stop.signum
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
         # 1: the run failed; 2: bad input
         code = 1 if isinstance(exc, (TrainingError, SaveError, DataStall)) else 2

@@ -103,7 +103,8 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
-    if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":  # a run resumed with other
+    # a run resumed with other
+    if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":
         # options: the file's top level is how it started, which is what this run repeats
         print(options_file.segments_note(known.config, options, meta[options_file.SEGMENTS_KEY]),
               flush=True)
@@ -121,7 +122,8 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     problem = range_error(args)
     if problem:
         parser.error(problem)
-    if args.deepscale_config:  # DeepSpeed's deprecated spelling, which its own scripts may still pass
+    # DeepSpeed's deprecated spelling, which its own scripts may still pass
+    if args.deepscale_config:
         if args.deepspeed_config and args.deepspeed_config != args.deepscale_config:
             parser.error(f"--deepscale_config {args.deepscale_config} and --deepspeed_config {args.deepspeed_config} "
                          f"disagree: pass --deepspeed_config alone")
@@ -161,5 +163,6 @@ def _lr_defaults(args, argv, prog: str) -> tuple:
     refused (engine/optim.check_lr_settings). A --config file's value equal to the default counts as the default,
     since a run's options.yaml records every option."""
     typed, _ = build_parser(prog, defaults=False).parse_known_args(sys.argv[1:] if argv is None else argv)
-    return tuple(dest for dest in ("min_lr", "warmup_lr")  # a tuple: vars(args) goes into the checkpoints
+    # a tuple: vars(args) goes into the checkpoints
+    return tuple(dest for dest in ("min_lr", "warmup_lr")
                  if not hasattr(typed, dest) and getattr(args, dest) == OPTIONS[dest].default)

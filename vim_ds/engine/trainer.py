@@ -75,9 +75,11 @@ class Progress:
     # the epoch whose evaluation a stop signal cut short (recorded in the checkpoint saved then, so that the run
     # which resumes it evaluates those same weights first: a stop loses no evaluation, the final one included)
     evaluation_owed: int | None = None
-    bad_steps: int = 0       # consecutive steps whose update was skipped (non-finite loss or gradients)
+    # consecutive steps whose update was skipped (non-finite loss or gradients)
+    bad_steps: int = 0
     last_checkpoint: str | None = None
-    started_at: int = 0      # the step this process started from (stopping: was anything trained since?)
+    # the step this process started from (stopping: was anything trained since?)
+    started_at: int = 0
 
     def restore(self, state: dict):
         """Continue from a checkpoint's client state (checkpoints of older vim_ds lack the later keys)."""
@@ -106,8 +108,10 @@ class Trainer:
         # DeepSpeed reports no norm without ZeRO; the baselines report theirs
         self._own_grad_norm = ds.zero_stage == 0 and self.engine_kind == "deepspeed"
         self._grad_norm = None
-        self._skipped_by_us = False  # the last optimizer step was made a no-op here (fp32 without ZeRO)
-        self._stop_signal = None  # the signal the ranks agreed on during an evaluation, which it cut short
+        # the last optimizer step was made a no-op here (fp32 without ZeRO)
+        self._skipped_by_us = False
+        # the signal the ranks agreed on during an evaluation, which it cut short
+        self._stop_signal = None
         self._eval_batches = 0
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
 
@@ -155,7 +159,8 @@ class Trainer:
                                   f"{state['batch']['micro'] * state['batch']['accum'] * state['batch']['world']}, "
                                   f"this run has {self.batch.global_}; the data order would not continue")
         self.progress.restore(state)
-        self.run_id = state.get("run_id") or self.run_id  # checkpoints of vim_ds before run ids start a lineage
+        # checkpoints of vim_ds before run ids start a lineage
+        self.run_id = state.get("run_id") or self.run_id
         self.progress.last_checkpoint = signals.STOP.last_checkpoint = path
         if self.dist.is_main:
             print(f"resumed {path} at epoch {self.progress.epoch}, step {self.progress.step}", flush=True)
@@ -171,7 +176,8 @@ class Trainer:
         step = self.progress.step + 1  # the optimizer step this micro step belongs to
         seed = derive_seed(self.args.seed, step - 1, micro, self.dist.rank)
         seed_everything(seed)  # Mixup, drop path
-        self.faults.before_micro_step(step, micro, seed, images, targets)  # VIM_DS_INJECT, VIM_DS_RECORD_BATCHES
+        # VIM_DS_INJECT, VIM_DS_RECORD_BATCHES
+        self.faults.before_micro_step(step, micro, seed, images, targets)
         images = images.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         if self.mixup is not None:
@@ -192,7 +198,8 @@ class Trainer:
                 self.engine.step()
             self._skipped_by_us = True
         else:
-            self.engine.step()  # DeepSpeed applies the update on the last micro step of the accumulation
+            # DeepSpeed applies the update on the last micro step of the accumulation
+            self.engine.step()
         return loss.detach()
 
     @contextlib.contextmanager
@@ -237,7 +244,8 @@ class Trainer:
             micro = i % accum
             if micro == 0:
                 lr = self.engine.get_lr()[0]
-            loss_sum = loss_sum + self._micro_step(images, targets, micro)  # stays on the device until the step ends
+            # stays on the device until the step ends
+            loss_sum = loss_sum + self._micro_step(images, targets, micro)
             bad += float((ok == 0).sum())
             seen += float(ok.numel())
             t_mark = time.perf_counter()
@@ -245,7 +253,8 @@ class Trainer:
             if micro < accum - 1:
                 continue
             loss_total, bad, seen, *votes = distributed.all_reduce_sum(
-                [float(loss_sum), bad, seen, *signals.STOP.votes()], self.device)  # and agree on a stop signal
+                # and agree on a stop signal
+                [float(loss_sum), bad, seen, *signals.STOP.votes()], self.device)
             stop = signals.STOP.agreed(votes)
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
             p.step += 1
@@ -271,7 +280,8 @@ class Trainer:
             if self.args.save_interval and p.step % self.args.save_interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
-            spent = {"data": 0.0, "compute": 0.0, "other": t_mark - now}  # metrics and saving: this loop's cost
+            # metrics and saving: this loop's cost
+            spent = {"data": 0.0, "compute": 0.0, "other": t_mark - now}
             if done and not at_epoch_end:
                 return False
         return True
@@ -298,7 +308,8 @@ class Trainer:
                                 f"bad file is named in the log)")
         applied = self.engine.was_step_applied() and not self._skipped_by_us
         if self.ds.precision == "fp16":
-            return applied  # DeepSpeed's loss scaler skips overflowing steps and lowers the scale: its decision
+            # DeepSpeed's loss scaler skips overflowing steps and lowers the scale: its decision
+            return applied
         if applied and math.isfinite(loss):
             p.bad_steps = 0
         else:
@@ -306,7 +317,8 @@ class Trainer:
             where = f"the last good checkpoint is {p.last_checkpoint}" if p.last_checkpoint else \
                 "no checkpoint was saved"
             what = f"loss is {loss}" if not math.isfinite(loss) else "the gradients are not finite"
-            if applied:  # cannot happen with DeepSpeed 0.19's checks; stop rather than train on corrupted weights
+            # cannot happen with DeepSpeed 0.19's checks; stop rather than train on corrupted weights
+            if applied:
                 raise TrainingError(f"{what} at step {p.step} and the update was applied; stopping, {where}")
             if p.bad_steps >= self.args.max_bad_steps:
                 raise TrainingError(f"{what} at step {p.step} (epoch {p.epoch}), {p.bad_steps} consecutive "
@@ -359,7 +371,8 @@ class Trainer:
     def _stop_during_evaluation(self) -> bool:
         """Asked by the evaluation at each batch: have the ranks agreed to stop on a signal? A full evaluation can
         outlast the 30 s a launcher leaves between SIGTERM and SIGKILL, so a stop cuts it short."""
-        p = self.progress  # trained: not the evaluation a resumed run owes (a wait_for_signal_in_eval lets it through)
+        # trained: not the evaluation a resumed run owes (a wait_for_signal_in_eval lets it through)
+        p = self.progress
         self.faults.in_evaluation(p.step, self._eval_batches, trained=p.step > p.started_at)
         self._eval_batches += 1
         self._stop_signal = self._agreed_stop()
@@ -374,7 +387,8 @@ class Trainer:
         self._eval_batches, self._stop_signal = 0, None
         self.engine.eval()
         record = {"step": self.progress.step, "epoch": epoch}
-        result = evaluate(self.engine, self.data.val_loader, self.device, self.dtype, shape,  # autocasts itself
+        # autocasts itself
+        result = evaluate(self.engine, self.data.val_loader, self.device, self.dtype, shape,
                           stop=self._stop_during_evaluation)
         record.update({f"eval_{k}": v for k, v in result.items()})
         if self.ema is not None and self._stop_signal is None:
@@ -445,7 +459,8 @@ class Trainer:
             stop = self._agreed_stop()  # a signal while the run was being built
             if stop:
                 self._stop(stop)
-            if p.evaluation_owed is not None:  # the checkpoint's evaluation was cut short by a stop: do it now
+            # the checkpoint's evaluation was cut short by a stop: do it now
+            if p.evaluation_owed is not None:
                 if self.dist.is_main:
                     print(f"evaluating step {p.step} first: a stop cut its evaluation short", flush=True)
                 record = self.evaluate(metrics, p.evaluation_owed)
@@ -458,9 +473,11 @@ class Trainer:
                     p.step_in_epoch = 0
                 record = self.evaluate(metrics, epoch) or record
                 self.save()
-                stop = self._stop_signal or self._agreed_stop()  # a signal during the evaluation or the save
+                # a signal during the evaluation or the save
+                stop = self._stop_signal or self._agreed_stop()
                 finished = p.step >= self.total_steps or p.epoch >= args.epochs
-                if stop and (self._stop_signal or not finished):  # a finished run whose evaluation is whole: done
+                # a finished run whose evaluation is whole: done
+                if stop and (self._stop_signal or not finished):
                     self._stop(stop, saved=True)
             if record is None and self.dist.is_main:
                 print(f"nothing to train: the run is already at step {p.step} of {self.total_steps}", flush=True)
