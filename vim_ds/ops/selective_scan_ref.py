@@ -40,6 +40,7 @@ def selective_scan_ref(
     return_last_state: bool = False,
     *,
     reverse: bool = False,
+    h0: Optional[torch.Tensor] = None,
 ):
     """u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L), (dim, N) or (batch, groups, N, L);
     D, delta_bias: (dim,).
@@ -49,6 +50,10 @@ def selective_scan_ref(
     ``reverse=True`` runs the recurrence from t = L-1 down to 0 (h[L] = 0): the result of flipping u, delta, B, C,
     z along time, scanning, and flipping the output back, with the same operations in the same order; its last
     state is the one after t = 0.
+
+    ``h0`` (batch, dim, N), optional: the state before the first step (h[-1], or h[L] with ``reverse``) instead of
+    zero, as when this is one chunk of a longer sequence (``vim_ds/ops/scan_chunks.py``); autograd gives its
+    gradient. Left out, the scan starts from zero exactly as before.
     """
     in_dtype = u.dtype
     acc = torch.float64 if in_dtype == torch.float64 else torch.float32
@@ -66,7 +71,10 @@ def selective_scan_ref(
     else:
         drive = (delta * u).unsqueeze(-1) * per_channel(B, dim).transpose(-1, -2)
     Cc = None if C.dim() == 3 else per_channel(C, dim)  # (batch or 1, dim, N, L or 1)
-    h = u.new_zeros(batch, dim, A.shape[1])
+    if h0 is not None and tuple(h0.shape) != (batch, dim, A.shape[1]):
+        raise ValueError(f"selective_scan_ref: h0 must be of shape (batch, dim, d_state) = {(batch, dim, A.shape[1])}, "
+                         f"got {tuple(h0.shape)}")
+    h = u.new_zeros(batch, dim, A.shape[1]) if h0 is None else h0.to(acc)
     ys = []
     steps = range(L - 1, -1, -1) if reverse else range(L)
     for t in steps:
