@@ -56,9 +56,9 @@ class Run:
     lrs: dict = field(default_factory=dict)      # step -> lr
     evals: dict = field(default_factory=dict)    # step -> evaluation record
     global_batch: int | None = None
-    # the run's options.yaml (`vim-ds train` writes it), None without one: the
+    # the run's options.yaml (`vim-ds train` writes it), None without one: the options it started with; a run
+    # resumed with other options records the later ones in segments
     options: dict | None = None
-    # options it started with; a run resumed with other options records the later ones in segments
     # [{"from_step": N, "options": {changed}}], in order
     segments: list = field(default_factory=list)
 

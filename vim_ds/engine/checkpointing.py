@@ -258,9 +258,8 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
             stall()
         marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
         layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
-    # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no
+    # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no partial folder is left
     except BaseException as exc:
-        # partial folder is left
         cause = _save_failure(save_dir, exc) if isinstance(exc, OSError) else None
         if proc is not None:
             _end_group(proc)

@@ -255,7 +255,7 @@ def record(args: argparse.Namespace) -> dict:
         if dest == "deepspeed_config" and not value:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
         elif dest in DERIVED and value == DERIVED[dest](args):
-            # derived from other options by run_options.parse_args: derived again from the file's
+            # derived from other options by run_options.parse_args: derived again from the file's other values
             value = None
         out[dest] = _plain(value)
     return out

@@ -54,10 +54,10 @@ def run(args, prog: str = "vim-ds train") -> int:
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         started = True
-        # `--config OUTPUT_DIR/options.yaml` starts this run again;
+        # `--config OUTPUT_DIR/options.yaml` starts this run again; written once nothing can refuse the run any
+        # more (a refused resume leaves the folder as it was); a resume with other options adds a segment to it
+        # (from which step they ran), said in a note
         if dist_info.is_main and args.output_dir:
-            # written once nothing can refuse the run any more (a refused resume leaves the folder as it was); a
-            # resume with other options adds a segment to it (from which step they ran), said in a note
             note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
                                           step=trainer.step if trainer.resume_path else None)
             if note:

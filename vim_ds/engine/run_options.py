@@ -103,9 +103,8 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**options)
-    # a run resumed with other
+    # a run resumed with other options: the file's top level is how it started, which is what this run repeats
     if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":
-        # options: the file's top level is how it started, which is what this run repeats
         print(options_file.segments_note(known.config, options, meta[options_file.SEGMENTS_KEY]),
               flush=True)
     return meta
