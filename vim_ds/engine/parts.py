@@ -85,21 +85,15 @@ def build_ds_config(args, dist_info: distributed.DistInfo):
     """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
     from (a number written in the JSON wins over the command line)."""
     from .ds_config import prepare_ds_config
-    from .optim import ds_auto_values
-
-    filled = {}
-
-    def auto_values(batch):
-        values = ds_auto_values(args, batch)
-        filled["lr"] = values["optimizer.params.lr"]
-        return values
+    from .optim import ds_auto_values, peak_lr
 
     if not args.deepspeed_config:
         raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
     ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
                            device_type=dist_info.device.type, micro_batch=args.batch_size,
-                           accum_steps=args.accum_steps, precision=args.precision, auto_values=auto_values)
-    return ds, ds.config.get("optimizer", {}).get("params", {}).get("lr", filled["lr"])
+                           accum_steps=args.accum_steps, precision=args.precision,
+                           auto_values=lambda batch: ds_auto_values(args, batch))
+    return ds, peak_lr(args, ds)[0]
 
 
 def print_lr_notes(args, ds, dist_info: distributed.DistInfo):
@@ -268,7 +262,7 @@ def build_engine(args, dist_info: distributed.DistInfo, model: torch.nn.Module, 
     from ..models import param_groups
 
     scheduler = build_scheduler(args, steps_per_epoch)
-    kind = getattr(args, "engine", "deepspeed")
+    kind = args.engine
     dtype = PRECISION_DTYPES[ds.precision]
     if kind == "deepspeed":
         import deepspeed
