@@ -11,7 +11,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     its messages."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
-    from . import distributed, launcher_watch, options_file, output_dir, preflight, signals
+    from . import cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .checkpointing import SaveError
     from .errors import first_line, report_error
     from .parts import build_trainer
@@ -22,6 +22,10 @@ def run(args, prog: str = "vim-ds train") -> int:
     # found first: see its start below
     launchers = None if args.eval else launcher_watch.LauncherWatch()
     options = options_file.record(args)  # as parsed, before the checks resolve any name
+    # before deepspeed.initialize JIT-builds an op (FusedAdam on a GPU)
+    arch_note = cuda_arch.readable_by_deepspeed(os.environ)
+    if arch_note and rank == "0":
+        print(arch_note, flush=True)
     # what the command line names, checked by every rank before the process group and DeepSpeed start
     try:
         preflight.check(args, is_main=rank == "0")
