@@ -106,8 +106,9 @@ def _cpu_model() -> str:
 # The files that take longest (minutes each, most of it in one file's module fixtures or waiting on timeouts and
 # SLURM), started first under pytest-xdist (`bash tools/test.sh`: -n 2 --dist loadfile --no-loadscope-reorder) so
 # that the run does not end with one worker still in one of them while the other idles; longest first, as measured on
-# one worker on 2026-11-27 (2 cores). The first two go to the two workers together: the real-SLURM jobs, which mostly
-# sleep until SLURM's signal, beside the CPU-bound launch tests.
+# one worker on 2026-11-27 (2 cores). In a pytest-xdist run of everything the first two go to the two workers
+# together: the real-SLURM jobs, which mostly sleep until SLURM's signal, beside the CPU-bound launch tests;
+# `bash tools/test.sh` runs test_slurm.py in a lane of its own beside the two workers instead.
 LONG_FILES = ["test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py", "test_resume_exact.py", "test_train.py",
               "test_convert.py", "faults/test_signals.py", "test_loader.py", "test_configs.py", "test_zero_compare.py",
               "test_compile_check.py", "faults/test_data_faults.py", "test_state_bytes.py", "test_compile.py",
