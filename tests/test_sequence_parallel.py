@@ -1,0 +1,252 @@
+"""Vim with its token sequence split over ranks (vim_ds/models/sequence_parallel.py, issue 38) equals the unsplit
+model: logits, every parameter's gradient and the input's, on real gloo process groups of 2 and 3 ranks.
+
+One spawned job of 3 processes does every multi-rank check (the 2-rank ones on a subgroup of ranks 0 and 1) and
+computes the unsplit reference itself; the tests below read its measurements. The model is a tiny Vim in float64
+(depth 2, embed_dim 16, 24x24 images in 4x4 patches: 36 patch tokens + the class token at index 18 = 37 tokens, a
+number neither 2 nor 3 divides). Errors are relative: max |split - unsplit| / max |unsplit|, per tensor, the worst
+over the logits (or over every parameter's gradient and the input's) and over the ranks.
+"""
+import copy
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+
+from vim_ds.models import sequence_parallel as sp
+from vim_ds.ops.selective_scan_ref import selective_scan_ref
+
+# Measured 2026-11-27 (float64, reference scan, this file's fixed seeds): at most 2.2e-16 on the logits and 2.1e-15
+# on the gradients (the worst on dt_proj / dt_proj_b weights), in every split below and in training mode; the
+# controls miss by at least 9.7e-5 on the logits (the flipped direction's state as a prefix, 3 ranks; the others by
+# 1.4e-3 and more) and 0.19 on the gradients.
+TOL = 1e-12
+CONTROL_MIN = 1e-5
+# The CPU kernel in float32 (backend "auto"), split vs unsplit, measured 2026-11-27: 1.2e-7 (logits) and 5.1e-7
+# (gradients), float32 rounding: the unsplit float32 model is itself 8.2e-8 / 2.0e-6 from the float64 one.
+TOL_FP32 = 1e-5
+
+# name: (ranks of the group, chunk lengths or None for the even split). 37 tokens, the class token at 18.
+SPLITS = {
+    # (19, 18): the class token is rank 0's last token
+    "2-even": (2, None),
+    # the class token is rank 1's first token: exactly at the boundary
+    "2-cls-first": (2, (18, 19)),
+    # (13, 12, 12): the class token on the middle rank
+    "3-even": (3, None),
+    # a middle chunk of 2 tokens, shorter than the conv's 3-token halo: the halos span two ranks
+    "3-short-middle": (3, (17, 2, 18)),
+    # one-token chunks at both ends
+    "3-one-token-ends": (3, (1, 35, 1)),
+}
+CONTROLS = ("no halo", "no state passed", "flipped direction's state as a prefix")
+WORLD = 3
+
+
+def _tiny_model():
+    from vim_ds.models.vim import VisionMamba
+
+    torch.manual_seed(0)
+    model = VisionMamba(img_size=24, patch_size=4, stride=4, depth=2, embed_dim=16, d_state=8, num_classes=5,
+                        drop_rate=0.1, drop_path_rate=0.1).double()
+    # Away from the initialisation's zeros and ones (biases, D, norms): every parameter reaches the logits.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _grads(model, images):
+    return {**{n: p.grad.clone() for n, p in model.named_parameters()}, "images": images.grad.clone()}
+
+
+def _unsplit(model, images, weights):
+    model.zero_grad(set_to_none=True)
+    images.grad = None
+    logits = model(images)
+    (logits * weights).sum().backward()
+    return logits.detach(), _grads(model, images)
+
+
+def _split(model, images, weights, group, lengths, backend="ref"):
+    model.zero_grad(set_to_none=True)
+    images.grad = None
+    logits = sp.sequence_parallel_forward(model, images, group, backend=backend, lengths=lengths)
+    # every rank: the same loss of all logits, then backward
+    (logits * weights).sum().backward()
+    sp.average_gradients([*model.parameters(), images], group)
+    return logits.detach(), _grads(model, images)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _errors(got, ref) -> dict:
+    (logits, grads), (ref_logits, ref_grads) = got, ref
+    worst = max(ref_grads, key=lambda n: _rel(grads[n], ref_grads[n]))
+    return {"logits": _rel(logits, ref_logits), "grads": _rel(grads[worst], ref_grads[worst]), "worst": worst}
+
+
+def _controls():
+    """Each control: a function that breaks one part of the scheme in the module (restored after)."""
+    def no_halo(edges, bounds, rank, h):
+        zeros = edges.new_zeros(edges.shape[1:-1] + (h,))
+        return zeros, zeros
+
+    def no_state(gathered, rank):
+        zeros = gathered.new_zeros(gathered.shape[2:])
+        return zeros, zeros
+
+    def prefix(gathered, rank):
+        # Rank 0 would then read no other rank's pair: "+ 0 * gathered" keeps the gather in its graph, so that its
+        # backward still joins the other ranks' in the collective.
+        anchor = 0 * gathered.sum()
+        return (sp.initial_states([(g[0], g[1]) for g in gathered])[rank] + anchor,
+                sp.initial_states([(g[2], g[3]) for g in gathered])[rank] + anchor)
+
+    return dict(zip(CONTROLS, [("_halos", no_halo), ("_start_states", no_state), ("_start_states", prefix)]))
+
+
+def _job(rank, store_path, out_path):
+    """One rank of the job: every check, its measurements gathered to rank 0, written to out_path as JSON."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+    pair = dist.new_group([0, 1])
+    groups = {2: pair, 3: dist.group.WORLD}
+    model = _tiny_model()
+    images = torch.randn(2, 3, 24, 24, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(2, 5, dtype=torch.float64)
+    ref = _unsplit(model, images, weights)
+    found = {}
+    for name, (ranks, lengths) in SPLITS.items():
+        if rank < ranks:
+            found[name] = _errors(_split(model, images, weights, groups[ranks], lengths), ref)
+
+    for name, (attr, broken) in _controls().items():
+        for split in ("2-even", "3-even"):
+            ranks, lengths = SPLITS[split]
+            if rank < ranks:
+                real = getattr(sp, attr)
+                setattr(sp, attr, broken)
+                try:
+                    found[f"{name} / {split}"] = _errors(_split(model, images, weights, groups[ranks], lengths), ref)
+                finally:
+                    setattr(sp, attr, real)
+
+    # Training mode: pos_drop and stochastic depth draw the same masks when every rank has the unsplit run's seed.
+    model.train()
+    torch.manual_seed(1)
+    ref_train = _unsplit(model, images, weights)
+    torch.manual_seed(1)
+    found["train-mode 3-even"] = _errors(_split(model, images, weights, groups[3], None), ref_train)
+    # ... and a different seed is a control: other masks
+    torch.manual_seed(2)
+    found["train-mode other seed"] = _errors(_split(model, images, weights, groups[3], None), ref_train)
+    model.eval()
+
+    # float32 on the compiled CPU kernel (the "auto" backend): scanned from zero, pairs and correction around it
+    model32 = copy.deepcopy(model).float()
+    images32 = images.detach().float().requires_grad_(True)
+    ref32 = _unsplit(model32, images32, weights.float())
+    found["fp32 kernel 3-even"] = _errors(_split(model32, images32, weights.float(), groups[3], None, "auto"), ref32)
+    found["fp32 unsplit vs fp64"] = _errors(ref32, ref)
+
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, found)
+    if rank == 0:
+        merged = {}
+        for per_rank in everyone:
+            for key, errs in per_rank.items():
+                old = merged.setdefault(key, errs)
+                merged[key] = {k: max(old[k], errs[k]) if k != "worst" else old[k] for k in errs}
+        with open(out_path, "w") as f:
+            json.dump(merged, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    folder = tmp_path_factory.mktemp("sequence_parallel")
+    out = folder / "errors.json"
+    mp.start_processes(_job, args=(str(folder / "store"), str(out)), nprocs=WORLD, start_method="spawn")
+    found = json.loads(out.read_text())
+    print(json.dumps(found, indent=1))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", SPLITS)
+def test_split_model_equals_the_unsplit_one(measured, split):
+    errs = measured[split]
+    assert errs["logits"] < TOL and errs["grads"] < TOL, (split, errs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", CONTROLS)
+@pytest.mark.parametrize("split", ["2-even", "3-even"])
+def test_controls_miss(measured, control, split):
+    errs = measured[f"{control} / {split}"]
+    assert errs["logits"] > CONTROL_MIN and errs["grads"] > CONTROL_MIN, (control, split, errs)
+
+
+@pytest.mark.slow
+def test_training_mode_draws_the_unsplit_models_masks(measured):
+    assert measured["train-mode 3-even"]["logits"] < TOL and measured["train-mode 3-even"]["grads"] < TOL
+    other = measured["train-mode other seed"]
+    assert other["logits"] > CONTROL_MIN and other["grads"] > CONTROL_MIN, other
+
+
+@pytest.mark.slow
+def test_float32_on_the_cpu_kernel(measured):
+    errs = measured["fp32 kernel 3-even"]
+    assert errs["logits"] < TOL_FP32 and errs["grads"] < TOL_FP32, errs
+    # the split's error is float32 rounding: of the size of the unsplit float32 model's own distance from float64
+    inherent = measured["fp32 unsplit vs fp64"]
+    assert errs["logits"] < 100 * max(inherent["logits"], 1e-7), (errs, inherent)
+
+
+# -- single process ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_final_state_is_the_scans_last_state(reverse):
+    torch.manual_seed(3)
+    f64 = dict(dtype=torch.float64)
+    u, delta = torch.randn(2, 4, 11, **f64), 0.5 * torch.randn(2, 4, 11, **f64)
+    A, B, bias = -torch.exp(0.5 * torch.randn(4, 3, **f64)), torch.randn(2, 3, 11, **f64), torch.randn(4, **f64)
+    _, last = selective_scan_ref(u, delta, A, B, B, None, None, bias, True, True, reverse=reverse)
+    got = sp.chunk_final_state(u, delta, A, B, bias, True, reverse=reverse)
+    assert _rel(got, last) < 1e-13
+    # the other direction's state is not it
+    other = sp.chunk_final_state(u, delta, A, B, bias, True, reverse=not reverse)
+    assert _rel(other, last) > 1e-2
+
+
+def test_split_bounds():
+    assert sp.split_bounds(37, 3) == [(0, 13), (13, 25), (25, 37)]
+    assert sp.split_bounds(37, 2) == [(0, 19), (19, 37)]
+    assert sp.split_bounds(5, 2, (1, 4)) == [(0, 1), (1, 5)]
+    for bad in [(2, 2), (0, 5), (6, -1)]:
+        with pytest.raises(ValueError, match="chunk lengths"):
+            sp.split_bounds(5, 2, bad)
+    with pytest.raises(ValueError, match="at least one token"):
+        sp.split_bounds(2, 3)
+
+
+def test_halos_from_short_chunks():
+    # tokens 0..9 split (4, 1, 2, 3) over 4 ranks, halo 3: each rank's halo is the 3 tokens before / after its chunk
+    bounds = sp.split_bounds(10, 4, (4, 1, 2, 3))
+    x = torch.arange(1.0, 11.0).view(1, 1, 10)
+    edges = torch.stack([sp._edges(x[..., s:e], 3) for s, e in bounds])
+    padded = torch.nn.functional.pad(x, (3, 3))
+    for rank, (s, e) in enumerate(bounds):
+        before, after = sp._halos(edges, bounds, rank, 3)
+        assert before.flatten().tolist() == padded[0, 0, s:s + 3].tolist(), rank
+        assert after.flatten().tolist() == padded[0, 0, e + 3:e + 6].tolist(), rank
