@@ -17,24 +17,26 @@ if [ "$workers" = 0 ] || [ $# -gt 0 ]; then
     exec python3 -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" tests "$@"
 fi
 
-# The whole suite: the real-SLURM tests take about 6 minutes of wall time and little CPU (their jobs sleep until
-# SLURM's signal), so they run in a lane of their own beside the workers instead of holding one of them. The lane is
+# The whole suite: the files that mostly wait hold little CPU for minutes of wall time (the real-SLURM jobs sleep
+# until SLURM's signal, 370 s of wall for about 10 CPU-s; the stalled-loader and killed-rank tests wait out timeouts
+# they set), so they run in a lane of their own beside the two workers instead of holding one of them. The lane is
 # started with SIGINT at its default: a command backgrounded by a non-interactive shell would otherwise inherit it
 # ignored (see docs/tests.md). Its report follows the workers' report, and the run fails if either fails.
-lane_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_slurm_lane.XXXXXX")
+lane_files=(tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py)
+lane_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_lane.XXXXXX")
 main_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_workers.XXXXXX")
 trap 'rm -f "$lane_log" "$main_log"' EXIT
 python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
-    python3 -m pytest -q --durations=5 --cpu-durations=5 tests/test_slurm.py > "$lane_log" 2>&1 &
+    python3 -m pytest -q --durations=10 --cpu-durations=10 "${lane_files[@]}" > "$lane_log" 2>&1 &
 lane=$!
 status=0
-python3 -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" --ignore=tests/test_slurm.py tests 2>&1 \
+python3 -u -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" "${lane_files[@]/#/--ignore=}" tests 2>&1 \
     | tee "$main_log" || status=$?
 lane_status=0
 wait "$lane" || lane_status=$?
-echo "======================== tests/test_slurm.py, in its own lane beside the workers ========================"
+echo "=================== the lane beside the workers: ${lane_files[*]} ==================="
 cat "$lane_log"
-[ "$lane_status" = 0 ] || echo "tools/test.sh: tests/test_slurm.py failed (exit $lane_status)" >&2
+[ "$lane_status" = 0 ] || echo "tools/test.sh: the lane (${lane_files[*]}) failed (exit $lane_status)" >&2
 # One closing line for both: pytest's counts of the two runs added up.
 python3 - "$main_log" "$lane_log" <<'PY'
 import re, sys
