@@ -45,8 +45,10 @@ Gradients
     every rank. An engine that averages over all data × sequence-parallel ranks (DeepSpeed with
     ``sequence_parallel_size``) gets the same without it.
 
-Not here: gradient checkpointing with the split (refused), kernels that take the initial state and return its
-gradient (the correction is computed in PyTorch, materialising (B, D, L_r, N) per direction), the engine's option.
+Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
+collectives); kernels that take the initial state and return its gradient (the pair's S and the correction are
+plain PyTorch, each materialising a (B, D, L_r, N) tensor while it runs: they are recomputed in backward rather than
+kept); the engine's option.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..ops.scan_chunks import decay_product, initial_states, state_correction
 from ..ops.selective_scan import scan_with_backend
@@ -194,20 +197,54 @@ def _scan_inputs(u, x_proj_weight, dt_proj_weight, d_state):
         x_dbl[:, dt_rank + d_state:].contiguous()
 
 
-def _direction(x_ext, z, trim, mixer: BiMambaMixer, reverse: bool, ctx: _Context):
-    """One direction's branch on this rank's chunk, scanned from zero: (output from zero, pair (P, S), what the
-    correction needs). x_ext is x with its halo; `trim` the slice of the conv output that is the chunk."""
-    suffix = "_b" if reverse else ""
-    conv = getattr(mixer, "conv1d" + suffix)
-    x_proj, dt_proj = getattr(mixer, "x_proj" + suffix), getattr(mixer, "dt_proj" + suffix)
-    A = -torch.exp(_at_least_fp32(getattr(mixer, "A_b_log" if reverse else "A_log")))
-    D = getattr(mixer, "D_b" if reverse else "D")
-    u = conv1d_silu(x_ext, conv.weight, conv.bias, ctx.backend, reverse)[..., trim].contiguous()
-    delta, B, C = _scan_inputs(u, x_proj.weight, dt_proj.weight, mixer.d_state)
-    y0 = scan_with_backend(ctx.backend, u, delta, A, B, C, D, z, dt_proj.bias, True, reverse=reverse)
-    pair = (decay_product(delta, A, dt_proj.bias, True), chunk_final_state(u, delta, A, B, dt_proj.bias, True,
-                                                                            reverse=reverse))
-    return y0, pair, (delta, A, C, dt_proj.bias)
+class _Direction:
+    """One direction of a mixer on this rank's chunk x (batch, D, L_r), given its conv halo (batch, D, K-1): the
+    tokens before the chunk, or with ``reverse`` after it.
+
+    Its two pieces each run under activation checkpointing (non-reentrant; no collective inside), so that what
+    autograd keeps is x, z (both shared by the two directions), the halo and the initial state, as the fused branch
+    keeps x and z: the scan's inputs and the (batch, D, L_r, N) decays are recomputed in backward instead."""
+
+    def __init__(self, mixer: BiMambaMixer, reverse: bool, backend: str):
+        suffix = "_b" if reverse else ""
+        self.conv = getattr(mixer, "conv1d" + suffix)
+        self.x_proj, self.dt_proj = getattr(mixer, "x_proj" + suffix), getattr(mixer, "dt_proj" + suffix)
+        self.A_log = mixer.A_b_log if reverse else mixer.A_log
+        self.D = mixer.D_b if reverse else mixer.D
+        self.d_state, self.reverse, self.backend = mixer.d_state, reverse, backend
+
+    def _inputs(self, x, halo):
+        """The scan's u, delta, B, C and A, as the fused branch computes them."""
+        h, length = halo.shape[-1], x.shape[-1]
+        x_ext, chunk = (torch.cat((x, halo), -1), slice(0, length)) if self.reverse else \
+            (torch.cat((halo, x), -1), slice(h, h + length))
+        u = conv1d_silu(x_ext, self.conv.weight, self.conv.bias, self.backend, self.reverse)[..., chunk]
+        u = u.contiguous()
+        dt_rank = self.dt_proj.weight.shape[1]
+        x_dbl = project(self.x_proj.weight, u)
+        delta = project(self.dt_proj.weight, x_dbl[:, :dt_rank]).contiguous()
+        B = x_dbl[:, dt_rank:dt_rank + self.d_state].contiguous()
+        C = x_dbl[:, dt_rank + self.d_state:].contiguous()
+        return u, delta, B, C, -torch.exp(_at_least_fp32(self.A_log))
+
+    def _scan(self, x, halo, z):
+        u, delta, B, C, A = self._inputs(x, halo)
+        bias = self.dt_proj.bias
+        y0 = scan_with_backend(self.backend, u, delta, A, B, C, self.D, z, bias, True, reverse=self.reverse)
+        P = decay_product(delta, A, bias, True)
+        return y0, P, chunk_final_state(u, delta, A, B, bias, True, reverse=self.reverse)
+
+    def _correction(self, x, halo, z, h_in):
+        _, delta, _, C, A = self._inputs(x, halo)
+        return state_correction(h_in, delta, A, C, z, self.dt_proj.bias, True, reverse=self.reverse)
+
+    def scan(self, x, halo, z):
+        """(the chunk's output scanned from zero, its P, its S)."""
+        return checkpoint(self._scan, x, halo, z, use_reentrant=False)
+
+    def correction(self, x, halo, z, h_in):
+        """What starting from h_in instead of zero adds to the output."""
+        return checkpoint(self._correction, x, halo, z, h_in, use_reentrant=False)
 
 
 def _start_states(gathered: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -228,16 +265,16 @@ def _mixer(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) -> torch.Te
         b_x, b_z = mixer.in_proj.bias.chunk(2)
         x, z = x + b_x[:, None], z + b_z[:, None]
     z = z.contiguous()
-    h, length = mixer.d_conv - 1, x.shape[-1]
+    h = mixer.d_conv - 1
     if h > 0:
         before, after = _halos(_gather(_edges(x, h), ctx.group), ctx.bounds, ctx.rank, h)
     else:
         before = after = x[..., :0]
-    y_f, pair_f, corr_f = _direction(torch.cat((before, x), -1), z, slice(h, h + length), mixer, False, ctx)
-    y_b, pair_b, corr_b = _direction(torch.cat((x, after), -1), z, slice(0, length), mixer, True, ctx)
+    forward, flipped = _Direction(mixer, False, ctx.backend), _Direction(mixer, True, ctx.backend)
+    (y_f, *pair_f), (y_b, *pair_b) = forward.scan(x, before, z), flipped.scan(x, after, z)
     h_f, h_b = _start_states(_gather(torch.stack((*pair_f, *pair_b)), ctx.group), ctx.rank)
-    out_f = y_f + state_correction(h_f, corr_f[0], corr_f[1], corr_f[2], z, corr_f[3], True)
-    out_b = y_b + state_correction(h_b, corr_b[0], corr_b[1], corr_b[2], z, corr_b[3], True, reverse=True)
+    out_f = y_f + forward.correction(x, before, z, h_f)
+    out_b = y_b + flipped.correction(x, after, z, h_b)
     w_out = mixer.out_proj.weight * 0.5 if mixer.divide_out else mixer.out_proj.weight
     out = project(w_out, (out_f + out_b).to(x.dtype)).transpose(1, 2)
     return out if mixer.out_proj.bias is None else out + mixer.out_proj.bias
@@ -268,7 +305,7 @@ def sequence_parallel_forward(model: VisionMamba, images: torch.Tensor, group=No
     cls_index = model._cls_index(tokens)
     ctx = _Context(group, split_bounds(tokens.shape[1], dist.get_world_size(group), lengths), backend)
     start, end = ctx.bounds[ctx.rank]
-    stream = tokens[:, start:end]
+    stream = tokens[:, start:end].clone()
     for i in range(len(model.layers)):
         stream = _block_step(model, i, stream, ctx)
     owner = next(r for r, (s, e) in enumerate(ctx.bounds) if s <= cls_index < e)
