@@ -26,8 +26,9 @@ Per block, on each rank (B batch, D = d_inner channels, N = d_state, K = d_conv,
       (``initial_states``: the combine of the pairs of the ranks before it; for the flipped direction of the ranks
       after it), and what starting from it adds to the output (``state_correction``). The LASP-2 scheme: one
       scan, one gather, no second pass.
-    * So per block each rank contributes 2(K-1)·B·D + 4·B·D·N elements (float32, float64 for a float64 model) to
-      two all-gathers and receives the W-1 other ranks' contributions. The backward all-reduces the gathered
+    * So per block each rank contributes 2(K-1)·B·D elements (the activations' dtype) and 4·B·D·N (float32;
+      float64 for a float64 model) to two all-gathers and receives the W-1 other ranks' contributions; none of it
+      grows with the number of tokens. The backward all-reduces the gathered
       gradients, W times a contribution (gloo has no reduce-scatter, which would need only one).
     * Every rank reads another rank's slot of both gathers (the ranks before it for the forward direction, after it
       for the flipped one), so every rank's backward reaches both collectives: a rank whose loss did not depend on a
@@ -45,10 +46,14 @@ Gradients
     every rank. An engine that averages over all data × sequence-parallel ranks (DeepSpeed with
     ``sequence_parallel_size``) gets the same without it.
 
+Memory
+    Each direction's two pieces (the scan from zero with its pair; the correction) run under activation
+    checkpointing, with no collective inside, so a rank keeps x, z, the halos and the states per block (as the
+    unsplit model's fused branch keeps x and z), not the (B, D, L_r, N) decays, which are recomputed in backward.
+
 Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
 collectives); kernels that take the initial state and return its gradient (the pair's S and the correction are
-plain PyTorch, each materialising a (B, D, L_r, N) tensor while it runs: they are recomputed in backward rather than
-kept); the engine's option.
+plain PyTorch over (B, D, L_r, N) tensors, much slower than the fused kernels); the engine's option.
 """
 from __future__ import annotations
 
@@ -186,15 +191,6 @@ class _Context:
     def __init__(self, group, bounds: Bounds, backend: str):
         self.group, self.bounds, self.backend = group, bounds, backend
         self.rank = dist.get_rank(group)
-
-
-def _scan_inputs(u, x_proj_weight, dt_proj_weight, d_state):
-    """u (after the conv and SiLU) -> the scan's delta, B, C (contiguous), as the fused branch computes them."""
-    dt_rank = dt_proj_weight.shape[1]
-    x_dbl = project(x_proj_weight, u)
-    delta = project(dt_proj_weight, x_dbl[:, :dt_rank])
-    return delta.contiguous(), x_dbl[:, dt_rank:dt_rank + d_state].contiguous(), \
-        x_dbl[:, dt_rank + d_state:].contiguous()
 
 
 class _Direction:
