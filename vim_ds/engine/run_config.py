@@ -277,10 +277,11 @@ class RunConfig:
     deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
 
     @classmethod
-    def from_namespace(cls, args) -> RunConfig:
+    def from_namespace(cls, namespace) -> RunConfig:
         """The typed config of parse_args' result: each option's value (lists of values as tuples, --model-kwargs
-        as a dict), and `lr_defaults` where parse_args set it. An option missing from `args` is a KeyError."""
-        values = vars(args)
+        as a dict), and `lr_defaults` where parse_args set it. An option missing from `namespace` is a KeyError.
+        The one place the command line's namespace becomes the config the engine reads (engine/run.py calls it)."""
+        values = vars(namespace)
         groups = {}
         for part in dataclasses.fields(cls):
             group = part.default_factory  # the group's class
@@ -294,6 +295,19 @@ class RunConfig:
 
     def groups(self) -> tuple:
         return tuple(getattr(self, part.name) for part in dataclasses.fields(self))
+
+    def replace(self, **changes) -> RunConfig:
+        """A copy with the fields `changes` names (by dest, in whichever group holds it) set to new values: what a
+        check resolves (the DeepSpeed config's file, an lr default lowered to the peak) without changing `self`."""
+        groups = {}
+        for part in dataclasses.fields(self):
+            group = getattr(self, part.name)
+            mine = {f.name: changes.pop(f.name) for f in dataclasses.fields(group) if f.name in changes}
+            if mine:
+                groups[part.name] = dataclasses.replace(group, **mine)
+        if changes:
+            raise TypeError(f"not fields of a RunConfig: {sorted(changes)}")
+        return dataclasses.replace(self, **groups)
 
 
 def _typed(f: dataclasses.Field, value):
