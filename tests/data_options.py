@@ -1,10 +1,12 @@
-"""The data layer's configs as a run fills them (`vim_ds.engine.components`), for tests that build datasets,
-transforms, loaders and Mixup without a run: `vim-ds train`'s defaults with some options changed (by dest)."""
+"""The data layer's configs as a run fills them (`vim_ds.engine.components`, from the run's RunConfig), for tests
+that build datasets, transforms, loaders and Mixup without a run: `vim-ds train`'s defaults with some options changed
+(by dest)."""
 from __future__ import annotations
 
 import argparse
 
 from vim_ds.engine import components
+from vim_ds.engine.run_config import RunConfig
 from vim_ds.engine.run_options import build_parser
 
 
@@ -16,13 +18,18 @@ def train_options(**changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
 
 
+def run_config(**changes) -> RunConfig:
+    """The same options as the typed config the engine reads."""
+    return RunConfig.from_namespace(train_options(**changes))
+
+
 def dataset_config(**changes):
-    return components.dataset_config(train_options(**changes))
+    return components.dataset_config(run_config(**changes))
 
 
 def transform_config(**changes):
-    return components.transform_config(train_options(**changes))
+    return components.transform_config(run_config(**changes))
 
 
 def loader_config(**changes):
-    return components.loader_config(train_options(**changes))
+    return components.loader_config(run_config(**changes))

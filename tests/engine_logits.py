@@ -14,14 +14,16 @@ import torch
 def main(argv):
     from vim_ds.engine import distributed
     from vim_ds.engine.parts import build_trainer
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    args = parse_args(argv)
-    dist_info = distributed.setup(args.local_rank)
-    trainer = build_trainer(args, dist_info)
-    trainer.resume(args.resume)
+    config = RunConfig.from_namespace(parse_args(argv))
+    dist_info = distributed.setup(config.run.local_rank)
+    trainer = build_trainer(config, dist_info)
+    trainer.resume(config.run.resume)
     torch.manual_seed(0)
-    x = torch.randn(4, 3, args.input_size, args.input_size)
+    size = config.model.input_size
+    x = torch.randn(4, 3, size, size)
     trainer.engine.module.eval()
     with torch.no_grad():
         logits = trainer.engine(x.to(dist_info.device)).float().cpu()  # every rank: ZeRO-3 gathers collectively

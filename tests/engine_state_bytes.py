@@ -15,10 +15,11 @@ def main(argv):
     from vim_ds.engine import distributed
     from vim_ds.engine.memory import state_bytes
     from vim_ds.engine.parts import build_trainer
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    args = parse_args(argv)
-    trainer = build_trainer(args, distributed.setup(args.local_rank))
+    config = RunConfig.from_namespace(parse_args(argv))
+    trainer = build_trainer(config, distributed.setup(config.run.local_rank))
     engine = trainer.engine
     images, targets, _ = next(iter(trainer.train_loader))
     loss = torch.nn.functional.cross_entropy(engine(images.to(trainer.dtype)).float(), targets)

@@ -122,7 +122,7 @@ from vim_ds.engine.run import run
 from vim_ds.engine.run_options import parse_args
 if os.environ.get("VIM_DS_NO_PREFLIGHT"):
     import vim_ds.engine.preflight as preflight
-    preflight.check = lambda args, is_main: None
+    preflight.check = lambda config, is_main: config
 for argv in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

@@ -186,6 +186,7 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
 
     from vim_ds.data import build_dataset
     from vim_ds.engine.components import dataset_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
     arch = dict(depth=2, embed_dim=32, patch_size=4, stride=4)
@@ -208,7 +209,8 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
         assert proc.returncode == 0, proc.stderr[-3000:]
         records.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
 
-    val, _ = build_dataset(dataset_config(parse_args(argv + ["--eval"], prog="vim-ds eval")), is_train=False)
+    config = RunConfig.from_namespace(parse_args(argv + ["--eval"], prog="vim-ds eval"))
+    val, _ = build_dataset(dataset_config(config), is_train=False)
     images = torch.stack([val[i][0] for i in range(len(val))])
     targets = torch.tensor([val[i][1] for i in range(len(val))])
 

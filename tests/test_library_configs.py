@@ -1,8 +1,11 @@
-"""The layers below the engine take configs, never the command line's namespace (issue 37, item 1): no function in
-vim_ds/data/, vim_ds/checkpoint/, vim_ds/models/ or vim_ds/ops/ has a parameter named `args`, and no code there
-reads `args.NAME` or `getattr(args, ...)`. `args` is the name of a parsed argparse namespace; only the commands hold
-one, and the engine turns it into the configs of the layers below (vim_ds/engine/components.py), so an option's
-default lives in the parser alone. Checked on the source (AST), like tests/test_layering.py checks the imports.
+"""No library module reads the command line's namespace (issue 37, item 1): no function in vim_ds/data/,
+vim_ds/checkpoint/, vim_ds/models/ or vim_ds/ops/ has a parameter named `args`, and no code there reads `args.NAME` or
+`getattr(args, ...)`; the same holds in vim_ds/engine/, but for its parser (run_options.py) and the commands' one call
+into it (run.run, which makes the typed RunConfig of the namespace first), and no engine object keeps a namespace
+(`self.args`). `args` is the name of a parsed argparse namespace; only the commands hold one. The engine reads the
+RunConfig (engine/run_config.py) and turns it into the configs of the layers below (vim_ds/engine/components.py), so
+an option's default lives in its definition alone. Checked on the source (AST), like tests/test_layering.py checks
+the imports.
 """
 from __future__ import annotations
 
@@ -84,3 +87,70 @@ def test_the_layers_below_the_engine_never_take_the_namespace():
     assert not problems, ("the layers below the engine take their config (TransformConfig, DatasetConfig, "
                           "LoaderConfig, MixupConfig, ModelConfig: vim_ds/engine/components.py builds them from "
                           "the options) or plain values, never the namespace:\n" + "\n".join(problems))
+
+
+# the commands' one call into the engine: its first statement turns the namespace into the RunConfig
+ENGINE_ENTRY = ("engine/run.py", "run")
+# the parser: the command side, which builds and checks the namespace
+ENGINE_PARSER = "engine/run_options.py"
+
+
+def engine_files():
+    return sorted(p for p in (PACKAGE_DIR / "engine").rglob("*.py")
+                  if p.relative_to(PACKAGE_DIR).as_posix() != ENGINE_PARSER)
+
+
+def _entry_uses_args_once_for_the_config(tree: ast.Module) -> bool:
+    """Whether the entry's body names `args` exactly once, as the argument of RunConfig.from_namespace."""
+    entry = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == ENGINE_ENTRY[1])
+    names = [node for statement in entry.body for node in ast.walk(statement)
+             if isinstance(node, ast.Name) and node.id == "args"]
+    calls = [node for statement in entry.body for node in ast.walk(statement)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "from_namespace" and [type(a) for a in node.args] == [ast.Name]
+             and node.args[0].id == "args"]
+    return len(names) == 1 and len(calls) == 1
+
+
+def held_namespaces(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each `self.args` or `trainer.args`: a namespace kept on an object (the Trainer's, once)."""
+    return [(node.lineno, f"{node.value.id}.args") for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr == "args" and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "trainer")]
+
+
+def test_the_engine_check_sees_a_held_namespace_and_a_second_use_in_the_entry():
+    """Negative control of the engine's two extra checks on small synthetic sources: a namespace kept on an object
+    (`self.args`, `trainer.args`) is reported and an exception's `.args` is not; the entry passes when its one use
+    of `args` makes the config, and fails when it reads the namespace again."""
+    held = '''
+class Trainer:
+    def fit(self): return self.args.epochs + trainer.args.seed
+def error(exc): return exc.args[0]
+'''
+    assert held_namespaces(held) == [(3, "self.args"), (3, "trainer.args")]
+    entry = "def run(args, prog):\n    config = RunConfig.from_namespace(args)\n    return config.run.eval\n"
+    assert _entry_uses_args_once_for_the_config(ast.parse(entry))
+    assert not _entry_uses_args_once_for_the_config(ast.parse(entry + "    return args.eval\n"))
+    assert not _entry_uses_args_once_for_the_config(ast.parse(entry.replace("from_namespace(args)", "vars(args)")))
+
+
+def test_the_engine_takes_the_run_config_not_the_namespace():
+    """The engine's modules (the parser aside) take the typed RunConfig (engine/run_config.py) or plain values: the
+    namespace reaches the engine at one call, engine/run.py's `run`, which makes the config of it first."""
+    assert engine_files(), f"no modules under {PACKAGE_DIR / 'engine'}"
+    problems = []
+    for path in engine_files():
+        name = path.relative_to(PACKAGE_DIR).as_posix()
+        source = path.read_text()
+        found = namespace_uses(source)
+        if name == ENGINE_ENTRY[0]:
+            entry = (ENGINE_ENTRY[1], f"def {ENGINE_ENTRY[1]}(... args ...)")
+            found = [use for use in found if (use[0], use[2]) != entry]
+            if not _entry_uses_args_once_for_the_config(ast.parse(source)):
+                problems.append(f"vim_ds/{name}: {ENGINE_ENTRY[1]} uses `args` other than once, in "
+                                f"RunConfig.from_namespace(args)")
+        problems += [f"vim_ds/{name}:{line}: {what} (in {function})" for function, line, what in found]
+        problems += [f"vim_ds/{name}:{line}: {what}" for line, what in held_namespaces(source)]
+    assert not problems, ("the engine reads its options from the RunConfig (config.optim.lr, config.run.output_dir), "
+                          "never from the namespace:\n" + "\n".join(problems))

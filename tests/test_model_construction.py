@@ -2,7 +2,7 @@
 the same run (issue 37, item 4).
 
 Our side: `vim_ds.engine.run_options.parse_args(["--config", RECIPE, ...])`, then
-`vim_ds.engine.components.model_config(args, classes).build()`, the call the trainer makes
+`vim_ds.engine.components.model_config(config, classes).build()` of its RunConfig, the call the trainer makes
 (vim_ds/engine/parts.py). The published side (tests/published_vim.py, which imports nothing from vim_ds): the
 recipe's `recipe: source:` script's options over main.py's defaults, main.py's create_model keyword arguments, the
 registered function's and VisionMamba's own defaults, and from those what VisionMamba.__init__ builds
@@ -75,12 +75,14 @@ def recipe_source(recipe: str) -> str:
 def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     """The model `vim-ds train --config RECIPE EXTRA...` trains, built by the trainer's own call."""
     from vim_ds.engine.components import model_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
     requires = recipe_file(recipe)["recipe"].get("requires") or ()
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one
     args = parse_args(["--config", recipe, "--data-path", "/nonexistent", *needs, *extra])
-    return model_config(args, classes).build()  # what parts.build_trainer calls (--finetune weights: loaded after)
+    # what parts.build_trainer calls (--finetune weights: loaded after)
+    return model_config(RunConfig.from_namespace(args), classes).build()
 
 
 def published_args(recipe: str, classes: int, size: dict | None = None, **options) -> dict:

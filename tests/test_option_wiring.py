@@ -140,11 +140,13 @@ def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, cap
 def test_synthetic_data_set_options_build_that_data_set():
     from vim_ds.data import build_dataset
     from vim_ds.engine.components import dataset_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    args = parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size", "30", "--input-size", "32"])
-    train, classes = build_dataset(dataset_config(args), is_train=True)
-    val, _ = build_dataset(dataset_config(args), is_train=False)
+    config = RunConfig.from_namespace(parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size",
+                                                  "30", "--input-size", "32"]))
+    train, classes = build_dataset(dataset_config(config), is_train=True)
+    val, _ = build_dataset(dataset_config(config), is_train=False)
     assert classes == 7 and len(train) == 30 and len(val) == 3
     image, target = train.load(0)
     assert image.shape == (3, 32, 32) and 0 <= target < 7
@@ -152,12 +154,15 @@ def test_synthetic_data_set_options_build_that_data_set():
 
 def test_model_option_builds_that_variant():
     from vim_ds.engine.components import model_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    small = model_config(parse_args(["--model", "vim_small", "--input-size", "32",
-                                     "--model-kwargs", "depth=1", "patch_size=8", "stride=8"]), 10).build()
-    tiny = model_config(parse_args(["--model-kwargs", "depth=1", "patch_size=8", "stride=8", "--input-size", "32"]),
-                        10).build()
+    def build(argv):
+        return model_config(RunConfig.from_namespace(parse_args(argv)), 10).build()
+
+    small = build(["--model", "vim_small", "--input-size", "32", "--model-kwargs", "depth=1", "patch_size=8",
+                   "stride=8"])
+    tiny = build(["--model-kwargs", "depth=1", "patch_size=8", "stride=8", "--input-size", "32"])
     assert small.embed_dim == 384 and tiny.embed_dim == 192  # vim_small's width; the control: the default vim_tiny
 
 

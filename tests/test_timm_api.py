@@ -362,11 +362,15 @@ def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypat
     from vim_ds import bench
     from vim_ds.bench import train as bench_train
     from vim_ds.engine.components import model_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
+    def build(argv):
+        return model_config(RunConfig.from_namespace(parse_args(argv)), 10).build()
+
     tiny = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=8", "stride=8", "--input-size", "32"]
-    assert model_config(parse_args(tiny + ["--grad-checkpointing"]), 10).build().grad_checkpointing is True
-    assert model_config(parse_args(tiny), 10).build().grad_checkpointing is False
+    assert build(tiny + ["--grad-checkpointing"]).grad_checkpointing is True
+    assert build(tiny).grad_checkpointing is False
 
     launched = []
 

@@ -16,6 +16,7 @@ import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, assert_same_state, config, digits80, run_train, train_env
 
 from vim_ds.engine import faults
+from vim_ds.engine.run_config import RunConfig
 from vim_ds.engine.trainer import Progress, Trainer
 
 # the client state of every vim_ds checkpoint, in this order (the order is part of the file's bytes)
@@ -40,7 +41,7 @@ def _assembled_trainer(**changes) -> Trainer:
                  engine=SimpleNamespace(engine=object(), kind="deepspeed", dtype=torch.float32, autocast_dtype=None,
                                         compile_what=None),
                  mixup=None, criterion=None, ema=None, checkpointer=None, run_id="abc")
-    return Trainer(SimpleNamespace(seed=0), SimpleNamespace(world_size=1, rank=0), **{**parts, **changes})
+    return Trainer(RunConfig(), SimpleNamespace(world_size=1, rank=0), **{**parts, **changes})
 
 
 def test_progress_is_the_checkpoint_position_with_the_keys_checkpoints_always_had():

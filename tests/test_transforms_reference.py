@@ -47,6 +47,7 @@ from vim_ds.data import build_dataset
 from vim_ds.data.datasets import erase_seed
 from vim_ds.data.mixup import build_mixup
 from vim_ds.engine.components import dataset_config, mixup_config
+from vim_ds.engine.run_config import RunConfig
 from vim_ds.engine.parts import build_criterion
 from vim_ds.engine.run_options import parse_args
 
@@ -87,6 +88,11 @@ def _args(folder: str, *argv: str):
     return parse_args(["--data-set", "folder", "--data-path", folder, *argv])
 
 
+def _config(folder: str, *argv: str) -> RunConfig:
+    """The same options as the typed config the engine reads."""
+    return RunConfig.from_namespace(_args(folder, *argv))
+
+
 def _decode(path: str) -> Image.Image:
     """What the published ImageFolder gives a transform: torchvision's default loader, PIL converted to RGB."""
     with Image.open(path) as image:
@@ -107,7 +113,7 @@ def _timm_own_ops():
 
 def _vim_ds_train(folder: str, argv) -> tuple[list, list]:
     """vim_ds's training samples for every (image, seed): (outputs, [(path, seed)])."""
-    dataset, _ = build_dataset(dataset_config(_args(folder, *argv)), is_train=True)
+    dataset, _ = build_dataset(dataset_config(_config(folder, *argv)), is_train=True)
     keys = [(i, seed) for i in range(len(dataset)) for seed in SEEDS]
     samples = [dataset[key] for key in keys]
     assert all(ok == 1 for _, _, ok in samples)
@@ -207,7 +213,7 @@ EVAL_CASES = {
 @pytest.mark.parametrize("case", list(EVAL_CASES))
 def test_eval_transform_equals_timm(image_folder, case):
     argv, size, ratio, controls = EVAL_CASES[case]
-    dataset, _ = build_dataset(dataset_config(_args(image_folder, *argv)), is_train=False)
+    dataset, _ = build_dataset(dataset_config(_config(image_folder, *argv)), is_train=False)
     ours = [dataset[i][0] for i in range(len(dataset))]
     paths = [path for path, _ in dataset.samples]
     published = dict(input_size=size, is_training=False, interpolation="bicubic", crop_pct=ratio)
@@ -264,7 +270,7 @@ def _same_mixing(a: Mixup, b: Mixup) -> bool:
 def test_mixup_equals_published_construction(case):
     argv, published, controls = MIXUP_CASES[case]
     args = _args("unused", *argv)
-    ours = build_mixup(mixup_config(args), micro_batch=8, num_classes=7)
+    ours = build_mixup(mixup_config(RunConfig.from_namespace(args)), micro_batch=8, num_classes=7)
     reference = Mixup(**published)
     assert isinstance(ours, Mixup) and vars(ours) == vars(reference)
     assert _same_mixing(ours, reference)
@@ -279,7 +285,7 @@ def test_no_mixup_when_published_recipe_has_none():
     """mixup_active = mixup > 0 or cutmix > 0 or cutmix_minmax is not None; without it, label smoothing (or plain
     cross entropy at 0) as the published main.py chooses."""
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0.2")
-    assert build_mixup(mixup_config(args), micro_batch=8, num_classes=7) is None
+    assert build_mixup(mixup_config(RunConfig.from_namespace(args)), micro_batch=8, num_classes=7) is None
     criterion = build_criterion(args.smoothing, None)
     assert type(criterion) is LabelSmoothingCrossEntropy and criterion.smoothing == 0.2
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0")

@@ -13,24 +13,26 @@ import sys
 def main(argv) -> int:
     from vim_ds.engine import distributed, faults, parts
     from vim_ds.engine.components import model_config
+    from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
     from vim_ds.engine.trainer import Trainer
 
-    args = parse_args(argv)
-    dist_info = distributed.setup(args.local_rank, args.dist_timeout)
+    config = RunConfig.from_namespace(parse_args(argv))
+    dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
     hook = faults.for_rank(dist_info.rank)
     # the order of parts.build_trainer: data, config, resume plan, mixup, loaders, weights (seeded), engine, ...
-    datasets = parts.build_datasets(args)
-    model_cfg = model_config(args, datasets.num_classes)
-    ds, lr = parts.build_ds_config(args, dist_info)
-    resume_path = parts.plan_resume(args, dist_info, ds, model_cfg, datasets)
-    mixup = parts.build_mixup(args, ds.batch, datasets.num_classes)
-    data = parts.build_data(args, dist_info, datasets, ds.batch, hook)
-    model, described = parts.build_model(args, dist_info, model_cfg, datasets, ds)
-    engine = parts.build_engine(args, dist_info, model, ds, data.steps_per_epoch)
-    trainer = Trainer(args, dist_info, data=data, ds=ds, lr=lr, model=described, engine=engine, mixup=mixup,
-                      criterion=parts.build_criterion(args.smoothing, mixup), ema=parts.build_ema(args, engine.engine),
-                      checkpointer=parts.build_checkpointer(args, dist_info, engine, hook),
+    datasets = parts.build_datasets(config)
+    model_cfg = model_config(config, datasets.num_classes)
+    ds, lr = parts.build_ds_config(config, dist_info)
+    resume_path = parts.plan_resume(config, dist_info, ds, model_cfg, datasets)
+    mixup = parts.build_mixup(config, ds.batch, datasets.num_classes)
+    data = parts.build_data(config, dist_info, datasets, ds.batch, hook)
+    model, described = parts.build_model(config, dist_info, model_cfg, datasets, ds)
+    engine = parts.build_engine(config, dist_info, model, ds, data.steps_per_epoch)
+    trainer = Trainer(config, dist_info, data=data, ds=ds, lr=lr, model=described, engine=engine, mixup=mixup,
+                      criterion=parts.build_criterion(config.augment.smoothing, mixup),
+                      ema=parts.build_ema(config, engine.engine),
+                      checkpointer=parts.build_checkpointer(config, dist_info, engine, hook),
                       run_id=parts.new_run_id(), resume_path=resume_path, fault_hook=hook)
     try:
         if trainer.resume_path:

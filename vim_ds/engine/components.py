@@ -1,7 +1,7 @@
-"""Where a run's parsed options become the configs of the layers below the engine: the one place the argparse
-namespace crosses into vim_ds.data (and the data naming of vim_ds.checkpoint) and vim_ds.models. Each function
-takes `args` as `run_options.parse_args` returns them and fills every field of one config; the library below never
-sees the namespace, and a default lives only in the parser."""
+"""Where a run's options become the configs of the layers below the engine: the one place the run's RunConfig
+(engine/run_config.py) crosses into vim_ds.data (and the data naming of vim_ds.checkpoint) and vim_ds.models. Each
+function takes the RunConfig and fills every field of one config; the library below never sees the run's options,
+and a default lives only in the options' definitions."""
 from __future__ import annotations
 
 from ..data.datasets import DatasetConfig
@@ -9,31 +9,48 @@ from ..data.loader import LoaderConfig
 from ..data.mixup import MixupConfig
 from ..data.transforms import TransformConfig
 from ..models import ModelConfig
+from .run_config import RunConfig
 
 
-def transform_config(args) -> TransformConfig:
-    return TransformConfig(input_size=args.input_size, eval_crop_ratio=args.eval_crop_ratio,
-                           scale=tuple(args.scale), ratio=tuple(args.ratio), hflip=args.hflip, aa=args.aa,
-                           color_jitter=args.color_jitter, train_interpolation=args.train_interpolation,
-                           reprob=args.reprob, remode=args.remode, recount=args.recount)
+def _run_config(config) -> RunConfig:
+    """`config` itself; a parsed namespace (what vim_ds/bench/data.py still hands over) becomes its RunConfig."""
+    return config if isinstance(config, RunConfig) else RunConfig.from_namespace(config)
 
 
-def dataset_config(args) -> DatasetConfig:
-    return DatasetConfig(data_set=args.data_set, data_path=args.data_path, nb_classes=args.nb_classes,
-                         synthetic_size=args.synthetic_size, seed=args.seed, transform=transform_config(args))
+def transform_config(config: RunConfig) -> TransformConfig:
+    config = _run_config(config)
+    model, augment = config.model, config.augment
+    return TransformConfig(input_size=model.input_size, eval_crop_ratio=config.data.eval_crop_ratio,
+                           scale=tuple(augment.scale), ratio=tuple(augment.ratio), hflip=augment.hflip,
+                           aa=augment.aa, color_jitter=augment.color_jitter,
+                           train_interpolation=augment.train_interpolation, reprob=augment.reprob,
+                           remode=augment.remode, recount=augment.recount)
 
 
-def loader_config(args) -> LoaderConfig:
-    return LoaderConfig(num_workers=args.num_workers, data_timeout=args.data_timeout)
+def dataset_config(config: RunConfig) -> DatasetConfig:
+    config = _run_config(config)
+    data = config.data
+    return DatasetConfig(data_set=data.data_set, data_path=data.data_path, nb_classes=data.nb_classes,
+                         synthetic_size=data.synthetic_size, seed=config.run.seed,
+                         transform=transform_config(config))
 
 
-def mixup_config(args) -> MixupConfig:
-    return MixupConfig(mixup=args.mixup, cutmix=args.cutmix, cutmix_minmax=args.cutmix_minmax,
-                       mixup_prob=args.mixup_prob, mixup_switch_prob=args.mixup_switch_prob,
-                       mixup_mode=args.mixup_mode, smoothing=args.smoothing)
+def loader_config(config: RunConfig) -> LoaderConfig:
+    config = _run_config(config)
+    return LoaderConfig(num_workers=config.data.num_workers, data_timeout=config.data.data_timeout)
 
 
-def model_config(args, num_classes: int) -> ModelConfig:
+def mixup_config(config: RunConfig) -> MixupConfig:
+    augment = _run_config(config).augment
+    # a list, as argparse gives it to the published main.py's Mixup
+    minmax = None if augment.cutmix_minmax is None else list(augment.cutmix_minmax)
+    return MixupConfig(mixup=augment.mixup, cutmix=augment.cutmix, cutmix_minmax=minmax,
+                       mixup_prob=augment.mixup_prob, mixup_switch_prob=augment.mixup_switch_prob,
+                       mixup_mode=augment.mixup_mode, smoothing=augment.smoothing)
+
+
+def model_config(config: RunConfig, num_classes: int) -> ModelConfig:
     """The model the options describe, with `num_classes` from the data."""
-    return ModelConfig(args.model, num_classes, args.input_size, dict(args.model_kwargs), drop=args.drop,
-                       drop_path=args.drop_path, grad_checkpointing=args.grad_checkpointing)
+    model = _run_config(config).model
+    return ModelConfig(model.model, num_classes, model.input_size, dict(model.model_kwargs), drop=model.drop,
+                       drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .run_config import RunConfig
 
 
 def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
@@ -66,7 +67,7 @@ def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_s
             "images": int(count), "bad_images": int(bad)}
 
 
-def load_eval_weights(args, model, classes: list | None = None) -> dict | None:
+def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> dict | None:
     """Put the weights to evaluate into `model`; return the EMA state dict when the source has one. `classes`: the
     validation set's class names, refused when the weights record other ones (their labels would mean other
     classes: a score of other classes' images)."""
@@ -76,11 +77,11 @@ def load_eval_weights(args, model, classes: list | None = None) -> dict | None:
     from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
     from .components import dataset_config
 
-    source = args.resume or args.finetune
+    source = config.run.resume or config.model.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
     fix = "evaluate it on the data it was trained on"
-    data = class_names.data_source(dataset_config(args))
+    data = class_names.data_source(dataset_config(config))
     if os.path.isdir(source):
         save_dir, tag = deepspeed_dir.resolve(source)
         class_names.check(source, class_names.recorded(client_state(os.path.join(save_dir, tag), mmap=True)),
@@ -100,7 +101,7 @@ def load_eval_weights(args, model, classes: list | None = None) -> dict | None:
     return ema
 
 
-def evaluate_weights(args, dist_info) -> dict:
+def evaluate_weights(config: RunConfig, dist_info) -> dict:
     """`vim-ds eval`: score the weights of `--resume`/`--finetune` (and their EMA weights, when saved) on the
     validation set, the model replicated on every rank and the set sharded; rank 0 logs the record."""
     from ..data import ShardedEvalSampler, build_dataset
@@ -112,22 +113,23 @@ def evaluate_weights(args, dist_info) -> dict:
     from .metrics import MetricsLog
     from .components import model_config
 
-    data = dataset_config(args)
+    data = dataset_config(config)
     val_set, num_classes = build_dataset(data, is_train=False)
-    model = model_config(args, num_classes).build()
-    ema_state = load_eval_weights(args, model, [str(c) for c in getattr(val_set, "classes", None) or []])
-    precision = args.precision or "fp32"
+    model = model_config(config, num_classes).build()
+    ema_state = load_eval_weights(config, model, [str(c) for c in getattr(val_set, "classes", None) or []])
+    precision = config.optim.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":
         raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")
     dtype, autocast = PRECISION_DTYPES[precision], autocast_dtype(precision)
     model = model.to(dist_info.device, dtype).eval()
-    batch = max(1, int(1.5 * (args.batch_size or 64)))
+    batch = max(1, int(1.5 * (config.optim.batch_size or 64)))
     loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
                                                       world_size=dist_info.world_size),
-                          loader_config(args), "val", local_world_size=dist_info.local_world_size,
+                          loader_config(config), "val", local_world_size=dist_info.local_world_size,
                           stall_at=faults.for_rank(dist_info.rank).loader("val")["stall_at"])
-    shape = (3, args.input_size, args.input_size)
-    record = {"step": None, "epoch": None, "source": args.resume or args.finetune}
+    size = config.model.input_size
+    shape = (3, size, size)
+    record = {"step": None, "epoch": None, "source": config.run.resume or config.model.finetune}
     record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape,
                                                                     autocast).items()})
     if ema_state is not None:
@@ -135,7 +137,7 @@ def evaluate_weights(args, dist_info) -> dict:
         ema = evaluate(model, loader, dist_info.device, dtype, shape, autocast)
         record.update({f"ema_eval_{k}": v for k, v in ema.items() if k in ("acc1", "acc5", "loss")})
     if dist_info.is_main:
-        log = MetricsLog(args.output_dir, True, total_steps=0)
+        log = MetricsLog(config.run.output_dir, True, total_steps=0)
         log.evaluation(record)
         log.close()
     return record

@@ -55,11 +55,12 @@ def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
     return sha256_file(path)
 
 
-def apply(args, model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo) -> dict:
-    """Load --init-weights on every rank, or write --save-init-weights on rank 0; every rank learns whether all
-    succeeded (one collective), so a file missing on one node stops the whole job with its message instead of
-    leaving the other ranks waiting in the engine's first collective. Returns what metrics.jsonl records."""
-    load, save = getattr(args, "init_weights", ""), getattr(args, "save_init_weights", "")
+def apply(model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo, *, load: str = "",
+          save: str = "") -> dict:
+    """Load `load` (--init-weights) on every rank, or write `save` (--save-init-weights) on rank 0; every rank learns
+    whether all succeeded (one collective), so a file missing on one node stops the whole job with its message
+    instead of leaving the other ranks waiting in the engine's first collective. Returns what metrics.jsonl
+    records."""
     if not (load or save):
         return {}
     digest, error = None, ""

@@ -84,16 +84,16 @@ def train_arguments(config_path: str, *, nproc: int, model: str, model_kwargs: d
     epoch, evaluation only at the end, EMA on (it is part of the training loop)."""
     total = steps + warmup
     global_batch = batch_size * nproc * describe_config(config_path)["accum"]
-    args = ["--deepspeed_config", config_path, "--data-set", "synthetic",
+    argv = ["--deepspeed_config", config_path, "--data-set", "synthetic",
             "--synthetic-size", str(synthetic_size(global_batch, total)), "--nb-classes", str(nb_classes),
             "--model", model, "--input-size", str(input_size), "--batch-size", str(batch_size),
             "--epochs", "1", "--max-steps", str(total), "--num_workers", str(workers), "--model-ema",
             "--output_dir", out_dir, "--log-interval", str(max(1, total // 4))]
     if precision:
-        args += ["--precision", precision]
+        argv += ["--precision", precision]
     if model_kwargs:
-        args += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
-    return args + [str(a) for a in extra_args]
+        argv += ["--model-kwargs", *[f"{k}={v}" for k, v in model_kwargs.items()]]
+    return argv + [str(a) for a in extra_args]
 
 
 def _run_group(cmd: list[str], timeout: float | None, env: dict) -> tuple[int | None, str, str]:

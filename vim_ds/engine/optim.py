@@ -6,6 +6,12 @@ needed to read checkpoints) and a scheduler, which it steps once per optimizer s
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .run_config import OptimOptions
+
 
 def scaled_lr(base_lr: float, global_batch: int, unscale: bool = False) -> float:
     """DeiT's linear scaling rule: the lr given on the command line is for a global batch of 512."""
@@ -48,12 +54,12 @@ class PerStepScheduler:
         self.schedule.step_update(self.num_updates)
 
 
-def ds_auto_values(args, batch) -> dict:
-    """The command line's values for a DeepSpeed config's "auto" entries ({dotted.path: value}), the lr scaled to
-    the resolved global batch (`batch`: ds_config.BatchSizes)."""
-    return {"optimizer.params.lr": scaled_lr(args.lr, batch.global_, args.unscale_lr),
-            "optimizer.params.weight_decay": args.weight_decay, "optimizer.params.betas": list(args.opt_betas),
-            "optimizer.params.eps": args.opt_eps, "gradient_clipping": args.clip_grad or 0.0}
+def ds_auto_values(optim: OptimOptions, batch) -> dict:
+    """The run's values (its optimisation options) for a DeepSpeed config's "auto" entries ({dotted.path: value}),
+    the lr scaled to the resolved global batch (`batch`: ds_config.BatchSizes)."""
+    return {"optimizer.params.lr": scaled_lr(optim.lr, batch.global_, optim.unscale_lr),
+            "optimizer.params.weight_decay": optim.weight_decay, "optimizer.params.betas": list(optim.opt_betas),
+            "optimizer.params.eps": optim.opt_eps, "gradient_clipping": optim.clip_grad or 0.0}
 
 
 def schedule_error(peak: float, min_lr: float, warmup_lr: float | None) -> str | None:
@@ -73,30 +79,31 @@ _SCHEDULE_ENDS = (("min_lr", "--min-lr", "the cosine schedule would raise the lr
                    "the warmup's start", "or --warmup-epochs 0 for no warmup"))
 
 
-def check_lr_settings(args, peak: float, peak_from: str, fix: str) -> list[str]:
+def check_lr_settings(optim: OptimOptions, peak: float, peak_from: str,
+                      fix: str) -> tuple[OptimOptions, list[str]]:
     """Learning-rate settings that contradict each other, found once the peak lr is known (after the batch
     scaling, or the DeepSpeed config's own number): a --min-lr, or with a warmup a --warmup-lr, above the peak.
 
     A value given (on the command line or in a --config file) is refused with a ValueError naming the values and
-    the fix. The built-in default (args.lr_defaults, set by parse_args: the recipe's 1e-5 / 1e-6, meant for a
-    global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, on `args`, and
-    the returned note says so: a user who never chose the floor is not refused for a small batch, and the lr never
-    rises. `peak_from` says where the peak comes from; `fix` how to raise it."""
+    the fix. The built-in default (optim.lr_defaults, set by parse_args: the recipe's 1e-5 / 1e-6, meant for a
+    global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, and a note says
+    so: a user who never chose the floor is not refused for a small batch, and the lr never rises. Returns the
+    options with any default lowered (`optim` itself is frozen) and the notes. `peak_from` says where the peak
+    comes from; `fix` how to raise it."""
     notes = []
-    defaulted = getattr(args, "lr_defaults", ())
     for dest, option, effect, role, hint in _SCHEDULE_ENDS:
-        value = getattr(args, dest)
-        if value is None or value <= peak or (dest == "warmup_lr" and not args.warmup_epochs > 0):
+        value = getattr(optim, dest)
+        if value is None or value <= peak or (dest == "warmup_lr" and not optim.warmup_epochs > 0):
             continue
-        if dest in defaulted:
-            setattr(args, dest, peak)
+        if dest in optim.lr_defaults:
+            optim = dataclasses.replace(optim, **{dest: peak})
             notes.append(f"note: the default {option} {value:g} is above this run's peak lr {peak:g} ({peak_from}): "
                          f"{role} is lowered to {_exact(peak)}, so the lr never rises; give {option} to choose it "
                          f"({hint})")
             continue
         raise ValueError(f"{option} {value:g} is above the peak lr {peak:g} ({peak_from}): {effect}; give {option} "
                          f"at most {_exact(peak)} ({hint}){fix}")
-    return notes
+    return optim, notes
 
 
 def _exact(value: float) -> str:
@@ -104,16 +111,16 @@ def _exact(value: float) -> str:
     return next((text for text in (f"{value:.{p}g}" for p in range(6, 18)) if float(text) == value), repr(value))
 
 
-def peak_lr(args, prepared) -> tuple[float, str, str]:
+def peak_lr(optim: OptimOptions, prepared) -> tuple[float, str, str]:
     """(the optimizer's peak lr, where it comes from, how to raise it) for a prepared DeepSpeed config
     (ds_config.PreparedConfig): its optimizer.params.lr, a number written in the JSON winning over --lr."""
-    scaled = scaled_lr(args.lr, prepared.batch.global_, args.unscale_lr)
+    scaled = scaled_lr(optim.lr, prepared.batch.global_, optim.unscale_lr)
     params = prepared.config.get("optimizer", {}).get("params", {})
     lr = params.get("lr", scaled)
     if "lr" in params and "optimizer.params.lr" not in prepared.filled:  # a number the JSON holds
         return lr, f"optimizer.params.lr in {prepared.source}, which wins over --lr", \
             f", or a larger optimizer.params.lr in {prepared.source}"
-    if args.unscale_lr:
-        return lr, f"--lr {args.lr:g}, --unscale-lr", ", or a larger --lr"
-    return lr, f"--lr {args.lr:g} x global batch {prepared.batch.global_} / 512", \
+    if optim.unscale_lr:
+        return lr, f"--lr {optim.lr:g}, --unscale-lr", ", or a larger --lr"
+    return lr, f"--lr {optim.lr:g} x global batch {prepared.batch.global_} / 512", \
         ", or a larger --lr (or --unscale-lr to use --lr as it is)"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import difflib
 
-from .run_config import OPTIONS, Option
+from .run_config import OPTIONS, Option, RunConfig
 
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
 META_KEY = "recipe"
@@ -38,16 +38,16 @@ SCHEDULE_OPTIONS = ("lr", "unscale_lr", "min_lr", "warmup_lr", "warmup_epochs", 
 SETTABLE = sorted(dest for dest in OPTIONS if dest not in NOT_RECORDED)  # the keys a file may set
 
 
-def _derived_data_timeout(args) -> float:
+def _derived_data_timeout(values: dict) -> float:
     from .distributed import default_data_timeout
 
-    return default_data_timeout(args.dist_timeout)
+    return default_data_timeout(values["dist_timeout"])
 
 
 # options that run_options.parse_args derives from others when not given: recorded as null (not given) when they hold
 # the derived value, so that a run started from the record with, say, another --dist-timeout or --engine derives
-# them again instead of being refused for a value nobody gave
-DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda args: args.engine == "deepspeed"}
+# them again instead of being refused for a value nobody gave; each is a function of the options' values (by dest)
+DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda values: values["engine"] == "deepspeed"}
 
 
 def option_name(dest: str) -> str:
@@ -242,19 +242,20 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
             f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
-def record(args: argparse.Namespace) -> dict:
-    """The effective options of a run as a YAML-ready mapping (tuples as lists), in the order of --help (the options
-    are engine/run_config.py's)."""
+def record(config: RunConfig) -> dict:
+    """The effective options of a run (its RunConfig) as a YAML-ready mapping (tuples as lists), in the order of
+    --help (the options are engine/run_config.py's)."""
     from . import shipped_configs
 
+    values = config.to_dict()
     out = {}
     for dest in OPTIONS:
-        if dest in NOT_RECORDED or not hasattr(args, dest):
+        if dest in NOT_RECORDED:
             continue
-        value = getattr(args, dest)
+        value = values[dest]
         if dest == "deepspeed_config" and not value:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
-        elif dest in DERIVED and value == DERIVED[dest](args):
+        elif dest in DERIVED and value == DERIVED[dest](values):
             # derived from other options by run_options.parse_args: derived again from the file's other values
             value = None
         out[dest] = _plain(value)

@@ -25,6 +25,7 @@ import socket
 import time
 
 from . import distributed
+from .run_config import RunConfig, RunOptions
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process
@@ -147,10 +148,10 @@ def _unwritable(save_dir: str, create: bool = True) -> str | None:
     return None
 
 
-def _earlier_run(args) -> str | None:
-    newest = None if args.resume else _earlier_checkpoints(args.output_dir)
+def _earlier_run(run: RunOptions) -> str | None:
+    newest = None if run.resume else _earlier_checkpoints(run.output_dir)
     if newest:
-        return (f"{args.output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
+        return (f"{run.output_dir} holds the checkpoints of an earlier run (newest: {newest}); continue it with "
                 f"--resume auto, or start anew with another --output_dir")
     return None
 
@@ -175,44 +176,49 @@ def overwritten_by_resume(output_dir: str, tag_dir: str) -> list[str]:
     return newer
 
 
-def resume_overwrite_error(args, tag_dir: str) -> str | None:
-    """Why resuming `tag_dir` into args.output_dir is refused (see `overwritten_by_resume`), or None."""
-    if not args.output_dir or args.eval:
+def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
+    """Why resuming `tag_dir` into the run's --output_dir is refused (see `overwritten_by_resume`), or None."""
+    run = config.run
+    if not run.output_dir or run.eval:
         return None
-    newer = overwritten_by_resume(args.output_dir, tag_dir)
+    newer = overwritten_by_resume(run.output_dir, tag_dir)
     if not newer:
         return None
     from ..checkpoint import deepspeed_dir
 
     step = deepspeed_dir.tag_step(os.path.basename(tag_dir))
-    how = "`latest` names" if args.resume == "auto" or not deepspeed_dir.is_tag_dir(args.resume) else "--resume"
+    how = "`latest` names" if run.resume == "auto" or not deepspeed_dir.is_tag_dir(run.resume) else "--resume"
     shown = ", ".join(newer[-3:]) + (f" and {len(newer) - 3} more" if len(newer) > 3 else "")
-    return (f"{how} {tag_dir} (step {step}), but {os.path.join(args.output_dir, 'checkpoints')} holds newer "
+    return (f"{how} {tag_dir} (step {step}), but {os.path.join(run.output_dir, 'checkpoints')} holds newer "
             f"complete checkpoints ({shown}) that this run would write over and prune; to branch from step {step}, "
             f"resume it with another --output_dir (the checkpoint is read where it is, the new run's are written "
-            f"there); to continue the newest, --resume {os.path.join(args.output_dir, 'checkpoints', newer[-1])}")
+            f"there); to continue the newest, --resume {os.path.join(run.output_dir, 'checkpoints', newer[-1])}")
 
 
-def check(args) -> str | None:
-    """Why `args.output_dir` cannot take this run (an earlier run's checkpoints without --resume; not writable),
-    or None: what `claim` finds, without taking the lock, for any rank to tell before the process group exists."""
-    if not args.output_dir or args.eval:
+def check(config: RunConfig) -> str | None:
+    """Why the run's --output_dir cannot take this run (an earlier run's checkpoints without --resume; not
+    writable), or None: what `claim` finds, without taking the lock, for any rank to tell before the process group
+    exists."""
+    run = config.run
+    if not run.output_dir or run.eval:
         return None
-    problem = _earlier_run(args)
-    if problem or getattr(args, "engine", "deepspeed") != "deepspeed":  # the baselines save nothing
+    problem = _earlier_run(run)
+    # the baselines save nothing
+    if problem or run.engine != "deepspeed":
         return problem
-    return _unwritable(os.path.join(args.output_dir, "checkpoints"), create=False)
+    return _unwritable(os.path.join(run.output_dir, "checkpoints"), create=False)
 
 
-def claim(args, dist_info) -> None:
+def claim(config: RunConfig, dist_info) -> None:
     """Refuse (ValueError, on every rank) a folder holding another run's checkpoints, in use by a live run, or
     where checkpoints cannot be written (found now, not at the first save after hours of training)."""
-    output_dir = args.output_dir
-    if not output_dir or args.eval:
+    run = config.run
+    output_dir = run.output_dir
+    if not output_dir or run.eval:
         return
     error = None
     if dist_info.is_main:
-        error = _earlier_run(args)
+        error = _earlier_run(run)
         if not error:
             try:
                 error, note = _lock(output_dir)
@@ -221,7 +227,7 @@ def claim(args, dist_info) -> None:
             if note:
                 print(note, flush=True)
             # the baselines save nothing
-            if not error and getattr(args, "engine", "deepspeed") == "deepspeed":
+            if not error and run.engine == "deepspeed":
                 error = _unwritable(os.path.join(output_dir, "checkpoints"))
     error = distributed.broadcast_object(error)
     if error:

@@ -1,5 +1,5 @@
-"""The parts of a training run, each built by a small function from the parsed options (`args`, as
-`run_options.parse_args` returns them) and the rank's `DistInfo`: the data, the DeepSpeed config, the resume plan, the
+"""The parts of a training run, each built by a small function from the run's options (its `config`, a
+`run_config.RunConfig`) and the rank's `DistInfo`: the data, the DeepSpeed config, the resume plan, the
 model, the engine (DeepSpeed, or a DDP/FSDP baseline) with its schedule, the loss, the EMA and the checkpointer.
 `build_trainer` builds them in the order a run needs and hands them to `Trainer`, which only runs the loop.
 
@@ -10,6 +10,7 @@ every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from . import distributed, faults
 from .components import dataset_config, loader_config, mixup_config, model_config
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .errors import first_line
+from .run_config import RunConfig
 from .trainer import Trainer, seed_everything
 
 
@@ -71,46 +73,50 @@ class Engine:
     compile_what: str | None
 
 
-def build_datasets(args) -> Datasets:
+def build_datasets(config: RunConfig) -> Datasets:
     from ..data import build_dataset
 
-    config = dataset_config(args)
-    train_set, num_classes = build_dataset(config, is_train=True)
-    val_set, _ = build_dataset(config, is_train=False)
-    return Datasets(config, train_set, val_set, num_classes,
+    data = dataset_config(config)
+    train_set, num_classes = build_dataset(data, is_train=True)
+    val_set, _ = build_dataset(data, is_train=False)
+    return Datasets(data, train_set, val_set, num_classes,
                     [str(name) for name in getattr(train_set, "classes", None) or []])
 
 
-def build_ds_config(args, dist_info: distributed.DistInfo):
+def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo):
     """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
     from (a number written in the JSON wins over the command line)."""
     from .ds_config import prepare_ds_config
     from .optim import ds_auto_values, peak_lr
 
-    if not args.deepspeed_config:
+    optim = config.optim
+    if not config.deepspeed.deepspeed_config:
         raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
-    ds = prepare_ds_config(args.deepspeed_config, world_size=dist_info.world_size,
-                           device_type=dist_info.device.type, micro_batch=args.batch_size,
-                           accum_steps=args.accum_steps, precision=args.precision,
-                           auto_values=lambda batch: ds_auto_values(args, batch))
-    return ds, peak_lr(args, ds)[0]
+    ds = prepare_ds_config(config.deepspeed.deepspeed_config, world_size=dist_info.world_size,
+                           device_type=dist_info.device.type, micro_batch=optim.batch_size,
+                           accum_steps=optim.accum_steps, precision=optim.precision,
+                           auto_values=lambda batch: ds_auto_values(optim, batch))
+    return ds, peak_lr(optim, ds)[0]
 
 
-def print_lr_notes(args, ds, dist_info: distributed.DistInfo):
-    """As the preflight did: the lr floor and the warmup start against the peak."""
+def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConfig:
+    """As the preflight did: the lr floor and the warmup start against the peak (notes on the first rank). Returns
+    the config the schedule is built from, with a default floor or start lowered to the peak."""
     from .optim import check_lr_settings, peak_lr
 
-    for note in check_lr_settings(args, *peak_lr(args, ds)):
+    optim, notes = check_lr_settings(config.optim, *peak_lr(config.optim, ds))
+    for note in notes:
         if dist_info.is_main:
             print(note, flush=True)
+    return dataclasses.replace(config, optim=optim)
 
 
-def auto_resume_path(args) -> str:
+def auto_resume_path(output_dir: str) -> str:
     from ..checkpoint import deepspeed_dir
 
-    if not args.output_dir:
+    if not output_dir:
         raise ValueError("--resume auto looks in --output_dir; none was given")
-    save_dir = os.path.join(args.output_dir, "checkpoints")
+    save_dir = os.path.join(output_dir, "checkpoints")
     if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
         return save_dir
     interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
@@ -120,7 +126,7 @@ def auto_resume_path(args) -> str:
     return ""  # nothing saved yet: start from scratch
 
 
-def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: Datasets) -> str:
+def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cfg, datasets: Datasets) -> str:
     """The checkpoint directory to resume ('' for none), decided before the engine exists: a ZeRO-1/2/3
     checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
     conversion, and the engine is configured (in `ds`) to load it so."""
@@ -129,11 +135,11 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
     from ..checkpoint.files import CheckpointError, sniff
     from .checkpointing import universal_copy
 
-    path = args.resume
-    if not path or args.eval:
+    path = config.run.resume
+    if not path or config.run.eval:
         return ""
     if path == "auto":
-        path = auto_resume_path(args)
+        path = auto_resume_path(config.run.output_dir)
     elif path.endswith((".pth", ".pt", ".bin", ".safetensors")) or (os.path.isfile(path) and sniff(path)[0]):
         raise CheckpointError(f"--resume {path}: a weights file has no optimizer state; use "
                               f"--finetune {path} to start from it (or --eval to evaluate it)")
@@ -166,7 +172,7 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
     # a branch from an older step: never over a newer one
     from .output_dir import resume_overwrite_error
 
-    problem = resume_overwrite_error(args, tag_dir)
+    problem = resume_overwrite_error(config, tag_dir)
     if problem:
         raise CheckpointError(problem)
     if already_universal:
@@ -185,96 +191,102 @@ def plan_resume(args, dist_info: distributed.DistInfo, ds, model_cfg, datasets: 
     return os.path.join(save_dir, universal)
 
 
-def build_mixup(args, batch, num_classes: int):
+def build_mixup(config: RunConfig, batch, num_classes: int):
     from ..data import mixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
 
-    return mixup.build_mixup(mixup_config(args), batch.micro, num_classes)
+    return mixup.build_mixup(mixup_config(config), batch.micro, num_classes)
 
 
-def build_loader(args, dist_info: distributed.DistInfo, dataset, batch_sampler, name: str,
+def build_loader(config: RunConfig, dist_info: distributed.DistInfo, dataset, batch_sampler, name: str,
                  fault_hook: faults.FaultHook):
     # workers from a fork server, --data-timeout: see build_loader's docstring
     from ..data import loader
 
-    return loader.build_loader(dataset, batch_sampler, loader_config(args), name,
+    return loader.build_loader(dataset, batch_sampler, loader_config(config), name,
                                local_world_size=dist_info.local_world_size, persistent=True,
-                               pin_memory=args.pin_mem and dist_info.device.type != "cpu",
+                               pin_memory=config.data.pin_mem and dist_info.device.type != "cpu",
                                leave_signals_to_owner=True, **fault_hook.loader(name))
 
 
-def build_data(args, dist_info: distributed.DistInfo, datasets: Datasets, batch,
+def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Datasets, batch,
                fault_hook: faults.FaultHook) -> Data:
     """The sampler and loaders of `datasets` for the global batch `batch` (ds_config.BatchSizes)."""
     from ..data import GlobalBatchSampler, ShardedEvalSampler
 
     sampler = GlobalBatchSampler(len(datasets.train_set), micro_batch=batch.micro, accum_steps=batch.accum,
-                                 rank=dist_info.rank, world_size=dist_info.world_size, seed=args.seed,
-                                 repeats=3 if args.repeated_aug else 1)
+                                 rank=dist_info.rank, world_size=dist_info.world_size, seed=config.run.seed,
+                                 repeats=3 if config.augment.repeated_aug else 1)
     steps_per_epoch = sampler.steps_per_epoch
-    total_steps = args.epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-    train_loader = build_loader(args, dist_info, datasets.train_set, sampler, "train", fault_hook)
+    total_steps = config.optim.epochs * steps_per_epoch
+    if config.optim.max_steps:
+        total_steps = min(total_steps, config.optim.max_steps)
+    train_loader = build_loader(config, dist_info, datasets.train_set, sampler, "train", fault_hook)
     eval_batch = max(1, int(1.5 * batch.micro))
-    val_loader = build_loader(args, dist_info, datasets.val_set, ShardedEvalSampler(
+    val_loader = build_loader(config, dist_info, datasets.val_set, ShardedEvalSampler(
         len(datasets.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size), "val",
         fault_hook)
     return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
 
 
-def build_model(args, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds) -> tuple:
+def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds) -> tuple:
     """(the model with its initial weights, Model): the same weights on every rank (drawn after
-    `seed_everything(args.seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights)."""
-    seed_everything(args.seed)  # identical initial weights on every rank
+    `seed_everything(--seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights)."""
+    options = config.model
+    # identical initial weights on every rank
+    seed_everything(config.run.seed)
     model = model_cfg.build()
-    if args.finetune:
+    if options.finetune:
         # refused: a head for other names
         from ..checkpoint.class_names import data_source, load_finetune_weights
 
-        note = load_finetune_weights(model, args.finetune, datasets.classes, data_source(datasets.config))
+        note = load_finetune_weights(model, options.finetune, datasets.classes, data_source(datasets.config))
         if note and dist_info.is_main:
             print(note, flush=True)
     # --init-weights / --save-init-weights, before the engine copies the weights
     from . import init_weights
 
-    info = init_weights.apply(args, model, {
+    info = init_weights.apply(model, {
         **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
-        "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info)
+        "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info,
+        load=options.init_weights, save=options.save_init_weights)
     return model, Model(model_cfg, sum(p.numel() for p in model.parameters()), info)
 
 
-def build_scheduler(args, steps_per_epoch: int):
+def build_scheduler(config: RunConfig, steps_per_epoch: int):
     """The per-step lr schedule, as a function of the optimizer (the engine builds the optimizer)."""
     from .optim import PerStepScheduler
 
-    warmup_steps = int(round(args.warmup_epochs * steps_per_epoch))
+    optim = config.optim
+    warmup_steps = int(round(optim.warmup_epochs * steps_per_epoch))
 
     def scheduler(optimizer):
-        return PerStepScheduler(optimizer, total_steps=args.epochs * steps_per_epoch,
-                                warmup_steps=warmup_steps, warmup_lr=args.warmup_lr, min_lr=args.min_lr)
+        return PerStepScheduler(optimizer, total_steps=optim.epochs * steps_per_epoch,
+                                warmup_steps=warmup_steps, warmup_lr=optim.warmup_lr, min_lr=optim.min_lr)
 
     return scheduler
 
 
-def build_engine(args, dist_info: distributed.DistInfo, model: torch.nn.Module, ds, steps_per_epoch: int) -> Engine:
+def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torch.nn.Module, ds,
+                 steps_per_epoch: int) -> Engine:
     """The DeepSpeed engine (compiled with --compile), or with --engine ddp/fsdp the PyTorch baseline of
     `vim-ds zero-compare`: the same model, parameter groups, data, loss and schedule."""
     from ..models import param_groups
 
-    scheduler = build_scheduler(args, steps_per_epoch)
-    kind = args.engine
+    scheduler = build_scheduler(config, steps_per_epoch)
+    kind, weight_decay = config.run.engine, config.optim.weight_decay
     dtype = PRECISION_DTYPES[ds.precision]
     if kind == "deepspeed":
         import deepspeed
 
         engine, _, _, lr_scheduler = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, args.weight_decay), config=ds.config,
+            model=model, model_parameters=param_groups(model, weight_decay), config=ds.config,
             lr_scheduler=scheduler)
-        what = compile_engine(engine, ds, args.compile_backend) if args.compile else None
+        compiled = config.model.compile
+        what = compile_engine(engine, ds, config.model.compile_backend) if compiled else None
         return Engine(engine, lr_scheduler, kind, dtype, autocast_dtype(ds.precision), what)
     from .baselines import TorchEngine
 
-    engine = TorchEngine(kind, model, param_groups(model, args.weight_decay), ds, dist_info.device, scheduler)
+    engine = TorchEngine(kind, model, param_groups(model, weight_decay), ds, dist_info.device, scheduler)
     # fp32 parameters (bf16: under autocast)
     return Engine(engine, engine.scheduler, kind, torch.float32, autocast_dtype(ds.precision), None)
 
@@ -321,20 +333,23 @@ def build_criterion(smoothing: float, mixup):
     return torch.nn.CrossEntropyLoss()
 
 
-def build_ema(args, engine):
+def build_ema(config: RunConfig, engine):
     from .ema import ShardedEMA
 
-    return ShardedEMA(engine.module, args.model_ema_decay) if args.model_ema else None
+    model = config.model
+    return ShardedEMA(engine.module, model.model_ema_decay) if model.model_ema else None
 
 
-def build_checkpointer(args, dist_info: distributed.DistInfo, engine: Engine, fault_hook: faults.FaultHook):
+def build_checkpointer(config: RunConfig, dist_info: distributed.DistInfo, engine: Engine,
+                       fault_hook: faults.FaultHook):
     """The checkpointer of --output_dir (None without one; the baselines save nothing)."""
     from .checkpointing import Checkpointer
 
-    if not (args.output_dir and engine.kind == "deepspeed"):
+    run = config.run
+    if not (run.output_dir and engine.kind == "deepspeed"):
         return None
-    return Checkpointer(engine.engine, os.path.join(args.output_dir, "checkpoints"), dist_info.rank,
-                        args.keep_checkpoints, fault_hook)
+    return Checkpointer(engine.engine, os.path.join(run.output_dir, "checkpoints"), dist_info.rank,
+                        run.keep_checkpoints, fault_hook)
 
 
 def new_run_id() -> str:
@@ -345,24 +360,25 @@ def new_run_id() -> str:
     return distributed.broadcast_object(uuid.uuid4().hex[:16])
 
 
-def build_trainer(args, dist_info: distributed.DistInfo) -> Trainer:
-    """The parts of the run `args` describes, built in the order it needs, and the Trainer that runs them."""
+def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer:
+    """The parts of the run `config` describes, built in the order it needs, and the Trainer that runs them."""
     fault_hook = faults.for_rank(dist_info.rank)  # VIM_DS_INJECT: no-ops unless set
     # data: which images go into which optimizer step is fixed here, before the engine exists
-    datasets = build_datasets(args)
+    datasets = build_datasets(config)
     # what the model is: built below, checked on resume
-    model_cfg = model_config(args, datasets.num_classes)
-    ds, lr = build_ds_config(args, dist_info)
+    model_cfg = model_config(config, datasets.num_classes)
+    ds, lr = build_ds_config(config, dist_info)
     # may set the engine's load_universal
-    resume_path = plan_resume(args, dist_info, ds, model_cfg, datasets)
-    print_lr_notes(args, ds, dist_info)
-    mixup = build_mixup(args, ds.batch, datasets.num_classes)
-    data = build_data(args, dist_info, datasets, ds.batch, fault_hook)
-    model, model_parts = build_model(args, dist_info, model_cfg, datasets, ds)
-    engine = build_engine(args, dist_info, model, ds, data.steps_per_epoch)
-    criterion = build_criterion(args.smoothing, mixup)
-    ema = build_ema(args, engine.engine)
-    checkpointer = build_checkpointer(args, dist_info, engine, fault_hook)
-    return Trainer(args, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
+    resume_path = plan_resume(config, dist_info, ds, model_cfg, datasets)
+    # the schedule below, and the checkpoints' record of the options, use the lowered defaults
+    config = settle_lr(config, ds, dist_info)
+    mixup = build_mixup(config, ds.batch, datasets.num_classes)
+    data = build_data(config, dist_info, datasets, ds.batch, fault_hook)
+    model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds)
+    engine = build_engine(config, dist_info, model, ds, data.steps_per_epoch)
+    criterion = build_criterion(config.augment.smoothing, mixup)
+    ema = build_ema(config, engine.engine)
+    checkpointer = build_checkpointer(config, dist_info, engine, fault_hook)
+    return Trainer(config, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
                    criterion=criterion, ema=ema, checkpointer=checkpointer, run_id=new_run_id(),
                    resume_path=resume_path, fault_hook=fault_hook)

@@ -11,11 +11,13 @@ group, under the output folder's lock): these are for speed, not the only line o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from . import output_dir, shipped_configs
+from .run_config import RunConfig
 
 
 def launch_world_size() -> int:
@@ -36,71 +38,79 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check(args, is_main: bool) -> None:
-    """Check `args` (the parsed `vim-ds train` options) as described above; resolves args.deepspeed_config to a
-    file (a shipped name, or the default when none was given) and says so on the first rank."""
-    _data(args)
-    _model(args)
-    _files(args)
-    if not args.eval:
-        problem = output_dir.check(args) or _resume_overwrite(args)
-        if problem:
-            raise ValueError(problem)
-        # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
-        _deepspeed_config(args, is_main)
+def check(config: RunConfig, is_main: bool) -> RunConfig:
+    """Check `config` (the run's options) as described above. Returns it with what the checks resolve: the DeepSpeed
+    config's file (a shipped name, or the default when none was given, said on the first rank) and a default lr
+    floor or warmup start lowered to the peak (optim.check_lr_settings)."""
+    _data(config)
+    _model(config)
+    _files(config)
+    if config.run.eval:
+        return config
+    problem = output_dir.check(config) or _resume_overwrite(config)
+    if problem:
+        raise ValueError(problem)
+    # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
+    return _deepspeed_config(config, is_main)
 
 
-def _deepspeed_config(args, is_main: bool) -> None:
+def _deepspeed_config(config: RunConfig, is_main: bool) -> RunConfig:
     from .ds_config import prepare_ds_config
     from .optim import ds_auto_values
 
-    given = args.deepspeed_config
-    args.deepspeed_config = shipped_configs.resolve(given or shipped_configs.DEFAULT)
+    given = config.deepspeed.deepspeed_config
+    path = shipped_configs.resolve(given or shipped_configs.DEFAULT)
     if is_main and not given:
         print(f"note: no --deepspeed_config given: using the shipped {shipped_configs.DEFAULT} "
-              f"({args.deepspeed_config}; `vim-ds configs` lists the others)", flush=True)
-    elif is_main and args.deepspeed_config != given:
-        print(f"DeepSpeed config: {given} = {args.deepspeed_config}", flush=True)
-    prepared = prepare_ds_config(args.deepspeed_config, world_size=launch_world_size(), device_type=device_type(),
-                                 micro_batch=args.batch_size, accum_steps=args.accum_steps, precision=args.precision,
-                                 auto_values=lambda batch: ds_auto_values(args, batch))
-    _lr_settings(args, prepared, is_main)
+              f"({path}; `vim-ds configs` lists the others)", flush=True)
+    elif is_main and path != given:
+        print(f"DeepSpeed config: {given} = {path}", flush=True)
+    config = config.replace(deepspeed_config=path)
+    optim = config.optim
+    prepared = prepare_ds_config(path, world_size=launch_world_size(), device_type=device_type(),
+                                 micro_batch=optim.batch_size, accum_steps=optim.accum_steps,
+                                 precision=optim.precision, auto_values=lambda batch: ds_auto_values(optim, batch))
+    return _lr_settings(config, prepared, is_main)
 
 
-def _lr_settings(args, prepared, is_main: bool) -> None:
+def _lr_settings(config: RunConfig, prepared, is_main: bool) -> RunConfig:
     """A floor or warmup start above the peak lr (after the batch scaling): refused when given, lowered with a note
     when the built-in default (optim.check_lr_settings); the trainer repeats it with the process group's world."""
     from .optim import check_lr_settings, peak_lr
 
-    for note in check_lr_settings(args, *peak_lr(args, prepared)):
+    optim, notes = check_lr_settings(config.optim, *peak_lr(config.optim, prepared))
+    for note in notes:
         if is_main:
             print(note, flush=True)
+    return dataclasses.replace(config, optim=optim)
 
 
-def _data(args) -> None:
+def _data(config: RunConfig) -> None:
     from ..data.datasets import check_layout
     from ..data.shards import check_shards
 
-    if getattr(args, "data_set", "IMNET") in ("IMNET", "folder"):
-        check_layout(args.data_path, need_train=not args.eval)
+    data, need_train = config.data, not config.run.eval
+    if data.data_set in ("IMNET", "folder"):
+        check_layout(data.data_path, need_train=need_train)
     # each split's index, its shards, their sizes, every offset
-    elif getattr(args, "data_set", "") == "shards":
-        check_shards(args.data_path or "", need_train=not args.eval)
+    elif data.data_set == "shards":
+        check_shards(data.data_path or "", need_train=need_train)
 
 
-def _model(args) -> None:
+def _model(config: RunConfig) -> None:
     """The model, built on the meta device with the run's options (a placeholder head: the class count comes from
     the data)."""
     from .components import model_config
 
-    classes = args.nb_classes if getattr(args, "data_set", "") == "synthetic" else 1000
+    classes = config.data.nb_classes if config.data.data_set == "synthetic" else 1000
     with torch.device("meta"):
-        model_config(args, classes).build()
+        model_config(config, classes).build()
 
 
-def _files(args) -> None:
-    for option, path in (("--finetune", args.finetune), ("--init-weights", getattr(args, "init_weights", "")),
-                         ("--resume", "" if args.resume == "auto" else args.resume)):
+def _files(config: RunConfig) -> None:
+    resume = config.run.resume
+    for option, path in (("--finetune", config.model.finetune), ("--init-weights", config.model.init_weights),
+                         ("--resume", "" if resume == "auto" else resume)):
         if path and not os.path.exists(path):
             raise ValueError(f"{option} {path}: no such file or folder")
         if path and option != "--resume" and not os.path.isfile(path):
@@ -108,19 +118,19 @@ def _files(args) -> None:
                              f"checkpoint directory")
 
 
-def _resume_overwrite(args) -> str | None:
+def _resume_overwrite(config: RunConfig) -> str | None:
     """A resume of an older checkpoint into a folder holding newer ones (output_dir.resume_overwrite_error). A
     checkpoint that cannot be resolved here is left to the trainer, which says why in its own words."""
     from ..checkpoint import deepspeed_dir
     from ..checkpoint.files import CheckpointError
 
-    path = args.resume
-    if path == "auto" and args.output_dir:
-        path = os.path.join(args.output_dir, "checkpoints")
+    path = config.run.resume
+    if path == "auto" and config.run.output_dir:
+        path = os.path.join(config.run.output_dir, "checkpoints")
     if not path or not os.path.isdir(path):
         return None
     try:
         save_dir, tag = deepspeed_dir.resolve(path, verify=False)
     except (CheckpointError, OSError, ValueError):
         return None
-    return output_dir.resume_overwrite_error(args, os.path.join(save_dir, tag))
+    return output_dir.resume_overwrite_error(config, os.path.join(save_dir, tag))

@@ -8,61 +8,65 @@ import os
 
 def run(args, prog: str = "vim-ds train") -> int:
     """Train, or with --eval evaluate (`args` as run_options.parse_args returns them); `prog` names the command in
-    its messages."""
+    its messages. The namespace ends here: the engine below reads the run's typed RunConfig."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
     from . import cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .checkpointing import SaveError
     from .errors import first_line, report_error
     from .parts import build_trainer
+    from .run_config import RunConfig
     from .signals import StopRequested
     from .trainer import TrainingError
 
+    config = RunConfig.from_namespace(args)
     rank = os.environ.get("RANK", "0")
     # found first: see its start below
-    launchers = None if args.eval else launcher_watch.LauncherWatch()
-    options = options_file.record(args)  # as parsed, before the checks resolve any name
+    launchers = None if config.run.eval else launcher_watch.LauncherWatch()
+    # as parsed, before the checks resolve any name
+    options = options_file.record(config)
     # before deepspeed.initialize JIT-builds an op (FusedAdam on a GPU)
     arch_note = cuda_arch.readable_by_deepspeed(os.environ)
     if arch_note and rank == "0":
         print(arch_note, flush=True)
     # what the command line names, checked by every rank before the process group and DeepSpeed start
     try:
-        preflight.check(args, is_main=rank == "0")
+        config = preflight.check(config, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
         return report_error(prog, exc, rank=rank)
     try:
-        dist_info = distributed.setup(args.local_rank, args.dist_timeout)
+        dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
         # what it waited for and what bounded the wait: a node that never starts (or cannot reach the master) ends
         # here after --dist-timeout, as torch's TCPStore times out waiting for the other ranks to join
         env = os.environ
         return report_error(prog, f"cannot initialise the process group ({env.get('WORLD_SIZE', '?')} ranks "
                                   f"meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
-                                  f"--dist-timeout {args.dist_timeout:g} s): {first_line(exc)}", rank=rank)
+                                  f"--dist-timeout {config.run.dist_timeout:g} s): {first_line(exc)}", rank=rank)
     trainer = None
     # has the run written anything into --output_dir? (until then a refusal undoes the claim)
     started = False
     try:
-        if args.eval:
+        if config.run.eval:
             from .evaluate import evaluate_weights
 
-            evaluate_weights(args, dist_info)
+            evaluate_weights(config, dist_info)
             return 0
         # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         signals.install(dist_info.is_main)
         # and the same when the launcher is gone
         launchers.start(prog, dist_info.rank, dist_info.local_rank)
-        output_dir.claim(args, dist_info)  # no other run's checkpoints, no second live run
-        trainer = build_trainer(args, dist_info)
+        # no other run's checkpoints, no second live run
+        output_dir.claim(config, dist_info)
+        trainer = build_trainer(config, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
         started = True
         # `--config OUTPUT_DIR/options.yaml` starts this run again; written once nothing can refuse the run any
         # more (a refused resume leaves the folder as it was); a resume with other options adds a segment to it
         # (from which step they ran), said in a note
-        if dist_info.is_main and args.output_dir:
-            note = options_file.write_run(os.path.join(args.output_dir, options_file.OPTIONS_FILE), options,
+        if dist_info.is_main and config.run.output_dir:
+            note = options_file.write_run(os.path.join(config.run.output_dir, options_file.OPTIONS_FILE), options,
                                           step=trainer.step if trainer.resume_path else None)
             if note:
                 print(note, flush=True)

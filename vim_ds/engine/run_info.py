@@ -57,13 +57,14 @@ def device_name(device: torch.device) -> str:
 def header(trainer) -> dict:
     from .. import __version__
 
-    args, batch = trainer.args, trainer.batch
+    config, batch = trainer.config, trainer.batch
     runtime = f"hip {torch.version.hip}" if torch.version.hip else \
         f"cuda {torch.version.cuda}" if torch.version.cuda and trainer.device.type == "cuda" else None
     return {"header": True, "start_step": trainer.step, "global_batch": batch.global_,
             "world_size": trainer.dist.world_size, "micro_batch": batch.micro, "accum_steps": batch.accum,
-            "zero_stage": trainer.ds.zero_stage, "precision": trainer.ds.precision, "seed": args.seed,
-            "lr": trainer.lr, "model": args.model, "model_kwargs": args.model_kwargs, "input_size": args.input_size,
+            "zero_stage": trainer.ds.zero_stage, "precision": trainer.ds.precision, "seed": config.run.seed,
+            "lr": trainer.lr, "model": config.model.model, "model_kwargs": config.model.model_kwargs,
+            "input_size": config.model.input_size,
             "num_classes": trainer.num_classes, "train_images": len(trainer.train_set),
             "total_steps": trainer.total_steps, "device_type": trainer.device.type,
             "device_name": device_name(trainer.device), "host": platform.node(),

@@ -23,6 +23,7 @@ import torch
 from ..data.datasets import derive_seed
 from . import distributed, faults, signals
 from .errors import first_line
+from .run_config import RunConfig
 
 
 class TrainingError(RuntimeError):
@@ -95,10 +96,10 @@ class Trainer:
     (`parts.Engine`), Mixup and the loss, the EMA, the checkpointer, the run id, the checkpoint to resume, and the
     rank's fault injection (`faults.FaultHook`). Its position is `progress` (a `Progress`)."""
 
-    def __init__(self, args, dist_info: distributed.DistInfo, *, data, ds, lr: float, model, engine, mixup,
+    def __init__(self, config: RunConfig, dist_info: distributed.DistInfo, *, data, ds, lr: float, model, engine, mixup,
                  criterion, ema, checkpointer, run_id: str, resume_path: str = "",
                  fault_hook: faults.FaultHook = faults.NO_FAULTS):
-        self.args, self.dist = args, dist_info
+        self.config, self.dist = config, dist_info
         self.data, self.ds, self.lr, self.model = data, ds, lr, model
         self.engine, self.engine_kind, self.dtype = engine.engine, engine.kind, engine.dtype
         self.autocast_dtype, self._compile_what = engine.autocast_dtype, engine.compile_what
@@ -133,7 +134,7 @@ class Trainer:
                 "images_seen": p.images_seen, "images_bad": p.images_bad, "best_acc1": p.best_acc1,
                 "world_size": self.dist.world_size, "batch": asdict(self.batch), "precision": self.ds.precision,
                 "zero_stage": self.ds.zero_stage, **self.model.config.description(),
-                "classes": self.data.datasets.classes, "args": vars(self.args),
+                "classes": self.data.datasets.classes, "args": self.config.to_dict(),
                 "run_id": self.run_id, "evaluation_owed": p.evaluation_owed,
                 # what DeepSpeed's ds_to_universal needs to re-partition this checkpoint for another rank count
                 # (pure data parallelism: no tensor-parallel patterns to declare)
@@ -142,9 +143,9 @@ class Trainer:
     def save(self):
         if self.checkpointer is None:
             return
-        self.progress.last_checkpoint = self.checkpointer.save(
-            self.client_state(), self.ema, summary={"model": self.args.model, "world_size": self.dist.world_size,
-                                                    "zero_stage": self.ds.zero_stage, "run_id": self.run_id})
+        summary = {"model": self.config.model.model, "world_size": self.dist.world_size,
+                   "zero_stage": self.ds.zero_stage, "run_id": self.run_id}
+        self.progress.last_checkpoint = self.checkpointer.save(self.client_state(), self.ema, summary=summary)
         signals.STOP.last_checkpoint = self.progress.last_checkpoint
 
     def resume(self, path: str):
@@ -174,7 +175,7 @@ class Trainer:
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
         step = self.progress.step + 1  # the optimizer step this micro step belongs to
-        seed = derive_seed(self.args.seed, step - 1, micro, self.dist.rank)
+        seed = derive_seed(self.config.run.seed, step - 1, micro, self.dist.rank)
         seed_everything(seed)  # Mixup, drop path
         # VIM_DS_INJECT, VIM_DS_RECORD_BATCHES
         self.faults.before_micro_step(step, micro, seed, images, targets)
@@ -206,7 +207,7 @@ class Trainer:
     def _compile_errors(self):
         """With --compile, a failure of torch.compile itself (it compiles lazily, at the first steps) is reported
         as one line naming the configuration, not as the compiler's traceback."""
-        if not self.args.compile:
+        if not self.config.model.compile:
             yield
             return
         from torch._dynamo.exc import TorchDynamoException
@@ -277,7 +278,8 @@ class Trainer:
             at_epoch_end = p.step_in_epoch == self.data.steps_per_epoch
             if stop:
                 self._stop(stop)
-            if self.args.save_interval and p.step % self.args.save_interval == 0 and not (done or at_epoch_end):
+            interval = self.config.run.save_interval
+            if interval and p.step % interval == 0 and not (done or at_epoch_end):
                 self.save()
             t_step = t_mark = time.perf_counter()
             # metrics and saving: this loop's cost
@@ -301,7 +303,7 @@ class Trainer:
         p.images_bad += bad
         p.images_seen += seen
         floor = min(len(self.train_set), 1000)
-        limit = self.args.max_bad_images
+        limit = self.config.data.max_bad_images
         if p.images_bad > limit * p.images_seen and p.images_seen >= floor:
             raise TrainingError(f"{int(p.images_bad)} of {int(p.images_seen)} training images read so far "
                                 f"did not decode (more than --max-bad-images {limit:g}); check the dataset (each "
@@ -320,12 +322,13 @@ class Trainer:
             # cannot happen with DeepSpeed 0.19's checks; stop rather than train on corrupted weights
             if applied:
                 raise TrainingError(f"{what} at step {p.step} and the update was applied; stopping, {where}")
-            if p.bad_steps >= self.args.max_bad_steps:
+            max_bad_steps = self.config.run.max_bad_steps
+            if p.bad_steps >= max_bad_steps:
                 raise TrainingError(f"{what} at step {p.step} (epoch {p.epoch}), {p.bad_steps} consecutive "
-                                    f"bad step(s) (--max-bad-steps {self.args.max_bad_steps}); stopping, {where}")
+                                    f"bad step(s) (--max-bad-steps {max_bad_steps}); stopping, {where}")
             if self.dist.is_main:
                 print(f"warning: {what} at step {p.step}; the update was skipped ({p.bad_steps} of at most "
-                      f"{self.args.max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
+                      f"{max_bad_steps - 1} consecutive bad steps)", file=sys.stderr, flush=True)
         return applied
 
     # -- stopping on a signal (see signals.py) -------------------------------------------------------------------
@@ -383,7 +386,8 @@ class Trainer:
         `_stop_signal`: nothing is logged then)."""
         from .evaluate import evaluate
 
-        shape = (3, self.args.input_size, self.args.input_size)
+        size = self.config.model.input_size
+        shape = (3, size, size)
         self._eval_batches, self._stop_signal = 0, None
         self.engine.eval()
         record = {"step": self.progress.step, "epoch": epoch}
@@ -399,9 +403,10 @@ class Trainer:
         self.progress.evaluation_owed = epoch if self._stop_signal is not None else None
         if self._stop_signal is not None:
             return None
-        if result["bad_images"] > self.args.max_bad_images * (result["images"] + result["bad_images"]):
+        limit = self.config.data.max_bad_images
+        if result["bad_images"] > limit * (result["images"] + result["bad_images"]):
             raise TrainingError(f"{result['bad_images']} validation images did not decode (more than "
-                                f"--max-bad-images {self.args.max_bad_images:g}); check the dataset")
+                                f"--max-bad-images {limit:g}); check the dataset")
         self.progress.best_acc1 = max(self.progress.best_acc1, result["acc1"])
         metrics.evaluation(record)
         return record
@@ -441,14 +446,16 @@ class Trainer:
     def fit(self) -> dict | None:
         from .metrics import MetricsLog
 
-        args, p = self.args, self.progress
-        metrics = MetricsLog(args.output_dir, self.dist.is_main, self.total_steps, p.step, args.log_interval,
-                             args.tensorboard)
+        run, p = self.config.run, self.progress
+        epochs = self.config.optim.epochs
+        metrics = MetricsLog(run.output_dir, self.dist.is_main, self.total_steps, p.step, run.log_interval,
+                             run.tensorboard)
         from .run_info import header
 
         metrics.header(header(self))  # what `vim-ds compare-runs` checks and reports
         if self.dist.is_main:
-            print(f"training {args.model} ({self.model.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} "
+            name = self.config.model.model
+            print(f"training {name} ({self.model.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} "
                   f"images, {self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "
                   f"{self.ds.precision}, global batch {self.batch.global_} = {self.batch.micro} x {self.batch.accum} "
                   f"accumulation x {self.dist.world_size} ranks, {self.data.steps_per_epoch} steps/epoch, "
@@ -466,7 +473,7 @@ class Trainer:
                 record = self.evaluate(metrics, p.evaluation_owed)
                 if self._stop_signal:  # cut short again: the checkpoint resumed from still owes it
                     self._stop(self._stop_signal, saved=True)
-            while p.epoch < args.epochs and p.step < self.total_steps:
+            while p.epoch < epochs and p.step < self.total_steps:
                 epoch = p.epoch
                 if self.train_epoch(metrics):
                     p.epoch += 1
@@ -475,7 +482,7 @@ class Trainer:
                 self.save()
                 # a signal during the evaluation or the save
                 stop = self._stop_signal or self._agreed_stop()
-                finished = p.step >= self.total_steps or p.epoch >= args.epochs
+                finished = p.step >= self.total_steps or p.epoch >= epochs
                 # a finished run whose evaluation is whole: done
                 if stop and (self._stop_signal or not finished):
                     self._stop(stop, saved=True)
