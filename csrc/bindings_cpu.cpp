@@ -55,21 +55,25 @@ void check_inputs(const at::Tensor& u, const at::Tensor& delta, const at::Tensor
 
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
-                            const OptTensor& delta_bias, bool delta_softplus, bool reverse, bool return_last_state) {
+                            const OptTensor& delta_bias, bool delta_softplus, bool reverse, bool return_last_state,
+                            const OptTensor& h0) {
   check_inputs(u, delta, A, B, C, D, z, delta_bias);
+  check_optional(h0, "h0", A.scalar_type(), {u.size(0), u.size(1), A.size(1)});
   return vim_ds::scan_cpu::selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
-                                              return_last_state);
+                                              return_last_state, h0);
 }
 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, const at::Tensor& dout, const OptTensor& saved,
-                            bool delta_softplus, bool reverse) {
+                            bool delta_softplus, bool reverse, const OptTensor& h0, const OptTensor& dlast) {
   (void)saved;  // the CPU backward recomputes the states; fwd returns an empty `saved`
   check_inputs(u, delta, A, B, C, D, z, delta_bias);
   check_tensor(dout, "dout", u.scalar_type(), u.sizes());
+  check_optional(h0, "h0", A.scalar_type(), {u.size(0), u.size(1), A.size(1)});
+  check_optional(dlast, "dlast", A.scalar_type(), {u.size(0), u.size(1), A.size(1)});
   return vim_ds::scan_cpu::selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus,
-                                              reverse);
+                                              reverse, h0, dlast);
 }
 
 }  // namespace
@@ -77,14 +81,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CPU; see csrc/README.md";
   // The kernels touch no Python object, so other Python threads may run meanwhile.
-  m.def("fwd", &fwd, "selective scan forward -> [out, saved, last_state or None]", py::arg("u"), py::arg("delta"),
-        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"),
-        py::arg("delta_softplus"), py::arg("reverse") = false, py::arg("return_last_state") = false,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
+  m.def("fwd", &fwd, "selective scan forward (from h0 if given) -> [out, saved, last_state or None]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("delta_softplus"), py::arg("reverse") = false,
+        py::arg("return_last_state") = false, py::arg("h0") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("bwd", &bwd,
+        "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias] (+ [dh0] when h0 is given)",
+        py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
-        py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("reverse") = false, py::arg("h0") = py::none(), py::arg("dlast") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("available_isas", &vim_ds::scan_cpu::available_isas,
         "the instruction-set variants of the scan this CPU can run, narrowest first");
   m.def("isa", &vim_ds::scan_cpu::isa, "the instruction-set variant of the scan in use");

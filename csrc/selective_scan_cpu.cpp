@@ -324,11 +324,16 @@ struct ScanArgs {
   // forward output
   in_t* out = nullptr;          // (batch, dim, L)
   acc_t* last_state = nullptr;  // (batch, dim, NP): the state after the last scan step, or null (not asked for)
+  // The state before the first scan step, (batch, dim, NP) zero-padded, or null (start from zero). Forward and
+  // backward alike: the backward recomputes the states from it.
+  const acc_t* h0 = nullptr;
   // backward
   const in_t* dout = nullptr;  // (batch, dim, L)
   in_t* du = nullptr;          // (batch, dim, L)
   in_t* ddelta = nullptr;      // (batch, dim, L)
   in_t* dz = nullptr;          // (batch, dim, L) or null
+  const acc_t* dlast = nullptr;  // (batch, dim, NP): the gradient of the state after the last scan step, or null
+  acc_t* dh0 = nullptr;          // (batch, dim, NP): the gradient of h0, written when h0 is given
   // Backward work items: item i = (b = i / chunks, channel block i % chunks of `chunk_dim` channels).
   int64_t chunks = 1, chunk_dim = 0;
   acc_t* dB_part = nullptr;     // (items, L, NP): sums over the item's channels, zero-initialised
@@ -345,8 +350,9 @@ struct Workspace {
   int64_t LP;
   std::vector<acc_t> u, x, dt, dsp, z, sg, go, y, dy, ddt, gb, du, tmp;  // LP each
   std::vector<acc_t> S1, S2;  // L x kMaxLanes: per-step vectors whose lanes are summed after the loop
-  // Backward only, (L + 1) x NP each: H row t + 1 holds h_t (row 0 is h_{-1} = 0) and Aexp row t holds
-  // a_t = exp(dt_t A) (row L is 0), so the reverse pass reads h_{t-1} and a_{t+1} without a branch at either end.
+  // Backward only, (L + 1) x NP each: H row t + 1 holds h_t (row 0 is h_{-1}: 0, or the channel's h0) and Aexp
+  // row t holds a_t = exp(dt_t A) (row L is 0, or 1 when the last state has a gradient: see ssm_backward), so the
+  // reverse pass reads h_{t-1} and a_{t+1} without a branch at either end.
   std::vector<acc_t> H, Aexp;
   Workspace(int64_t L, int64_t NP, bool backward)
       : LP((L + kMaxLanes<acc_t> - 1) / kMaxLanes<acc_t> * kMaxLanes<acc_t>),
@@ -407,13 +413,14 @@ SCAN_INLINE void prepare_delta(const elem_t<V>* __restrict x, elem_t<V> bias, bo
 // (no D term, no gate). For the backward (kStore) it also keeps every h_t and a_t (see Workspace) and adds this
 // channel's dC_t[n] += dy_t h_t[n] (dC is the caller's sum over channels). S: L x 8-lane scratch. `last` (NP entries,
 // or null): receives the state after the last step, which is still in registers when the loop over time ends.
+// `h0` (NP entries, or null for zero): the state h_{-1} before the first step.
 template <typename V, bool kStore>
 SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
                              const elem_t<V>* __restrict dt, const elem_t<V>* __restrict Bt,
                              const elem_t<V>* __restrict Ct, elem_t<V>* __restrict y, elem_t<V>* __restrict S,
                              elem_t<V>* __restrict H, elem_t<V>* __restrict Aexp, const elem_t<V>* __restrict dy,
                              elem_t<V>* __restrict dC, elem_t<V> exp_lo, elem_t<V> exp_hi,
-                             elem_t<V>* __restrict last) {
+                             elem_t<V>* __restrict last, const elem_t<V>* __restrict h0) {
   using E = elem_t<V>;
   using P = PartialOf<V>;
   constexpr int64_t W = SimdOf<V>::W, PW = SimdOf<P>::W;
@@ -423,7 +430,7 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
     V Ab[kBlock], h[kBlock];
     for (int j = 0; j < kBlock; ++j) {
       Ab[j] = vload<V>(A + n0 + j * W);
-      h[j] = V{};
+      h[j] = h0 ? vload<V>(h0 + n0 + j * W) : V{};
     }
     for (int64_t t = 0; t < L; ++t) {
       // Scalars times vectors: compiles to one broadcast each.
@@ -461,6 +468,9 @@ SCAN_INLINE void ssm_forward(int64_t L, int64_t NP, const elem_t<V>* __restrict 
 // that chain, so with one vector of state per pass (AVX-512, N = 16) the loop is bound by throughput, not by
 // the chain's latency.
 // Rows u, dt, du, ddt, gb have LP entries (gb zero beyond L); S_ga, S_gb: L x 8-lane scratch.
+// `dlast` (NP entries, or null for zero): dL/dh_{L-1}, the last state's own gradient. It enters as g_L with the
+// caller's Aexp row L set to 1, so that the first step's g_{L-1} = 1 * dlast + dy C_{L-1} needs no branch.
+// `dh0` (NP entries, or null): receives dL/dh_{-1} = a_0 g_0, the gradient of the initial state.
 template <typename V>
 SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict u,
                               const elem_t<V>* __restrict dt, const elem_t<V>* __restrict Bt,
@@ -468,7 +478,8 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
                               const elem_t<V>* __restrict Aexp,
                               const elem_t<V>* __restrict dy, elem_t<V>* __restrict dB, elem_t<V>* __restrict dA,
                               elem_t<V>* __restrict S_ga, elem_t<V>* __restrict S_gb, elem_t<V>* __restrict gb,
-                              elem_t<V>* __restrict ddt, elem_t<V>* __restrict du) {
+                              elem_t<V>* __restrict ddt, elem_t<V>* __restrict du,
+                              const elem_t<V>* __restrict dlast, elem_t<V>* __restrict dh0) {
   using E = elem_t<V>;
   using P = PartialOf<V>;
   constexpr int64_t W = SimdOf<V>::W, PW = SimdOf<P>::W;
@@ -477,7 +488,7 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
     V Ab[kBlock], g[kBlock], dAb[kBlock];
     for (int j = 0; j < kBlock; ++j) {
       Ab[j] = vload<V>(A + n0 + j * W);
-      g[j] = V{};  // g_{t+1}: zero past the last step
+      g[j] = dlast ? vload<V>(dlast + n0 + j * W) : V{};  // g_L: the last state's gradient, or zero
       dAb[j] = V{};
     }
     for (int64_t t = L - 1; t >= 0; --t) {
@@ -504,6 +515,9 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
       }
     }
     for (int j = 0; j < kBlock; ++j) vstore(dA + n0 + j * W, dAb[j]);
+    // g now holds g_0; h_0 = a_0 h_{-1} + ..., so dL/dh_{-1} = a_0 g_0.
+    if (dh0)
+      for (int j = 0; j < kBlock; ++j) vstore(dh0 + n0 + j * W, vload<V>(Aexp + n0 + j * W) * g[j]);
   }
   // The sums over n, for all t at once.
   lane_sums<P>(S_ga, L, ddt);
@@ -531,7 +545,8 @@ SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, static_cast<E*>(nullptr));
   ssm_forward<V, false>(L, NP, p.A + d * NP, u, dt, p.Bt + b * L * NP, p.Ct + b * L * NP, y, ws.S1.data(),
                         nullptr, nullptr, nullptr, nullptr, p.exp_lo, p.exp_hi,
-                        p.last_state ? p.last_state + (b * p.dim + d) * NP : nullptr);
+                        p.last_state ? p.last_state + (b * p.dim + d) * NP : nullptr,
+                        p.h0 ? p.h0 + (b * p.dim + d) * NP : nullptr);
   // out = (y + D u) silu(z)
   const V vD = splat<V>(p.D ? p.D[d] : E(0));
   if (p.z) {
@@ -585,12 +600,15 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
     std::copy(go, go + LP, dy);
   }
 
-  // 2. Recompute the forward of this channel, keeping the states (and adding its dC).
+  // 2. Recompute the forward of this channel, keeping the states (and adding its dC). Given an initial state, it
+  // is H's row 0 (h_{-1}), which the reverse pass reads at t = 0; without one that row stays zero.
+  const E* h0 = p.h0 ? p.h0 + (b * p.dim + d) * NP : nullptr;
+  if (h0) std::copy(h0, h0 + NP, ws.H.data());
   load_row(p.u + row, L, u, p.reverse);
   load_row(p.delta + row, L, ws.x.data(), p.reverse);
   prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, dsp);
   ssm_forward<V, true>(L, NP, A, u, dt, Bt, Ct, y, ws.S1.data(), ws.H.data(), ws.Aexp.data(), dy, dC, p.exp_lo,
-                       p.exp_hi, nullptr);
+                       p.exp_hi, nullptr, h0);
 
   // 3. dz = dout (y + D u) silu'(z), silu'(z) = s (1 + z (1 - s)); the skip term's share of du and dD.
   if (p.z) {
@@ -606,7 +624,9 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
 
   // 4. The reverse recurrence.
   ssm_backward<V>(L, NP, A, u, dt, Bt, Ct, ws.H.data(), ws.Aexp.data(), dy, dB,
-                  p.dA_part + (b * p.dim + d) * NP, ws.S1.data(), ws.S2.data(), ws.gb.data(), ddt, du);
+                  p.dA_part + (b * p.dim + d) * NP, ws.S1.data(), ws.S2.data(), ws.gb.data(), ddt, du,
+                  p.dlast ? p.dlast + (b * p.dim + d) * NP : nullptr,
+                  p.dh0 ? p.dh0 + (b * p.dim + d) * NP : nullptr);
 
   // 5. Back through softplus(delta + bias).
   for (int64_t t = 0; t < LP; t += W) vstore(tmp + t, vload<V>(ddt + t) * vload<V>(dsp + t));
@@ -633,6 +653,8 @@ template <int kBytes, typename in_t, typename acc_t>
 SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
   using V = typename Simd<acc_t, kBytes>::V;
   Workspace<acc_t> ws(p.L, p.NP, /*backward=*/true);
+  // With the last state's gradient, a_L = 1 carries it into g_{L-1} (see ssm_backward); no channel writes row L.
+  if (p.dlast) std::fill(ws.Aexp.begin() + p.L * p.NP, ws.Aexp.end(), acc_t(1));
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p.chunks;
     const int64_t d0 = (item % p.chunks) * p.chunk_dim;
@@ -763,6 +785,22 @@ Prepared prepare(const at::Tensor& u, const at::Tensor& A, const at::Tensor& B, 
   return {Ap, time_major(B), time_major(C), NP};
 }
 
+// A (batch, dim, N) state (h0, or the last state's gradient) in the kernels' zero-padded (batch, dim, NP) layout
+// and the accumulation dtype; an undefined tensor when it is not given.
+at::Tensor padded_state(const std::optional<at::Tensor>& s, const at::Tensor& A, int64_t NP) {
+  if (!has(s)) return at::Tensor();
+  const int64_t N = A.size(1);
+  if (NP == N && s->scalar_type() == A.scalar_type() && s->is_contiguous()) return *s;
+  at::Tensor out = at::zeros({s->size(0), s->size(1), NP}, A.options());
+  out.narrow(2, 0, N).copy_(*s);
+  return out;
+}
+
+template <typename acc_t>
+acc_t* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<acc_t>() : nullptr;
+}
+
 template <typename in_t, typename acc_t>
 ScanArgs<in_t, acc_t> common_args(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
                                   const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
@@ -792,9 +830,10 @@ template <typename in_t, typename acc_t>
 void run_fwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, int64_t N,
              const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
              const std::optional<at::Tensor>& delta_bias, bool softplus, bool reverse, at::Tensor& out,
-             at::Tensor& last_state) {
+             at::Tensor& last_state, const at::Tensor& h0) {
   auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus, reverse);
   p.out = out.data_ptr<in_t>();
+  p.h0 = ptr_or_null<acc_t>(h0);
   p.last_state = last_state.defined() ? last_state.data_ptr<acc_t>() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.L * p.NP));
   at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { fwd_range(p, begin, end); });
@@ -806,8 +845,11 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
              const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout, bool softplus, bool reverse,
              at::Tensor& du,
              at::Tensor& ddelta, at::Tensor& dA, at::Tensor& dB, at::Tensor& dC, at::Tensor& dD, at::Tensor& dz,
-             at::Tensor& dbias) {
+             at::Tensor& dbias, const at::Tensor& h0, const at::Tensor& dlast, at::Tensor& dh0) {
   auto p = common_args<in_t, acc_t>(u, delta, pr, N, D, z, delta_bias, softplus, reverse);
+  p.h0 = ptr_or_null<acc_t>(h0);
+  p.dlast = ptr_or_null<acc_t>(dlast);
+  p.dh0 = ptr_or_null<acc_t>(dh0);
   const int64_t batch = p.batch, dim = p.dim, L = p.L, NP = p.NP;
   p.dout = dout.data_ptr<in_t>();
   p.du = du.data_ptr<in_t>();
@@ -885,24 +927,27 @@ std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
-                                           bool reverse, bool return_last_state) {
+                                           bool reverse, bool return_last_state,
+                                           const std::optional<at::Tensor>& h0) {
   at::Tensor out = at::empty_like(u);
   at::Tensor saved = at::empty({0}, u.options());
   const int64_t N = A.size(1);
   if (u.numel() == 0) return {out, saved, return_last_state ? at::zeros({u.size(0), u.size(1), N}, A.options())
                                                             : at::Tensor()};
   const Prepared pr = prepare(u, A, B, C, reverse);
+  const at::Tensor h0p = padded_state(h0, A, pr.NP);
   // Written by every channel in its padded (NP) layout, trimmed to N below.
   at::Tensor last_padded = return_last_state ? at::empty({u.size(0), u.size(1), pr.NP}, A.options()) : at::Tensor();
   switch (u.scalar_type()) {
     case at::kFloat:
-      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
+      run_fwd<float, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded, h0p);
       break;
     case at::kDouble:
-      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
+      run_fwd<double, double>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded, h0p);
       break;
     case at::kBFloat16:
-      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded);
+      run_fwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, delta_softplus, reverse, out, last_padded,
+                                    h0p);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),
@@ -917,20 +962,26 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
-                                           bool delta_softplus, bool reverse) {
+                                           bool delta_softplus, bool reverse, const std::optional<at::Tensor>& h0,
+                                           const std::optional<at::Tensor>& dlast) {
   if (u.numel() == 0) {  // no (batch, channel) pairs: every gradient is zero (or empty)
     auto zeros = [](const at::Tensor& t) { return at::zeros_like(t); };
-    return {zeros(u),
-            zeros(delta),
-            zeros(A),
-            zeros(B),
-            zeros(C),
-            has(D) ? zeros(*D) : at::Tensor(),
-            has(z) ? zeros(*z) : at::Tensor(),
-            has(delta_bias) ? zeros(*delta_bias) : at::Tensor()};
+    std::vector<at::Tensor> grads = {zeros(u),
+                                     zeros(delta),
+                                     zeros(A),
+                                     zeros(B),
+                                     zeros(C),
+                                     has(D) ? zeros(*D) : at::Tensor(),
+                                     has(z) ? zeros(*z) : at::Tensor(),
+                                     has(delta_bias) ? zeros(*delta_bias) : at::Tensor()};
+    if (has(h0)) grads.push_back(zeros(*h0));
+    return grads;
   }
   const Prepared pr = prepare(u, A, B, C, reverse);
   const int64_t N = A.size(1);
+  const at::Tensor h0p = padded_state(h0, A, pr.NP), dlastp = padded_state(dlast, A, pr.NP);
+  // Written by every channel in the padded layout, trimmed to N below.
+  at::Tensor dh0p = has(h0) ? at::empty({u.size(0), u.size(1), pr.NP}, A.options()) : at::Tensor();
   at::Tensor du = at::empty_like(u);
   at::Tensor ddelta = at::empty_like(delta);
   at::Tensor dA = at::empty_like(A);
@@ -942,21 +993,22 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
   switch (u.scalar_type()) {
     case at::kFloat:
       run_bwd<float, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB, dC, dD,
-                            dz, dbias);
+                            dz, dbias, h0p, dlastp, dh0p);
       break;
     case at::kDouble:
       run_bwd<double, double>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB, dC,
-                              dD, dz, dbias);
+                              dD, dz, dbias, h0p, dlastp, dh0p);
       break;
     case at::kBFloat16:
       run_bwd<c10::BFloat16, float>(u, delta, pr, N, D, z, delta_bias, dout, delta_softplus, reverse, du, ddelta, dA, dB,
-                                    dC, dD, dz, dbias);
+                                    dC, dD, dz, dbias, h0p, dlastp, dh0p);
       break;
     default:
       TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", u.scalar_type(),
                   " (expected float32, float64 or bfloat16)");
   }
-  return {du, ddelta, dA, dB, dC, dD, dz, dbias};
+  if (!dh0p.defined()) return {du, ddelta, dA, dB, dC, dD, dz, dbias};
+  return {du, ddelta, dA, dB, dC, dD, dz, dbias, pr.NP == N ? dh0p : dh0p.narrow(2, 0, N).contiguous()};
 }
 
 std::vector<std::string> available_isas() {

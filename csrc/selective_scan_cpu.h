@@ -18,19 +18,26 @@ namespace scan_cpu {
 // Returns {out, saved, last_state}. `saved` is an empty tensor: the backward recomputes the states per channel.
 // `last_state` (batch, dim, d_state) in the accumulation dtype (A's): the state after the last scan step (after
 // t = 0 in reverse mode) when `return_last_state`, else an undefined tensor (None in Python).
+// `h0` (batch, dim, d_state) in the accumulation dtype, optional: the state before the first scan step (before
+// t = L-1 in reverse mode) instead of zero; left out, the kernel runs exactly as without it.
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, bool delta_softplus,
-                                           bool reverse, bool return_last_state = false);
+                                           bool reverse, bool return_last_state = false,
+                                           const std::optional<at::Tensor>& h0 = std::nullopt);
 
-// Returns {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias}; dD / dz / ddelta_bias are undefined tensors (None in
-// Python) when D / z / delta_bias are not given.
+// Returns {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias}, and dh0 after them when `h0` is given (the forward's h0,
+// from which the states are recomputed); dD / dz / ddelta_bias are undefined tensors (None in Python) when D / z /
+// delta_bias are not given. `dlast` (batch, dim, d_state) in the accumulation dtype, optional: the gradient of the
+// forward's last state, added to what flows back from the outputs.
 std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,
                                            const std::optional<at::Tensor>& D, const std::optional<at::Tensor>& z,
                                            const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout,
-                                           bool delta_softplus, bool reverse);
+                                           bool delta_softplus, bool reverse,
+                                           const std::optional<at::Tensor>& h0 = std::nullopt,
+                                           const std::optional<at::Tensor>& dlast = std::nullopt);
 
 // The instruction-set variants of the kernels, narrowest first (x86-64: sse2, avx2, avx512; aarch64: neon; other
 // CPUs: generic): those this CPU can run; the one in use (the widest, unless set_isa chose another); and
