@@ -105,3 +105,18 @@ def test_the_typed_config_holds_what_parse_args_returns():
         config.optim.lr = 1.0
     # the defaults of the fields are the parser's
     assert RunConfig().to_dict() == {**vars(build_parser().parse_args([])), "lr_defaults": ()}
+
+
+def test_replace_changes_the_named_fields_in_their_groups_and_nothing_else():
+    """What preflight resolves (the DeepSpeed config file, an lr default lowered to the peak) comes back as a copy;
+    the config it was made from is unchanged, and a name that is no field is refused."""
+    config = RunConfig.from_namespace(parse_args(["--data-path", "d", "--min-lr", "1e-5"]))
+    changed = config.replace(deepspeed_config="/shipped/zero2.json", min_lr=0.0)
+    assert changed.deepspeed.deepspeed_config == "/shipped/zero2.json" and changed.optim.min_lr == 0.0
+    assert config.deepspeed.deepspeed_config is None and config.optim.min_lr == 1e-5
+    before, after = config.to_dict(), changed.to_dict()
+    assert {k for k in before if before[k] != after[k]} == {"deepspeed_config", "min_lr"}
+    # the groups not named are the very same objects
+    assert changed.model is config.model and changed.data is config.data
+    with pytest.raises(TypeError, match=r"not fields of a RunConfig: \['min_lrr'\]"):
+        config.replace(min_lrr=0.0)

@@ -112,9 +112,11 @@ class VimDsPipeline:
         from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
         from ..data.mixup import build_mixup
         from ..engine.components import dataset_config, mixup_config
+        from ..engine.run_config import RunConfig
 
         self.args, self.is_train = train_args, is_train
-        self.dataset, num_classes = build_dataset(dataset_config(train_args), is_train=is_train)
+        config = RunConfig.from_namespace(train_args)
+        self.dataset, num_classes = build_dataset(dataset_config(config), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
         # the trainer's eval batch
         self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
@@ -122,7 +124,7 @@ class VimDsPipeline:
             self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
                                               world_size=1, seed=train_args.seed,
                                               repeats=3 if train_args.repeated_aug else 1)
-            self.mixup = build_mixup(mixup_config(train_args), batch_size, num_classes)
+            self.mixup = build_mixup(mixup_config(config), batch_size, num_classes)
         else:
             self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
             self.mixup = None

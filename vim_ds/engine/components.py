@@ -12,13 +12,7 @@ from ..models import ModelConfig
 from .run_config import RunConfig
 
 
-def _run_config(config) -> RunConfig:
-    """`config` itself; a parsed namespace (what vim_ds/bench/data.py still hands over) becomes its RunConfig."""
-    return config if isinstance(config, RunConfig) else RunConfig.from_namespace(config)
-
-
 def transform_config(config: RunConfig) -> TransformConfig:
-    config = _run_config(config)
     model, augment = config.model, config.augment
     return TransformConfig(input_size=model.input_size, eval_crop_ratio=config.data.eval_crop_ratio,
                            scale=tuple(augment.scale), ratio=tuple(augment.ratio), hflip=augment.hflip,
@@ -28,7 +22,6 @@ def transform_config(config: RunConfig) -> TransformConfig:
 
 
 def dataset_config(config: RunConfig) -> DatasetConfig:
-    config = _run_config(config)
     data = config.data
     return DatasetConfig(data_set=data.data_set, data_path=data.data_path, nb_classes=data.nb_classes,
                          synthetic_size=data.synthetic_size, seed=config.run.seed,
@@ -36,12 +29,11 @@ def dataset_config(config: RunConfig) -> DatasetConfig:
 
 
 def loader_config(config: RunConfig) -> LoaderConfig:
-    config = _run_config(config)
     return LoaderConfig(num_workers=config.data.num_workers, data_timeout=config.data.data_timeout)
 
 
 def mixup_config(config: RunConfig) -> MixupConfig:
-    augment = _run_config(config).augment
+    augment = config.augment
     # a list, as argparse gives it to the published main.py's Mixup
     minmax = None if augment.cutmix_minmax is None else list(augment.cutmix_minmax)
     return MixupConfig(mixup=augment.mixup, cutmix=augment.cutmix, cutmix_minmax=minmax,
@@ -51,6 +43,6 @@ def mixup_config(config: RunConfig) -> MixupConfig:
 
 def model_config(config: RunConfig, num_classes: int) -> ModelConfig:
     """The model the options describe, with `num_classes` from the data."""
-    model = _run_config(config).model
+    model = config.model
     return ModelConfig(model.model, num_classes, model.input_size, dict(model.model_kwargs), drop=model.drop,
                        drop_path=model.drop_path, grad_checkpointing=model.grad_checkpointing)
