@@ -19,13 +19,16 @@ Per block, on each rank (B batch, D = d_inner channels, N = d_state, K = d_conv,
       and last K-1 tokens of x (both directions convolve the same x), (B, D, 2(K-1)) per rank. A chunk shorter
       than K-1 tokens is fine: the halo is assembled from as many ranks as it takes, zeros beyond the sequence's
       ends (the unsplit conv's padding).
-    * Each direction's selective scan runs on the chunk from a zero state (any backend: the compiled kernels as
-      they are), and the chunk's pair (P, S) is formed (``vim_ds/ops/scan_chunks.py``: P = exp(A * sum of
-      delta'), S = the state it leaves, here in closed form so that it is differentiable). Collective 2,
-      ``all_gather`` of both directions' pairs, (4, B, D, N) per rank. Locally: the state the chunk starts from
-      (``initial_states``: the combine of the pairs of the ranks before it; for the flipped direction of the ranks
-      after it), and what starting from it adds to the output (``state_correction``). The LASP-2 scheme: one
-      scan, one gather, no second pass.
+    * Each direction forms its chunk's pair (P, S) (``vim_ds/ops/scan_chunks.py``: P = exp(A * sum of delta'),
+      S = the state a scan of the chunk from zero leaves). Collective 2, ``all_gather`` of both directions'
+      pairs, (4, B, D, N) per rank. Locally: the state the chunk starts from (``initial_states``: the combine of
+      the pairs of the ranks before it; for the flipped direction of the ranks after it). Then, on backends whose
+      scan starts from a given state and returns its gradient (``selective_scan_with_state``: the CPU kernel and
+      the reference), two passes: S is the last state of a first kernel scan from zero (without D and the gate),
+      and the output a second kernel scan from the passed state; its backward hands dh0 back through the gather
+      to the other ranks' S, whose gradient enters the first pass's backward. On the others (the GPU kernels, not
+      yet), the LASP-2 scheme: one scan from zero, S in closed form (``chunk_final_state``) and what starting
+      from the passed state adds to the output (``state_correction``), in PyTorch over (B, D, L_r, N) tensors.
     * So per block each rank contributes 2(K-1)·B·D elements (the activations' dtype) and 4·B·D·N (float32;
       float64 for a float64 model) to two all-gathers and receives the W-1 other ranks' contributions; none of it
       grows with the number of tokens. The backward all-reduces the gathered
@@ -47,13 +50,14 @@ Gradients
     ``sequence_parallel_size``) gets the same without it.
 
 Memory
-    Each direction's two pieces (the scan from zero with its pair; the correction) run under activation
-    checkpointing, with no collective inside, so a rank keeps x, z, the halos and the states per block (as the
-    unsplit model's fused branch keeps x and z), not the (B, D, L_r, N) decays, which are recomputed in backward.
+    Each direction's two pieces (the first pass or the scan from zero, with the pair; the second pass or the
+    correction) run under activation checkpointing, with no collective inside, so a rank keeps x, z, the halos
+    and the states per block (as the unsplit model's fused branch keeps x and z), not the scan's inputs (nor the
+    (B, D, L_r, N) decays of the one-pass scheme), which are recomputed in backward.
 
 Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
-collectives); kernels that take the initial state and return its gradient (the pair's S and the correction are
-plain PyTorch over (B, D, L_r, N) tensors, much slower than the fused kernels); the engine's option.
+collectives); the GPU kernels' initial state (there the one-pass scheme's PyTorch S and correction run); the
+engine's option.
 """
 from __future__ import annotations
 
@@ -64,7 +68,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.library import resolve
 from ..ops.scan_chunks import decay_product, initial_states, state_correction
+from ..ops.scan_state import selective_scan_with_state
 from ..ops.selective_scan import scan_with_backend
 from ..ops.ssm_branch import conv1d_silu, project
 from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
@@ -185,12 +191,20 @@ def chunk_final_state(u, delta, A, B, delta_bias=None, delta_softplus=False, *, 
 
 # -- the mixer and the blocks -----------------------------------------------------------------------------------
 
-class _Context:
-    """What every block needs to know about the split: the group, this rank, the chunk bounds, the scan backend."""
+def _has_state_scan(backend: str, device: torch.device) -> bool:
+    """Whether `backend` on `device` runs the scan from an initial state with its gradient
+    (``selective_scan_with_state``): the CPU kernel and the reference do; the GPU kernels not yet."""
+    return getattr(resolve(backend, device), "name", None) in ("cpu", "ref")
 
-    def __init__(self, group, bounds: Bounds, backend: str):
+
+class _Context:
+    """What every block needs to know about the split: the group, this rank, the chunk bounds, the scan backend,
+    and whether that backend scans from an initial state (the two-pass scheme) or not (scan, pairs, correction)."""
+
+    def __init__(self, group, bounds: Bounds, backend: str, device: torch.device):
         self.group, self.bounds, self.backend = group, bounds, backend
         self.rank = dist.get_rank(group)
+        self.two_pass = _has_state_scan(backend, device)
 
 
 class _Direction:
@@ -234,9 +248,31 @@ class _Direction:
         _, delta, _, C, A = self._inputs(x, halo)
         return state_correction(h_in, delta, A, C, z, self.dt_proj.bias, True, reverse=self.reverse)
 
+    def _pair(self, x, halo):
+        u, delta, B, C, A = self._inputs(x, halo)
+        bias = self.dt_proj.bias
+        # The last state depends on neither D nor the gate: the first pass leaves them out.
+        _, S = selective_scan_with_state(u, delta, A, B, C, None, None, bias, True, self.reverse,
+                                         backend=self.backend)
+        return decay_product(delta, A, bias, True), S
+
+    def _from_state(self, x, halo, z, h_in):
+        u, delta, B, C, A = self._inputs(x, halo)
+        out, _ = selective_scan_with_state(u, delta, A, B, C, self.D, z, self.dt_proj.bias, True, self.reverse, h_in,
+                                           backend=self.backend)
+        return out
+
     def scan(self, x, halo, z):
         """(the chunk's output scanned from zero, its P, its S)."""
         return checkpoint(self._scan, x, halo, z, use_reentrant=False)
+
+    def pair(self, x, halo):
+        """Two-pass scheme, first pass: the chunk's (P, S), S by the kernel scanning from zero."""
+        return checkpoint(self._pair, x, halo, use_reentrant=False)
+
+    def from_state(self, x, halo, z, h_in):
+        """Two-pass scheme, second pass: the chunk's output scanned by the kernel from h_in."""
+        return checkpoint(self._from_state, x, halo, z, h_in, use_reentrant=False)
 
     def correction(self, x, halo, z, h_in):
         """What starting from h_in instead of zero adds to the output."""
@@ -267,10 +303,16 @@ def _mixer(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) -> torch.Te
     else:
         before = after = x[..., :0]
     forward, flipped = _Direction(mixer, False, ctx.backend), _Direction(mixer, True, ctx.backend)
-    (y_f, *pair_f), (y_b, *pair_b) = forward.scan(x, before, z), flipped.scan(x, after, z)
+    if ctx.two_pass:
+        pair_f, pair_b = forward.pair(x, before), flipped.pair(x, after)
+    else:
+        (y_f, *pair_f), (y_b, *pair_b) = forward.scan(x, before, z), flipped.scan(x, after, z)
     h_f, h_b = _start_states(_gather(torch.stack((*pair_f, *pair_b)), ctx.group), ctx.rank)
-    out_f = y_f + forward.correction(x, before, z, h_f)
-    out_b = y_b + flipped.correction(x, after, z, h_b)
+    if ctx.two_pass:
+        out_f, out_b = forward.from_state(x, before, z, h_f), flipped.from_state(x, after, z, h_b)
+    else:
+        out_f = y_f + forward.correction(x, before, z, h_f)
+        out_b = y_b + flipped.correction(x, after, z, h_b)
     w_out = mixer.out_proj.weight * 0.5 if mixer.divide_out else mixer.out_proj.weight
     out = project(w_out, (out_f + out_b).to(x.dtype)).transpose(1, 2)
     return out if mixer.out_proj.bias is None else out + mixer.out_proj.bias
@@ -299,7 +341,8 @@ def sequence_parallel_forward(model: VisionMamba, images: torch.Tensor, group=No
                                   "recomputation would repeat the collectives); turn set_grad_checkpointing off")
     tokens, _ = model._embed(images)
     cls_index = model._cls_index(tokens)
-    ctx = _Context(group, split_bounds(tokens.shape[1], dist.get_world_size(group), lengths), backend)
+    ctx = _Context(group, split_bounds(tokens.shape[1], dist.get_world_size(group), lengths), backend,
+                   tokens.device)
     start, end = ctx.bounds[ctx.rank]
     stream = tokens[:, start:end].clone()
     for i in range(len(model.layers)):
