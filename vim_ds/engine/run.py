@@ -11,7 +11,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     its messages. The namespace ends here: the engine below reads the run's typed RunConfig."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
-    from . import cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
+    from . import build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .checkpointing import SaveError
     from .errors import first_line, report_error
     from .parts import build_trainer
@@ -25,10 +25,11 @@ def run(args, prog: str = "vim-ds train") -> int:
     launchers = None if config.run.eval else launcher_watch.LauncherWatch()
     # as parsed, before the checks resolve any name
     options = options_file.record(config)
-    # before deepspeed.initialize JIT-builds an op (FusedAdam on a GPU)
-    arch_note = cuda_arch.readable_by_deepspeed(os.environ)
-    if arch_note and rank == "0":
-        print(arch_note, flush=True)
+    # before deepspeed.initialize JIT-builds an op (the CPU shm all-reduce, cpu_adam, FusedAdam on a GPU): an arch
+    # list its builder can parse, and the ninja installed beside this Python (over ssh it may not be on PATH)
+    for note in (cuda_arch.readable_by_deepspeed(os.environ), build_tools.interpreter_ninja_first(os.environ)):
+        if note and rank == "0":
+            print(note, flush=True)
     # what the command line names, checked by every rank before the process group and DeepSpeed start
     try:
         config = preflight.check(config, is_main=rank == "0")

@@ -1,0 +1,34 @@
+"""The ninja that DeepSpeed's JIT op builds run: the one installed beside this Python.
+
+DeepSpeed builds its CPU ops (the shared-memory all-reduce at every CPU run's start, cpu_adam for offload) with
+torch.utils.cpp_extension, which runs the first `ninja` on PATH in the extension's cache folder
+(~/.cache/torch_extensions, shared by every node that shares the home folder). pip installs ninja with DeepSpeed into
+the environment's bin folder, but a rank started where that folder is not on PATH (DeepSpeed's pdsh/ssh mode, which
+does not activate the environment on the other hosts; `sbatch --export=NONE`; a service unit) finds the system's
+ninja instead. Two ninja versions then take turns in one cache folder, and each finds the other's build log
+unreadable ("build log version is too new/old; starting over") and compiles the op again: about 40 CPU-seconds for
+the shm op, 100 for cpu_adam, at each start of a run whose PATH differs from the last one's (measured on a 2-core EPYC,
+2026-11-27: pip's ninja 1.13 writes log v7, Debian's 1.11 reads only up to v6). A rank therefore puts its
+interpreter's folder first on PATH when that folder has a ninja the PATH does not find first, as activating the
+environment would have done."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+
+def interpreter_ninja_first(environ, executable: str | None = None) -> str | None:
+    """Put the folder of `executable` (default: this Python) first on `environ`'s PATH if it holds a ninja that the
+    PATH resolves elsewhere or not at all; the note to print when it changed, else None."""
+    folder = os.path.dirname(os.path.abspath(executable or sys.executable))
+    ours = shutil.which("ninja", path=folder)
+    if ours is None:
+        return None
+    path = environ.get("PATH", "")
+    found = shutil.which("ninja", path=path)
+    if found is not None and os.path.dirname(found) == folder:
+        return None
+    environ["PATH"] = folder + (os.pathsep + path if path else "")
+    return (f"note: ninja on PATH is {found or 'none'}, not this Python's {ours}: {folder} put first on PATH (with "
+            f"another ninja DeepSpeed compiles its ops again in the shared extension cache)")
