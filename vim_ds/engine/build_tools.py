@@ -5,10 +5,11 @@ torch.utils.cpp_extension, which runs the first `ninja` on PATH in the extension
 (~/.cache/torch_extensions, shared by every node that shares the home folder). pip installs ninja with DeepSpeed into
 the environment's bin folder, but a rank started where that folder is not on PATH (DeepSpeed's pdsh/ssh mode, which
 does not activate the environment on the other hosts; `sbatch --export=NONE`; a service unit) finds the system's
-ninja instead. Two ninja versions then take turns in one cache folder, and each finds the other's build log
-unreadable ("build log version is too new/old; starting over") and compiles the op again: about 40 CPU-seconds for
-the shm op, 100 for cpu_adam, at each start of a run whose PATH differs from the last one's (measured on a 2-core EPYC,
-2026-11-27: pip's ninja 1.13 writes log v7, Debian's 1.11 reads only up to v6). A rank therefore puts its
+ninja instead. Two ninja versions then take turns in one cache folder; they record a build's command under different
+hashes, so each reads the other's entry as a changed command and compiles the op again: about 40 CPU-seconds for the
+shm op, 100 for cpu_adam, at each start of a run whose PATH differs from the last one's (measured on a 2-core EPYC,
+2026-11-27, with pip's ninja 1.13 and Debian's 1.11: the pdsh test rebuilt the shm op on its hosts, and the next test
+on the machine rebuilt it back; 98 CPU-seconds for that test before, 29 after). A rank therefore puts its
 interpreter's folder first on PATH when that folder has a ninja the PATH does not find first, as activating the
 environment would have done."""
 from __future__ import annotations
