@@ -178,18 +178,25 @@ def wait_for_first_step(procs, logs, out, timeout=240):
     pytest.fail("no training step logged in time:\n" + "\n".join(open(log).read()[-2000:] for log in logs))
 
 
-def assert_losses_of_one_node(small_digits, tmp_path, losses: dict):
+@pytest.fixture(scope="module")
+def one_node(small_digits, tmp_path_factory) -> dict:
+    """The per-step losses of the 4 steps every multi-node form is compared with: 2 processes on one node (run once,
+    for the module's tests that need it)."""
+    out = tmp_path_factory.mktemp("one_node")
+    run_train(train_args(small_digits, out, 4), nproc=2)
+    return step_losses(out)
+
+
+def assert_losses_of_one_node(one_node: dict, losses: dict):
     """The per-step losses of a job spread over nodes equal those of the same 4 steps run as 2 processes on one
     node (fp32: the same arithmetic; 1e-6 relative)."""
-    run_train(train_args(small_digits, tmp_path / "one_node", 4), nproc=2)
-    one_node = step_losses(tmp_path / "one_node")
     assert one_node.keys() == losses.keys()
     for step in one_node:
         assert abs(one_node[step] - losses[step]) <= 1e-6 * abs(one_node[step]), (one_node, losses)
 
 
 @pytest.mark.slow
-def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes(small_digits, hostfile,
+def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes(small_digits, hostfile, one_node,
                                                                                    tmp_path):
     """`NODE_RANK=1 ... multi_node.sh` and `NODE_RANK=0 ... multi_node.sh` (deepspeed --no_ssh, one CPU process
     each, MASTER_ADDR=127.0.0.1) form one 2-rank job whose per-step losses equal a 2-process single-node run's."""
@@ -214,7 +221,7 @@ def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes
     two_nodes = step_losses(outs[0])
     assert sorted(two_nodes) == [1, 2, 3, 4]
 
-    assert_losses_of_one_node(small_digits, tmp_path, two_nodes)
+    assert_losses_of_one_node(one_node, two_nodes)
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -283,7 +290,8 @@ def two_hosts():
 
 
 @pytest.mark.slow
-def test_two_hosts_on_a_veth_network_train_like_one_host_and_gloo_uses_the_veth(small_digits, two_hosts, tmp_path):
+def test_two_hosts_on_a_veth_network_train_like_one_host_and_gloo_uses_the_veth(small_digits, two_hosts, one_node,
+                                                                                 tmp_path):
     """`ip netns exec HOST bash launch/multi_node.sh` with NODE_RANK=0|1 and MASTER_ADDR=10.77.0.1 on two network
     namespaces (one CPU rank each): the scripts choose and print the veth as gloo's interface (gloo's own choice, the
     address the host name resolves to, is loopback here: each node would advertise 127.0.0.1 to the other), and the
@@ -317,7 +325,7 @@ def test_two_hosts_on_a_veth_network_train_like_one_host_and_gloo_uses_the_veth(
     assert "2 rank(s) on cpu" in node0
     two_hosts_losses = step_losses(outs[0])
     assert sorted(two_hosts_losses) == [1, 2, 3, 4]
-    assert_losses_of_one_node(small_digits, tmp_path, two_hosts_losses)
+    assert_losses_of_one_node(one_node, two_hosts_losses)
 
 
 def _start_on_host(two_hosts, rank: int, hostfile, port: int, args: list[str], log_path, **env):
@@ -510,7 +518,7 @@ def sshd_on_both(two_hosts, tmp_path):
 
 @pytest.mark.slow
 def test_pdsh_mode_starts_both_hosts_over_ssh_and_each_picks_its_veth(small_digits, two_hosts, sshd_on_both,
-                                                                     tmp_path):
+                                                                     one_node, tmp_path):
     """`HOSTFILE=... bash launch/multi_node.sh` on host 0 (ssh mode: deepspeed starts both hosts over pdsh/ssh,
     passing on only NCCL_*/PYTHON* variables): each host's ranks choose their own veth for gloo (vim_ds does, as the
     shell cannot choose for the other hosts), and the losses equal one host's 2-process run."""
@@ -533,7 +541,7 @@ def test_pdsh_mode_starts_both_hosts_over_ssh_and_each_picks_its_veth(small_digi
         assert f"this Python's {os.path.dirname(sys.executable)}/ninja" in output, output[-5000:]
     losses = step_losses(out)
     assert sorted(losses) == [1, 2, 3, 4]
-    assert_losses_of_one_node(small_digits, tmp_path, losses)
+    assert_losses_of_one_node(one_node, losses)
 
 
 @pytest.mark.slow
