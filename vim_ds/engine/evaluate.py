@@ -27,16 +27,18 @@ def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
 
 @torch.no_grad()
 def evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple,
-             autocast_dtype: torch.dtype | None = None, stop=None) -> dict:
+             autocast_dtype: torch.dtype | None = None, stop=None, counts: bool = True) -> dict:
     """dtype: the inputs' (the parameters'); autocast_dtype: run the forward under torch.autocast in it (the
     autocast-bf16 precision; a DeepSpeed engine with torch_autocast enters the same context itself). `stop`: asked
     before each batch, the same number of times on every rank (it may be a collective); True ends the evaluation
-    there, and the result covers the batches seen."""
+    there, and the result covers the batches seen. `counts`: whether this rank's images enter the sums over ranks
+    (under --sequence-parallel only one rank of each group counts the images the group shares)."""
     with autocast_context(device, autocast_dtype):
-        return _evaluate(forward, loader, device, dtype, input_shape, stop)
+        return _evaluate(forward, loader, device, dtype, input_shape, stop, counts)
 
 
-def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple, stop=None) -> dict:
+def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_shape: tuple, stop=None,
+              counts: bool = True) -> dict:
     correct1 = correct5 = loss_sum = count = bad = 0.0
     batches = len(loader)
     most = int(distributed.all_reduce_max([batches], device)[0])
@@ -60,8 +62,8 @@ def _evaluate(forward, loader, device: torch.device, dtype: torch.dtype, input_s
         loss_sum += (F.cross_entropy(logits, targets, reduction="none") * keep).sum().item()
         count += keep.sum().item()
         bad += (~keep).sum().item()
-    correct1, correct5, loss_sum, count, bad = distributed.all_reduce_sum(
-        [correct1, correct5, loss_sum, count, bad], device)
+    sums = [correct1, correct5, loss_sum, count, bad] if counts else [0.0] * 5
+    correct1, correct5, loss_sum, count, bad = distributed.all_reduce_sum(sums, device)
     n = max(count, 1.0)
     return {"acc1": 100.0 * correct1 / n, "acc5": 100.0 * correct5 / n, "loss": loss_sum / n,
             "images": int(count), "bad_images": int(bad)}
@@ -103,11 +105,12 @@ def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> 
 
 def evaluate_weights(config: RunConfig, dist_info) -> dict:
     """`vim-ds eval`: score the weights of `--resume`/`--finetune` (and their EMA weights, when saved) on the
-    validation set, the model replicated on every rank and the set sharded; rank 0 logs the record."""
+    validation set, the model replicated on every rank and the set sharded over the data-parallel ranks (under
+    --sequence-parallel N each group of N ranks splits its images' tokens); rank 0 logs the record."""
     from ..data import ShardedEvalSampler, build_dataset
     from ..data.loader import build_loader
     from ..models import load_state_dict_into
-    from . import faults
+    from . import faults, sequence_groups
     from .components import dataset_config, loader_config
     from .ds_config import PRECISION_DTYPES, autocast_dtype
     from .metrics import MetricsLog
@@ -122,19 +125,25 @@ def evaluate_weights(config: RunConfig, dist_info) -> dict:
         raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")
     dtype, autocast = PRECISION_DTYPES[precision], autocast_dtype(precision)
     model = model.to(dist_info.device, dtype).eval()
+    groups = sequence_groups.build(config.run.sequence_parallel, dist_info.rank, dist_info.world_size)
+    if groups.size > 1:
+        from ..models.sequence_parallel import split_over
+
+        split_over(model, groups.group)
     batch = max(1, int(1.5 * (config.optim.batch_size or 64)))
-    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=dist_info.rank,
-                                                      world_size=dist_info.world_size),
+    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=groups.data_rank,
+                                                      world_size=groups.data_world),
                           loader_config(config), "val", local_world_size=dist_info.local_world_size,
                           stall_at=faults.for_rank(dist_info.rank).loader("val")["stall_at"])
     size = config.model.input_size
     shape = (3, size, size)
     record = {"step": None, "epoch": None, "source": config.run.resume or config.model.finetune}
+    counts = groups.counts_images
     record.update({f"eval_{k}": v for k, v in evaluate(model, loader, dist_info.device, dtype, shape,
-                                                                    autocast).items()})
+                                                                    autocast, counts=counts).items()})
     if ema_state is not None:
         load_state_dict_into(model, ema_state, strict=True)
-        ema = evaluate(model, loader, dist_info.device, dtype, shape, autocast)
+        ema = evaluate(model, loader, dist_info.device, dtype, shape, autocast, counts=counts)
         record.update({f"ema_eval_{k}": v for k, v in ema.items() if k in ("acc1", "acc5", "loss")})
     if dist_info.is_main:
         log = MetricsLog(config.run.output_dir, True, total_steps=0)

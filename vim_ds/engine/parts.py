@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed, faults
+from . import distributed, faults, sequence_groups
 from .components import dataset_config, loader_config, mixup_config, model_config
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .errors import first_line
 from .run_config import RunConfig
+from .sequence_groups import SequenceGroups
 from .trainer import Trainer, seed_everything
 
 
@@ -83,16 +84,17 @@ def build_datasets(config: RunConfig) -> Datasets:
                     [str(name) for name in getattr(train_set, "classes", None) or []])
 
 
-def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo):
+def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_world: int | None = None):
     """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
-    from (a number written in the JSON wins over the command line)."""
+    from (a number written in the JSON wins over the command line). `data_world`: the data-parallel ranks, which the
+    global batch counts (default the world size; under --sequence-parallel N the number of groups)."""
     from .ds_config import prepare_ds_config
     from .optim import ds_auto_values, peak_lr
 
     optim = config.optim
     if not config.deepspeed.deepspeed_config:
         raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
-    ds = prepare_ds_config(config.deepspeed.deepspeed_config, world_size=dist_info.world_size,
+    ds = prepare_ds_config(config.deepspeed.deepspeed_config, world_size=data_world or dist_info.world_size,
                            device_type=dist_info.device.type, micro_batch=optim.batch_size,
                            accum_steps=optim.accum_steps, precision=optim.precision,
                            auto_values=lambda batch: ds_auto_values(optim, batch))
@@ -209,12 +211,14 @@ def build_loader(config: RunConfig, dist_info: distributed.DistInfo, dataset, ba
 
 
 def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Datasets, batch,
-               fault_hook: faults.FaultHook) -> Data:
-    """The sampler and loaders of `datasets` for the global batch `batch` (ds_config.BatchSizes)."""
+               fault_hook: faults.FaultHook, groups: SequenceGroups | None = None) -> Data:
+    """The sampler and loaders of `datasets` for the global batch `batch` (ds_config.BatchSizes), over the
+    data-parallel ranks (`groups`: the ranks of a sequence group read the same images)."""
     from ..data import GlobalBatchSampler, ShardedEvalSampler
 
+    groups = groups or sequence_groups.build(1, dist_info.rank, dist_info.world_size)
     sampler = GlobalBatchSampler(len(datasets.train_set), micro_batch=batch.micro, accum_steps=batch.accum,
-                                 rank=dist_info.rank, world_size=dist_info.world_size, seed=config.run.seed,
+                                 rank=groups.data_rank, world_size=groups.data_world, seed=config.run.seed,
                                  repeats=3 if config.augment.repeated_aug else 1)
     steps_per_epoch = sampler.steps_per_epoch
     total_steps = config.optim.epochs * steps_per_epoch
@@ -223,7 +227,7 @@ def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Dat
     train_loader = build_loader(config, dist_info, datasets.train_set, sampler, "train", fault_hook)
     eval_batch = max(1, int(1.5 * batch.micro))
     val_loader = build_loader(config, dist_info, datasets.val_set, ShardedEvalSampler(
-        len(datasets.val_set), batch_size=eval_batch, rank=dist_info.rank, world_size=dist_info.world_size), "val",
+        len(datasets.val_set), batch_size=eval_batch, rank=groups.data_rank, world_size=groups.data_world), "val",
         fault_hook)
     return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
 
@@ -367,18 +371,26 @@ def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer
     datasets = build_datasets(config)
     # what the model is: built below, checked on resume
     model_cfg = model_config(config, datasets.num_classes)
-    ds, lr = build_ds_config(config, dist_info)
+    # --sequence-parallel: groups of ranks share each image (a collective)
+    groups = sequence_groups.build(config.run.sequence_parallel, dist_info.rank, dist_info.world_size)
+    ds, lr = build_ds_config(config, dist_info, groups.data_world)
+    # DeepSpeed counts every rank as data-parallel
+    ds.config["train_batch_size"] = groups.deepspeed_batch(ds.batch.global_)
     # may set the engine's load_universal
     resume_path = plan_resume(config, dist_info, ds, model_cfg, datasets)
     # the schedule below, and the checkpoints' record of the options, use the lowered defaults
     config = settle_lr(config, ds, dist_info)
     mixup = build_mixup(config, ds.batch, datasets.num_classes)
-    data = build_data(config, dist_info, datasets, ds.batch, fault_hook)
+    data = build_data(config, dist_info, datasets, ds.batch, fault_hook, groups)
     model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds)
     engine = build_engine(config, dist_info, model, ds, data.steps_per_epoch)
     criterion = build_criterion(config.augment.smoothing, mixup)
     ema = build_ema(config, engine.engine)
+    if groups.size > 1:  # after the EMA's copy: the engine's calls of the model run the split
+        from ..models.sequence_parallel import split_over
+
+        split_over(model, groups.group)
     checkpointer = build_checkpointer(config, dist_info, engine, fault_hook)
     return Trainer(config, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
                    criterion=criterion, ema=ema, checkpointer=checkpointer, run_id=new_run_id(),
-                   resume_path=resume_path, fault_hook=fault_hook)
+                   resume_path=resume_path, fault_hook=fault_hook, groups=groups)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from . import output_dir, shipped_configs
+from . import output_dir, sequence_groups, shipped_configs
 from .run_config import RunConfig
 
 
@@ -45,6 +45,9 @@ def check(config: RunConfig, is_main: bool) -> RunConfig:
     _data(config)
     _model(config)
     _files(config)
+    problem = sequence_groups.world_error(config.run.sequence_parallel, launch_world_size())
+    if problem:
+        raise ValueError(problem)
     if config.run.eval:
         return config
     problem = output_dir.check(config) or _resume_overwrite(config)

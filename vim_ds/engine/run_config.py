@@ -245,6 +245,11 @@ class RunOptions:
              "--deepspeed_config still gives batch, optimizer settings and precision; bf16 and autocast-bf16 run "
              "fp32 parameters under bf16 autocast): the baselines of `vim-ds zero-compare`. They save no "
              "checkpoints and keep no EMA: --resume, --save-interval and --model-ema are refused")
+    sequence_parallel: int = option(
+        "--sequence-parallel", type=int, default=1, metavar="N", rule="at least 1",
+        help="split each image's token sequence over groups of N consecutive ranks (high resolution: activations "
+             "per rank fall with N); data parallelism runs across the groups, ZeRO over all ranks; the number of "
+             "ranks must be a multiple of N (docs/sequence-parallel.md)")
     local_rank: int = option("--local_rank", "--local-rank", type=int, default=-1,
                              help="set by the deepspeed launcher")
 

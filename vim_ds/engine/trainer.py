@@ -24,6 +24,7 @@ from ..data.datasets import derive_seed
 from . import distributed, faults, signals
 from .errors import first_line
 from .run_config import RunConfig
+from .sequence_groups import SequenceGroups
 
 
 class TrainingError(RuntimeError):
@@ -98,7 +99,7 @@ class Trainer:
 
     def __init__(self, config: RunConfig, dist_info: distributed.DistInfo, *, data, ds, lr: float, model, engine, mixup,
                  criterion, ema, checkpointer, run_id: str, resume_path: str = "",
-                 fault_hook: faults.FaultHook = faults.NO_FAULTS):
+                 fault_hook: faults.FaultHook = faults.NO_FAULTS, groups: SequenceGroups | None = None):
         self.config, self.dist = config, dist_info
         self.data, self.ds, self.lr, self.model = data, ds, lr, model
         self.engine, self.engine_kind, self.dtype = engine.engine, engine.kind, engine.dtype
@@ -106,6 +107,8 @@ class Trainer:
         self.mixup, self.criterion, self.ema, self.checkpointer = mixup, criterion, ema, checkpointer
         self.run_id, self.resume_path, self.faults = run_id, resume_path, fault_hook
         self.progress = Progress()
+        # --sequence-parallel: this rank's group (sequence_groups.py); one group per rank without it
+        self.groups = groups or SequenceGroups(1, 0, dist_info.rank, dist_info.world_size)
         # DeepSpeed reports no norm without ZeRO; the baselines report theirs
         self._own_grad_norm = ds.zero_stage == 0 and self.engine_kind == "deepspeed"
         self._grad_norm = None
@@ -175,7 +178,8 @@ class Trainer:
 
     def _micro_step(self, images, targets, micro: int) -> torch.Tensor:
         step = self.progress.step + 1  # the optimizer step this micro step belongs to
-        seed = derive_seed(self.config.run.seed, step - 1, micro, self.dist.rank)
+        # per data-parallel rank: the ranks of a sequence group draw the same Mixup and stochastic depth
+        seed = derive_seed(self.config.run.seed, step - 1, micro, self.groups.data_rank)
         seed_everything(seed)  # Mixup, drop path
         # VIM_DS_INJECT, VIM_DS_RECORD_BATCHES
         self.faults.before_micro_step(step, micro, seed, images, targets)
@@ -186,6 +190,7 @@ class Trainer:
         with self._compile_errors():
             logits = self.engine(images.to(self.dtype))
             loss = self.faults.on_loss(step, self.criterion(logits.float(), targets))  # nan_loss
+            # under --sequence-parallel too: DeepSpeed averages the group's shares (sequence_groups.py)
             self.engine.backward(loss)
         skip = self._skipped_by_us = False
         if self._own_grad_norm and micro == self.batch.accum - 1:
@@ -257,6 +262,8 @@ class Trainer:
                 # and agree on a stop signal
                 [float(loss_sum), bad, seen, *signals.STOP.votes()], self.device)
             stop = signals.STOP.agreed(votes)
+            # each image was read by every rank of its sequence group
+            bad, seen = bad / self.groups.size, seen / self.groups.size
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
             p.step += 1
             p.step_in_epoch += 1
@@ -369,6 +376,10 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             replica = self.model.config.build()
         load_state_dict_into(replica, state, strict=True)
+        if self.groups.size > 1:
+            from ..models.sequence_parallel import split_over
+
+            split_over(replica, self.groups.group)
         return replica.to(self.device, self.dtype).eval()
 
     def _stop_during_evaluation(self) -> bool:
@@ -392,12 +403,13 @@ class Trainer:
         self.engine.eval()
         record = {"step": self.progress.step, "epoch": epoch}
         # autocasts itself
+        counts = self.groups.counts_images
         result = evaluate(self.engine, self.data.val_loader, self.device, self.dtype, shape,
-                          stop=self._stop_during_evaluation)
+                          stop=self._stop_during_evaluation, counts=counts)
         record.update({f"eval_{k}": v for k, v in result.items()})
         if self.ema is not None and self._stop_signal is None:
             ema_result = evaluate(self._ema_replica(), self.data.val_loader, self.device, self.dtype, shape,
-                                  self.autocast_dtype, stop=self._stop_during_evaluation)
+                                  self.autocast_dtype, stop=self._stop_during_evaluation, counts=counts)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
         self.progress.evaluation_owed = epoch if self._stop_signal is not None else None
@@ -443,6 +455,10 @@ class Trainer:
                 "loop_overhead": (t["data"] + t["other"]) / total if total else None,
                 "peak_memory_mb_per_rank": peaks, "device": self.device.type, **state}
 
+    def _sequence_note(self) -> str:
+        g = self.groups
+        return f" (groups of {g.size} ranks, each image's tokens split over its group)" if g.size > 1 else ""
+
     def fit(self) -> dict | None:
         from .metrics import MetricsLog
 
@@ -458,7 +474,8 @@ class Trainer:
             print(f"training {name} ({self.model.num_params / 1e6:.2f}M parameters) on {len(self.train_set)} "
                   f"images, {self.dist.world_size} rank(s) on {self.device.type}, ZeRO-{self.ds.zero_stage} "
                   f"{self.ds.precision}, global batch {self.batch.global_} = {self.batch.micro} x {self.batch.accum} "
-                  f"accumulation x {self.dist.world_size} ranks, {self.data.steps_per_epoch} steps/epoch, "
+                  f"accumulation x {self.batch.world} ranks{self._sequence_note()}, "
+                  f"{self.data.steps_per_epoch} steps/epoch, "
                   f"lr {self.lr:.3e}", flush=True)
         record = None
         p.started_at = p.step

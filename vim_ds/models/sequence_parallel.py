@@ -75,7 +75,7 @@ from ..ops.selective_scan import scan_with_backend
 from ..ops.ssm_branch import conv1d_silu, project
 from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
 
-__all__ = ["average_gradients", "chunk_final_state", "sequence_parallel_forward", "split_bounds"]
+__all__ = ["average_gradients", "chunk_final_state", "sequence_parallel_forward", "split_bounds", "split_over"]
 
 Bounds = List[Tuple[int, int]]
 
@@ -364,3 +364,14 @@ def average_gradients(tensors, group=None) -> None:
         grad = torch.zeros_like(t) if t.grad is None else t.grad.contiguous()
         dist.all_reduce(grad, group=group)
         t.grad = grad / world
+
+
+def split_over(model: VisionMamba, group, *, backend: str = "auto") -> VisionMamba:
+    """From now on ``model(images)`` is ``sequence_parallel_forward(model, images, group)`` (what an engine that
+    calls the model needs: the training engine's ZeRO hooks and autocast stay around it). Returns the model."""
+    def forward(module: VisionMamba, images: torch.Tensor) -> torch.Tensor:
+        return sequence_parallel_forward(module, images, group, backend=backend)
+
+    model.split_sequence(forward)
+    return model
+

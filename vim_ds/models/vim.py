@@ -235,6 +235,8 @@ class VisionMamba(nn.Module):
         self.depth = depth
         self.global_pool = global_pool
         self.grad_checkpointing = False
+        # forward(model, images) that replaces the unsplit forward under sequence parallelism (split_sequence)
+        self._sequence_split = None
         self.dynamic_img_size = dynamic_img_size
 
         self.patch_embed = PatchEmbed(img_size, patch_size, stride, in_chans, embed_dim,
@@ -444,7 +446,16 @@ class VisionMamba(nn.Module):
         x = x[:, self._cls_index(x)]
         return x if pre_logits else self.head(x)
 
+    @torch.jit.ignore
+    def split_sequence(self, forward=None) -> None:
+        """Make ``model(images)`` call ``forward(model, images)`` instead of the unsplit forward (None restores it).
+        Sequence parallelism sets it (``models.sequence_parallel.split_over``), so that an engine that calls the
+        model (DeepSpeed's, with its hooks and autocast) runs the split; state dict and parameters are unchanged."""
+        self._sequence_split = forward
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._sequence_split is not None:
+            return self._sequence_split(self, x)
         return self.forward_head(self.forward_features(x))
 
 
