@@ -55,9 +55,11 @@ Memory
     and the states per block (as the unsplit model's fused branch keeps x and z), not the scan's inputs (nor the
     (B, D, L_r, N) decays of the one-pass scheme), which are recomputed in backward.
 
+``split_over(model, group)`` makes ``model(images)`` run the split, which is how `vim-ds train --sequence-parallel N`
+uses it (vim_ds/engine/sequence_groups.py: the groups, and what DeepSpeed is told).
+
 Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
-collectives); the GPU kernels' initial state (there the one-pass scheme's PyTorch S and correction run); the
-engine's option.
+collectives); the GPU kernels' initial state (there the one-pass scheme's PyTorch S and correction run).
 """
 from __future__ import annotations
 
