@@ -179,9 +179,11 @@ def test_a_world_that_n_does_not_divide_and_the_baselines_are_refused_in_one_lin
     assert not os.path.exists(tmp_path / "r" / "checkpoints")
     from vim_ds.engine.run_options import parse_args
 
-    for extra, named in ((["--engine", "ddp"], "--engine ddp"), (["--compile"], "--compile")):
+    for extra, named in ((["--engine", "ddp"], "--engine ddp"), (["--compile"], "--compile"),
+                         (["--grad-checkpointing"], "--grad-checkpointing")):
         with pytest.raises(SystemExit) as exited:
             parse_args(["--data-path", data, "--sequence-parallel", "2", *extra])
         assert exited.value.code == 2
-        assert f"--sequence-parallel 2 runs through DeepSpeed's engine, eagerly: drop {named}" in \
+        assert f"--sequence-parallel 2 runs through DeepSpeed's engine, eagerly, without recomputing blocks: " \
+            f"drop {named}" in \
             capsys.readouterr().err

@@ -144,11 +144,13 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
             parser.error(f"--engine {args.engine} is a measurement baseline: it saves no checkpoints and keeps no "
                          f"EMA; drop {', '.join(refused)}")
     if args.sequence_parallel > 1:
+        # the split's collectives run inside the forward: a recomputation would repeat them
         refused = [name for name, on in (("--engine " + args.engine, args.engine != "deepspeed"),
-                                         ("--compile", args.compile)) if on]
+                                         ("--compile", args.compile),
+                                         ("--grad-checkpointing", args.grad_checkpointing)) if on]
         if refused:
-            parser.error(f"--sequence-parallel {args.sequence_parallel} runs through DeepSpeed's engine, eagerly: "
-                         f"drop {', '.join(refused)}")
+            parser.error(f"--sequence-parallel {args.sequence_parallel} runs through DeepSpeed's engine, eagerly, "
+                         f"without recomputing blocks: drop {', '.join(refused)}")
     if args.compile and args.engine != "deepspeed":
         parser.error(f"--compile goes through DeepSpeed's engine.compile(); --engine {args.engine} does not have it")
     if args.model_ema is None:
