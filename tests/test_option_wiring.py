@@ -135,6 +135,29 @@ def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, cap
     assert (out / "report.md").is_file()
 
 
+def test_zero_compare_passes_sequence_parallel_to_its_runs_and_refuses_what_cannot_split(monkeypatch, tmp_path,
+                                                                                          capsys):
+    """`--sequence-parallel 3` reaches every launched run (no run starts) and the report's first line; a --ranks it
+    does not divide and the baselines (which do not split) are usage errors."""
+    from vim_ds import zero_compare
+    from vim_ds.engine import launched_runs as runner
+
+    launched = []
+    monkeypatch.setattr(runner, "run_train_config", lambda config, **kw: launched.append(kw) or
+                        {"config": config, "error": "not launched in this test"})
+    out = tmp_path / "report"
+    common = ["--model", "vim_tiny", "--input-size", "32", "--stages", "2", "3", "--out", str(out)]
+    assert zero_compare.main([*common, "--ranks", "6", "--sequence-parallel", "3"]) == 1
+    assert len(launched) == 2 and all([str(a) for a in kw["extra_args"]][-2:] == ["--sequence-parallel", "3"]
+                                      and kw["nproc"] == 6 for kw in launched)
+    assert "each image's tokens split over groups of 3 ranks" in (out / "report.md").read_text().splitlines()[2]
+    for extra, cause in ((["--ranks", "4", "--sequence-parallel", "3"], "must be at least 1 and divide --ranks 4"),
+                         (["--ranks", "2", "--sequence-parallel", "2", "--baselines", "ddp"], "do not split")):
+        with pytest.raises(SystemExit):
+            zero_compare.main([*common, *extra])
+        assert cause in capsys.readouterr().err
+
+
 # -- train: what the parsed options build -----------------------------------------------------------------------
 
 def test_synthetic_data_set_options_build_that_data_set():

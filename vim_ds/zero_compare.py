@@ -225,10 +225,18 @@ def _mib(v):
     return "-" if v is None else f"{v / 2**20:.2f}"
 
 
+def _split_note(sequence_parallel: int) -> str:
+    if sequence_parallel <= 1:
+        return ""
+    return (f" (each image's tokens split over groups of {sequence_parallel} ranks; ZeRO partitions over every "
+            f"rank)")
+
+
 def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> str:
     lines = ["# ZeRO comparison", "",
              f"{settings['model']} {settings['kwargs']} at {settings['input_size']}^2, {settings['ranks']} rank(s) "
-             f"via {settings['launcher']}, batch {settings['batch_size']} per rank, {settings['steps']} steps, "
+             f"via {settings['launcher']}{_split_note(settings.get('sequence_parallel', 1))}, batch "
+             f"{settings['batch_size']} per rank, {settings['steps']} steps, "
              f"{settings['precision']}." + (f" Ψ = {psi:,} parameters." if psi else ""), "",
              "Measured bytes are per rank (the largest rank), MiB; model states read from the engine at the end of "
              "the run (`vim_ds.engine.memory.state_bytes`: parameters as held, ZeRO-3 partitions only; optimizer = "
@@ -369,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true", help="also zero2_offload and zero3_offload")
     p.add_argument("--precision", choices=["bf16", "fp32", "autocast-bf16"], default="bf16")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                   help="split each image's tokens over groups of N of the ranks (vim-ds train --sequence-parallel; "
+                        "ZeRO still partitions over every rank); not with --baselines")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--input-size", type=int, default=224)
@@ -388,7 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sequence_parallel < 1 or args.ranks % args.sequence_parallel:
+        parser.error(f"--sequence-parallel {args.sequence_parallel} must be at least 1 and divide --ranks {args.ranks}")
+    if args.sequence_parallel > 1 and args.baselines:
+        parser.error("--baselines (DDP, FSDP) do not split the sequence: drop them with --sequence-parallel")
+    return args
 
 
 def _baseline_precision(precision: str) -> str:
@@ -418,6 +435,7 @@ def main(argv=None) -> int:
     extra += [] if args.warmup_epochs is None else ["--warmup-epochs", args.warmup_epochs]
     # the baselines keep no EMA: time the same loop
     extra += ["--no-model-ema"] if args.baselines else []
+    extra += ["--sequence-parallel", args.sequence_parallel] if args.sequence_parallel > 1 else []
     runs = [(name, stage, offload, "deepspeed", name) for name, stage, offload in configurations(args.stages,
                                                                                                args.offload)]
     # zero0.json: batch, AdamW, lr
@@ -455,7 +473,7 @@ def main(argv=None) -> int:
     estimates = deepspeed_estimates(psi, largest, args.ranks) if psi else None
     settings = dict(model=args.model, kwargs=" ".join(f"{k}={v}" for k, v in args.model_kwargs),
                     input_size=args.input_size, ranks=args.ranks, launcher=args.launcher, batch_size=args.batch_size,
-                    steps=args.steps, precision=args.precision)
+                    steps=args.steps, precision=args.precision, sequence_parallel=args.sequence_parallel)
     write_report(rows, args.out, settings, psi, estimates)
     print(open(os.path.join(args.out, "report.md")).read())
     return 1 if any(r.get("error") for r in rows) else 0

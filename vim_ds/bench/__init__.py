@@ -103,6 +103,8 @@ def _add_train(sub) -> None:
     t.add_argument("--nb-classes", type=int, default=1000, help="classes of the synthetic data (the head's size)")
     t.add_argument("--grad-checkpointing", action="store_true",
                    help="train with gradient checkpointing (compare its peak memory with a run without)")
+    t.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                   help="split each image's tokens over groups of N ranks (vim-ds train --sequence-parallel)")
     t.add_argument("--train-args", default="", metavar="'ARGS'",
                    help="further vim_ds.train options, one quoted string, e.g. '--mixup 0 --cutmix 0'")
     t.add_argument("--timeout", type=float, default=3600, help="seconds allowed per run")

@@ -80,7 +80,8 @@ def _gpu_count() -> int:
 
 def check_args(parser, args) -> None:
     """The counts' ranges, as usage errors of `parser`."""
-    for name, least in (("steps", 1), ("warmup_steps", 0), ("nproc", 1), ("batch_size", 1), ("num_workers", 0)):
+    for name, least in (("steps", 1), ("warmup_steps", 0), ("nproc", 1), ("batch_size", 1), ("num_workers", 0),
+                        ("sequence_parallel", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
@@ -107,13 +108,15 @@ def run_train(args) -> dict:
     settings = dict(device=device, nproc=nproc, launcher=args.launcher, model=args.model, model_kwargs=model_kwargs,
                     input_size=args.input_size, batch_size=batch_size, steps=args.steps, warmup=args.warmup_steps,
                     precision=args.precision or "bf16", workers=args.num_workers, nb_classes=args.nb_classes,
-                    grad_checkpointing=args.grad_checkpointing)
+                    grad_checkpointing=args.grad_checkpointing, sequence_parallel=args.sequence_parallel)
     kwargs = "".join(f" {k}={v}" for k, v in model_kwargs.items())
     checkpointing = ", gradient checkpointing" if args.grad_checkpointing else ""
+    checkpointing += f", tokens split over groups of {args.sequence_parallel}" if args.sequence_parallel > 1 else ""
     print(f"vim-ds bench train: {args.model}{kwargs} {args.input_size}^2 on {nproc} {device} rank(s) "
           f"via {args.launcher}, batch {batch_size} per rank{checkpointing}, {args.warmup_steps} warmup + "
           f"{args.steps} timed steps", flush=True)
     extra_args = shlex.split(args.train_args or "") + (["--grad-checkpointing"] if args.grad_checkpointing else [])
+    extra_args += ["--sequence-parallel", str(args.sequence_parallel)] if args.sequence_parallel > 1 else []
     work = args.keep or tempfile.mkdtemp(prefix="vim-ds-bench-train-")
     rows, used = [], set()
     try:
