@@ -1,4 +1,5 @@
-"""`vim-ds bench scan|model|train|convert|data`: how fast the kernels, the model and the trainer are, beside baselines.
+"""`vim-ds bench scan|model|train|convert|data|split`: how fast the kernels, the model and the trainer are, beside
+baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
@@ -9,6 +10,8 @@ train  training throughput (images/s) and peak memory per rank for each ZeRO sta
        (`vim_ds.train`) on synthetic data, started by a real launcher (torchrun or deepspeed), one run per config.
 convert  peak memory of `vim-ds convert` on a large model (vim_base by default) against its fp32 size, and the
          time to verify the checkpoint's files against their recorded checksums.
+split  a training step with each image's tokens split over N ranks (sequence parallelism) beside the unsplit
+       model: peak memory per rank, forward and backward time, communication per block, logits agreement.
 data   the input pipeline alone (decode, transform, collate, Mixup, hand-over to the training process) on a folder
        of JPEGs: the trainer's loader vs timm's create_loader, images/s and per core, and where the time goes.
 """
@@ -21,7 +24,7 @@ import sys
 
 from ..engine.errors import report_error
 from ..engine.run_options import key_value
-from . import convert, data, model, scan, train
+from . import convert, data, model, scan, split, train
 from ..engine.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
                     REFERENCE_SPEEDUP_GOAL, reference_lines)
@@ -42,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     data.add_parser(sub)
     sub.choices["data"].set_defaults(run=data.run_data, check=data.check_args)
+    split.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,187 @@
+"""`vim-ds bench split`: one training step (forward, cross-entropy, backward) of a Vim with each image's tokens split
+over N ranks (`models.sequence_parallel`, as `vim-ds train --sequence-parallel N` runs it), for each N asked, beside
+the unsplit model (N = 1): peak memory per rank, forward and backward time, the split's communication per block on
+paper, and how far its logits are from the unsplit model's (the measured step must be the same computation).
+
+Memory: on a GPU the peak of allocated memory during the first step above what was allocated before it (model,
+images); on a CPU the growth of the process's peak resident set during the first step (the allocator's caching
+included; a coarser measure). Time: the median of the following `--repeat` steps. The ranks are processes on this
+machine (gloo on CPU, one thread each's share of the cores; NCCL on GPUs, one GPU each).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ..engine.run_config import key_value
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("split", help="a training step with the tokens split over N ranks: memory and time per N")
+    p.add_argument("--model", default="vim_tiny")
+    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="KEY=VALUE",
+                   help="model constructor overrides, e.g. depth=2 embed_dim=32")
+    p.add_argument("--input-size", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], metavar="N",
+                   help="ranks per image; 1 is the unsplit model [1 2 4]")
+    p.add_argument("--repeat", type=int, default=2, help="timed steps after the first (median)")
+    p.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--nb-classes", type=int, default=1000)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(run=run_split, check=check_args)
+
+
+def check_args(parser, args) -> None:
+    args.model_kwargs = dict(args.model_kwargs)
+    for name, least in (("input_size", 8), ("batch_size", 1), ("repeat", 1), ("nb_classes", 1)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    if any(n < 1 for n in args.ranks):
+        parser.error(f"--ranks must be at least 1 each, got {args.ranks}")
+
+
+def communication_per_block(model, batch: int, dtype: torch.dtype) -> dict:
+    """What one rank sends per block and direction pair, in bytes (docs/sequence-parallel.md): its conv edges (2(K-1)
+    tokens of d_inner channels, the activations' dtype) and both directions' chunk pairs (4 x d_inner x d_state,
+    float32), received from each of the N - 1 others; and the class token's broadcast once per forward."""
+    mixer = model.layers[0].mixer
+    d_inner, d_state, k = mixer.d_inner, mixer.d_state, mixer.d_conv
+    item = torch.finfo(dtype).bits // 8
+    pair_item = 8 if dtype == torch.float64 else 4
+    return {"edges": 2 * (k - 1) * batch * d_inner * item, "pairs": 4 * batch * d_inner * d_state * pair_item,
+            "class_token": batch * model.embed_dim * item}
+
+
+def run_split(args) -> dict:
+    from .data import BenchError
+
+    cuda = torch.cuda.is_available()
+    if cuda and max(args.ranks) > torch.cuda.device_count():
+        raise BenchError(f"--ranks {max(args.ranks)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    settings = {"model": args.model, "model_kwargs": args.model_kwargs, "input_size": args.input_size,
+                "batch_size": args.batch_size, "repeat": args.repeat, "precision": args.precision,
+                "nb_classes": args.nb_classes, "device": "cuda" if cuda else "cpu",
+                "cores": len(os.sched_getaffinity(0))}
+    print(f"vim-ds bench split: {args.model} {args.input_size}^2, batch {args.batch_size}, {args.precision}, on "
+          f"{settings['device']}; ranks per image {args.ranks}", flush=True)
+    rows, reference = [], None
+    with tempfile.TemporaryDirectory(prefix="vim-ds-bench-split-") as work:
+        for n in args.ranks:
+            out = os.path.join(work, f"n{n}.pt")
+            torch.multiprocessing.spawn(_rank, args=(n, _free_port(), settings, out), nprocs=n, join=True)
+            result = torch.load(out, weights_only=True)
+            logits = result.pop("logits")
+            if reference is None and n == 1:
+                reference = logits
+            result["logits_max_rel_diff"] = None if reference is None else \
+                float((logits - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+            rows.append({"ranks": n, **result})
+            print(_line(rows[-1], rows[0]), flush=True)
+    return {"settings": settings, "rows": rows}
+
+
+def _line(row: dict, first: dict) -> str:
+    unsplit = first if first["ranks"] == 1 else None
+    text = (f"N = {row['ranks']}: peak {row['peak_bytes'] / 2**20:.1f} MiB per rank, forward {row['forward_s']:.3f} s, "
+            f"backward {row['backward_s']:.3f} s")
+    if unsplit is not None and row["ranks"] > 1:
+        ideal = (unsplit["forward_s"] + unsplit["backward_s"]) / row["ranks"]
+        text += (f"; memory {row['peak_bytes'] / max(unsplit['peak_bytes'], 1):.2f}x the unsplit model's, step "
+                 f"{(row['forward_s'] + row['backward_s']) / ideal:.2f}x the unsplit step / N; sends per block "
+                 f"{(row['comm']['edges'] + row['comm']['pairs']) / 1024:.1f} KiB to each other rank; logits "
+                 f"{row['logits_max_rel_diff']:.1e} from the unsplit model's")
+    return text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
+    import timm
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from .. import models  # noqa: F401 - registers the models with timm
+    from ..models.sequence_parallel import split_over
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = settings["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, settings["cores"] // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        dtype = DTYPES[settings["precision"]]
+        torch.manual_seed(0)
+        model = timm.create_model(settings["model"], img_size=settings["input_size"],
+                                  num_classes=settings["nb_classes"], **settings["model_kwargs"]).to(device, dtype)
+        generator = torch.Generator().manual_seed(1)
+        size, batch = settings["input_size"], settings["batch_size"]
+        images = torch.randn(batch, 3, size, size, generator=generator).to(device, dtype)
+        targets = torch.randint(settings["nb_classes"], (batch,), generator=generator).to(device)
+        if world > 1:
+            split_over(model, dist.group.WORLD)
+        forward, backward, logits, peak = [], [], None, 0
+        for step in range(1 + settings["repeat"]):
+            before = _memory(device)
+            _reset_peak(device)
+            t0 = _now(device)
+            out_logits = model(images)
+            t1 = _now(device)
+            F.cross_entropy(out_logits.float(), targets).backward()
+            t2 = _now(device)
+            if step == 0:
+                peak, logits = max(_peak(device) - before, 0), out_logits.detach().float().cpu()
+            else:
+                forward.append(t1 - t0)
+                backward.append(t2 - t1)
+            model.zero_grad(set_to_none=True)
+            del out_logits
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
+        if rank == 0:
+            torch.save({"peak_bytes": max(peaks), "forward_s": statistics.median(forward),
+                        "backward_s": statistics.median(backward), "logits": logits,
+                        "comm": communication_per_block(model, batch, dtype) if world > 1 else None}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
