@@ -18,12 +18,11 @@ if [ "$workers" = 0 ] || [ $# -gt 0 ]; then
 fi
 
 # The whole suite: the files that mostly wait hold little CPU for minutes of wall time (the real-SLURM jobs sleep
-# until SLURM's signal, 370 s of wall for about 10 CPU-s; the stalled-loader, dead-rank and stuck-rank tests wait out
-# timeouts they set or DeepSpeed's 30 s between SIGTERM and SIGKILL: 300 s of wall for 91 CPU-s), so they run in a lane
-# of their own beside the two workers instead of holding one of them. The lane is
+# until SLURM's signal, 370 s of wall for about 10 CPU-s; the stalled-loader and killed-rank tests wait out timeouts
+# they set), so they run in a lane of their own beside the two workers instead of holding one of them. The lane is
 # started with SIGINT at its default: a command backgrounded by a non-interactive shell would otherwise inherit it
 # ignored (see docs/tests.md). Its report follows the workers' report, and the run fails if either fails.
-lane_files=(tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py tests/faults/test_dead_ranks.py)
+lane_files=(tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py)
 lane_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_lane.XXXXXX")
 main_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_workers.XXXXXX")
 trap 'rm -f "$lane_log" "$main_log"' EXIT
