@@ -126,10 +126,7 @@ def evaluate_weights(config: RunConfig, dist_info) -> dict:
     dtype, autocast = PRECISION_DTYPES[precision], autocast_dtype(precision)
     model = model.to(dist_info.device, dtype).eval()
     groups = sequence_groups.build(config.run.sequence_parallel, dist_info.rank, dist_info.world_size)
-    if groups.size > 1:
-        from ..models.sequence_parallel import split_over
-
-        split_over(model, groups.group)
+    groups.split(model)
     batch = max(1, int(1.5 * (config.optim.batch_size or 64)))
     loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=groups.data_rank,
                                                       world_size=groups.data_world),

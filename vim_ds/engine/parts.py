@@ -386,10 +386,7 @@ def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer
     engine = build_engine(config, dist_info, model, ds, data.steps_per_epoch)
     criterion = build_criterion(config.augment.smoothing, mixup)
     ema = build_ema(config, engine.engine)
-    if groups.size > 1:  # after the EMA's copy: the engine's calls of the model run the split
-        from ..models.sequence_parallel import split_over
-
-        split_over(model, groups.group)
+    groups.split(model)  # after the EMA's copy: the engine's calls of the model run the split
     checkpointer = build_checkpointer(config, dist_info, engine, fault_hook)
     return Trainer(config, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
                    criterion=criterion, ema=ema, checkpointer=checkpointer, run_id=new_run_id(),

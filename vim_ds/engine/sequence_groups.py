@@ -40,6 +40,15 @@ class SequenceGroups:
         """Whether this rank adds its images to the sums over ranks (one rank per group)."""
         return self.rank == 0
 
+    def split(self, model):
+        """`model` (a VisionMamba) made to run the split over this rank's group when N > 1 (its calls, not its
+        weights, change: `models.sequence_parallel.split_over`); returns it."""
+        if self.size > 1:
+            from ..models.sequence_parallel import split_over
+
+            split_over(model, self.group)
+        return model
+
     def deepspeed_batch(self, images_per_step: int) -> int:
         """DeepSpeed's `train_batch_size` for an optimizer step of `images_per_step` images: it counts every rank
         as data-parallel (see above)."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..data.datasets import derive_seed
-from . import distributed, faults, signals
+from . import distributed, faults, sequence_groups, signals
 from .errors import first_line
 from .run_config import RunConfig
 from .sequence_groups import SequenceGroups
@@ -108,7 +108,7 @@ class Trainer:
         self.run_id, self.resume_path, self.faults = run_id, resume_path, fault_hook
         self.progress = Progress()
         # --sequence-parallel: this rank's group (sequence_groups.py); one group per rank without it
-        self.groups = groups or SequenceGroups(1, 0, dist_info.rank, dist_info.world_size)
+        self.groups = groups or sequence_groups.build(1, dist_info.rank, dist_info.world_size)
         # DeepSpeed reports no norm without ZeRO; the baselines report theirs
         self._own_grad_norm = ds.zero_stage == 0 and self.engine_kind == "deepspeed"
         self._grad_norm = None
@@ -376,11 +376,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             replica = self.model.config.build()
         load_state_dict_into(replica, state, strict=True)
-        if self.groups.size > 1:
-            from ..models.sequence_parallel import split_over
-
-            split_over(replica, self.groups.group)
-        return replica.to(self.device, self.dtype).eval()
+        return self.groups.split(replica).to(self.device, self.dtype).eval()
 
     def _stop_during_evaluation(self) -> bool:
         """Asked by the evaluation at each batch: have the ranks agreed to stop on a signal? A full evaluation can
