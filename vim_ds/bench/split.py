@@ -11,14 +11,15 @@ machine (gloo on CPU, one thread each's share of the cores; NCCL on GPUs, one GP
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
 
 import torch
 
+from ..engine.distributed import free_port
 from ..engine.run_config import key_value
+from ..engine.trainer import peak_memory_mb
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -76,7 +77,7 @@ def run_split(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="vim-ds-bench-split-") as work:
         for n in args.ranks:
             out = os.path.join(work, f"n{n}.pt")
-            torch.multiprocessing.spawn(_rank, args=(n, _free_port(), settings, out), nprocs=n, join=True)
+            torch.multiprocessing.spawn(_rank, args=(n, free_port(), settings, out), nprocs=n, join=True)
             result = torch.load(out, weights_only=True)
             logits = result.pop("logits")
             if reference is None and n == 1:
@@ -99,12 +100,6 @@ def _line(row: dict, first: dict) -> str:
                  f"{(row['comm']['edges'] + row['comm']['pairs']) / 1024:.1f} KiB to each other rank; logits "
                  f"{row['logits_max_rel_diff']:.1e} from the unsplit model's")
     return text
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
@@ -144,7 +139,7 @@ def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
             F.cross_entropy(out_logits.float(), targets).backward()
             t2 = _now(device)
             if step == 0:
-                peak, logits = max(_peak(device) - before, 0), out_logits.detach().float().cpu()
+                peak, logits = max(int(peak_memory_mb(device) * 2**20) - before, 0), out_logits.detach().float().cpu()
             else:
                 forward.append(t1 - t0)
                 backward.append(t2 - t1)
@@ -177,11 +172,4 @@ def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

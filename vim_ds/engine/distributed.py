@@ -40,7 +40,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +65,7 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if "RANK" not in os.environ:  # a single process started by hand
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(max(local_rank_arg, 0)), LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     local_rank = int(os.environ.get("LOCAL_RANK", max(local_rank_arg, 0)))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
