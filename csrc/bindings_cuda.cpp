@@ -97,8 +97,10 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, bool delta_softplus, bool reverse,
-                            bool return_last_state) {
+                            bool return_last_state, const OptTensor& h0) {
   ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
+  check_optional(h0, "h0", u.device(), A.scalar_type(), {args.batch, args.dim, args.dstate});
+  args.h0 = present(h0) ? h0->data_ptr() : nullptr;
   const c10::cuda::CUDAGuard device_guard(u.device());
 
   at::Tensor out = at::empty_like(u);
@@ -128,7 +130,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const 
 std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, const at::Tensor& dout, const at::Tensor& saved,
-                            bool delta_softplus, bool reverse) {
+                            bool delta_softplus, bool reverse, const OptTensor& h0, const OptTensor& dlast) {
   ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
   const at::Device device = u.device();
   const auto in = u.scalar_type();
@@ -136,6 +138,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   check_tensor(dout, "dout", device, in, {args.batch, args.dim, args.seqlen});
   const int64_t n_ckpt = vim_ds_scan::scan_num_checkpoints(args.seqlen, args.dstate, args.dtype);
   check_tensor(saved, "saved", device, acc, {args.batch, args.dim, n_ckpt, args.dstate});
+  check_optional(h0, "h0", device, acc, {args.batch, args.dim, args.dstate});
+  check_optional(dlast, "dlast", device, acc, {args.batch, args.dim, args.dstate});
   const c10::cuda::CUDAGuard device_guard(device);
 
   at::Tensor du = at::empty_like(u);
@@ -163,6 +167,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   args.dC = dC_acc.data_ptr();
   args.dD = dD.defined() ? dD.data_ptr() : nullptr;
   args.ddelta_bias = ddelta_bias.defined() ? ddelta_bias.data_ptr() : nullptr;
+  // The initial state's gradient, when there is an initial state: written in full by the kernel's first segment
+  // (zeros when batch * dim == 0, which launches nothing).
+  at::Tensor dh0;
+  if (present(h0)) {
+    dh0 = args.batch * args.dim > 0 ? at::empty_like(*h0) : at::zeros_like(*h0);
+    args.h0 = h0->data_ptr();
+    args.dh0 = dh0.data_ptr();
+  }
+  args.dlast = present(dlast) ? dlast->data_ptr() : nullptr;
 
   const char* err = vim_ds_scan::scan_bwd(args, current_stream());
   TORCH_CHECK(err == nullptr, "selective_scan (gpu) backward failed: ", err);
@@ -171,6 +184,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   at::Tensor dB = dB_acc.to(in);
   at::Tensor dC = dC_acc.to(in);
   // Undefined tensors become None in Python.
+  if (dh0.defined()) return {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dh0};
   return {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias};
 }
 
@@ -178,13 +192,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Selective scan (Mamba SSM) forward/backward on CUDA / ROCm GPUs; see csrc/README.md";
-  m.def("fwd", &fwd, "selective scan forward -> [out, saved, last_state or None]", py::arg("u"), py::arg("delta"),
-        py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"), py::arg("delta_bias"),
-        py::arg("delta_softplus"), py::arg("reverse") = false, py::arg("return_last_state") = false);
-  m.def("bwd", &bwd, "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias]", py::arg("u"),
+  m.def("fwd", &fwd, "selective scan forward (from h0 if given) -> [out, saved, last_state or None]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("delta_softplus"), py::arg("reverse") = false,
+        py::arg("return_last_state") = false, py::arg("h0") = py::none());
+  m.def("bwd", &bwd,
+        "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias] (+ [dh0] when h0 is given)",
+        py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
-        py::arg("reverse") = false);
+        py::arg("reverse") = false, py::arg("h0") = py::none(), py::arg("dlast") = py::none());
   m.def(
       "chunk_length",
       [](int64_t dstate, bool float64) {

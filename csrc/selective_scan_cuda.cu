@@ -90,6 +90,9 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   p.out = a.out;
   p.saved = a.saved;
   p.last_state = a.last_state;
+  p.h0 = a.h0;
+  p.dlast = a.dlast;
+  p.dh0 = a.dh0;
   p.dout = a.dout;
   p.du = a.du;
   p.ddelta = a.ddelta;
@@ -204,7 +207,7 @@ int64_t scan_workspace_bytes(const ScanArgs& a, bool backward) {
 int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype) {
   const int64_t chunk = scan_chunk_length(dstate, dtype);
   if (chunk <= 0 || seqlen < 1) return 0;
-  return (seqlen + chunk - 1) / chunk - 1;
+  return (seqlen + chunk - 1) / chunk;
 }
 
 const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stream, false); }

@@ -45,7 +45,12 @@ struct ScanArgs {
   void* saved = nullptr;        // written by the forward, read by the backward
   void* last_state = nullptr;   // forward, optional: (batch, dim, dstate) accumulation dtype, the state after the
                                 // last scan step (after t = 0 in reverse mode)
+  const void* h0 = nullptr;     // optional (null: zero), forward and backward alike: (batch, dim, dstate)
+                                // accumulation dtype, the state before the first scan step (before t = seqlen-1
+                                // in reverse mode)
   const void* dout = nullptr;   // backward input
+  const void* dlast = nullptr;  // backward, optional (null: zero): the gradient of last_state, as h0
+  void* dh0 = nullptr;          // backward, optional: the gradient of h0, as h0, written in full when not null
 
   void* du = nullptr;
   void* ddelta = nullptr;
@@ -78,8 +83,8 @@ constexpr int64_t kScanMaxDState = 256;
 // Time steps between two stored states ("chunk length"); depends only on d_state and the dtype.
 int64_t scan_chunk_length(int64_t dstate, ScanDType dtype);
 
-// Number of stored states per (batch, channel): ceil(seqlen / chunk_length) - 1 (the state at the start of
-// every chunk but the first, which starts from zero). May be 0.
+// Number of stored states per (batch, channel): ceil(seqlen / chunk_length), the state at the start of every
+// chunk (the first chunk's: h0, or zero).
 int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype);
 
 // Scratch the forward (backward = false) or the backward of these shapes needs in ScanArgs::workspace. Depends

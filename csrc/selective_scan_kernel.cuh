@@ -5,7 +5,7 @@
 //
 // The operation (see csrc/README.md), for batch b, channel d, state n, time t:
 //   dl[b,d,t]  = softplus(delta[b,d,t] + delta_bias[d])          (bias and softplus optional)
-//   h[b,d,n,t] = exp(dl*A[d,n]) * h[b,d,n,t-1] + dl * B[b,n,t] * u[b,d,t]      (h[-1] = 0)
+//   h[b,d,n,t] = exp(dl*A[d,n]) * h[b,d,n,t-1] + dl * B[b,n,t] * u[b,d,t]      (h[-1] = h0, or 0)
 //   y[b,d,t]   = sum_n h[b,d,n,t] * C[b,n,t] + D[d] * u[b,d,t]
 //   out[b,d,t] = y * silu(z[b,d,t])                               (gate optional)
 //
@@ -53,15 +53,24 @@
 //   states and the arithmetic are those of the forward direction on flipped inputs, so no flipped copies are made
 //   and out, du, ddelta, dz equal the flipped computation bit for bit.
 //
-// Forward: runs the recurrence; at the end of every chunk but the last it stores the state h into `saved`,
-//   (batch, dim, n_chunks-1, N) (at segment ends the combine kernel stores it). So saved[b,d,c,:] is the state
-//   at the *start* of chunk c+1. When asked (last_state not null), pass 1 of the last segment, which ends with
+// Initial state (KernelParams::h0, optional; the split of one image's tokens over ranks needs it, see
+//   vim_ds/models/sequence_parallel.py): segment 0 starts from h0 instead of zero in every pass, so its pass-0 end
+//   state already holds h0's share and the combine is unchanged; the forward stores h0 as chunk 0's start state,
+//   from which the backward recomputes chunk 0 as any other. Its adjoint: the last segment's carry-in is dlast
+//   (the gradient of last_state) instead of zero, again in both passes, and segment 0's carry after its first
+//   step, exp(dl_0 A) dh_0, is dh0.
+//
+// Forward: runs the recurrence; at the start of every chunk it stores the state h into `saved`,
+//   (batch, dim, n_chunks, N), so saved[b,d,c,:] is the state at the *start* of chunk c: h0 (or zero) for chunk 0;
+//   at segment starts the combine kernel stores it. (Chunk 0's slot costs N values per (b, d), and it spares the
+//   backward a second source of start states: read from h0 itself inside the backward's loop, it made ptxas spill
+//   in the d_state > 128 instances.) When asked (last_state not null), pass 1 of the last segment, which ends with
 //   the last scan step, stores its final h as last_state[b,d,:]: the state after time L-1, or after time 0 in
 //   reverse mode (mamba_ssm's last_state; the CPU kernel and selective_scan_ref give the same).
 //
 // Backward: walks the chunks of its segment from last to first. For chunk c it
 //   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z), B, C of the chunk in shared memory;
-//   2. recomputes the chunk's states from the stored state at its start (zero for chunk 0), keeping every
+//   2. recomputes the chunk's states from the stored state at its start (saved[b,d,c,:]), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
 //   3. runs the reverse recurrence t = end .. start, with dh_t = C_t*dy_t + exp(dl_{t+1}A)*dh_{t+1} (the
 //      second term is carried in registers, also across chunks):
@@ -206,10 +215,18 @@ static_assert(kThreads % 64 == 0, "block must be whole warps and whole wavefront
 // lets an SM hold, so registers never become the tighter limit. HIP's second argument means something else
 // (minimum wavefronts per SIMD) and is not given: there the kernels do not spill vector registers as they are.
 constexpr int kMinBlocksPerSM = 4;
+// The float64 backward (the gradient-checking dtype, not a training one) asks for 3 blocks, so up to 170 registers:
+// at 128, scan_bwd<fp64,npl8> (d_state > 128) spilled 8-24 bytes on sm_80/90/100 once the initial state and its
+// gradient were added (issue 38). On sm_80 the backward's shared memory holds an SM to 3 blocks anyway; on sm_90 and
+// sm_100 a float64 instance that takes more than 128 registers runs 3 blocks instead of 4.
+template <typename input_t> struct BwdMinBlocks { static constexpr int value = kMinBlocksPerSM; };
+template <> struct BwdMinBlocks<double> { static constexpr int value = 3; };
 #if SS_HIP
 #define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads)
+#define SS_LAUNCH_BOUNDS_BWD(input_t) __launch_bounds__(kThreads)
 #else
 #define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads, kMinBlocksPerSM)
+#define SS_LAUNCH_BOUNDS_BWD(input_t) __launch_bounds__(kThreads, BwdMinBlocks<input_t>::value)
 #endif
 
 // Longest chunk between two stored states.
@@ -324,9 +341,13 @@ struct KernelParams {
   const void* z;           // may be null
   const void* delta_bias;  // may be null
   void* out;
-  void* saved;             // (batch, dim, n_chunks-1, dstate), accumulation type
+  void* saved;             // (batch, dim, n_chunks, dstate), accumulation type: each chunk's start state
   void* last_state;        // forward, may be null: (batch, dim, dstate), accumulation type, the state after the
                            // last scan step (after time 0 in reverse mode)
+  const void* h0;          // may be null (zero): (batch, dim, dstate), accumulation type, the state before the
+                           // first scan step (before time L-1 in reverse mode); the backward reads the same one
+  const void* dlast;       // backward, may be null (zero): the gradient of last_state, same shape and type
+  void* dh0;               // backward, may be null: the gradient of h0, same shape and type
   const void* dout;
   void* du;
   void* ddelta;
@@ -497,7 +518,20 @@ struct OutAddrs {
   acc_t* a;
   acc_t* b;
   acc_t* c;
+  acc_t* d;
 };
+
+// This thread's slot 0 of a (batch, dim, dstate) state tensor (h0, dlast, dh0, last_state); slot k at [k * G].
+template <typename T>
+__device__ __forceinline__ T* state_slot(T* base, const KernelParams& p, const ThreadMap& m) {
+  return base + m.bd * p.dstate + m.lane_g;
+}
+
+// Where this thread's initial state lies (slot 0), or null: no h0, a later segment, or a channel past dim.
+template <typename acc_t>
+__device__ __forceinline__ const acc_t* h0_slot(const KernelParams& p, const ThreadMap& m) {
+  return (m.seg == 0 && p.h0 != nullptr && m.ch_ok) ? state_slot(static_cast<const acc_t*>(p.h0), p, m) : nullptr;
+}
 
 // A segment's summary for the combine step: its end value v (forward: state from a zero start; backward: adjoint
 // carry) and its decay product P, per state slot this thread owns, at v_out / P_out (seg_slot).
@@ -535,7 +569,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
   input_t* __restrict__ out = block_ptr(static_cast<input_t*>(p.out), rows0);
   // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
-  acc_t* __restrict__ saved_t = static_cast<acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
+  acc_t* __restrict__ saved_t = static_cast<acc_t*>(p.saved) + (m.bd * p.n_chunks) * N + m.lane_g;
 
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
   // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast).
@@ -556,29 +590,36 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   // This lane's states: n = k*G + lane_g.
   acc_t A[kNPL], h[kNPL], P[kNPL];
   int ok = m.ch_ok ? lane_slots(p, m) : 0;  // slot k holds a real state iff k < ok (see vary)
+  // Where segment 0 starts, in both passes: h0 or zero. Later segments: zero in pass 0, the combine's checkpoint
+  // in pass 1.
+  const acc_t* h0 = h0_slot<acc_t>(p, m);
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
     A[k] = k < ok ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    h[k] = (!local && m.seg > 0 && k < ok) ? saved_t[(m.c_begin - 1) * N + k * G] : acc_t(0);
+    h[k] = k >= ok                      ? acc_t(0)
+           : (!local && m.seg > 0)      ? saved_t[m.c_begin * N + k * G]
+           : h0 != nullptr              ? h0[k * G]
+                                        : acc_t(0);
     P[k] = acc_t(1);
+    if (!local && m.seg == 0 && k < ok) saved_t[k * G] = h[k];  // chunk 0's start state, for the backward
   }
   const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
 
   // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
   // last state (a; null when not asked for or not the last segment).
   const auto out_addrs = [&]() {
-    OutAddrs<acc_t> r{nullptr, nullptr, nullptr};
+    OutAddrs<acc_t> r{nullptr, nullptr, nullptr, nullptr};
     if (local) {
       const WsLayout w = ws_layout(p);
       r.a = seg_slot<acc_t>(p, m, w.seg_v);
       r.b = seg_slot<acc_t>(p, m, w.seg_P);
     } else if (p.last_state != nullptr && m.seg == p.n_seg - 1) {
-      r.a = per_lane(static_cast<acc_t*>(p.last_state) + m.bd * N + m.lane_g);
+      r.a = per_lane(state_slot(static_cast<acc_t*>(p.last_state), p, m));
     }
     return r;
   };
-  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
+  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr, nullptr};
   if (kEarlyAddresses) tail = out_addrs();
 
   for (int c = m.c_begin; c < m.c_end; ++c) {
@@ -657,7 +698,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     if (c + 1 < m.c_end) {
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        if (k < ok) saved_t[c * N + k * G] = h[k];
+        if (k < ok) saved_t[(c + 1) * N + k * G] = h[k];
       }
     }
     __syncthreads();  // y_s complete
@@ -691,7 +732,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 // ------------------------------------------------------------------ backward -------------------------------
 
 template <typename input_t, int kNPL>
-__global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   const int cpb = kThreads / G;
@@ -716,7 +757,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
   // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
-  const acc_t* __restrict__ saved_t = static_cast<const acc_t*>(p.saved) + (m.bd * (p.n_chunks - 1)) * N + m.lane_g;
+  const acc_t* __restrict__ saved_t = static_cast<const acc_t*>(p.saved) + (m.bd * p.n_chunks) * N + m.lane_g;
   input_t* __restrict__ du = block_ptr<true, kBases>(static_cast<input_t*>(p.du), rows0);
   input_t* __restrict__ ddelta = block_ptr<true, kBases>(static_cast<input_t*>(p.ddelta), rows0);
   input_t* __restrict__ dz = p.dz != nullptr ? block_ptr<true, kBases>(static_cast<input_t*>(p.dz), rows0) : nullptr;
@@ -764,14 +805,17 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   const int slots = lane_slots(p, m);
   int ok = m.ch_ok ? slots : 0;
   const bool last_seg = m.seg == p.n_seg - 1;
+  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}. Into the segment's last step (slot 0
+  // of this thread at carry_in, or zero): in pass 1 what the combine kernel stored for the next segment; into the
+  // last segment, in both passes, the last state's gradient.
+  const acc_t* carry_in = (!carries_only && !last_seg) ? ws + w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + m.lane_g
+                          : (last_seg && p.dlast != nullptr) ? state_slot(static_cast<const acc_t*>(p.dlast), p, m)
+                                                             : nullptr;
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
     const int n = k * G + m.lane_g;
     A[k] = k < ok ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}; into the segment's last step it is
-    // what the combine kernel stored for the next segment
-    carry[k] = (!carries_only && !last_seg && k < ok) ? ws[w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + n]
-                                                       : acc_t(0);
+    carry[k] = (k < ok && carry_in != nullptr) ? carry_in[k * G] : acc_t(0);
     dA_acc[k] = acc_t(0);
     P[k] = acc_t(1);
   }
@@ -782,7 +826,8 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   int lane_g = m.lane_g;  // a copy that vary() may touch
 
   // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
-  // segment's sums of dA ([BD][S][N]), dD and ddelta_bias ([BD][S]).
+  // segment's sums of dA ([BD][S][N]), dD and ddelta_bias ([BD][S]), and in segment 0 dh0 (d; null when not
+  // asked for).
   const auto out_addrs = [&]() {
     const WsLayout wl = ws_layout(p);
     acc_t* wsp = static_cast<acc_t*>(p.ws);
@@ -790,9 +835,12 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
     r.a = seg_slot<acc_t>(p, m, carries_only ? wl.seg_v : wl.dA_p);
     r.b = carries_only ? seg_slot<acc_t>(p, m, wl.seg_P) : per_lane(wsp + wl.dD_p + m.bd * p.n_seg + m.seg);
     r.c = per_lane(wsp + wl.dbias_p + m.bd * p.n_seg + m.seg);
+    // (segment 0 is the one that starts at chunk 0; the stores below keep to slots k < ok, none past dim)
+    r.d = (!carries_only && m.c_begin == 0 && p.dh0 != nullptr)
+              ? per_lane(state_slot(static_cast<acc_t*>(p.dh0), p, m)) : nullptr;
     return r;
   };
-  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr};
+  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr, nullptr};
   if (kEarlyAddresses) tail = out_addrs();
 
   for (int c = m.c_end - 1; c >= m.c_begin; --c) {
@@ -868,7 +916,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
       acc_t h[kNPL];
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        h[k] = (c > 0 && k < ok) ? saved_t[(c - 1) * N + k * G] : acc_t(0);
+        h[k] = k < ok ? saved_t[c * N + k * G] : acc_t(0);
         hist[k * kThreads + tid] = h[k];
       }
       for (int t = 0; t < len; ++t) {
@@ -972,9 +1020,13 @@ __global__ void SS_LAUNCH_BOUNDS scan_bwd_kernel(const KernelParams p) {
   }
   if (!kEarlyAddresses) tail = out_addrs();
   // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.
+  // In segment 0 the carry is now exp(dl_0 A) dh_0, the gradient of the state before the first step: dh0.
 #pragma unroll
   for (int k = 0; k < kNPL; ++k) {
-    if (k < ok) tail.a[k * G] = dA_acc[k];
+    if (k < ok) {
+      tail.a[k * G] = dA_acc[k];
+      if (tail.d != nullptr) tail.d[k * G] = carry[k];
+    }
   }
   if (m.lane_g == 0 && m.ch_ok) {
     *tail.b = dD_acc;
@@ -1003,11 +1055,10 @@ __global__ void SS_LAUNCH_BOUNDS scan_combine_kernel(const KernelParams p) {
   const acc_t* P = ws + w.seg_P + bd * p.n_seg * N + n;
   if (p.pass == 0) {
     acc_t* saved = static_cast<acc_t*>(p.saved);
-    const int64_t n_ckpt = p.n_chunks - 1;
     acc_t H = acc_t(0);
     for (int s = 0; s + 1 < p.n_seg; ++s) {
       H = P[int64_t(s) * N] * H + v[int64_t(s) * N];
-      saved[(bd * n_ckpt + int64_t(s + 1) * p.seg_chunks - 1) * N + n] = H;
+      saved[(bd * p.n_chunks + int64_t(s + 1) * p.seg_chunks) * N + n] = H;
     }
   } else {
     acc_t X = acc_t(0);

@@ -222,6 +222,22 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kernel_emu_build(shared):
+    """The folder where tools/kernel_emu/build.sh wrote the GPU kernels compiled for the CPU emulator
+    (libscan_emu.so, libscan_emu64.so): built once per test run for test_compile_check.py's run of
+    tools/kernel_emu/run.sh and test_kernel_emu_lengths.py (each build compiles the device code twice)."""
+    import subprocess
+    import sys
+
+    def make(out: str):
+        build = Path(__file__).resolve().parent.parent / "tools" / "kernel_emu" / "build.sh"
+        subprocess.run(["bash", str(build), out], check=True,
+                       capture_output=True, env={**os.environ, "PYTHON": sys.executable})
+
+    return shared("kernel_emu", make)
+
+
+@pytest.fixture(scope="session")
 def digits(shared):
     """scikit-learn's digits written once as an ImageFolder (train/, val/); tests that change it copy it first."""
     from vim_ds.data.digits import write_digits

@@ -295,13 +295,16 @@ def test_shared_memory_mirror_follows_the_header_per_vendor():
 
 
 @pytest.mark.slow
-def test_gpu_kernels_emulated_on_the_cpu_match_the_reference():
+def test_gpu_kernels_emulated_on_the_cpu_match_the_reference(request):
     env = dict(os.environ)
     reason = emulator_skip_reason(env, IN_CI)
     if reason:
         pytest.skip(reason)
+    # tools/kernel_emu/build.sh's libraries, built once per test run (tests/conftest.py) and shared with
+    # test_kernel_emu_lengths.py; run.sh builds them itself without SCAN_EMU_BUILD
+    build = request.getfixturevalue("kernel_emu_build")
     out = subprocess.run(["bash", str(REPO / "tools" / "kernel_emu" / "run.sh")], capture_output=True, text=True,
-                         env={**env, "PYTHON": sys.executable}, timeout=1200)
+                         env={**env, "PYTHON": sys.executable, "SCAN_EMU_BUILD": build}, timeout=1200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     # both branches ran (32-lane warps for CUDA, 64-lane wavefronts for HIP), each with its summary line

@@ -1,6 +1,8 @@
 """The GPU kernels' device code in the CPU emulator (tools/kernel_emu): forward, the last state the kernel writes
 (with the state one step before the end as a negative control that must fail) and all gradients against the
-float64 reference, reverse mode off and on, as 32-lane warps (CUDA branch) and 64-lane wavefronts (HIP branch).
+float64 reference, reverse mode off and on, from zero and from an initial state h0 with a gradient on the last
+state (dh0 checked too; controls: the scan from zero, dh0 without the last state's gradient), as 32-lane warps
+(CUDA branch) and 64-lane wavefronts (HIP branch).
 
 Here only the short Vim lengths (up to 197, past a chunk boundary); `tools/kernel_emu/run.sh --lengths` runs
 them all, up to 6085.
@@ -18,13 +20,11 @@ EMU = os.path.join(ROOT, "tools", "kernel_emu")
 
 
 @pytest.fixture(scope="module")
-def emu_lib(tmp_path_factory):
+def emu_lib(request):
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("no C++ compiler for the kernel emulator")
-    out = tmp_path_factory.mktemp("kernel_emu")
-    subprocess.run(["bash", os.path.join(EMU, "build.sh"), str(out)], check=True, capture_output=True,
-                   env={**os.environ, "PYTHON": sys.executable})
-    return str(out / "libscan_emu.so")
+    # built once per test run (tests/conftest.py), shared with test_compile_check.py's emulator run
+    return os.path.join(request.getfixturevalue("kernel_emu_build"), "libscan_emu.so")
 
 
 @pytest.mark.parametrize("warp", [32, 64])
@@ -41,3 +41,9 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     segments = {int(L): int(n) for L, n in re.findall(r"L= *(\d+) dim= *\d+ segments= *(\d+)", res.stdout)}
     assert segments[65] > 1 and segments[197] > 1, res.stdout
     assert f"warp {warp} last_state control: the state one step early is off by" in res.stdout, res.stdout
+    # the initial state in both directions, over several segments (L = 65, 197), and without it
+    for reverse in ("False", "True"):
+        line = rf"L= *(65|197) dim= *\d+ segments= *\d+ reverse={reverse} *state=True"
+        assert re.search(line, res.stdout), res.stdout
+    assert res.stdout.count("state=False") >= 4, res.stdout
+    assert f"warp {warp} initial-state controls: the scan from zero is off by" in res.stdout, res.stdout

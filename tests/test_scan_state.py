@@ -1,6 +1,7 @@
 """The selective scan from an initial state with its last state and their gradients (issue 38's kernel part):
-``selective_scan_with_state`` on the CPU kernel (every ISA variant) and the ``ref`` backend against
-``selective_scan_ref`` with ``h0``.
+``selective_scan_with_state`` on the CPU kernel (every ISA variant), the ``ref`` backend and (``-m gpu``, skipped
+without one) the GPU kernel against ``selective_scan_ref`` with ``h0``. The GPU kernel's device code also runs
+here without a GPU, in the CPU emulator (tests/test_kernel_emu_lengths.py, tools/kernel_emu).
 
 The loss depends on both outputs, sum(out * dout) + sum(last * dlast), so every gradient carries both paths:
 the outputs' and the last state's (``dlast``) back to the inputs and to ``h0``.
@@ -151,9 +152,71 @@ def test_h0_shape_is_checked():
         selective_scan_with_state(*args[:8], h0=args[8][:, :, :3], backend="cpu")
 
 
-@pytest.mark.parametrize("backend", ["cpu", "ref"])
+@pytest.mark.parametrize("backend", ["cpu", "ref", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_opcheck(backend):
     """The registered op's fake implementation, autograd registration and schema (torch.library.opcheck)."""
     torch.manual_seed(0)
     args, _, _ = make(torch.float64, 5, batch=1, dim=2, N=3)
+    if backend == "cuda":
+        args = on_gpu(args)
     torch.library.opcheck(selective_scan_state_fwd, (*args, True, True, backend))
+
+
+# -- the GPU kernel ----------------------------------------------------------------------------------------------
+
+def on_gpu(tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+# At batch 2 x dim 4 the GPU kernel splits the sequence into segments of 2 chunks (fp64 at d_state 16: chunks of
+# 16 steps): 10 at L = 301, 129 at 4100 (the emulator's launcher says the same), so h0 enters segment 0's two
+# passes and dlast the last segment's, across the combine.
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", LENGTHS + [4100])
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_gpu_float64_matches_reference(reverse, flags, L, seed):
+    args, dout, dlast = make(torch.float64, L, flags)
+    args, (dout, dlast) = on_gpu(args), on_gpu((dout, dlast))
+    err, name = worst(results(kernel("cuda", reverse), args, dout, dlast),
+                      results(reference(reverse), args, dout, dlast))
+    assert err <= 1e-10, f"{name}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_gpu_controls_fail(reverse, seed):
+    """h0 ignored and the last state's gradient dropped, on the GPU kernel, over several segments."""
+    args, dout, dlast = make(torch.float64, 301)
+    args, (dout, dlast) = on_gpu(args), on_gpu((dout, dlast))
+    want = results(reference(reverse), args, dout, dlast)
+    assert worst(results(kernel("cuda", reverse, use_h0=False), args, dout, dlast)[:2], want[:2])[0] > 1e-3
+    assert worst(results(kernel("cuda", reverse), args, dout, None)[2:], want[2:])[0] > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_gpu_without_h0_is_the_plain_scan_bitwise(dtype, reverse, seed):
+    args, dout, _ = make(dtype, 301)
+    args, dout = on_gpu(args[:8]) + [None], dout.cuda()
+    got = results(kernel("cuda", reverse), args, dout, None)
+
+    def plain(u, delta, A, B, C, D, z, bias, h0):
+        return scan_with_backend("cuda", u, delta, A, B, C, D, z, bias, True, True, reverse=reverse)
+    for name, g, w in zip(RESULTS, got, results(plain, args, dout, None)):
+        assert (g is None) == (w is None), name
+        assert g is None or torch.equal(g, w), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [197, 4100])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_gpu_float32_against_float64(reverse, L, seed):
+    """Float32 on the GPU kernel within the plain GPU scan's float32 bound (tests/test_selective_scan.py)."""
+    args, dout, dlast = make(torch.float32, L, dim=8)
+    got = results(kernel("cuda", reverse), on_gpu(args), dout.cuda(), dlast.cuda())
+    wide = on_gpu([None if a is None else a.double() for a in args])
+    want = results(reference(reverse), wide, dout.double().cuda(), dlast.double().cuda())
+    err, name = worst(got, want)
+    assert err <= 2e-4, f"{name}: {err:.2e}"

@@ -71,14 +71,14 @@ long long emu_num_segments(long long batch, long long dim, long long L, long lon
 }
 
 // Pointers are host arrays of exactly the documented sizes; null for absent optionals (and for last_state when
-// the forward is not asked for it). Outputs are pre-filled
+// the forward is not asked for it; h0, dlast: zero; dh0: not asked for). Outputs are pre-filled
 // with 0xff bytes (NaN): the kernels must write every element (the gradients' sums included).
 // Returns nullptr or the launcher's error.
 const char* emu_run(int backward, int dtype_i, long long batch, long long dim, long long L, long long N,
                     int softplus, const void* u, const void* delta, const void* A, const void* B, const void* C,
                     const void* D, const void* z, const void* bias, void* out, void* saved, const void* dout,
                     void* du, void* ddelta, void* dz, void* dA, void* dB, void* dC, void* dD, void* dbias,
-                    void* last_state) {
+                    void* last_state, const void* h0, const void* dlast, void* dh0) {
   emu::sched().smem_slot = &ssk::ss_smem_raw;
   const ScanDType dt = ScanDType(dtype_i);
   const size_t is = in_size(dt), as = acc_size(dt);
@@ -96,10 +96,12 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   a.D = put(bufs, D, size_t(dim) * as, false, -1);
   a.z = put(bufs, z, x * is, false, -1);
   a.delta_bias = put(bufs, bias, size_t(dim) * as, false, -1);
+  const size_t state_bytes = size_t(batch * dim * N) * as;
+  a.h0 = put(bufs, h0, state_bytes, false, -1);
   if (!backward) {
     a.out = put(bufs, out, x * is, true, 0xff);
     a.saved = sv ? put(bufs, saved, sv * as, true, 0xff) : nullptr;
-    a.last_state = put(bufs, last_state, size_t(batch * dim * N) * as, true, 0xff);  // null: not asked for
+    a.last_state = put(bufs, last_state, state_bytes, true, 0xff);  // null: not asked for
   } else {
     a.saved = sv ? put(bufs, saved, sv * as, false, -1) : nullptr;
     a.dout = put(bufs, dout, x * is, false, -1);
@@ -111,6 +113,8 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
     a.dC = put(bufs, dC, bc * as, true, 0xff);
     a.dD = put(bufs, dD, size_t(dim) * as, true, 0xff);
     a.ddelta_bias = put(bufs, dbias, size_t(dim) * as, true, 0xff);
+    a.dlast = put(bufs, dlast, state_bytes, false, -1);
+    a.dh0 = put(bufs, dh0, state_bytes, true, 0xff);
   }
   // Scratch starts as NaN bytes, so reading a workspace entry nobody wrote shows up in the results.
   const size_t ws_bytes = size_t(vim_ds_scan::scan_workspace_bytes(a, backward != 0));

@@ -2,6 +2,7 @@
 # Build the CPU emulation of the GPU kernels and compare them with the PyTorch reference (no GPU needed).
 # usage: run.sh [--full | --lengths] [--keep]   (default: a quick subset; --full: every case, several minutes;
 #        --lengths: Vim lengths up to 6085, reverse off/on). Each runs with 32-lane warps and 64-lane wavefronts.
+#        SCAN_EMU_BUILD=DIR: use the libraries build.sh already wrote to DIR instead of building them again.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python=${PYTHON:-python3}
@@ -22,11 +23,12 @@ out=$(mktemp -d "${TMPDIR:-/tmp}/vim_ds_kernel_emu.XXXXXX")
 if [ "$keep" = 0 ]; then
   trap 'rm -rf "$out"' EXIT
 fi
-"$here/build.sh" "$out" > /dev/null
-# the two builds run side by side (one core each on a 2-core CI box); their logs are printed in order
+lib_dir=${SCAN_EMU_BUILD:-$out}
+[ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" "$out" > /dev/null
+# the two runs go side by side (one core each on a 2-core CI box); their logs are printed in order
 pids=()
 for warp in 32 64; do
-  SCAN_EMU_LIB=$out/libscan_emu.so "$python" "$here/run_emu.py" "$mode" --warp "$warp" > "$out/warp$warp.log" 2>&1 &
+  SCAN_EMU_LIB=$lib_dir/libscan_emu.so "$python" "$here/run_emu.py" "$mode" --warp "$warp" > "$out/warp$warp.log" 2>&1 &
   pids+=("$!")
 done
 status=0

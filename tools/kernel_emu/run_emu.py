@@ -11,7 +11,8 @@ usage: run_emu.py [--quick | --full | --lengths] [--warp 32|64]
   --lengths: the Vim lengths L = 1, 7, 65, 197, 785, 1025, 4097, 6085 (65: just past the first chunk boundary),
              forward and all gradients, reverse off and on (batch 1, 5 channels: one block of channels, the
              sequence split into segments); then 20 channels (several blocks of channels, so dB/dC partials)
-             at L <= 1025; then the bitwise determinism check (same inputs twice, other block/thread order).
+             at L <= 1025; half of them from an initial state h0 with a gradient on the last state (dh0
+             checked); then the bitwise determinism check (same inputs twice, other block/thread order).
   --warp 64: the wave64 build (libscan_emu64.so: the device code through its HIP branch, 64-lane wavefronts).
 (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so, or libscan_emu64.so next to it for --warp 64)"""
 import ctypes
@@ -33,7 +34,7 @@ lib = ctypes.CDLL(_lib32 if WARP == 32 else os.path.join(os.path.dirname(_lib32)
 lib.emu_set_reverse.argtypes = [ctypes.c_int]
 lib.emu_warp_size.restype = ctypes.c_int
 lib.emu_run.restype = ctypes.c_char_p
-lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 20
+lib.emu_run.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 23
 lib.emu_num_checkpoints.restype = ctypes.c_longlong
 lib.emu_num_checkpoints.argtypes = [ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int]
 lib.emu_chunk_length.restype = ctypes.c_longlong
@@ -49,8 +50,9 @@ def ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True):
-    """-> (out, saved, last_state or None): last_state (batch, dim, N) in A's dtype, the kernel's native one."""
+def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True, h0=None):
+    """-> (out, saved, last_state or None): last_state (batch, dim, N) in A's dtype, the kernel's native one; the
+    scan starts from h0 (batch, dim, N) in A's dtype when given."""
     batch, dim, L = u.shape
     N = A.shape[1]
     dt = DT[u.dtype]
@@ -58,12 +60,13 @@ def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True):
     saved = torch.empty(batch, dim, lib.emu_num_checkpoints(L, N, dt), N, dtype=A.dtype)
     last = torch.empty(batch, dim, N, dtype=A.dtype) if last_state else None
     err = lib.emu_run(0, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
-                      ptr(bias), ptr(out), ptr(saved), *([None] * 9), ptr(last))
+                      ptr(bias), ptr(out), ptr(saved), *([None] * 9), ptr(last), ptr(h0), None, None)
     assert err is None, err
     return out, saved, last
 
 
-def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp):
+def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp, h0=None, dlast=None):
+    """-> the 8 gradients, then dh0 (None without h0); dlast: the last state's gradient (None: zero)."""
     batch, dim, L = u.shape
     N = A.shape[1]
     dt = DT[u.dtype]
@@ -75,22 +78,28 @@ def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp):
     dC = torch.empty(batch, N, L, dtype=acc)
     dD = torch.empty_like(D) if D is not None else None
     dbias = torch.empty_like(bias) if bias is not None else None
+    dh0 = torch.empty_like(h0) if h0 is not None else None
     err = lib.emu_run(1, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
                       ptr(bias), None, ptr(saved), ptr(dout), ptr(du), ptr(ddelta), ptr(dz), ptr(dA), ptr(dB),
-                      ptr(dC), ptr(dD), ptr(dbias), None)
+                      ptr(dC), ptr(dD), ptr(dbias), None, ptr(h0), ptr(dlast), ptr(dh0))
     assert err is None, err
-    return du, ddelta, dA, dB.to(u.dtype), dC.to(u.dtype), dD, dz, dbias
+    return du, ddelta, dA, dB.to(u.dtype), dC.to(u.dtype), dD, dz, dbias, dh0
 
 
-# smallest relative error of the negative control (the state one step before the end, against the kernel's
-# last_state) over the cases that ran it
-CONTROL = [float("inf")]
+# smallest relative error of the negative controls over the cases that ran them: the state one step before the
+# end against the kernel's last_state; with an initial state, the reference scanned from zero against the kernel's
+# output, and against the kernel's dh0 the reference's dh0 of the other direction and (where the last state's
+# gradient reaches h0 at all) its dh0 without that gradient
+CONTROL = {"last_state": float("inf"), "from zero": float("inf"), "dh0 of the other direction": float("inf"),
+           "dh0 without dlast": float("inf")}
 TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 3e-2}
-NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
+NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0"]
 
 
 def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, guard_front=0, reverse=False,
-         last_state=False):
+         last_state=False, state=False):
+    """One forward and backward on the emulated kernels against the float64 reference. `state`: the scan starts
+    from a random h0 and the last state has a random gradient dlast (the split of a sequence over ranks)."""
     lib.emu_config(order, seed, guard_front)
     lib.emu_set_reverse(int(reverse))
     assert lib.emu_warp_size() == WARP, (lib.emu_warp_size(), WARP)
@@ -111,19 +120,34 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     u_, delta_, B_, C_, z_, dout_ = ins
     A_, D_, bias_ = A.to(acc), D.to(acc), bias.to(acc)
     Dk, zk, bk = (D_ if has_D else None), (z_ if has_z else None), (bias_ if has_bias else None)
+    h0_ = r(batch, dim, N).to(acc) if state else None
+    dlast_ = r(batch, dim, N).to(acc) if state else None
     # every other case without the last state: the kernel must also run (and write nothing there) when not asked
-    want_last = seed % 2 == 0 or last_state
-    out, saved, last = emu_fwd(u_, delta_, A_, B_, C_, Dk, zk, bk, sp, want_last)
-    grads = emu_bwd(u_, delta_, A_, B_, C_, Dk, zk, bk, dout_, saved, sp)
+    want_last = seed % 2 == 0 or last_state or state
+    out, saved, last = emu_fwd(u_, delta_, A_, B_, C_, Dk, zk, bk, sp, want_last, h0_)
+    grads = emu_bwd(u_, delta_, A_, B_, C_, Dk, zk, bk, dout_, saved, sp, h0_, dlast_)
 
     ref_in = [t.double().clone().requires_grad_() for t in (u_, delta_, A_, B_, C_, D_, z_, bias_)]
     tu, tdl, tA, tB, tC, tD, tz, tb = ref_in
+    th0 = h0_.double().clone().requires_grad_() if state else None
     ref_out, ref_last = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
                                            tb if has_bias else None, delta_softplus=sp, return_last_state=True,
-                                           reverse=reverse)
-    ref_out.backward(dout_.double())
+                                           reverse=reverse, h0=th0)
+    if state:
+        # negative controls for dh0: the reference's without the last state's gradient, and the one of the scan in
+        # the other direction (h0 entering at the other end of the sequence)
+        dh0_no_dlast = torch.autograd.grad(ref_out, th0, dout_.double(), retain_graph=True)[0]
+        torch.autograd.backward([ref_out, ref_last], [dout_.double(), dlast_.double()])
+        other_in = [t.detach().clone().requires_grad_() for t in (tu, tdl, tA, tB, tC, tD, tz, tb, th0)]
+        o_out, o_last = selective_scan_ref(*other_in[:5], other_in[5] if has_D else None,
+                                           other_in[6] if has_z else None, other_in[7] if has_bias else None,
+                                           delta_softplus=sp, return_last_state=True, reverse=not reverse,
+                                           h0=other_in[8])
+        dh0_other_end = torch.autograd.grad([o_out, o_last], other_in[8], [dout_.double(), dlast_.double()])[0]
+    else:
+        ref_out.backward(dout_.double())
     refs = [tu.grad, tdl.grad, tA.grad, tB.grad, tC.grad, tD.grad if has_D else None, tz.grad if has_z else None,
-            tb.grad if has_bias else None]
+            tb.grad if has_bias else None, th0.grad if state else None]
     tol = TOL[dtype]
     res = {}
 
@@ -137,20 +161,37 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
         res[name] = err
         assert err < tol, f"{name}: rel err {err:.3g} > {tol}"
 
+    def control(name, mine, wrong):
+        e = ((mine.double() - wrong).abs().max() / wrong.abs().max().clamp_min(1e-30)).item()
+        assert e > 2 * tol, f"{name}: the negative control passes too (rel err {e:.3g})"
+        CONTROL[name] = min(CONTROL[name], e)
+
     cmp("out", out, ref_out.detach())
+    if state:
+        with torch.no_grad():
+            from_zero = selective_scan_ref(tu, tdl, tA, tB, tC, tD if has_D else None, tz if has_z else None,
+                                           tb if has_bias else None, delta_softplus=sp, reverse=reverse)
+        if dtype in (torch.float32, torch.float64):  # bf16's and fp16's bounds are coarser than h0's share of out
+            control("from zero", out, from_zero)
+        if L > 1:  # one step is the same scan in both directions
+            control("dh0 of the other direction", grads[8], dh0_other_end)
+        # dlast reaches dh0 through every step's decay: only over short chunks of the sequence does it show
+        reach = ((th0.grad - dh0_no_dlast).abs().max() / th0.grad.abs().max()).item()
+        if reach > 10 * tol:
+            control("dh0 without dlast", grads[8], dh0_no_dlast)
     if want_last:
         cmp("last_state", last, ref_last.detach())
         # negative control: the state one step before the end must fail the same check (with a margin)
         cut = slice(1, None) if reverse else slice(None, -1)  # in reverse the scan ends at t = 0
-        early = torch.zeros_like(ref_last)  # L == 1: the state before the only step
+        # L == 1: the state before the only step
+        early = th0.detach() if state else torch.zeros_like(ref_last)
         if L > 1:
             early = selective_scan_ref(tu.detach()[..., cut], tdl.detach()[..., cut], tA.detach(),
                                        tB.detach()[..., cut], tC.detach()[..., cut],
                                        delta_bias=tb.detach() if has_bias else None, delta_softplus=sp,
-                                       return_last_state=True, reverse=reverse)[1]
-        e = ((last.double() - early).abs().max() / early.abs().max().clamp_min(1e-30)).item()
-        assert e > 2 * tol, f"last_state: the state one step early passes too (rel err {e:.3g})"
-        CONTROL[0] = min(CONTROL[0], e)
+                                       return_last_state=True, reverse=reverse,
+                                       h0=th0.detach() if state else None)[1]
+        control("last_state", last, early)
     for name, mine, ref in zip(NAMES, grads, refs):
         cmp(name, mine, ref)
     return out, grads, res
@@ -170,19 +211,23 @@ def lengths():
     worst = {}
     max_len = int(os.environ.get("EMU_MAX_LENGTH", "6085"))  # the test suite keeps to the short ones
     runs = [(5, L) for L in (1, 7, 65, 197, 785, 1025, 4097, 6085)] + [(20, L) for L in (197, 785, 1025)]
-    for dim, L in [(dim, L) for dim, L in runs if L <= max_len]:
+    for j, (reverse, (dim, L)) in enumerate((r, run) for run in runs if run[1] <= max_len for r in (False, True)):
         n_seg = lib.emu_num_segments(1, dim, L, 16, DT[torch.float32])
-        for reverse in (False, True):
-            _, _, res = case(torch.float32, 1, dim, L, 16, True, True, True, True, seed=L + dim, order=L % 3,
-                             reverse=reverse, last_state=True)
-            for k, v in res.items():
-                worst[k] = max(worst.get(k, 0), v)
-            print(f"  warp {WARP} L={L:5d} dim={dim:2d} segments={n_seg:3d} reverse={reverse!s:5s}: worst rel err "
-                  f"{max(res.values()):.2e} ({time.time() - t_start:.0f}s)", flush=True)
+        state = j % 4 in (1, 2)  # from an initial state in both directions, at every other length
+        _, _, res = case(torch.float32, 1, dim, L, 16, True, True, True, True, seed=L + dim, order=L % 3,
+                         reverse=reverse, last_state=True, state=state)
+        for k, v in res.items():
+            worst[k] = max(worst.get(k, 0), v)
+        print(f"  warp {WARP} L={L:5d} dim={dim:2d} segments={n_seg:3d} reverse={reverse!s:5s} state={state!s:5s}: "
+              f"worst rel err {max(res.values()):.2e} ({time.time() - t_start:.0f}s)", flush=True)
     print("worst over lengths: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-    print(f"  warp {WARP} last_state control: the state one step early is off by >= {CONTROL[0]:.2e} (relative)")
+    print(f"  warp {WARP} last_state control: the state one step early is off by >= {CONTROL['last_state']:.2e} "
+          f"(relative)")
+    print(f"  warp {WARP} initial-state controls: the scan from zero is off by >= {CONTROL['from zero']:.2e}, "
+          f"dh0 of the other direction by >= {CONTROL['dh0 of the other direction']:.2e}, dh0 without the last "
+          f"state's gradient (where it reaches h0) by >= {CONTROL['dh0 without dlast']:.2e} (relative)")
     L = min(197, max_len)
-    check_deterministic(torch.float32, 1, 20, L, 16, True, True, True, True, seed=11, reverse=True)
+    check_deterministic(torch.float32, 1, 20, L, 16, True, True, True, True, seed=11, reverse=True, state=True)
     print(f"  warp {WARP} deterministic: two runs at L={L}, dim 20, "
           f"{lib.emu_num_segments(1, 20, L, 16, 0)} segments, give the same bits")
 
@@ -206,7 +251,7 @@ def main():
             dim = cpb + 3 if cpb > 1 else 3  # the last block of channels is partly empty
             flags = [(n + k) % 2 == 0 for k in range(4)]
             _, _, res = case(dtype, 2, dim, L, N, *flags, seed=n, order=n % 3, guard_front=n % 2,
-                             reverse=n % 4 >= 2)
+                             reverse=n % 4 >= 2, state=n % 3 == 1)
             for k, v in res.items():
                 worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             n += 1
@@ -215,7 +260,8 @@ def main():
         for flags in itertools.product([False, True], repeat=4):
             if quick and dtype in (torch.float32, torch.float64) and sum(flags) not in (0, 4):
                 continue
-            _, _, res = case(dtype, 2, 11, 70, 16, *flags, seed=1000 + n, order=n % 3, reverse=n % 2 == 1)
+            _, _, res = case(dtype, 2, 11, 70, 16, *flags, seed=1000 + n, order=n % 3, reverse=n % 2 == 1,
+                             state=n % 3 == 0)
             for k, v in res.items():
                 worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             n += 1
@@ -228,15 +274,15 @@ def main():
         case(torch.bfloat16, 1, 3, 4100, 16, True, True, True, True, seed=5001)
         n += 2
     # the result must not depend on thread/block order: every output, the summed gradients included, bitwise
-    base = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=0)
+    base = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=0, state=True)
     for order in (1, 2):
-        other = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=order)
+        other = case(torch.float32, 2, 20, 45, 16, True, True, True, True, seed=7, order=order, state=True)
         assert torch.equal(base[0], other[0]), "out depends on scheduling order"
         for name, a, b in zip(NAMES, base[1], other[1]):
             assert torch.equal(a, b), f"{name} depends on scheduling order"
         n += 1
     print(f"warp {WARP}: emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors "
-          f"(last_state control, the state one step early: >= {CONTROL[0]:.2e}):")
+          f"(negative controls, each off by at least: {', '.join(f'{k} {v:.2e}' for k, v in CONTROL.items())}):")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         print(f"  {str(dtype):15s} {k:12s} {v:.2e}")
 

@@ -8,10 +8,11 @@ step to the first, in place; ``last_state`` is the state after the last scan ste
 dtype.
 
 Backends that can start from a given state also have ``fwd_state(u, delta, A, B, C, D, z, delta_bias,
-delta_softplus, reverse, h0) -> (out, last_state)`` and ``bwd_state(u, delta, A, B, C, D, z, delta_bias, dout,
-delta_softplus, reverse, h0, dlast) -> 9 gradients`` (the 8 above, then dh0, None when h0 is None): ``h0``
-(batch, dim, d_state) in A's dtype, the state before the first scan step (None: zero); ``dlast`` the gradient of
-the returned last state (None: zero). ``ref`` and ``cpu`` have them (``vim_ds/ops/scan_state.py`` uses them).
+delta_softplus, reverse, h0) -> (out, saved, last_state)`` and ``bwd_state(u, delta, A, B, C, D, z, delta_bias,
+dout, saved, delta_softplus, reverse, h0, dlast) -> 9 gradients`` (the 8 above, then dh0, None when h0 is None):
+``h0`` (batch, dim, d_state) in A's dtype, the state before the first scan step (None: zero); ``dlast`` the
+gradient of the returned last state (None: zero). Ours (``ref``, ``cpu``, ``cuda``) have them
+(``vim_ds/ops/scan_state.py`` uses them); mamba_ssm's kernel does not.
 
 The compiled kernels come from the extensions that setup.py builds (``vim_ds._scan_cpu``, ``vim_ds._scan_cuda``).
 When one is missing (an install with the build skipped, a broken toolchain) it is JIT-compiled at first use from
@@ -69,20 +70,16 @@ class RefBackend:
         return out, None, last if return_last_state else None
 
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
-        args = [u, delta, A, B, C, D, z, delta_bias]
-        leaves = [None if a is None else a.detach().requires_grad_(True) for a in args]
-        with _autograd_recording(), torch.enable_grad():
-            out = selective_scan_ref(*leaves, delta_softplus=delta_softplus, reverse=reverse)
-            present = [a for a in leaves if a is not None]
-            grads = iter(torch.autograd.grad(out, present, dout))
-        return [None if a is None else next(grads) for a in leaves]
+        return self.bwd_state(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, None,
+                              None)[:8]
 
     def fwd_state(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, h0):
         with torch.no_grad():
-            return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, True, reverse=reverse,
-                                      h0=h0)
+            out, last = selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, True,
+                                           reverse=reverse, h0=h0)
+        return out, None, last
 
-    def bwd_state(self, u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus, reverse, h0, dlast):
+    def bwd_state(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, h0, dlast):
         args = [u, delta, A, B, C, D, z, delta_bias, h0]
         leaves = [None if a is None else a.detach().requires_grad_(True) for a in args]
         with _autograd_recording(), torch.enable_grad():
@@ -116,19 +113,11 @@ class ExtensionBackend:
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):
         return list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse))
 
-    def _state_supported(self):
-        if self.name != "cpu":
-            raise NotImplementedError(f"selective scan with an initial state: not supported yet by the {self.name} "
-                                      f"kernel (the cpu and ref backends have it)")
-
     def fwd_state(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, h0):
-        self._state_supported()
-        out, _, last = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, True, h0)
-        return out, last
+        return self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, True, h0)
 
-    def bwd_state(self, u, delta, A, B, C, D, z, delta_bias, dout, delta_softplus, reverse, h0, dlast):
-        self._state_supported()
-        grads = list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, None, delta_softplus, reverse, h0,
+    def bwd_state(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, h0, dlast):
+        grads = list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, h0,
                                      dlast))
         return grads if h0 is not None else grads + [None]
 

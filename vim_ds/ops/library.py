@@ -84,7 +84,7 @@ def _saved_like(backend_obj, u: Tensor, A: Tensor, has_z: bool = True) -> Tensor
         batch, dim, seqlen = u.shape
         d_state = A.shape[1]
         chunk = backend_obj.module.chunk_length(int(d_state), u.dtype == torch.float64)
-        n_ckpt = (seqlen + chunk - 1) // chunk - 1 if chunk > 0 else 0
+        n_ckpt = (seqlen + chunk - 1) // chunk if chunk > 0 else 0  # every chunk's start state
         return u.new_empty((batch, dim, n_ckpt, d_state), dtype=_wide(u.dtype))
     return _absent(u)
 

@@ -7,8 +7,8 @@ from the chunks after it and returns ``dh0`` to those before. ``selective_scan_f
 interface, no initial state, a last state without gradient); this is a separate, narrower entry:
 
 * B and C input-dependent, (batch, d_state, seqlen) (Vim's form);
-* backends ``ref`` (``selective_scan_ref`` with ``h0``, gradients by autograd) and ``cpu`` (the compiled kernel's
-  ``h0`` / ``dlast`` arguments); ``auto`` picks one of them by device; the GPU kernels do not have it yet.
+* backends ``ref`` (``selective_scan_ref`` with ``h0``, gradients by autograd), ``cpu`` and ``cuda`` (the compiled
+  kernels' ``h0`` / ``dlast`` arguments); ``auto`` picks one of them by device; mamba_ssm's kernel has none.
 
 Semantics (the reference's): ``h0`` (batch, dim, d_state) is the state before the first scan step (h[-1]; with
 ``reverse``, h[L], before step L-1); the last state is the one after the last scan step (with ``reverse``, after
@@ -22,50 +22,51 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .library import NAMESPACE, _absent, _no_autocast, resolve
+from .library import NAMESPACE, _absent, _no_autocast, _saved_like, resolve
 from .selective_scan import _param_dtype, validate
 
 
 def _state_backend(backend: str, device: torch.device):
     impl = resolve(backend, device)
     if not hasattr(impl, "fwd_state"):
-        raise NotImplementedError(f"selective scan with an initial state: not supported yet by the {impl.name} "
-                                  f"backend (the cpu and ref backends have it)")
+        raise NotImplementedError(f"selective scan with an initial state: the {impl.name} backend has none "
+                                  f"(vim_ds's own, ref, cpu and cuda, have it)")
     return impl
 
 
 @torch.library.custom_op(f"{NAMESPACE}::selective_scan_state_fwd", mutates_args=())
 def selective_scan_state_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                              z: Optional[Tensor], delta_bias: Optional[Tensor], h0: Optional[Tensor],
-                             delta_softplus: bool, reverse: bool, backend: str) -> tuple[Tensor, Tensor]:
-    """-> (out, last_state)."""
+                             delta_softplus: bool, reverse: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (out, saved, last_state); ``saved`` is the backend's, for the backward (empty where it recomputes)."""
     with _no_autocast(u.device):
-        out, last = _state_backend(backend, u.device).fwd_state(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
-                                                                reverse, h0)
-    return out.contiguous(), last.to(A.dtype).contiguous()
+        out, saved, last = _state_backend(backend, u.device).fwd_state(u, delta, A, B, C, D, z, delta_bias,
+                                                                       delta_softplus, reverse, h0)
+    return out.contiguous(), _absent(u) if saved is None else saved, last.to(A.dtype).contiguous()
 
 
 @selective_scan_state_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, reverse, backend):
     return (torch.empty_like(u, memory_format=torch.contiguous_format),
+            _saved_like(resolve(backend, u.device), u, A, z is not None),
             u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=A.dtype))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::selective_scan_state_bwd", mutates_args=())
 def selective_scan_state_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                              z: Optional[Tensor], delta_bias: Optional[Tensor], h0: Optional[Tensor], dout: Tensor,
-                             dlast: Optional[Tensor], delta_softplus: bool, reverse: bool,
+                             saved: Tensor, dlast: Optional[Tensor], delta_softplus: bool, reverse: bool,
                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                     Tensor]:
     """-> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dh0); an input given as None gets an empty tensor."""
     with _no_autocast(u.device):
-        grads = _state_backend(backend, u.device).bwd_state(u, delta, A, B, C, D, z, delta_bias, dout,
+        grads = _state_backend(backend, u.device).bwd_state(u, delta, A, B, C, D, z, delta_bias, dout, saved,
                                                             delta_softplus, reverse, h0, dlast)
     return tuple(_absent(u) if g is None else g.contiguous() for g in grads)
 
 
 @selective_scan_state_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast, delta_softplus, reverse, backend):
+def _(u, delta, A, B, C, D, z, delta_bias, h0, dout, saved, dlast, delta_softplus, reverse, backend):
     like = [u, delta, A, B, C, D, z, delta_bias, h0]
     return tuple(_absent(u) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in like)
@@ -74,14 +75,15 @@ def _(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast, delta_softplus, reve
 def _setup_context(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, reverse, backend = inputs
     ctx.options = (delta_softplus, reverse, backend)
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, h0, output[1])
 
 
-def _backward(ctx, dout, dlast):
-    u, delta, A, B, C, D, z, delta_bias, h0 = ctx.saved_tensors
+def _backward(ctx, dout, _dsaved, dlast):
+    u, delta, A, B, C, D, z, delta_bias, h0, saved = ctx.saved_tensors
     dout = torch.zeros_like(u) if dout is None else dout.contiguous()
     dlast = None if dlast is None else dlast.to(A.dtype).contiguous()
-    grads = selective_scan_state_bwd(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast, *ctx.options)
+    grads = selective_scan_state_bwd(u, delta, A, B, C, D, z, delta_bias, h0, dout, saved, dlast, *ctx.options)
     given = (u, delta, A, B, C, D, z, delta_bias, h0)
     return (*(g if t is not None else None for g, t in zip(grads, given)), None, None, None)
 
@@ -110,7 +112,7 @@ def selective_scan_with_state(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C:
     def prep(t, dtype):
         return None if t is None else t.to(dtype).contiguous()
 
-    out, last = selective_scan_state_fwd(prep(u, kdt), prep(delta, kdt), prep(A, p), prep(B, kdt), prep(C, kdt),
-                                         prep(D, p), prep(z, kdt), prep(delta_bias, p), prep(h0, p),
-                                         bool(delta_softplus), bool(reverse), backend)
+    out, _, last = selective_scan_state_fwd(prep(u, kdt), prep(delta, kdt), prep(A, p), prep(B, kdt), prep(C, kdt),
+                                            prep(D, p), prep(z, kdt), prep(delta_bias, p), prep(h0, p),
+                                            bool(delta_softplus), bool(reverse), backend)
     return out.to(in_dtype), last
