@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from vim_ds.models import sequence_parallel as sp
-from vim_ds.ops.selective_scan_ref import selective_scan_ref
 
 # Measured 2026-11-27 (float64, reference scan, this file's fixed seeds): at most 2.6e-16 on the logits and 2.1e-15
 # on the gradients (the worst on dt_proj / dt_proj_b weights), in every split below, with a dynamic image size and in
@@ -297,18 +296,17 @@ def test_each_rank_keeps_its_share_of_the_activations(measured):
 
 # -- single process ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_chunk_final_state_is_the_scans_last_state(reverse):
-    torch.manual_seed(3)
-    f64 = dict(dtype=torch.float64)
-    u, delta = torch.randn(2, 4, 11, **f64), 0.5 * torch.randn(2, 4, 11, **f64)
-    A, B, bias = -torch.exp(0.5 * torch.randn(4, 3, **f64)), torch.randn(2, 3, 11, **f64), torch.randn(4, **f64)
-    _, last = selective_scan_ref(u, delta, A, B, B, None, None, bias, True, True, reverse=reverse)
-    got = sp.chunk_final_state(u, delta, A, B, bias, True, reverse=reverse)
-    assert _rel(got, last) < 1e-13
-    # the other direction's state is not it
-    other = sp.chunk_final_state(u, delta, A, B, bias, True, reverse=not reverse)
-    assert _rel(other, last) > 1e-2
+def test_a_scan_without_an_initial_state_is_refused(monkeypatch):
+    """The split runs two kernel passes, the second from the state the other ranks pass: a backend that cannot start
+    from one (mamba_ssm's kernel, a CUDA-only comparison backend, stood in for here by an object without
+    ``fwd_state``) is refused in one line instead of splitting wrongly."""
+    class NoState:
+        name = "mamba"
+
+    monkeypatch.setattr(sp, "resolve", lambda backend, device: NoState())
+    with pytest.raises(ValueError, match="the sequence split needs a scan that starts from a given state: the mamba "
+                                         "backend has none"):
+        sp._Context(None, [(0, 5)], "mamba", torch.device("cpu"))
 
 
 def test_split_bounds():

@@ -22,13 +22,14 @@ Per block, on each rank (B batch, D = d_inner channels, N = d_state, K = d_conv,
     * Each direction forms its chunk's pair (P, S) (``vim_ds/ops/scan_chunks.py``: P = exp(A * sum of delta'),
       S = the state a scan of the chunk from zero leaves). Collective 2, ``all_gather`` of both directions'
       pairs, (4, B, D, N) per rank. Locally: the state the chunk starts from (``initial_states``: the combine of
-      the pairs of the ranks before it; for the flipped direction of the ranks after it). Then, on backends whose
-      scan starts from a given state and returns its gradient (``selective_scan_with_state``: the CPU kernel and
-      the reference), two passes: S is the last state of a first kernel scan from zero (without D and the gate),
-      and the output a second kernel scan from the passed state; its backward hands dh0 back through the gather
-      to the other ranks' S, whose gradient enters the first pass's backward. On the others (the GPU kernels, not
-      yet), the LASP-2 scheme: one scan from zero, S in closed form (``chunk_final_state``) and what starting
-      from the passed state adds to the output (``state_correction``), in PyTorch over (B, D, L_r, N) tensors.
+      the pairs of the ranks before it; for the flipped direction of the ranks after it). Then two kernel passes
+      (``selective_scan_with_state``, which vim_ds's CPU and GPU kernels and the reference run; mamba_ssm's kernel,
+      a comparison backend without an initial state, is refused): S is the last state of a first scan from zero
+      (without D and the gate), and the output a second scan from the passed state; its backward hands dh0
+      back through the gather to the other ranks' S, whose gradient enters the first pass's backward. (LASP-2
+      scans once and adds what the passed state changes, ``vim_ds/ops/scan_chunks.py``'s ``state_correction``:
+      in PyTorch over (B, D, L_r, N) tensors that made the split about 20x slower on the CPU; docs/sequence-
+      parallel.md.)
     * So per block each rank contributes 2(K-1)·B·D elements (the activations' dtype) and 4·B·D·N (float32;
       float64 for a float64 model) to two all-gathers and receives the W-1 other ranks' contributions; none of it
       grows with the number of tokens. The backward all-reduces the gathered
@@ -50,16 +51,15 @@ Gradients
     ``sequence_parallel_size``) gets the same without it.
 
 Memory
-    Each direction's two pieces (the first pass or the scan from zero, with the pair; the second pass or the
-    correction) run under activation checkpointing, with no collective inside, so a rank keeps x, z, the halos
-    and the states per block (as the unsplit model's fused branch keeps x and z), not the scan's inputs (nor the
-    (B, D, L_r, N) decays of the one-pass scheme), which are recomputed in backward.
+    Each direction's two passes (the first with the pair, the second from the passed state) run under activation
+    checkpointing, with no collective inside, so a rank keeps x, z, the halos and the states per block (as the
+    unsplit model's fused branch keeps x and z), not the scan's inputs, which are recomputed in backward.
 
 ``split_over(model, group)`` makes ``model(images)`` run the split, which is how `vim-ds train --sequence-parallel N`
 uses it (vim_ds/engine/sequence_groups.py: the groups, and what DeepSpeed is told).
 
 Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
-collectives); the GPU kernels' initial state (there the one-pass scheme's PyTorch S and correction run).
+collectives).
 """
 from __future__ import annotations
 
@@ -71,13 +71,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..ops.library import resolve
-from ..ops.scan_chunks import decay_product, initial_states, state_correction
+from ..ops.scan_chunks import decay_product, initial_states
 from ..ops.scan_state import selective_scan_with_state
-from ..ops.selective_scan import scan_with_backend
 from ..ops.ssm_branch import conv1d_silu, project
 from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
 
-__all__ = ["average_gradients", "chunk_final_state", "sequence_parallel_forward", "split_bounds", "split_over"]
+__all__ = ["average_gradients", "sequence_parallel_forward", "split_bounds", "split_over"]
 
 Bounds = List[Tuple[int, int]]
 
@@ -163,50 +162,20 @@ def _halos(edges: torch.Tensor, bounds: Bounds, rank: int, h: int) -> Tuple[torc
     return torch.cat([zeros] + before, dim=-1)[..., -h:], torch.cat(after + [zeros], dim=-1)[..., :h]
 
 
-# -- the scan's chunk state -------------------------------------------------------------------------------------
-
-def _delta_prime(delta, delta_bias=None, delta_softplus=False) -> torch.Tensor:
-    """softplus(delta + delta_bias) (each part optional) in float32 (float64 for float64 input), as the scan."""
-    d = delta.to(torch.float64 if delta.dtype == torch.float64 else torch.float32)
-    if delta_bias is not None:
-        d = d + delta_bias.to(d.dtype)[:, None]
-    return F.softplus(d) if delta_softplus else d
-
-
-def chunk_final_state(u, delta, A, B, delta_bias=None, delta_softplus=False, *, reverse=False) -> torch.Tensor:
-    """S (batch, dim, d_state): the state a chunk scanned from zero leaves (after its last step; with ``reverse``,
-    after its first), in closed form and differentiable, for input-dependent B (batch, d_state, L):
-
-        S[b, d, n] = sum_t exp(A[d, n] * R_t) delta'_t B[b, n, t] u[b, d, t]
-
-    where R_t is the sum of delta' over the steps after t in scan order (with ``reverse``: the steps before t).
-
-    The kernels' ``return_last_state`` gives the same value without a gradient."""
-    d = _delta_prime(delta, delta_bias, delta_softplus)
-    if reverse:
-        reach = F.pad(d[..., :-1].cumsum(-1), (1, 0))
-    else:
-        reach = F.pad(d[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
-    decay = torch.exp(reach.unsqueeze(-1) * A.to(d.dtype)[None, :, None, :])
-    return torch.einsum("bdtn,bdt,bnt->bdn", decay, d * u.to(d.dtype), B.to(d.dtype))
-
-
 # -- the mixer and the blocks -----------------------------------------------------------------------------------
 
-def _has_state_scan(backend: str, device: torch.device) -> bool:
-    """Whether `backend` on `device` runs the scan from an initial state with its gradient
-    (``selective_scan_with_state``): the CPU kernel and the reference do; the GPU kernels not yet."""
-    return getattr(resolve(backend, device), "name", None) in ("cpu", "ref")
-
-
 class _Context:
-    """What every block needs to know about the split: the group, this rank, the chunk bounds, the scan backend,
-    and whether that backend scans from an initial state (the two-pass scheme) or not (scan, pairs, correction)."""
+    """What every block needs to know about the split: the group, this rank, the chunk bounds and the scan backend,
+    which must scan from an initial state and return its gradient (``selective_scan_with_state``): vim_ds's own
+    (the reference, the CPU and the GPU kernels) do; mamba_ssm's kernel, a comparison backend, does not."""
 
     def __init__(self, group, bounds: Bounds, backend: str, device: torch.device):
+        impl = resolve(backend, device)
+        if not hasattr(impl, "fwd_state"):
+            raise ValueError(f"the sequence split needs a scan that starts from a given state: the {impl.name} "
+                             f"backend has none (use vim_ds's own: auto, ref, cpu or cuda)")
         self.group, self.bounds, self.backend = group, bounds, backend
         self.rank = dist.get_rank(group)
-        self.two_pass = _has_state_scan(backend, device)
 
 
 class _Direction:
@@ -215,7 +184,7 @@ class _Direction:
 
     Its two pieces each run under activation checkpointing (non-reentrant; no collective inside), so that what
     autograd keeps is x, z (both shared by the two directions), the halo and the initial state, as the fused branch
-    keeps x and z: the scan's inputs and the (batch, D, L_r, N) decays are recomputed in backward instead."""
+    keeps x and z: the scan's inputs are recomputed in backward instead."""
 
     def __init__(self, mixer: BiMambaMixer, reverse: bool, backend: str):
         suffix = "_b" if reverse else ""
@@ -239,17 +208,6 @@ class _Direction:
         C = x_dbl[:, dt_rank + self.d_state:].contiguous()
         return u, delta, B, C, -torch.exp(_at_least_fp32(self.A_log))
 
-    def _scan(self, x, halo, z):
-        u, delta, B, C, A = self._inputs(x, halo)
-        bias = self.dt_proj.bias
-        y0 = scan_with_backend(self.backend, u, delta, A, B, C, self.D, z, bias, True, reverse=self.reverse)
-        P = decay_product(delta, A, bias, True)
-        return y0, P, chunk_final_state(u, delta, A, B, bias, True, reverse=self.reverse)
-
-    def _correction(self, x, halo, z, h_in):
-        _, delta, _, C, A = self._inputs(x, halo)
-        return state_correction(h_in, delta, A, C, z, self.dt_proj.bias, True, reverse=self.reverse)
-
     def _pair(self, x, halo):
         u, delta, B, C, A = self._inputs(x, halo)
         bias = self.dt_proj.bias
@@ -264,21 +222,13 @@ class _Direction:
                                            backend=self.backend)
         return out
 
-    def scan(self, x, halo, z):
-        """(the chunk's output scanned from zero, its P, its S)."""
-        return checkpoint(self._scan, x, halo, z, use_reentrant=False)
-
     def pair(self, x, halo):
-        """Two-pass scheme, first pass: the chunk's (P, S), S by the kernel scanning from zero."""
+        """First pass: the chunk's (P, S), S by the kernel scanning from zero."""
         return checkpoint(self._pair, x, halo, use_reentrant=False)
 
     def from_state(self, x, halo, z, h_in):
-        """Two-pass scheme, second pass: the chunk's output scanned by the kernel from h_in."""
+        """Second pass: the chunk's output scanned by the kernel from h_in."""
         return checkpoint(self._from_state, x, halo, z, h_in, use_reentrant=False)
-
-    def correction(self, x, halo, z, h_in):
-        """What starting from h_in instead of zero adds to the output."""
-        return checkpoint(self._correction, x, halo, z, h_in, use_reentrant=False)
 
 
 def _start_states(gathered: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -305,16 +255,9 @@ def _mixer(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) -> torch.Te
     else:
         before = after = x[..., :0]
     forward, flipped = _Direction(mixer, False, ctx.backend), _Direction(mixer, True, ctx.backend)
-    if ctx.two_pass:
-        pair_f, pair_b = forward.pair(x, before), flipped.pair(x, after)
-    else:
-        (y_f, *pair_f), (y_b, *pair_b) = forward.scan(x, before, z), flipped.scan(x, after, z)
+    pair_f, pair_b = forward.pair(x, before), flipped.pair(x, after)
     h_f, h_b = _start_states(_gather(torch.stack((*pair_f, *pair_b)), ctx.group), ctx.rank)
-    if ctx.two_pass:
-        out_f, out_b = forward.from_state(x, before, z, h_f), flipped.from_state(x, after, z, h_b)
-    else:
-        out_f = y_f + forward.correction(x, before, z, h_f)
-        out_b = y_b + flipped.correction(x, after, z, h_b)
+    out_f, out_b = forward.from_state(x, before, z, h_f), flipped.from_state(x, after, z, h_b)
     w_out = mixer.out_proj.weight * 0.5 if mixer.divide_out else mixer.out_proj.weight
     out = project(w_out, (out_f + out_b).to(x.dtype)).transpose(1, 2)
     return out if mixer.out_proj.bias is None else out + mixer.out_proj.bias
