@@ -480,10 +480,20 @@ PUBLISHED_SCRIPTS: Dict[str, Dict[str, object]] = {
 }
 
 
+# vim_ds's own recipes (tests/test_recipes.py's DERIVED): a published script with the options they change that
+# reach the model. Nobody publishes a high-resolution Vim finetuning; this one is ft-vim-t.sh at 1024 x 1024 with the
+# stride-16 model.
+DERIVED_SCRIPTS: Dict[str, Tuple[str, Dict[str, object]]] = {
+    "vim_ds, from hustvl/Vim vim/scripts/ft-vim-t.sh at 1024 x 1024": (
+        "hustvl/Vim vim/scripts/ft-vim-t.sh", dict(model=f"vim_tiny_patch16_{_SUFFIX}", input_size=1024)),
+}
+
+
 def script_options(source: str, **overrides) -> Dict[str, object]:
     """main.py's options for the run script `source` (a recipe's ``recipe: source:``), with `overrides` as if
     typed after the script's own (argparse: the last wins)."""
-    return {**MAIN_PY_DEFAULTS, **PUBLISHED_SCRIPTS[source], **overrides}
+    base, changes = DERIVED_SCRIPTS.get(source, (source, {}))
+    return {**MAIN_PY_DEFAULTS, **PUBLISHED_SCRIPTS[base], **changes, **overrides}
 
 
 def main_py_create_kwargs(options: Dict[str, object], nb_classes: int) -> Dict[str, object]:

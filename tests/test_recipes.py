@@ -3,7 +3,9 @@ own, and the options.yaml every run records (issue 28, item 2).
 
 The official values below are read from hustvl/Vim (commit dd0358ad1e42701f22afbefa0717cc8825cf9f45): each
 script's one command line (line 5 of vim/scripts/*.sh) and, for what a script does not pass, vim/main.py's
-argparse defaults. There is no published Vim-base script, so there is no Vim-base recipe.
+argparse defaults. There is no published Vim-base script, so there is no Vim-base recipe. A recipe of vim_ds's own
+(DERIVED: the high-resolution finetuning with sequence parallelism, which nobody publishes) is a published one with
+only the changes it names.
 """
 from __future__ import annotations
 
@@ -65,6 +67,11 @@ OFFICIAL = {
         nproc_per_node=8, model=_S8, batch_size=128, lr=5e-6, min_lr=1e-5, warmup_lr=1e-5, drop_path=0.0,
         weight_decay=1e-8, epochs=30, finetune="<path_to_pt_ckpt>", if_amp=False)),
 }
+# recipe -> (the published recipe it derives from, the only values it changes, in official_effective's terms)
+DERIVED = {
+    "vim_tiny_1024_finetune": ("vim_tiny_s8_finetune", dict(model=_T, input_size=1024, sequence_parallel=2,
+                                                            batch_size=32)),
+}
 COMPARED = ("min_lr", "warmup_lr", "warmup_epochs", "epochs", "weight_decay", "drop_path", "drop", "smoothing",
             "mixup", "cutmix", "reprob", "color_jitter", "aa", "model_ema", "model_ema_decay", "repeated_aug",
             "input_size", "clip_grad", "opt_eps", "opt_betas", "seed")
@@ -74,7 +81,7 @@ def official_effective(script: dict) -> dict:
     o = {**MAIN_PY_DEFAULTS, **script}
     gpus = o["nproc_per_node"]
     lr = o["lr"] if o["unscale_lr"] else o["lr"] * o["batch_size"] * gpus / 512.0  # main.py:388-390
-    return {"model": o["model"], "gpus": gpus, "batch_size": o["batch_size"], "lr": lr,
+    return {"model": o["model"], "gpus": gpus, "sequence_parallel": 1, "batch_size": o["batch_size"], "lr": lr,
             "precision": "autocast" if o["if_amp"] else "fp32", "starts_from_checkpoint": bool(o["finetune"]),
             **{k: tuple(o[k]) if isinstance(o[k], (list, tuple)) else o[k] for k in COMPARED}}
 
@@ -90,16 +97,20 @@ def recipe_effective(path: str) -> dict:
     requires = meta.get("requires") or []
     args = parse_args(["--config", path] + (["--finetune", "pretrained.pth"] if "finetune" in requires else []))
     gpus = meta.get("gpus") or 1  # a file without `recipe:` documents no GPU count: one
+    # per GPU, or with --sequence-parallel N per group of N GPUs (each holding a share of every image's tokens)
     per_gpu = args.batch_size * (args.accum_steps or 1)
-    return {"model": ALIASES.get(args.model, args.model), "gpus": gpus, "batch_size": per_gpu,
-            "lr": scaled_lr(args.lr, per_gpu * gpus, args.unscale_lr), "precision": args.precision,
+    groups = gpus // args.sequence_parallel
+    return {"model": ALIASES.get(args.model, args.model), "gpus": gpus, "sequence_parallel": args.sequence_parallel,
+            "batch_size": per_gpu, "lr": scaled_lr(args.lr, per_gpu * groups, args.unscale_lr),
+            "precision": args.precision,
             "starts_from_checkpoint": "finetune" in requires,
             **{k: tuple(getattr(args, k)) if isinstance(getattr(args, k), (list, tuple)) else getattr(args, k)
                for k in COMPARED}}
 
 
-def mismatches(path: str, script: dict) -> list[str]:
-    ours, theirs = recipe_effective(path), official_effective(script)
+def mismatches(path: str, script: dict, changes: dict | None = None) -> list[str]:
+    """What `path` runs that `script` does not; with `changes`, the published script with those values changed."""
+    ours, theirs = recipe_effective(path), {**official_effective(script), **(changes or {})}
     out = []
     for key, value in theirs.items():
         mine = ours[key]
@@ -113,7 +124,15 @@ def mismatches(path: str, script: dict) -> list[str]:
 def test_the_shipped_recipes_are_the_published_scripts():
     from vim_ds.engine.shipped_configs import recipes
 
-    assert sorted(recipes()) == sorted(OFFICIAL)
+    assert sorted(recipes()) == sorted({**OFFICIAL, **DERIVED})
+
+
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_each_recipe_of_our_own_is_a_published_one_with_only_the_changes_it_names(name):
+    """The high-resolution finetuning: ft-vim-t.sh's effective lr (1e-5 at 4 groups x 32), schedule,
+    regularisation and fp32, with the stride-16 model at 1024 and the split over 2 GPUs."""
+    base, changes = DERIVED[name]
+    assert mismatches(os.path.join(RECIPES, f"{name}.yaml"), OFFICIAL[base][1], changes) == [], name
 
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
@@ -137,6 +156,10 @@ MUTATIONS = [  # (recipe, key, new value or None to delete it, the compared key 
     ("vim_small_s8_finetune", "model", "vim_small", "model"),
     ("vim_small_s8_finetune", "recipe", None, "starts_from_checkpoint"),
     ("vim_tiny_s8_finetune", "warmup_lr", 1e-6, "warmup_lr"),
+    # the split ignored in the lr's global batch would double the effective lr
+    ("vim_tiny_1024_finetune", "sequence_parallel", 1, "lr"),
+    ("vim_tiny_1024_finetune", "input_size", 224, "input_size"),
+    ("vim_tiny_1024_finetune", "lr", 5e-6, "lr"),  # ft-vim-t.sh's --lr as it stands: 1/8 of its effective lr
 ]
 
 
@@ -151,7 +174,8 @@ def test_a_one_value_mutation_fails_the_official_arguments(tmp_path, name, key, 
         data[key] = value
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
-    found = mismatches(str(path), OFFICIAL[name][1])
+    base, changes = DERIVED.get(name, (name, None))
+    found = mismatches(str(path), OFFICIAL[base][1], changes)
     assert [m.split(":")[0] for m in found] and caught in [m.split(":")[0] for m in found], found
 
 
@@ -200,11 +224,13 @@ def test_configs_lists_the_recipes():
                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  vim_")}
-    assert sorted(lines) == sorted(OFFICIAL)
+    assert sorted(lines) == sorted({**OFFICIAL, **DERIVED})
     assert "vim_small, pretrain: 8 GPUs x 64 = global batch 512, lr 0.001 (--lr 0.001 per 512), 300 epochs, " \
            "zero0 fp32; from hustvl/Vim vim/scripts/pt-vim-s.sh" in lines["vim_small_pretrain"]
     assert "vim_tiny_s8, finetune: 8 GPUs x 128 = global batch 1024, lr 1e-05 (--lr 5e-06 per 512), 30 epochs" \
         in lines["vim_tiny_s8_finetune"]
+    assert "vim_tiny, finetune: 8 GPUs = 4 groups of 2 x 32 = global batch 128, lr 1e-05 (--lr 4e-05 per 512)" \
+        in lines["vim_tiny_1024_finetune"]
 
 
 # -- options.yaml: a run recorded, started again, compared ------------------------------------------------------

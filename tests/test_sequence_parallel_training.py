@@ -199,3 +199,62 @@ def test_a_world_that_n_does_not_divide_and_the_baselines_are_refused_in_one_lin
         assert f"--sequence-parallel 2 runs through DeepSpeed's engine, eagerly, without recomputing blocks: " \
             f"drop {named}" in \
             capsys.readouterr().err
+
+
+def test_the_preflight_scales_the_lr_by_the_groups_not_by_the_ranks(data, tmp_path, monkeypatch):
+    """Before the process group starts, the lr checks (a --min-lr above the peak lr) scale --lr by the global batch
+    of the data-parallel ranks: 2 ranks as one group of 2 with 4 images are a global batch of 4, not 8 (the
+    preflight once counted every rank: the peak it checked was N times the run's). Control: the same 2 ranks
+    without the split are a global batch of 8, whose peak lr 1.5625e-05 is above the floor."""
+    from vim_ds.engine import preflight
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def check(n: int):
+        args = ["--data-set", "folder", "--data-path", data, "--output_dir", str(tmp_path / f"sp{n}"), *TINY,
+                "--deepspeed_config", config("zero2"), "--sequence-parallel", str(n), "--batch-size", "4",
+                "--lr", "1e-3", "--min-lr", "1e-5"]
+        return preflight.check(RunConfig.from_namespace(parse_args(args)), True)
+
+    with pytest.raises(ValueError, match=r"--min-lr 1e-05 is above the peak lr 7\.8125e-06 \(--lr 0\.001 x global "
+                                         r"batch 4 / 512\)"):
+        check(2)
+    assert check(1).optim.min_lr == 1e-5
+
+
+def test_the_high_resolution_recipe_finetunes_a_224_checkpoint_at_1024_split_over_two_ranks(tmp_path):
+    """`--config vim_tiny_1024_finetune` (ours, docs/training.md): a 224 checkpoint of the recipe's model finetuned
+    at 1024 x 1024 with each image's 4,097 tokens split over a group of 2 ranks, as the recipe says, with two blocks
+    instead of 24 (--model-kwargs depth=2) and one step of two images to stay cheap. The checkpoint's 14 x 14
+    position embeddings reach the run resampled to 64 x 64 (the finetuned ones are those within the one step's
+    move; control: a fresh initialisation is off by far more), its other weights as they were, and the header
+    names the split."""
+    import timm
+
+    import vim_ds  # noqa: F401  (registers the models)
+    from vim_ds.checkpoint.training_state import read_training_state
+    from vim_ds.models.vim import resample_pos_embed
+
+    torch.manual_seed(0)
+    published = timm.create_model("vim_tiny", depth=2, num_classes=10).state_dict()  # 224: 14 x 14 patches
+    ckpt = str(tmp_path / "vim_tiny_224.pth")
+    torch.save({"model": published}, ckpt)
+    out = tmp_path / "run"
+    proc = run_train(["--config", "vim_tiny_1024_finetune", "--finetune", ckpt, "--model-kwargs", "depth=2",
+                      "--data-set", "synthetic", "--synthetic-size", "2", "--nb-classes", "10", "--batch-size", "2",
+                      "--max-steps", "1", "--num_workers", "0", "--output_dir", str(out), "--no-model-ema",
+                      # two images instead of 128 scale the recipe's lr below its warmup start and floor
+                      "--warmup-epochs", "0", "--min-lr", "0"], nproc=2)
+    assert "groups of 2 ranks" in proc.stdout, proc.stdout[-3000:]
+    state = read_training_state(_tag(out, 1))
+    assert sorted(step_losses(out)) == [1]
+    pos = state.weights["pos_embed"]
+    want = resample_pos_embed(published["pos_embed"], (14, 14), (64, 64))
+    assert pos.shape == want.shape == (1, 64 * 64 + 1, 192)
+    moved = (pos - want).abs().max().item()
+    fresh = timm.create_model("vim_tiny", depth=2, img_size=1024).pos_embed.detach()
+    assert moved < 1e-3 < (fresh - want).abs().max().item(), moved
+    block = "layers.1.mixer.in_proj.weight"
+    assert (state.weights[block] - published[block]).abs().max().item() < 1e-3

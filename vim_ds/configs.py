@@ -34,10 +34,12 @@ def describe_recipe(path: str) -> str:
     value.update(options)
     gpus = int(meta.get("gpus") or 1)
     micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1
-    batch = gpus * micro * accum
+    split = value.get("sequence_parallel") or 1  # groups of `split` GPUs share each image (micro: per group)
+    batch = gpus // split * micro * accum
     lr = scaled_lr(value["lr"], batch, value["unscale_lr"])
     accum_text = f" x {accum} accum" if accum != 1 else ""
-    return (f"{value['model']}, {meta.get('stage', '?')}: {gpus} GPUs x {micro}{accum_text} = global batch {batch}, "
+    where = f"{gpus} GPUs" if split == 1 else f"{gpus} GPUs = {gpus // split} groups of {split}"
+    return (f"{value['model']}, {meta.get('stage', '?')}: {where} x {micro}{accum_text} = global batch {batch}, "
             f"lr {lr:g} (--lr {value['lr']:g} per 512), {value['epochs']} epochs, "
             f"{value.get('deepspeed_config') or DEFAULT} {value.get('precision') or 'as its JSON'}"
             + (f"; from {meta['source']}" if meta.get("source") else ""))

@@ -70,7 +70,10 @@ def _deepspeed_config(config: RunConfig, is_main: bool) -> RunConfig:
         print(f"DeepSpeed config: {given} = {path}", flush=True)
     config = config.replace(deepspeed_config=path)
     optim = config.optim
-    prepared = prepare_ds_config(path, world_size=launch_world_size(), device_type=device_type(),
+    # the data-parallel ranks, which the global batch (and so the scaled lr) counts: groups of
+    # --sequence-parallel N ranks share each image (world_error above made sure N divides the world)
+    data_world = launch_world_size() // config.run.sequence_parallel
+    prepared = prepare_ds_config(path, world_size=data_world, device_type=device_type(),
                                  micro_batch=optim.batch_size, accum_steps=optim.accum_steps,
                                  precision=optim.precision, auto_values=lambda batch: ds_auto_values(optim, batch))
     return _lr_settings(config, prepared, is_main)
