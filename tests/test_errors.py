@@ -34,6 +34,25 @@ def test_an_exception_is_one_line_with_its_exit_code(monkeypatch, capsys):
     assert first_line(ValueError()) == "ValueError" and first_line(OSError("\n  a\nb")) == "a"
 
 
+def test_the_line_is_one_write_so_that_ranks_sharing_stderr_do_not_interleave(monkeypatch):
+    """Ranks of one job often share a stderr, unbuffered (PYTHONUNBUFFERED): each line must reach it in one write,
+    newline included (print() writes the text and the newline apart: the two ranks' lines were seen joined)."""
+    import io
+    import sys
+
+    writes = []
+
+    class Unbuffered(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.delenv("VIM_DS_TRACEBACK", raising=False)
+    monkeypatch.setattr(sys, "stderr", Unbuffered())
+    report_error("vim-ds train", "a cause", rank=1)
+    assert writes == ["vim-ds train: error (rank 1): a cause\n"]
+
+
 @pytest.mark.parametrize("value, shown", [("1", True), ("", False), ("0", False), (None, False)])
 def test_the_traceback_comes_first_only_with_vim_ds_traceback(monkeypatch, capsys, value, shown):
     if value is None:

@@ -38,5 +38,9 @@ def report_error(prog: str, problem: BaseException | str, code: int = 2, rank: i
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     message = first_line(problem) if isinstance(problem, BaseException) else _first(problem)
     where = "" if rank is None else f" (rank {rank})"
-    print(f"{prog}: error{where}: {message}", file=sys.stderr, flush=True)
+    # one write, newline included: print() writes the text and its newline apart, which an unbuffered stderr
+    # (PYTHONUNBUFFERED, as launchers and the suite set it) sends as two writes, so that the ranks' lines on a
+    # shared stderr interleaved ("...--cutmix 0vim-ds train: error (rank 1): ...")
+    sys.stderr.write(f"{prog}: error{where}: {message}\n")
+    sys.stderr.flush()
     return code
