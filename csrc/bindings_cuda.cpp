@@ -168,11 +168,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   args.dD = dD.defined() ? dD.data_ptr() : nullptr;
   args.ddelta_bias = ddelta_bias.defined() ? ddelta_bias.data_ptr() : nullptr;
   // The initial state's gradient, when there is an initial state: written in full by the kernel's first segment
-  // (zeros when batch * dim == 0, which launches nothing).
+  // (zeros when batch * dim == 0, which launches nothing). The backward reads h0 itself from `saved`, where the
+  // forward stored it as chunk 0's start state.
   at::Tensor dh0;
   if (present(h0)) {
     dh0 = args.batch * args.dim > 0 ? at::empty_like(*h0) : at::zeros_like(*h0);
-    args.h0 = h0->data_ptr();
     args.dh0 = dh0.data_ptr();
   }
   args.dlast = present(dlast) ? dlast->data_ptr() : nullptr;

@@ -45,9 +45,9 @@ struct ScanArgs {
   void* saved = nullptr;        // written by the forward, read by the backward
   void* last_state = nullptr;   // forward, optional: (batch, dim, dstate) accumulation dtype, the state after the
                                 // last scan step (after t = 0 in reverse mode)
-  const void* h0 = nullptr;     // optional (null: zero), forward and backward alike: (batch, dim, dstate)
-                                // accumulation dtype, the state before the first scan step (before t = seqlen-1
-                                // in reverse mode)
+  const void* h0 = nullptr;     // forward, optional (null: zero): (batch, dim, dstate) accumulation dtype, the
+                                // state before the first scan step (before t = seqlen-1 in reverse mode); the
+                                // forward stores it in `saved` (chunk 0's start), where the backward reads it
   const void* dout = nullptr;   // backward input
   const void* dlast = nullptr;  // backward, optional (null: zero): the gradient of last_state, as h0
   void* dh0 = nullptr;          // backward, optional: the gradient of h0, as h0, written in full when not null

@@ -344,8 +344,9 @@ struct KernelParams {
   void* saved;             // (batch, dim, n_chunks, dstate), accumulation type: each chunk's start state
   void* last_state;        // forward, may be null: (batch, dim, dstate), accumulation type, the state after the
                            // last scan step (after time 0 in reverse mode)
-  const void* h0;          // may be null (zero): (batch, dim, dstate), accumulation type, the state before the
-                           // first scan step (before time L-1 in reverse mode); the backward reads the same one
+  const void* h0;          // forward, may be null (zero): (batch, dim, dstate), accumulation type, the state
+                           // before the first scan step (before time L-1 in reverse mode); the backward finds it
+                           // in `saved`, where the forward stored it as chunk 0's start
   const void* dlast;       // backward, may be null (zero): the gradient of last_state, same shape and type
   void* dh0;               // backward, may be null: the gradient of h0, same shape and type
   const void* dout;
