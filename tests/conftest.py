@@ -35,11 +35,16 @@ _WORKERS_CPU = {}  # pytest-xdist worker -> CPU seconds of its whole session, se
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """The count starts before the setup (a module's fixtures are made in its first test's setup: shared runs)."""
+    item._cpu_start = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """The CPU seconds of setup + call + teardown ride on the teardown report, so that pytest-xdist carries them
     from a worker to the controller, which prints the list."""
-    if call.when == "setup":
-        item._cpu_start = _cpu_seconds()
     outcome = yield
     if call.when == "teardown":
         report = outcome.get_result()
