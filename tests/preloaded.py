@@ -37,12 +37,17 @@ import sys
 import tempfile
 import time
 
-# The libraries every vim_ds command imports (torch._inductor: DeepSpeed's Muon support, inside deepspeed.initialize;
-# torch._dynamo: timm.layers -> torchvision.ops). Third-party only: see the module docstring.
-PRELOAD = ["numpy", "torch", "torchvision", "timm", "timm.layers", "timm.data", "deepspeed", "torch._dynamo",
-           "torch._inductor", "torch.distributed.elastic.multiprocessing", "deepspeed.runtime.engine",
-           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "PIL.Image", "safetensors.torch",
-           "yaml", "psutil"]
+# The libraries every vim_ds command imports. Third-party only: see the module docstring. DeepSpeed's Muon module,
+# which `deepspeed.initialize` imports for ZeRO 1-3, wraps functions in `torch.compile` at import, and that pulls in
+# most of torch._inductor, torch._functorch and networkx (about 730 modules: 1.5 of a forked rank's 2.2 CPU-seconds
+# for a 7-step run, measured under cProfile); torch.utils.cpp_extension (setuptools), DeepSpeed's op builders and
+# expert-parallel layers, timm's losses and schedulers and PIL's PNG reader are the rest of what a run imports.
+PRELOAD = ["numpy", "torch", "torchvision", "timm", "timm.layers", "timm.data", "timm.loss", "timm.scheduler",
+           "deepspeed", "torch._dynamo", "torch._inductor", "torch.distributed.elastic.multiprocessing",
+           "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.ops.op_builder.all_ops",
+           "deepspeed.module_inject.auto_ep_layer", "deepspeed.comm.mori", "torch.utils.cpp_extension",
+           "PIL.Image", "PIL.PngImagePlugin", "safetensors.torch", "yaml", "psutil"]
 ENABLED = os.environ.get("VIM_DS_TEST_FORK_SERVER", "1") != "0"
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _HEADER = struct.Struct("!I")
