@@ -161,3 +161,42 @@ def test_a_cpu_rank_takes_its_share_of_the_cores_it_may_run_on(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert [cpu_threads(n) for n in (1, 2, 4, 8)] == [6, 3, 1, 1]
+
+
+DYNAMO_OFF = r'''
+import os, sys
+import torch
+from vim_ds.engine.parts import _dynamo_off
+
+with _dynamo_off(True):
+    import deepspeed.runtime.zero.muon.muon_optimizer  # what deepspeed.initialize imports for ZeRO 1-3
+inside = "torch._inductor.compile_fx" in sys.modules
+restored = "TORCHDYNAMO_DISABLE" not in os.environ
+torch.compile(lambda x: x + 1)  # the control: the same call with TorchDynamo on imports it
+print("RESULT", inside, restored, "torch._inductor.compile_fx" in sys.modules)
+'''
+
+
+def test_deepspeed_builds_a_run_without_compile_with_dynamo_off_and_puts_it_back():
+    """Without --compile, `deepspeed.initialize` runs with TorchDynamo off: DeepSpeed's Muon module (imported for
+    ZeRO 1-3) then does not pull in torch._inductor's compiler (about a CPU-second of every rank's start-up), and
+    the environment is as it was afterwards. A fresh process: the suite's forked ones have it imported already."""
+    import subprocess
+    import sys
+
+    from vim_ds.engine.parts import _dynamo_off
+
+    proc = subprocess.run([sys.executable, "-c", DYNAMO_OFF], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert line.split()[1:] == ["False", "True", "True"], line
+    # with --compile, and where the user set it, nothing is changed
+    with _dynamo_off(False):
+        assert "TORCHDYNAMO_DISABLE" not in os.environ
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    try:
+        with _dynamo_off(True):
+            assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+        assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]

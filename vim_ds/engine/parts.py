@@ -10,6 +10,7 @@ every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -282,10 +283,11 @@ def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torc
     if kind == "deepspeed":
         import deepspeed
 
-        engine, _, _, lr_scheduler = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, weight_decay), config=ds.config,
-            lr_scheduler=scheduler)
         compiled = config.model.compile
+        with _dynamo_off(not compiled):
+            engine, _, _, lr_scheduler = deepspeed.initialize(
+                model=model, model_parameters=param_groups(model, weight_decay), config=ds.config,
+                lr_scheduler=scheduler)
         what = compile_engine(engine, ds, config.model.compile_backend) if compiled else None
         return Engine(engine, lr_scheduler, kind, dtype, autocast_dtype(ds.precision), what)
     from .baselines import TorchEngine
@@ -293,6 +295,24 @@ def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torc
     engine = TorchEngine(kind, model, param_groups(model, weight_decay), ds, dist_info.device, scheduler)
     # fp32 parameters (bf16: under autocast)
     return Engine(engine, engine.scheduler, kind, torch.float32, autocast_dtype(ds.precision), None)
+
+
+@contextlib.contextmanager
+def _dynamo_off(off: bool):
+    """TorchDynamo off (TORCHDYNAMO_DISABLE=1, which `torch.compile` reads when it is called) while DeepSpeed builds
+    the engine of a run without --compile. For ZeRO 1-3 `deepspeed.initialize` imports DeepSpeed's Muon optimizer,
+    whose module wraps its functions in `torch.compile` at import, and that imports most of torch._inductor,
+    torch._functorch and networkx: about a CPU-second of every rank's start-up (2026-11-27, 2-core EPYC), for
+    functions only the Muon optimizer calls, which vim_ds's configs cannot name (AdamW or Adam only). A
+    TORCHDYNAMO_DISABLE the user set is left as it is."""
+    if not off or "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
 
 
 def _declare_direct_weight_reads(model: torch.nn.Module):
