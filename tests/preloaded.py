@@ -16,10 +16,14 @@ What keeps it honest:
 - What a fresh interpreter sets from the environment at start-up is set again in the child: stdout/stderr buffering
   (`PYTHONUNBUFFERED`), `sys.path` (`PYTHONPATH`, and a `sitecustomize` it brings: the negative controls of
   tests/test_resume_exact.py put a bug back that way), OpenMP's thread count (`OMP_NUM_THREADS`, which libgomp reads
-  when torch loads it), numpy's global seed (a fresh process draws its own).
+  when torch loads it), numpy's global seed (a fresh process draws its own), the temporary folder (`TMPDIR`, which
+  tempfile caches at its first use, which the server's imports make; tests/faults/test_process_exit.py fails without).
 - Several ranks (`torchrun --standalone --nproc_per_node N -m MODULE`) are forked side by side with the variables
   torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1),
   and, as torchrun does, the others are stopped when one fails and the job's exit code is then 1.
+- A vim_ds command that launches training runs itself (`vim-ds zero-compare`, through `launched_runs`'s
+  torchrun), started with `nested_env`, has those runs forked from the same server (tests/nested_launches), and
+  their CPU is counted for the test that started it.
 - Only the command shapes above go through the server. Everything else (`-c`, scripts, the deepspeed launcher,
   torchrun with other options, the launch scripts, SLURM) is started as a real process, and every launcher keeps
   end-to-end tests of its own. `VIM_DS_TEST_FORK_SERVER=0` starts every command as a real process, for comparison.
@@ -245,6 +249,13 @@ def _become(request: dict, fds: list[int], env: dict, base_path: list[str]) -> N
         import numpy
 
         numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+        # the temporary folder ($TMPDIR): the server's imports may have asked for it, and tempfile
+        # keeps the first answer; multiprocessing keeps its pymp-* folder the same way
+        import multiprocessing.process
+        import tempfile
+
+        tempfile.tempdir = None
+        multiprocessing.process.current_process()._config.pop("tempdir", None)
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
@@ -294,6 +305,9 @@ def free_port() -> int:
 # -- the client (the test process) ----------------------------------------------------------------------------------
 
 _SERVER = {}  # pid of this test process -> (Popen of the server, socket path)
+# What a command started with `nested_env` inherits: the test's server, and the file its forked commands' CPU goes to
+_NESTED_SOCKET, _NESTED_CPU = "VIM_DS_TEST_PRELOADED_SOCKET", "VIM_DS_TEST_PRELOADED_CPU_FILE"
+_NESTED_SITE = os.path.join(_TESTS, "nested_launches")
 _FORKED_CPU = [0.0]  # CPU seconds of the commands this test process ran in the server, as the server reported them
 
 
@@ -313,7 +327,10 @@ def cpu_seconds() -> float:
 
 
 def _server_path() -> str | None:
-    """The server's socket, started on first use by this test process (None when it cannot run here)."""
+    """The server's socket, started on first use by this test process (None when it cannot run here); in a command
+    started with `nested_env`, the socket of the test's server."""
+    if os.environ.get(_NESTED_SOCKET):
+        return os.environ[_NESTED_SOCKET]
     if os.getpid() in _SERVER:
         return _SERVER[os.getpid()][1]
     folder = tempfile.mkdtemp(prefix="vim_ds_preloaded.")
@@ -377,6 +394,7 @@ class Process:
 
     def __init__(self, module: str, args: list[str], nproc: int, env=None, cwd=None, new_session=False):
         self.args = [module, *args]
+        self._nested_cpu = (env or {}).get(_NESTED_CPU) if not os.environ.get(_NESTED_CPU) else None
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -410,6 +428,13 @@ class Process:
             raise ConnectionError("preloaded: the server's handler died before reporting exit codes")
         self.codes = {int(p): c for p, c in reply["codes"].items()}
         _FORKED_CPU[0] += reply["cpu"]
+        if os.environ.get(_NESTED_CPU):  # a command of a command: its CPU, for the test that started the outer one
+            with open(os.environ[_NESTED_CPU], "a") as f:
+                f.write(f"{reply['cpu']}\n")
+        if self._nested_cpu:
+            with open(self._nested_cpu) as f:
+                _FORKED_CPU[0] += sum(float(line) for line in f if line.strip())
+            os.remove(self._nested_cpu)
         codes = [self.codes[p] for p in self.pids]
         if len(codes) == 1:
             self.returncode = codes[0]
@@ -478,6 +503,26 @@ def run(cmd, *, timeout=None, env=None, cwd=None, text=False, capture_output=Fal
     if check:
         result.check_returncode()
     return result
+
+
+def nested_env(env: dict) -> dict:
+    """`env` for a vim_ds command that itself launches training runs with torchrun through
+    `vim_ds.engine.launched_runs` (`vim-ds zero-compare`): those runs are forked from this test process's server
+    too (tests/nested_launches/sitecustomize.py), and their CPU is counted for this test."""
+    if not ENABLED:
+        return env
+    fd, cpu_file = tempfile.mkstemp(prefix="vim_ds_nested_cpu.")
+    os.close(fd)
+    path = os.pathsep.join([_NESTED_SITE, _TESTS, *[p for p in [env.get("PYTHONPATH", "")] if p]])
+    return {**env, _NESTED_SOCKET: _server_path(), _NESTED_CPU: cpu_file, "PYTHONPATH": path}
+
+
+def outer_env(env: dict) -> dict:
+    """`env` without what `nested_env` added (for the runs a nested command starts: they start nothing)."""
+    added = {_NESTED_SITE, _TESTS}
+    path = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in added)
+    env = {k: v for k, v in env.items() if k not in (_NESTED_SOCKET, _NESTED_CPU, "PYTHONPATH")}
+    return {**env, "PYTHONPATH": path} if path else env
 
 
 def popen(cmd, *, env=None, cwd=None, start_new_session=False):

@@ -1,4 +1,7 @@
-"""`vim-ds zero-compare`: the ZeRO paper's arithmetic, report writing, and (slow) a real 2-rank comparison.
+"""`vim-ds zero-compare`: the ZeRO paper's arithmetic, report writing, and (slow) real 2-rank comparisons of the four
+stages. The comparisons run the real command; its 2-rank torchrun jobs are forked from the suite's preloaded server
+(`preloaded.nested_env`: the same trainer code, without four new interpreters a stage); zero-compare with the real
+torchrun is run by tests/test_zero_compare_baselines.py.
 
 Known departure checked here: DeepSpeed 0.19.8 keeps an fp32 master partition (a clone) under ZeRO 1-3 even in
 fp32, which the paper's fp32 arithmetic (4+4+8 bytes, no master) has not; the partitioning checks below compare
@@ -13,6 +16,7 @@ import sys
 
 import pytest
 
+import preloaded
 from vim_ds import zero_compare as zc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,12 +108,13 @@ def test_zero_compare_tiny_two_ranks_fp32(tmp_path):
     from PIL import Image
 
     out = tmp_path / "cmp"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "vim_ds.zero_compare", "--model", "vim_tiny", "--model-kwargs", "depth=2",
          "embed_dim=32", "patch_size=4", "stride=4", "--input-size", "32", "--batch-size", "4", "--steps", "4",
          "--ranks", "2", "--stages", "0", "1", "2", "3", "--precision", "fp32", "--out", str(out)],
         # the limit only guards against a hang (4 two-rank jobs; ~2 min on 2 idle cores, slower on a busy CI box)
-        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        env=preloaded.nested_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "report.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
@@ -144,11 +149,12 @@ def test_zero_compare_tiny_two_ranks_bf16_meets_the_zero_paper(tmp_path):
     """Mixed precision, where the paper's arithmetic applies as written (2Ψ + 2Ψ + 12Ψ, the 12Ψ including the fp32
     masters): ZeRO-3 model states per rank <= 0.55 x ZeRO-0's; ZeRO-1 optimizer states within 5 % of half."""
     out = tmp_path / "cmp"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "vim_ds.zero_compare", "--model", "vim_tiny", "--model-kwargs", "depth=2",
          "embed_dim=32", "patch_size=4", "stride=4", "--input-size", "32", "--batch-size", "4", "--steps", "4",
          "--ranks", "2", "--stages", "0", "1", "2", "3", "--precision", "bf16", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=preloaded.nested_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "report.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
