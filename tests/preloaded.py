@@ -24,7 +24,9 @@ What keeps it honest:
 - A vim_ds command that launches training runs itself (`vim-ds zero-compare`, through `launched_runs`'s
   torchrun), started with `nested_env`, has those runs forked from the same server (tests/nested_launches), and
   their CPU is counted for the test that started it.
-- Only the command shapes above go through the server. Everything else (`-c`, scripts, the deepspeed launcher,
+- The suite's own helper scripts in tests/ (`python tests/SCRIPT.py ARGS`, or under the torchrun form above) are
+  forked the same way.
+- Only the command shapes above go through the server. Everything else (`-c`, other scripts, the deepspeed launcher,
   torchrun with other options, the launch scripts, SLURM) is started as a real process, and every launcher keeps
   end-to-end tests of its own. `VIM_DS_TEST_FORK_SERVER=0` starts every command as a real process, for comparison.
 """
@@ -369,9 +371,12 @@ def stop_server() -> None:
 def parse_command(cmd) -> tuple[str, list[str], int] | None:
     """(module, args, nproc) for `python -m MODULE ARGS` and `python -m torch.distributed.run --standalone
     --nproc_per_node=N -m MODULE ARGS` with this interpreter and a vim_ds module, or that torchrun form with one of
-    the suite's scripts in tests/ instead of `-m MODULE` (MODULE is then the script's path); None for any other
-    command."""
+    the suite's scripts in tests/ instead of `-m MODULE` (MODULE is then the script's path), and `python SCRIPT ARGS`
+    for one of those scripts; None for any other command."""
     cmd = [str(c) for c in cmd]
+    if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py") \
+            and os.path.dirname(os.path.abspath(cmd[1])) == _TESTS:
+        return cmd[1], cmd[2:], 1
     if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m":
         return None
     module, args, nproc = cmd[2], cmd[3:], 1

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import preloaded
 from train_utils import ROOT, TINY, assert_same_state, config, digits80, evals, rel_diff, run_train, step_losses
 
 pytestmark = pytest.mark.slow
@@ -180,10 +180,10 @@ def test_eval_with_the_split_scores_like_one_rank(runs, data, tmp_path):
 
 
 def test_a_world_that_n_does_not_divide_and_the_baselines_are_refused_in_one_line(data, tmp_path, capsys):
-    proc = subprocess.run([sys.executable, "-m", "vim_ds.train", *map(str, _args(data, tmp_path / "r", "zero2",
+    proc = preloaded.run([sys.executable, "-m", "vim_ds.train", *map(str, _args(data, tmp_path / "r", "zero2",
                                                                                  "--sequence-parallel", "2"))],
-                          cwd=ROOT, env={**os.environ, "WORLD_SIZE": "3", "RANK": "0"}, capture_output=True,
-                          text=True, timeout=300)
+                         cwd=ROOT, env={**os.environ, "WORLD_SIZE": "3", "RANK": "0"}, capture_output=True,
+                         text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--sequence-parallel 2 needs a number of ranks that 2 divides" in lines[0] \

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+import preloaded
 from train_utils import ROOT, TINY, config
 
 pytestmark = pytest.mark.slow
@@ -22,8 +22,8 @@ def test_state_bytes_on_one_rank(stage, precision):
     args = ["--deepspeed_config", config(f"zero{stage}"), "--precision", precision, "--data-set", "synthetic",
             "--synthetic-size", "32", "--nb-classes", "10", *TINY, "--batch-size", "4", "--num_workers", "0",
             "--no-model-ema"]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "engine_state_bytes.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = preloaded.run([sys.executable, os.path.join(ROOT, "tests", "engine_state_bytes.py"), *args],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     psi, live, after = result["params"], result["live"], result["after_step"]
