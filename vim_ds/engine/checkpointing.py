@@ -232,7 +232,6 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     copied last, so a conversion that was interrupted is done again rather than resumed; one that fails or is
     stopped by an exception (vim-ds convert's signals) removes its folder. `stall()`, when given, runs before the
     marker is written (fault injection)."""
-    import subprocess
     import sys
 
     universal = tag + UNIVERSAL_SUFFIX
@@ -244,10 +243,9 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     # a session of its own, so that its worker processes can be stopped with it (see _end_group).
     proc = None
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "vim_ds.checkpoint.safe_load", src,
-                                 "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
-                                 dst], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = _start_in_session([sys.executable, "-m", "vim_ds.checkpoint.safe_load", src,
+                                  "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
+                                  dst])
         _, stderr = proc.communicate()
         if proc.returncode != 0:
             raise CheckpointError(f"cannot convert {src} to a universal checkpoint: "
@@ -290,6 +288,14 @@ def _universal_failure(stderr: str, save_dir: str) -> str:
     if fs.f_flag & os.ST_RDONLY:
         return os.strerror(errno.EROFS)
     return lines[-1]
+
+
+def _start_in_session(cmd: list[str]):
+    """`cmd` as a child process in a session of its own (so that `_end_group` stops its workers with it), its output
+    piped as text."""
+    import subprocess
+
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _end_group(proc) -> None:
