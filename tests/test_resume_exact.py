@@ -122,6 +122,9 @@ def _resume(data, straight_runs, case, saved_by, resumed_by, at, by_hand, out, e
         edit(tag_dir)
         rerecord_checksums(tag_dir)
     how = tag_dir if by_hand else "auto"
+    # the universal conversion a 2 -> 1 resume starts is forked from the suite's server too (a control that brings
+    # its own sitecustomize starts it as a real process)
+    env = env if env is not None else preloaded.nested_env(dict(os.environ))
     proc = run_train(_args(data, out, cfg, precision, *LAYOUTS[resumed_by], "--resume", how), nproc=resumed_by,
                      env=env)
     assert f"at epoch {1 if at >= EPOCH_END else 0}, step {at}" in proc.stdout, proc.stdout[-2000:]
