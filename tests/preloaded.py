@@ -21,9 +21,9 @@ What keeps it honest:
 - Several ranks (`torchrun --standalone --nproc_per_node N -m MODULE`) are forked side by side with the variables
   torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*, OMP_NUM_THREADS=1),
   and, as torchrun does, the others are stopped when one fails and the job's exit code is then 1.
-- A vim_ds command that launches training runs itself (`vim-ds zero-compare`, through `launched_runs`'s
-  torchrun), started with `nested_env`, has those runs forked from the same server (tests/nested_launches), and
-  their CPU is counted for the test that started it.
+- A vim_ds command that starts vim_ds commands itself (`vim-ds zero-compare`'s torchrun jobs through
+  `launched_runs`, a resumed run's universal conversion through `checkpointing`), started with `nested_env`, has
+  them forked from the same server (tests/nested_launches), and their CPU is counted for the test that started it.
 - The suite's own helper scripts in tests/ (`python tests/SCRIPT.py ARGS`, or under the torchrun form above) are
   forked the same way.
 - Only the command shapes above go through the server. Everything else (`-c`, other scripts, the deepspeed launcher,
@@ -511,9 +511,9 @@ def run(cmd, *, timeout=None, env=None, cwd=None, text=False, capture_output=Fal
 
 
 def nested_env(env: dict) -> dict:
-    """`env` for a vim_ds command that itself launches training runs with torchrun through
-    `vim_ds.engine.launched_runs` (`vim-ds zero-compare`): those runs are forked from this test process's server
-    too (tests/nested_launches/sitecustomize.py), and their CPU is counted for this test."""
+    """`env` for a vim_ds command that itself starts vim_ds commands (`vim-ds zero-compare`'s torchrun jobs, a
+    resumed run's universal conversion): those are forked from this test process's server too
+    (tests/nested_launches/sitecustomize.py), and their CPU is counted for this test."""
     if not ENABLED:
         return env
     fd, cpu_file = tempfile.mkstemp(prefix="vim_ds_nested_cpu.")

@@ -17,30 +17,18 @@ _real_run_group = launched_runs._run_group
 
 
 def _run_group(cmd, timeout, env):
-    parsed = preloaded.parse_command(cmd)
-    if parsed is None:
+    if preloaded.parse_command(cmd) is None:
         return _real_run_group(cmd, timeout, env)
-    proc = preloaded.Process(*parsed, env=preloaded.outer_env(env), new_session=True)
     try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return (None, *proc.output())
-    return (proc.returncode, *proc.output())
-
-
-launched_runs._run_group = _run_group
-
-
-_real_start_in_session = checkpointing._start_in_session
+        proc = preloaded.run(cmd, timeout=timeout, env=preloaded.outer_env(env), capture_output=True, text=True)
+    except subprocess.TimeoutExpired as stopped:  # preloaded.run has stopped it
+        return None, stopped.stdout, stopped.stderr
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def _start_in_session(cmd):
-    parsed = preloaded.parse_command(cmd)
-    if parsed is None:
-        return _real_start_in_session(cmd)
-    return preloaded.Process(*parsed, env=preloaded.outer_env(dict(os.environ)), new_session=True)
+    return preloaded.popen(cmd, env=preloaded.outer_env(dict(os.environ)), start_new_session=True)
 
 
+launched_runs._run_group = _run_group
 checkpointing._start_in_session = _start_in_session
