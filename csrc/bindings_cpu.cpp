@@ -76,6 +76,24 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
                                               reverse, h0, dlast);
 }
 
+at::Tensor h0_grad(const at::Tensor& delta, const at::Tensor& A, const at::Tensor& C, const OptTensor& z,
+                   const OptTensor& delta_bias, const at::Tensor& dout, bool delta_softplus, bool reverse) {
+  // u and B are not read: delta and C stand in for them in the shared checks
+  check_inputs(delta, delta, A, C, C, std::nullopt, z, delta_bias);
+  check_tensor(dout, "dout", delta.scalar_type(), delta.sizes());
+  return vim_ds::scan_cpu::selective_scan_h0_grad(delta, A, C, z, delta_bias, dout, delta_softplus, reverse);
+}
+
+at::Tensor delta_sum(const at::Tensor& delta, const OptTensor& delta_bias, bool delta_softplus) {
+  TORCH_CHECK(delta.defined() && delta.dim() == 3, "selective_scan (cpu): delta must be 3-D (batch, dim, seqlen)");
+  const auto in = delta.scalar_type();
+  TORCH_CHECK(in == at::kFloat || in == at::kDouble || in == at::kBFloat16,
+              "selective_scan (cpu): input dtype must be float32, float64 or bfloat16, got ", in);
+  check_tensor(delta, "delta", in, delta.sizes());
+  check_optional(delta_bias, "delta_bias", acc_dtype(in), {delta.size(1)});
+  return vim_ds::scan_cpu::delta_sum(delta, delta_bias, delta_softplus);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -91,6 +109,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
         py::arg("reverse") = false, py::arg("h0") = py::none(), py::arg("dlast") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("h0_grad", &h0_grad,
+        "the gradient of the initial state alone (bwd's dh0 without dlast), from one reverse pass -> dh0",
+        py::arg("delta"), py::arg("A"), py::arg("C"), py::arg("z"), py::arg("delta_bias"), py::arg("dout"),
+        py::arg("delta_softplus"), py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("delta_sum", &delta_sum, "sum over time of softplus(delta + delta_bias) -> (batch, dim)", py::arg("delta"),
+        py::arg("delta_bias"), py::arg("delta_softplus"), py::call_guard<py::gil_scoped_release>());
   m.def("available_isas", &vim_ds::scan_cpu::available_isas,
         "the instruction-set variants of the scan this CPU can run, narrowest first");
   m.def("isa", &vim_ds::scan_cpu::isa, "the instruction-set variant of the scan in use");

@@ -334,6 +334,7 @@ struct ScanArgs {
   in_t* dz = nullptr;          // (batch, dim, L) or null
   const acc_t* dlast = nullptr;  // (batch, dim, NP): the gradient of the state after the last scan step, or null
   acc_t* dh0 = nullptr;          // (batch, dim, NP): the gradient of h0, written when h0 is given
+  acc_t* delta_sum = nullptr;    // (batch, dim): sum over time of delta' (delta_sum only)
   // Backward work items: item i = (b = i / chunks, channel block i % chunks of `chunk_dim` channels).
   int64_t chunks = 1, chunk_dim = 0;
   acc_t* dB_part = nullptr;     // (items, L, NP): sums over the item's channels, zero-initialised
@@ -529,6 +530,38 @@ SCAN_INLINE void ssm_backward(int64_t L, int64_t NP, const elem_t<V>* __restrict
   }
 }
 
+// The initial state's gradient alone, dL/dh_{-1} = a_0 g_0, for an output gradient dy (before the D term): the
+// reverse recurrence g_t = a_{t+1} g_{t+1} + dy_t C_t of ssm_backward with nothing else. It reads neither u nor B
+// and needs no stored states, so it costs about what the forward costs (the full backward: about five times that).
+// The sequence split asks for it before its backward proper (vim_ds/models/sequence_parallel.py). The operations
+// are ssm_backward's, in its order, so with dlast = 0 the two give the same dh0.
+template <typename V>
+SCAN_INLINE void ssm_h0_grad(int64_t L, int64_t NP, const elem_t<V>* __restrict A, const elem_t<V>* __restrict dt,
+                             const elem_t<V>* __restrict Ct, const elem_t<V>* __restrict dy,
+                             elem_t<V>* __restrict dh0, elem_t<V> exp_lo, elem_t<V> exp_hi) {
+  using E = elem_t<V>;
+  constexpr int64_t W = SimdOf<V>::W;
+  constexpr int kBlock = kStateBlock<E> / W;
+  const V lo = splat<V>(exp_lo), hi = splat<V>(exp_hi);
+  for (int64_t n0 = 0; n0 < NP; n0 += kStateBlock<E>) {
+    V Ab[kBlock], g[kBlock], anext[kBlock];
+    for (int j = 0; j < kBlock; ++j) {
+      Ab[j] = vload<V>(A + n0 + j * W);
+      g[j] = V{};
+      anext[j] = V{};  // a_L: multiplies g_L = 0
+    }
+    for (int64_t t = L - 1; t >= 0; --t) {
+      const E d = dt[t], dyt = dy[t];
+      for (int j = 0; j < kBlock; ++j) {
+        const V a = vexp(Ab[j] * d, lo, hi);
+        g[j] = anext[j] * g[j] + dyt * vload<V>(Ct + t * NP + n0 + j * W);
+        anext[j] = a;
+      }
+    }
+    for (int j = 0; j < kBlock; ++j) vstore(dh0 + n0 + j * W, anext[j] * g[j]);
+  }
+}
+
 template <typename V, typename in_t>
 SCAN_INLINE void scan_channel_fwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b, int64_t d,
                                   Workspace<elem_t<V>>& ws) {
@@ -637,6 +670,44 @@ SCAN_INLINE void scan_channel_bwd(const ScanArgs<in_t, elem_t<V>>& p, int64_t b,
   if (p.dbias_part) p.dbias_part[b * p.dim + d] = dbias;
 }
 
+// The initial state's gradient of one channel into p.dh0 (see ssm_h0_grad); dy = dout silu(z) as in the backward.
+template <typename V, typename in_t>
+SCAN_INLINE void scan_channel_h0_grad(const ScanArgs<in_t, elem_t<V>>& p, int64_t b, int64_t d,
+                                      Workspace<elem_t<V>>& ws) {
+  using E = elem_t<V>;
+  constexpr int64_t W = SimdOf<V>::W;
+  const int64_t L = p.L, LP = ws.LP, NP = p.NP;
+  const int64_t row = (b * p.dim + d) * L;
+  E* __restrict dt = ws.dt.data();
+  E* __restrict dy = ws.y.data();
+  load_row(p.dout + row, L, dy, p.reverse);
+  if (p.z) {
+    E* __restrict z = ws.z.data();
+    load_row(p.z + row, L, z, p.reverse);
+    for (int64_t t = 0; t < LP; t += W) {
+      const V zt = vload<V>(z + t);
+      vstore(dy + t, vload<V>(dy + t) * zt * sigmoid(zt));
+    }
+  }
+  load_row(p.delta + row, L, ws.x.data(), p.reverse);
+  prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, LP, dt, static_cast<E*>(nullptr));
+  ssm_h0_grad<V>(L, NP, p.A + d * NP, dt, p.Ct + b * L * NP, dy, p.dh0 + (b * p.dim + d) * NP, p.exp_lo,
+                 p.exp_hi);
+}
+
+// sum_t delta'_t of one channel (delta' = softplus(delta + bias), or delta + bias) into p.out_sum: what the
+// product of the channel's decays needs, P = exp(A sum_t delta'_t), the (P, S) pair of a chunk of a split sequence.
+template <typename V, typename in_t>
+SCAN_INLINE void channel_delta_sum(const ScanArgs<in_t, elem_t<V>>& p, int64_t b, int64_t d,
+                                   Workspace<elem_t<V>>& ws) {
+  using E = elem_t<V>;
+  const int64_t L = p.L;
+  load_row(p.delta + (b * p.dim + d) * L, L, ws.x.data(), false);
+  prepare_delta<V>(ws.x.data(), p.bias ? p.bias[d] : E(0), p.softplus, ws.LP, ws.dt.data(),
+                   static_cast<E*>(nullptr));
+  p.delta_sum[b * p.dim + d] = row_sum<V>(ws.dt.data(), static_cast<const E*>(nullptr), L);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Ranges of work, compiled per instruction set: the *_impl bodies are force-inlined into each variant, so all
 // of the math above is generated with that variant's instructions and vector width.
@@ -665,8 +736,23 @@ SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, i
   }
 }
 
-// One forward and one backward entry per instruction set, each compiled with its target's instructions:
-// fwd_range_NAME / bwd_range_NAME run the *_impl bodies with kBytes-wide vectors.
+template <int kBytes, typename in_t, typename acc_t>
+SCAN_INLINE void h0_grad_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+  using V = typename Simd<acc_t, kBytes>::V;
+  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
+  for (int64_t i = begin; i < end; ++i) scan_channel_h0_grad<V>(p, i / p.dim, i % p.dim, ws);
+}
+
+template <int kBytes, typename in_t, typename acc_t>
+SCAN_INLINE void delta_sum_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+  using V = typename Simd<acc_t, kBytes>::V;
+  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
+  for (int64_t i = begin; i < end; ++i) channel_delta_sum<V>(p, i / p.dim, i % p.dim, ws);
+}
+
+// One entry per kind of work (forward, backward, the initial state's gradient, the sum of delta') and instruction
+// set, each compiled with its target's instructions: fwd_range_NAME, bwd_range_NAME, h0_grad_range_NAME and
+// delta_sum_range_NAME run the *_impl bodies with kBytes-wide vectors.
 #define SCAN_VARIANT(NAME, TARGET, kBytes)                                                             \
   template <typename in_t, typename acc_t>                                                             \
   TARGET void fwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
@@ -675,6 +761,14 @@ SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, i
   template <typename in_t, typename acc_t>                                                             \
   TARGET void bwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
     bwd_range_impl<kBytes>(p, begin, end);                                                             \
+  }                                                                                                    \
+  template <typename in_t, typename acc_t>                                                             \
+  TARGET void h0_grad_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {       \
+    h0_grad_range_impl<kBytes>(p, begin, end);                                                         \
+  }                                                                                                    \
+  template <typename in_t, typename acc_t>                                                             \
+  TARGET void delta_sum_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {     \
+    delta_sum_range_impl<kBytes>(p, begin, end);                                                       \
   }
 
 SCAN_VARIANT(generic, , 16)  // baseline: 16-byte vectors (SSE2 on x86-64, NEON on aarch64)
@@ -740,6 +834,30 @@ void bwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
   }
 #endif
   bwd_range_generic(p, begin, end);
+}
+
+template <typename in_t, typename acc_t>
+void h0_grad_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+#if SCAN_X86_DISPATCH
+  switch (current_isa()) {
+    case kAvx512: return h0_grad_range_avx512(p, begin, end);
+    case kAvx2: return h0_grad_range_avx2(p, begin, end);
+    default: break;
+  }
+#endif
+  h0_grad_range_generic(p, begin, end);
+}
+
+template <typename in_t, typename acc_t>
+void delta_sum_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+#if SCAN_X86_DISPATCH
+  switch (current_isa()) {
+    case kAvx512: return delta_sum_range_avx512(p, begin, end);
+    case kAvx2: return delta_sum_range_avx2(p, begin, end);
+    default: break;
+  }
+#endif
+  delta_sum_range_generic(p, begin, end);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -921,6 +1039,34 @@ void run_bwd(const at::Tensor& u, const at::Tensor& delta, const Prepared& pr, i
   if (dbias.defined()) sum_over_batch(p.dbias_part, dbias.data_ptr<acc_t>());
 }
 
+template <typename in_t, typename acc_t>
+void run_h0_grad(const at::Tensor& delta, const at::Tensor& A, const at::Tensor& C, const std::optional<at::Tensor>& z,
+                 const std::optional<at::Tensor>& delta_bias, const at::Tensor& dout, bool softplus, bool reverse,
+                 at::Tensor& dh0) {
+  // B is not read: C stands in for it in the shared preparation.
+  const Prepared pr = prepare(delta, A, C, C, reverse);
+  auto p = common_args<in_t, acc_t>(delta, delta, pr, A.size(1), std::nullopt, z, delta_bias, softplus, reverse);
+  p.dout = dout.data_ptr<in_t>();
+  p.dh0 = dh0.data_ptr<acc_t>();
+  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / (p.L * p.NP));
+  at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { h0_grad_range(p, begin, end); });
+}
+
+template <typename in_t, typename acc_t>
+void run_delta_sum(const at::Tensor& delta, const std::optional<at::Tensor>& delta_bias, bool softplus,
+                   at::Tensor& sum) {
+  ScanArgs<in_t, acc_t> p;
+  p.batch = delta.size(0);
+  p.dim = delta.size(1);
+  p.L = delta.size(2);
+  p.softplus = softplus;
+  p.delta = delta.data_ptr<in_t>();
+  p.bias = opt_ptr<acc_t>(delta_bias);
+  p.delta_sum = sum.data_ptr<acc_t>();
+  const int64_t grain = std::max<int64_t>(1, kMinStepsPerChunk / p.L);
+  at::parallel_for(0, p.batch * p.dim, grain, [&](int64_t begin, int64_t end) { delta_sum_range(p, begin, end); });
+}
+
 }  // namespace
 
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
@@ -1009,6 +1155,52 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
   }
   if (!dh0p.defined()) return {du, ddelta, dA, dB, dC, dD, dz, dbias};
   return {du, ddelta, dA, dB, dC, dD, dz, dbias, pr.NP == N ? dh0p : dh0p.narrow(2, 0, N).contiguous()};
+}
+
+at::Tensor selective_scan_h0_grad(const at::Tensor& delta, const at::Tensor& A, const at::Tensor& C,
+                                  const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& delta_bias,
+                                  const at::Tensor& dout, bool delta_softplus, bool reverse) {
+  const int64_t N = A.size(1);
+  if (delta.numel() == 0) return at::zeros({delta.size(0), delta.size(1), N}, A.options());
+  const int64_t block = A.scalar_type() == at::kDouble ? kStateBlock<double> : kStateBlock<float>;
+  const int64_t NP = (N + block - 1) / block * block;
+  at::Tensor dh0 = at::empty({delta.size(0), delta.size(1), NP}, A.options());
+  switch (delta.scalar_type()) {
+    case at::kFloat:
+      run_h0_grad<float, float>(delta, A, C, z, delta_bias, dout, delta_softplus, reverse, dh0);
+      break;
+    case at::kDouble:
+      run_h0_grad<double, double>(delta, A, C, z, delta_bias, dout, delta_softplus, reverse, dh0);
+      break;
+    case at::kBFloat16:
+      run_h0_grad<c10::BFloat16, float>(delta, A, C, z, delta_bias, dout, delta_softplus, reverse, dh0);
+      break;
+    default:
+      TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", delta.scalar_type(),
+                  " (expected float32, float64 or bfloat16)");
+  }
+  return NP == N ? dh0 : dh0.narrow(2, 0, N).contiguous();
+}
+
+at::Tensor delta_sum(const at::Tensor& delta, const std::optional<at::Tensor>& delta_bias, bool delta_softplus) {
+  const auto acc = delta.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor sum = at::empty({delta.size(0), delta.size(1)}, delta.options().dtype(acc));
+  if (delta.numel() == 0) return sum.zero_();
+  switch (delta.scalar_type()) {
+    case at::kFloat:
+      run_delta_sum<float, float>(delta, delta_bias, delta_softplus, sum);
+      break;
+    case at::kDouble:
+      run_delta_sum<double, double>(delta, delta_bias, delta_softplus, sum);
+      break;
+    case at::kBFloat16:
+      run_delta_sum<c10::BFloat16, float>(delta, delta_bias, delta_softplus, sum);
+      break;
+    default:
+      TORCH_CHECK(false, "selective_scan (cpu): unsupported input dtype ", delta.scalar_type(),
+                  " (expected float32, float64 or bfloat16)");
+  }
+  return sum;
 }
 
 std::vector<std::string> available_isas() {

@@ -39,6 +39,17 @@ std::vector<at::Tensor> selective_scan_bwd(const at::Tensor& u, const at::Tensor
                                            const std::optional<at::Tensor>& h0 = std::nullopt,
                                            const std::optional<at::Tensor>& dlast = std::nullopt);
 
+// The gradient of the initial state h0 (batch, dim, d_state) in the accumulation dtype for an output gradient
+// `dout`, and nothing else: the dh0 that selective_scan_bwd returns with `dlast` absent, from a reverse pass that
+// reads only delta, A, C, z and dout and recomputes no state (about the forward's cost). It does not depend on h0.
+at::Tensor selective_scan_h0_grad(const at::Tensor& delta, const at::Tensor& A, const at::Tensor& C,
+                                  const std::optional<at::Tensor>& z, const std::optional<at::Tensor>& delta_bias,
+                                  const at::Tensor& dout, bool delta_softplus, bool reverse);
+
+// sum over time of delta' = softplus(delta + delta_bias) (or delta + delta_bias), (batch, dim) in the accumulation
+// dtype: the exponent of a chunk's decay product, P = exp(A * sum), with the kernels' own softplus.
+at::Tensor delta_sum(const at::Tensor& delta, const std::optional<at::Tensor>& delta_bias, bool delta_softplus);
+
 // The instruction-set variants of the kernels, narrowest first (x86-64: sse2, avx2, avx512; aarch64: neon; other
 // CPUs: generic): those this CPU can run; the one in use (the widest, unless set_isa chose another); and
 // set_isa(name or "auto"), which returns the one in use before and throws for a variant this CPU cannot run.

@@ -146,6 +146,50 @@ def test_cpu_low_precision_against_float64(dtype, reverse, cpu_isa, seed):
         assert err <= EXCESS[g.dtype], f"{name} ({g.dtype}): {err:.2e}"
 
 
+# -- h0_grad: the initial state's gradient alone (what the sequence split asks for before its backward) ----------
+
+def h0_grad(backend, args, dout, reverse):
+    from vim_ds.ops.library import resolve
+
+    u, delta, A, B, C, D, z, bias, h0 = args
+    return resolve(backend, u.device).h0_grad(u, delta, A, B, C, z, bias, dout, u.new_empty(0), True, reverse, h0)
+
+
+# Measured 2026-11-28 over 5 seeds x 3 ISA variants x these cases: bitwise the full backward's dh0 (the same
+# operations in the same order), and within 5.8e-16 of the reference's autograd. Control: the other direction's
+# pass errs by at least 0.28 (L > 1).
+@pytest.mark.parametrize("L", LENGTHS)
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_cpu_h0_grad_float64(reverse, flags, L, cpu_isa, seed):
+    args, dout, _ = make(torch.float64, L, flags)
+    want = results(reference(reverse), args, dout, None)[-1]  # dh0 of sum(out dout), by autograd
+    got = h0_grad("cpu", args, dout, reverse)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
+    # the same bits as the full backward's dh0 without dlast
+    assert torch.equal(got, results(kernel("cpu", reverse), args, dout, None)[-1])
+    # control: the other direction's pass (h0 at the other end) must miss (one step has no other end)
+    if L > 1:
+        wrong = h0_grad("cpu", args, dout, not reverse)
+        assert ((wrong - want).abs().max() / want.abs().max()).item() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_cpu_h0_grad_low_precision(dtype, reverse, cpu_isa, seed):
+    args, dout, _ = make(dtype, 197, dim=8)
+    got = h0_grad("cpu", args, dout, reverse)
+    assert torch.equal(got, results(kernel("cpu", reverse), args, dout, None)[-1])
+    want = results(reference(reverse), [None if a is None else a.double() for a in args], dout.double(), None)[-1]
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= EXCESS[torch.float32]
+
+
+def test_ref_h0_grad(seed):
+    args, dout, _ = make(torch.float64, 23)
+    want = results(reference(True), args, dout, None)[-1]
+    assert torch.allclose(h0_grad("ref", args, dout, True), want, rtol=0, atol=1e-12 * want.abs().max().item())
+
+
 def test_h0_shape_is_checked():
     args, _, _ = make(torch.float64, 5)
     with pytest.raises(ValueError, match="h0 must be of shape"):

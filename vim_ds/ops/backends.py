@@ -11,8 +11,13 @@ Backends that can start from a given state also have ``fwd_state(u, delta, A, B,
 delta_softplus, reverse, h0) -> (out, saved, last_state)`` and ``bwd_state(u, delta, A, B, C, D, z, delta_bias,
 dout, saved, delta_softplus, reverse, h0, dlast) -> 9 gradients`` (the 8 above, then dh0, None when h0 is None):
 ``h0`` (batch, dim, d_state) in A's dtype, the state before the first scan step (None: zero); ``dlast`` the
-gradient of the returned last state (None: zero). Ours (``ref``, ``cpu``, ``cuda``) have them
-(``vim_ds/ops/scan_state.py`` uses them); mamba_ssm's kernel does not.
+gradient of the returned last state (None: zero). With them comes ``h0_grad(u, delta, A, B, C, z, delta_bias, dout,
+saved, delta_softplus, reverse, h0) -> dh0``: bwd_state's dh0 for dlast None, alone (it depends on neither h0 nor u
+nor B; the CPU kernel has a pass for it at about the forward's cost, the others run bwd_state), and
+``decay_product(delta, A, delta_bias, delta_softplus) -> P``, the product of a chunk's decays (``scan_chunks``; the
+CPU kernel sums softplus(delta + bias) with its own vectorised softplus, PyTorch's float32 one being several times
+slower than a scan pass on the CPU). Ours (``ref``, ``cpu``, ``cuda``) have them (``vim_ds/ops/scan_state.py`` and
+the sequence split use them); mamba_ssm's kernel does not.
 
 The compiled kernels come from the extensions that setup.py builds (``vim_ds._scan_cpu``, ``vim_ds._scan_cuda``).
 When one is missing (an install with the build skipped, a broken toolchain) it is JIT-compiled at first use from
@@ -31,6 +36,7 @@ from typing import Optional
 import torch
 
 from . import build_config
+from .scan_chunks import decay_product
 from .selective_scan_ref import selective_scan_ref
 
 log = logging.getLogger("vim_ds")
@@ -56,6 +62,11 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctiona
 def _autograd_recording():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                            torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS)
+
+
+def _state_or_zero(h0, u, A):
+    """h0, or the zero state it stands for (bwd_state returns dh0 only when given one)."""
+    return u.new_zeros((u.shape[0], u.shape[1], A.shape[1]), dtype=A.dtype) if h0 is None else h0
 
 
 class RefBackend:
@@ -96,6 +107,13 @@ class RefBackend:
         # an input that the outputs do not reach (autograd gives None) gets zeros
         return [g if g is not None or a is None else torch.zeros_like(a) for g, a in zip(grads, leaves)]
 
+    def h0_grad(self, u, delta, A, B, C, z, delta_bias, dout, saved, delta_softplus, reverse, h0):
+        return self.bwd_state(u, delta, A, B, C, None, z, delta_bias, dout, saved, delta_softplus, reverse,
+                              _state_or_zero(h0, u, A), None)[8]
+
+    def decay_product(self, delta, A, delta_bias, delta_softplus):
+        return decay_product(delta, A, delta_bias, delta_softplus)
+
 
 class ExtensionBackend:
     """A compiled kernel module exporting fwd/bwd."""
@@ -120,6 +138,17 @@ class ExtensionBackend:
         grads = list(self.module.bwd(u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse, h0,
                                      dlast))
         return grads if h0 is not None else grads + [None]
+
+    def h0_grad(self, u, delta, A, B, C, z, delta_bias, dout, saved, delta_softplus, reverse, h0):
+        if hasattr(self.module, "h0_grad"):  # the CPU kernel's own reverse pass
+            return self.module.h0_grad(delta, A, C, z, delta_bias, dout, delta_softplus, reverse)
+        return self.bwd_state(u, delta, A, B, C, None, z, delta_bias, dout, saved, delta_softplus, reverse,
+                              _state_or_zero(h0, u, A), None)[8]
+
+    def decay_product(self, delta, A, delta_bias, delta_softplus):
+        if hasattr(self.module, "delta_sum"):  # the CPU kernel's softplus and sum
+            return torch.exp(self.module.delta_sum(delta, delta_bias, delta_softplus).unsqueeze(-1) * A)
+        return decay_product(delta, A, delta_bias, delta_softplus)
 
 
 class MambaBackend:
