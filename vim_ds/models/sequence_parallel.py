@@ -68,9 +68,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-from ..ops.library import resolve
+from ..ops.library import branch_inputs_bwd, branch_inputs_fwd, resolve
 from ..ops.scan_chunks import decay_product, initial_states
 from ..ops.scan_state import selective_scan_with_state
 from ..ops.ssm_branch import conv1d_silu, project
@@ -174,61 +172,24 @@ class _Context:
         if not hasattr(impl, "fwd_state"):
             raise ValueError(f"the sequence split needs a scan that starts from a given state: the {impl.name} "
                              f"backend has none (use vim_ds's own: auto, ref, cpu or cuda)")
-        self.group, self.bounds, self.backend = group, bounds, backend
+        self.group, self.bounds, self.backend, self.impl = group, bounds, backend, impl
         self.rank = dist.get_rank(group)
 
 
-class _Direction:
-    """One direction of a mixer on this rank's chunk x (batch, D, L_r), given its conv halo (batch, D, K-1): the
-    tokens before the chunk, or with ``reverse`` after it.
+def _direction_weights(mixer: BiMambaMixer, reverse: bool) -> tuple:
+    """One direction's conv weight and bias, x_proj and dt_proj weights, dt_proj bias, A_log and D, read from the
+    mixer's modules at each use (under ZeRO-3 such a read is what gathers a partitioned parameter)."""
+    s = "_b" if reverse else ""
+    conv, x_proj, dt_proj = getattr(mixer, "conv1d" + s), getattr(mixer, "x_proj" + s), getattr(mixer, "dt_proj" + s)
+    return (conv.weight, conv.bias, x_proj.weight, dt_proj.weight, dt_proj.bias,
+            mixer.A_b_log if reverse else mixer.A_log, mixer.D_b if reverse else mixer.D)
 
-    Its two pieces each run under activation checkpointing (non-reentrant; no collective inside), so that what
-    autograd keeps is x, z (both shared by the two directions), the halo and the initial state, as the fused branch
-    keeps x and z: the scan's inputs are recomputed in backward instead."""
 
-    def __init__(self, mixer: BiMambaMixer, reverse: bool, backend: str):
-        suffix = "_b" if reverse else ""
-        self.conv = getattr(mixer, "conv1d" + suffix)
-        self.x_proj, self.dt_proj = getattr(mixer, "x_proj" + suffix), getattr(mixer, "dt_proj" + suffix)
-        self.A_log = mixer.A_b_log if reverse else mixer.A_log
-        self.D = mixer.D_b if reverse else mixer.D
-        self.d_state, self.reverse, self.backend = mixer.d_state, reverse, backend
-
-    def _inputs(self, x, halo):
-        """The scan's u, delta, B, C and A, as the fused branch computes them."""
-        h, length = halo.shape[-1], x.shape[-1]
-        x_ext, chunk = (torch.cat((x, halo), -1), slice(0, length)) if self.reverse else \
-            (torch.cat((halo, x), -1), slice(h, h + length))
-        u = conv1d_silu(x_ext, self.conv.weight, self.conv.bias, self.backend, self.reverse)[..., chunk]
-        u = u.contiguous()
-        dt_rank = self.dt_proj.weight.shape[1]
-        x_dbl = project(self.x_proj.weight, u)
-        delta = project(self.dt_proj.weight, x_dbl[:, :dt_rank]).contiguous()
-        B = x_dbl[:, dt_rank:dt_rank + self.d_state].contiguous()
-        C = x_dbl[:, dt_rank + self.d_state:].contiguous()
-        return u, delta, B, C, -torch.exp(_at_least_fp32(self.A_log))
-
-    def _pair(self, x, halo):
-        u, delta, B, C, A = self._inputs(x, halo)
-        bias = self.dt_proj.bias
-        # The last state depends on neither D nor the gate: the first pass leaves them out.
-        _, S = selective_scan_with_state(u, delta, A, B, C, None, None, bias, True, self.reverse,
-                                         backend=self.backend)
-        return decay_product(delta, A, bias, True), S
-
-    def _from_state(self, x, halo, z, h_in):
-        u, delta, B, C, A = self._inputs(x, halo)
-        out, _ = selective_scan_with_state(u, delta, A, B, C, self.D, z, self.dt_proj.bias, True, self.reverse, h_in,
-                                           backend=self.backend)
-        return out
-
-    def pair(self, x, halo):
-        """First pass: the chunk's (P, S), S by the kernel scanning from zero."""
-        return checkpoint(self._pair, x, halo, use_reentrant=False)
-
-    def from_state(self, x, halo, z, h_in):
-        """Second pass: the chunk's output scanned by the kernel from h_in."""
-        return checkpoint(self._from_state, x, halo, z, h_in, use_reentrant=False)
+def _scan_params(weights, like: torch.Tensor):
+    """A = -exp(A_log), D and dt_proj's bias in the scan's parameter dtype (float32; float64 for float64 input)."""
+    wide = torch.float64 if like.dtype == torch.float64 else torch.float32
+    *_, bias, A_log, D = weights
+    return -torch.exp(A_log.to(wide)), D.to(wide), bias.to(wide)
 
 
 def _start_states(gathered: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -239,35 +200,172 @@ def _start_states(gathered: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torc
     return forward, flipped
 
 
+def _last_state_grads(decays: torch.Tensor, grads: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of this rank's last states (forward direction, flipped direction) from every rank's decay
+    products P and initial-state gradients g of its output, each (W, 2, B, D, N). The state's gradient runs the
+    other way: rank r's last state is rank r+1's initial state, whose whole gradient is g_{r+1} + P_{r+1} times
+    the gradient of rank r+1's last state, so the forward direction's comes from the ranks after this one (the
+    combine of their (P, g) from the last one back), the flipped direction's from those before it."""
+    forward = initial_states([(p[0], g[0]) for p, g in zip(decays, grads)], reverse=True)[rank]
+    flipped = initial_states([(p[1], g[1]) for p, g in zip(decays, grads)])[rank]
+    return forward, flipped
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x stacked in rank order (no autograd)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
+
+
+class _MixerScans(torch.autograd.Function):
+    """Both directions' SSM branches of one mixer on this rank's chunk: conv (with its halo), x_proj, dt_proj, the
+    scan from the state the other ranks pass, the gate; ``out_f + out_b`` (batch, D, L_r).
+
+    forward: each direction's scan inputs once; a first scan from zero gives the chunk's last state S (P from
+    the sum of its delta'); one all-gather of both directions' (P, S); each direction's initial state h0 (a prefix
+    combine, the flipped direction's a suffix); the second scan, from h0, gives the output. Kept for backward: x,
+    z, the halos, the states h0, every rank's P (and the GPU kernel's chunk states), not the scan's inputs.
+
+    backward: the inputs recomputed; each direction's g = the gradient of its h0 from this rank's output alone (one
+    reverse pass, ``h0_grad``); one all-gather of both g's; the gradient of each direction's last state, G (the
+    same combine the other way, ``_last_state_grads``); then one scan backward per direction, from h0, with G as
+    its last state's gradient. That backward is the whole gradient of the chunk's inputs: through the output,
+    and through S and P, which reach the later ranks only as the last state S + P h0 does. Its dh0 (g + P G) is
+    not needed: h0 is made here from the gathered pairs, whose gradients are those same inputs' gradients on the
+    ranks that formed them. So the chunk is scanned twice forward and once backward, plus the cheap g pass: the
+    scheme through autograd (``_mixer_autograd``) scans it three times forward and twice backward."""
+
+    @staticmethod
+    def forward(ctx, x, z, before, after, split, *weights):
+        impl, group, rank = split["impl"], split["group"], split["rank"]
+        d_state = split["d_state"]
+        with torch.autocast(x.device.type, enabled=False):  # every cast below is explicit, as in the fused ops
+            prepared, pairs = [], []
+            for reverse, halo, w in ((False, before, weights[:7]), (True, after, weights[7:])):
+                _, u, _, delta, B, C = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
+                A, D, bias = _scan_params(w, x)
+                # S does not depend on D or the gate: the first pass leaves them out
+                _, _, S = impl.fwd_state(u, delta, A, B, C, None, None, bias, True, reverse, None)
+                prepared.append((u, delta, B, C, A, D, bias))
+                pairs += [impl.decay_product(delta, A, bias, True), S.to(A.dtype)]
+            gathered = _all_gather(torch.stack(pairs), group)
+            states = _start_states(gathered, rank)
+            out, saved = 0, []
+            for reverse, (u, delta, B, C, A, D, bias), h0 in zip((False, True), prepared, states):
+                y, kept, _ = impl.fwd_state(u, delta, A, B, C, D, z, bias, True, reverse, h0.contiguous())
+                out = out + y
+                saved.append(x.new_empty(0) if kept is None else kept)
+        ctx.split = split
+        ctx.save_for_backward(x, z, before, after, *states, gathered[:, 0::2], *saved)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, z, before, after, h_f, h_b, decays, saved_f, saved_b = ctx.saved_tensors
+        split = ctx.split
+        impl, group, rank, d_state = split["impl"], split["group"], split["rank"], split["d_state"]
+        mixer = split["mixer"]
+        with torch.autocast(x.device.type, enabled=False):  # every cast below is explicit, as in the fused ops
+            dout = dout.to(x.dtype).contiguous()
+            runs = []
+            for reverse, halo, h0, kept in ((False, before, h_f, saved_f), (True, after, h_b, saved_b)):
+                w = _direction_weights(mixer, reverse)
+                c, u, x_dbl, delta, B, C = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
+                A, D, bias = _scan_params(w, x)
+                g = impl.h0_grad(u, delta, A, B, C, z, bias, dout, kept, True, reverse, h0.contiguous())
+                runs.append((reverse, halo, h0, kept, w, c, u, x_dbl, delta, B, C, A, D, bias, g))
+            grads = _all_gather(torch.stack([r[-1].to(decays.dtype) for r in runs]), group)
+            last_grads = _last_state_grads(decays, grads, rank)
+            dx, dz, dhalos, dweights = 0, 0, [], []
+            for (reverse, halo, h0, kept, w, c, u, x_dbl, delta, B, C, A, D, bias, _), dlast in zip(runs, last_grads):
+                du, ddelta, dA, dB, dC, dD, dz_r, dbias, _ = impl.bwd_state(
+                    u, delta, A, B, C, D, z, bias, dout, kept, True, reverse, h0.contiguous(),
+                    dlast.to(A.dtype).contiguous())
+                dx_r, dhalo, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
+                    x, c, u, x_dbl, du, ddelta, dB, dC, *w[:4], reverse, impl, halo)
+                conv_w, conv_b, _, _, dt_bias, A_log, D_param = w
+                dx, dz = dx + dx_r, dz + dz_r
+                dhalos.append(dhalo)
+                # A = -exp(A_log): dA_log = dA * A
+                dweights += [dconv_w, dconv_b, dx_proj_w, ddt_proj_w, dbias.to(dt_bias.dtype),
+                             (dA * A).to(A_log.dtype), dD.to(D_param.dtype)]
+        return (dx.to(x.dtype), dz.to(z.dtype), *dhalos, None, *dweights)
+
+
 def _mixer(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) -> torch.Tensor:
     """BiMambaMixer.forward on this rank's chunk of `hidden` (batch, L_r, d_model): the same arithmetic, with the
-    conv's halo and the scans' states from the other ranks."""
+    conv's halo and the scans' states from the other ranks (``_MixerScans``)."""
+    x, z = _in_proj(mixer, hidden)
+    before, after = _conv_halos(mixer, x, ctx)
+    split = {"impl": ctx.impl, "group": ctx.group, "rank": ctx.rank, "d_state": mixer.d_state, "mixer": mixer}
+    out = _MixerScans.apply(x, z, before, after, split, *_direction_weights(mixer, False),
+                            *_direction_weights(mixer, True))
+    return _out_proj(mixer, out)
+
+
+def _in_proj(mixer: BiMambaMixer, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     hidden_t = hidden.transpose(1, 2)
     w_x, w_z = mixer.in_proj.weight.chunk(2, dim=0)
     x, z = project(w_x, hidden_t), project(w_z, hidden_t)
     if mixer.in_proj.bias is not None:
         b_x, b_z = mixer.in_proj.bias.chunk(2)
         x, z = x + b_x[:, None], z + b_z[:, None]
-    z = z.contiguous()
+    return x, z.contiguous()
+
+
+def _conv_halos(mixer: BiMambaMixer, x: torch.Tensor, ctx: _Context) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The K-1 tokens of x before this rank's chunk and the K-1 after it (collective 1)."""
     h = mixer.d_conv - 1
-    if h > 0:
-        before, after = _halos(_gather(_edges(x, h), ctx.group), ctx.bounds, ctx.rank, h)
-    else:
-        before = after = x[..., :0]
-    forward, flipped = _Direction(mixer, False, ctx.backend), _Direction(mixer, True, ctx.backend)
-    pair_f, pair_b = forward.pair(x, before), flipped.pair(x, after)
-    h_f, h_b = _start_states(_gather(torch.stack((*pair_f, *pair_b)), ctx.group), ctx.rank)
-    out_f, out_b = forward.from_state(x, before, z, h_f), flipped.from_state(x, after, z, h_b)
+    if h == 0:
+        return x[..., :0], x[..., :0]
+    return _halos(_gather(_edges(x, h), ctx.group), ctx.bounds, ctx.rank, h)
+
+
+def _out_proj(mixer: BiMambaMixer, out: torch.Tensor) -> torch.Tensor:
     w_out = mixer.out_proj.weight * 0.5 if mixer.divide_out else mixer.out_proj.weight
-    out = project(w_out, (out_f + out_b).to(x.dtype)).transpose(1, 2)
+    out = project(w_out, out).transpose(1, 2)
     return out if mixer.out_proj.bias is None else out + mixer.out_proj.bias
+
+
+def _mixer_autograd(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    """The same scheme as ``_mixer``, composed of differentiable ops, its backward left to autograd (which keeps
+    every intermediate: the scan's inputs of both passes). The reference the fused ``_MixerScans`` is checked
+    against, and in the tests the memory it saves."""
+    x, z = _in_proj(mixer, hidden)
+    before, after = _conv_halos(mixer, x, ctx)
+    pieces, pairs = [], []
+    for reverse, halo in ((False, before), (True, after)):
+        w = _direction_weights(mixer, reverse)
+        x_ext = torch.cat((x, halo), -1) if reverse else torch.cat((halo, x), -1)
+        u = conv1d_silu(x_ext, w[0], w[1], ctx.backend, reverse)
+        u = (u[..., :x.shape[-1]] if reverse else u[..., halo.shape[-1]:]).contiguous()
+        dt_rank = w[3].shape[1]
+        x_dbl = project(w[2], u)
+        delta = project(w[3], x_dbl[:, :dt_rank]).contiguous()
+        B = x_dbl[:, dt_rank:dt_rank + mixer.d_state].contiguous()
+        C = x_dbl[:, dt_rank + mixer.d_state:].contiguous()
+        A, D, bias = -torch.exp(_at_least_fp32(w[5])), w[6], w[4]
+        _, S = selective_scan_with_state(u, delta, A, B, C, None, None, bias, True, reverse, backend=ctx.backend)
+        pieces.append((u, delta, B, C, A, D, bias))
+        pairs += [decay_product(delta, A, bias, True), S]
+    states = _start_states(_gather(torch.stack(pairs), ctx.group), ctx.rank)
+    out = 0
+    for reverse, (u, delta, B, C, A, D, bias), h0 in zip((False, True), pieces, states):
+        y, _ = selective_scan_with_state(u, delta, A, B, C, D, z, bias, True, reverse, h0, backend=ctx.backend)
+        out = out + y
+    return _out_proj(mixer, out.to(x.dtype))
+
+
+_MIXER = _mixer  # tests swap in _mixer_autograd
 
 
 def _block_step(model: VisionMamba, i: int, stream: torch.Tensor, ctx: _Context) -> torch.Tensor:
     """VisionMamba._block_step on this rank's chunk of the residual stream."""
     layer = model.layers[i]
     residual = _at_least_fp32(stream)
-    hidden = _mixer(layer.mixer, layer.norm(residual), ctx)
+    hidden = _MIXER(layer.mixer, layer.norm(residual), ctx)
     join = model.layers[i + 1].drop_path if i + 1 < len(model.layers) else model.drop_path
     return residual + join(hidden)
 

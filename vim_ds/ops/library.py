@@ -256,9 +256,22 @@ def _weight_grad(dy: Tensor, x: Tensor) -> Tensor:
     return torch.bmm(dy, x.transpose(1, 2)).sum(0)
 
 
-def _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, reverse, backend_obj):
-    """Conv pre-activation c, then u = silu(c), x_dbl, and the scan's delta, B, C (contiguous); no autograd."""
-    c = conv_forward(x, conv_weight, conv_bias, reverse, backend_obj)
+def _with_halo(x: Tensor, halo: Optional[Tensor], reverse: bool) -> Tensor:
+    if halo is None:
+        return x
+    return torch.cat((x, halo), -1) if reverse else torch.cat((halo, x), -1)
+
+
+def branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, reverse, backend_obj,
+                      halo=None):
+    """Conv pre-activation c, then u = silu(c), x_dbl, and the scan's delta, B, C (contiguous), for x's tokens; no
+    autograd (the fused branch and the sequence split build on it).
+
+    ``halo`` (batch, d, K-1), optional: the tokens the conv reads beyond x, those before it (with ``reverse``, after
+    it), which a chunk of a split sequence takes from its neighbours; without it the conv pads with zeros."""
+    c = conv_forward(_with_halo(x, halo, reverse), conv_weight, conv_bias, reverse, backend_obj)
+    if halo is not None:
+        c = (c[..., :x.shape[-1]] if reverse else c[..., halo.shape[-1]:]).contiguous()
     u = F.silu(c)
     dt_rank = dt_proj_weight.shape[1]
     x_dbl = project(x_proj_weight.to(u.dtype), u)  # (batch, dt_rank + 2 * d_state, L)
@@ -269,14 +282,38 @@ def _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_s
     return c, u.contiguous(), x_dbl, delta.contiguous(), B, C
 
 
+def branch_inputs_bwd(x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                      reverse, backend_obj, halo=None):
+    """The scan's input gradients chained back through dt_proj, x_proj, SiLU and the conv: (dx, dhalo or None,
+    dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight), from what ``branch_inputs_fwd`` gave.
+    ``du`` is added into (it holds the skip term's share)."""
+    dt_rank = dt_proj_weight.shape[1]
+    ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
+    dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
+    dx_proj_w = _weight_grad(dx_dbl, u)
+    # du + x_proj^T @ dx_dbl in one pass: the GEMM adds into du instead of a separate add over (batch, d, L).
+    du = torch.baddbmm(du, x_proj_weight.to(u.dtype).t().expand(du.shape[0], -1, -1), dx_dbl)
+    dc = torch.ops.aten.silu_backward(du, c)
+    dhalo = None
+    if halo is not None:
+        h = halo.shape[-1]
+        dc = F.pad(dc, (0, h) if reverse else (h, 0))
+    dx, dconv_w, dconv_b = conv_backward(_with_halo(x, halo, reverse), conv_weight, conv_bias, dc, reverse,
+                                         backend_obj)
+    if halo is not None:
+        length = x.shape[-1]
+        dx, dhalo = (dx[..., :length], dx[..., length:]) if reverse else (dx[..., h:], dx[..., :h])
+    return dx, dhalo, dconv_w, dconv_b, dx_proj_w.to(x_proj_weight.dtype), ddt_proj_w.to(dt_proj_weight.dtype)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::ssm_branch_fwd", mutates_args=())
 def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], x_proj_weight: Tensor,
                    dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor, reverse: bool,
                    backend: str) -> tuple[Tensor, Tensor]:
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
-        _, u, _, delta, B, C = _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
-                                              reverse, impl)
+        _, u, _, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                 A.shape[1], reverse, impl)
         out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
     return out.contiguous(), _absent(u) if saved is None else saved
 
@@ -295,22 +332,14 @@ def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
         # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
-        c, u, x_dbl, delta, B, C = _branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                  A.shape[1], reverse, impl)
+        c, u, x_dbl, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                     A.shape[1], reverse, impl)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
                                                                dout.to(u.dtype).contiguous(), saved, True, reverse)
-        # Chain the scan's input gradients back through dt_proj, x_proj, SiLU and the conv.
-        dt_rank = dt_proj_weight.shape[1]
-        ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
-        dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
-        dx_proj_w = _weight_grad(dx_dbl, u)
-        # du + x_proj^T @ dx_dbl in one pass: the GEMM adds into du instead of a separate add over (batch, d, L).
-        du = torch.baddbmm(du, x_proj_weight.to(u.dtype).t().expand(du.shape[0], -1, -1), dx_dbl)
-        dc = torch.ops.aten.silu_backward(du, c)
-        dx, dconv_w, dconv_b = conv_backward(x, conv_weight, conv_bias, dc, reverse, impl)
-    return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b,
-            dx_proj_w.to(x_proj_weight.dtype), ddt_proj_w.to(dt_proj_weight.dtype), dA.to(A.dtype), dD.to(D.dtype),
-            ddelta_bias.to(delta_bias.dtype))
+        dx, _, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
+            x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl)
+    return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b, dx_proj_w,
+            ddt_proj_w, dA.to(A.dtype), dD.to(D.dtype), ddelta_bias.to(delta_bias.dtype))
 
 
 @ssm_branch_bwd.register_fake
