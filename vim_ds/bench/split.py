@@ -7,6 +7,11 @@ Memory: on a GPU the peak of allocated memory during the first step above what w
 images); on a CPU the growth of the process's peak resident set during the first step (the allocator's caching
 included; a coarser measure). Time: the median of the following `--repeat` steps. The ranks are processes on this
 machine (gloo on CPU, one thread each's share of the cores; NCCL on GPUs, one GPU each).
+
+The time goal is the split step against the unsplit step / N on the same hardware per rank. On GPUs that is the
+unsplit model's row (one GPU). On a CPU the N ranks share its cores, so the unsplit model is also timed with each
+rank's threads (cores // N, at least 1: the row "N = 1, T threads"), and a rank's step is compared with that
+time x max(1, N / cores) / N: with more ranks than cores each rank has N / cores of a core's time to itself.
 """
 from __future__ import annotations
 
@@ -73,32 +78,52 @@ def run_split(args) -> dict:
                 "cores": len(os.sched_getaffinity(0))}
     print(f"vim-ds bench split: {args.model} {args.input_size}^2, batch {args.batch_size}, {args.precision}, on "
           f"{settings['device']}; ranks per image {args.ranks}", flush=True)
+    cores = settings["cores"]
+    runs = [(n, _threads(n, cores, cuda)) for n in args.ranks]
+    if not cuda and 1 in args.ranks:  # the unsplit model at each split's threads per rank (module docstring)
+        runs += [(1, t) for t in sorted({t for n, t in runs if n > 1} - {cores})]
     rows, reference = [], None
     with tempfile.TemporaryDirectory(prefix="vim-ds-bench-split-") as work:
-        for n in args.ranks:
-            out = os.path.join(work, f"n{n}.pt")
-            torch.multiprocessing.spawn(_rank, args=(n, free_port(), settings, out), nprocs=n, join=True)
+        for n, threads in runs:
+            out = os.path.join(work, f"n{n}t{threads}.pt")
+            torch.multiprocessing.spawn(_rank, args=(n, free_port(), {**settings, "threads": threads}, out),
+                                        nprocs=n, join=True)
             result = torch.load(out, weights_only=True)
             logits = result.pop("logits")
             if reference is None and n == 1:
                 reference = logits
             result["logits_max_rel_diff"] = None if reference is None else \
                 float((logits - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
-            rows.append({"ranks": n, **result})
-            print(_line(rows[-1], rows[0]), flush=True)
+            rows.append({"ranks": n, "threads": threads, **result})
+        for row in rows:
+            print(_line(row, rows, cores), flush=True)
     return {"settings": settings, "rows": rows}
 
 
-def _line(row: dict, first: dict) -> str:
-    unsplit = first if first["ranks"] == 1 else None
-    text = (f"N = {row['ranks']}: peak {row['peak_bytes'] / 2**20:.1f} MiB per rank, forward {row['forward_s']:.3f} s, "
-            f"backward {row['backward_s']:.3f} s")
+def _threads(n: int, cores: int, cuda: bool):
+    """Threads per rank on a CPU (cores // N, at least 1); None on GPUs."""
+    return None if cuda else max(1, cores // n)
+
+
+def _step(row: dict) -> float:
+    return row["forward_s"] + row["backward_s"]
+
+
+def _line(row: dict, rows: list, cores: int) -> str:
+    unsplit = next((r for r in rows if r["ranks"] == 1 and r["threads"] in (None, cores)), None)
+    same = next((r for r in rows if r["ranks"] == 1 and r["threads"] == row["threads"]), None)
+    threads = "" if row["threads"] is None else f", {row['threads']} thread{'s' * (row['threads'] > 1)}"
+    text = (f"N = {row['ranks']}{threads}: peak {row['peak_bytes'] / 2**20:.1f} MiB per rank, forward "
+            f"{row['forward_s']:.3f} s, backward {row['backward_s']:.3f} s")
     if unsplit is not None and row["ranks"] > 1:
-        ideal = (unsplit["forward_s"] + unsplit["backward_s"]) / row["ranks"]
         text += (f"; memory {row['peak_bytes'] / max(unsplit['peak_bytes'], 1):.2f}x the unsplit model's, step "
-                 f"{(row['forward_s'] + row['backward_s']) / ideal:.2f}x the unsplit step / N; sends per block "
-                 f"{(row['comm']['edges'] + row['comm']['pairs']) / 1024:.1f} KiB to each other rank; logits "
-                 f"{row['logits_max_rel_diff']:.1e} from the unsplit model's")
+                 f"{_step(row) / (_step(unsplit) / row['ranks']):.2f}x the unsplit step / N")
+        if same is not None and same is not unsplit:
+            share = max(1.0, row["ranks"] / cores)
+            text += (f" ({_step(row) / (_step(same) * share / row['ranks']):.2f}x against the unsplit model at "
+                     f"{row['threads']} thread{'s' * (row['threads'] > 1)} per process)")
+        text += (f"; sends per block {(row['comm']['edges'] + row['comm']['pairs']) / 1024:.1f} KiB to each other "
+                 f"rank; logits {row['logits_max_rel_diff']:.1e} from the unsplit model's")
     return text
 
 
@@ -116,7 +141,7 @@ def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(max(1, settings["cores"] // world))
+        torch.set_num_threads(settings["threads"])
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
         dtype = DTYPES[settings["precision"]]
