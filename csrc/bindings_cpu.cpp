@@ -76,10 +76,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
                                               reverse, h0, dlast);
 }
 
-at::Tensor h0_grad(const at::Tensor& delta, const at::Tensor& A, const at::Tensor& C, const OptTensor& z,
-                   const OptTensor& delta_bias, const at::Tensor& dout, bool delta_softplus, bool reverse) {
-  // u and B are not read: delta and C stand in for them in the shared checks
-  check_inputs(delta, delta, A, C, C, std::nullopt, z, delta_bias);
+at::Tensor h0_grad(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                   const at::Tensor& C, const OptTensor& z, const OptTensor& delta_bias, const at::Tensor& dout,
+                   bool delta_softplus, bool reverse) {
+  // u and B are checked (the GPU kernel's signature), not read
+  check_inputs(u, delta, A, B, C, std::nullopt, z, delta_bias);
   check_tensor(dout, "dout", delta.scalar_type(), delta.sizes());
   return vim_ds::scan_cpu::selective_scan_h0_grad(delta, A, C, z, delta_bias, dout, delta_softplus, reverse);
 }
@@ -111,8 +112,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("h0_grad", &h0_grad,
         "the gradient of the initial state alone (bwd's dh0 without dlast), from one reverse pass -> dh0",
-        py::arg("delta"), py::arg("A"), py::arg("C"), py::arg("z"), py::arg("delta_bias"), py::arg("dout"),
-        py::arg("delta_softplus"), py::arg("reverse") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("dout"), py::arg("delta_softplus"), py::arg("reverse") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("delta_sum", &delta_sum, "sum over time of softplus(delta + delta_bias) -> (batch, dim)", py::arg("delta"),
         py::arg("delta_bias"), py::arg("delta_softplus"), py::call_guard<py::gil_scoped_release>());
   m.def("available_isas", &vim_ds::scan_cpu::available_isas,

@@ -188,6 +188,22 @@ std::vector<at::Tensor> bwd(const at::Tensor& u, const at::Tensor& delta, const 
   return {du, ddelta, dA, dB, dC, dD, dz, ddelta_bias};
 }
 
+at::Tensor h0_grad(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
+                   const at::Tensor& C, const OptTensor& z, const OptTensor& delta_bias, const at::Tensor& dout,
+                   bool delta_softplus, bool reverse) {
+  ScanArgs args = check_inputs(u, delta, A, B, C, std::nullopt, z, delta_bias, delta_softplus, reverse);
+  check_tensor(dout, "dout", u.device(), u.scalar_type(), {args.batch, args.dim, args.seqlen});
+  const c10::cuda::CUDAGuard device_guard(u.device());
+  // The kernel writes dh0, then the decay product, into its workspace (selective_scan_cuda.h).
+  const auto acc_opts = u.options().dtype(acc_dtype(u.scalar_type()));
+  at::Tensor result = at::zeros({2, args.batch, args.dim, args.dstate}, acc_opts);
+  args.dout = dout.data_ptr();
+  args.workspace = vim_ds_scan::scan_h0_grad_workspace_bytes(args) > 0 ? result.data_ptr() : nullptr;
+  const char* err = vim_ds_scan::scan_h0_grad(args, current_stream());
+  TORCH_CHECK(err == nullptr, "selective_scan (gpu) h0_grad failed: ", err);
+  return result[0];
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -201,6 +217,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("saved"), py::arg("delta_softplus"),
         py::arg("reverse") = false, py::arg("h0") = py::none(), py::arg("dlast") = py::none());
+  m.def("h0_grad", &h0_grad,
+        "the gradient of the initial state alone (bwd's dh0 without dlast), from one reverse pass -> dh0",
+        py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("z"),
+        py::arg("delta_bias"), py::arg("dout"), py::arg("delta_softplus"), py::arg("reverse") = false);
   m.def(
       "chunk_length",
       [](int64_t dstate, bool float64) {

@@ -146,10 +146,15 @@ const char* launch_aux(const KernelParams& p, bool reduce, cudaStream_t stream) 
   return last_error();
 }
 
+enum class Kind { kForward, kBackward, kH0Grad };
+
 // Forward: [pass 0, combine,] pass 1. Backward: [pass 0, combine,] pass 1, reduce. (Bracketed: n_seg > 1 only.)
+// The initial state's gradient alone: the backward's pass 0 over one segment (p1 says so, see run).
 template <typename input_t, int kNPL>
-const char* launch(const KernelParams& p1, bool backward, int acc_bytes, cudaStream_t stream) {
+const char* launch(const KernelParams& p1, Kind kind, int acc_bytes, cudaStream_t stream) {
   using acc_t = typename ssk::AccType<input_t>::type;
+  if (kind == Kind::kH0Grad) return launch_scan<input_t, kNPL>(p1, true, acc_bytes, stream);
+  const bool backward = kind == Kind::kBackward;
   const char* err = nullptr;
   if (p1.n_seg > 1) {
     KernelParams p0 = p1;
@@ -164,28 +169,41 @@ const char* launch(const KernelParams& p1, bool backward, int acc_bytes, cudaStr
 }
 
 template <typename input_t>
-const char* dispatch_npl(const KernelParams& p, int npl, bool backward, int acc_bytes, cudaStream_t stream) {
+const char* dispatch_npl(const KernelParams& p, int npl, Kind kind, int acc_bytes, cudaStream_t stream) {
   switch (npl) {
-    case 1: return launch<input_t, 1>(p, backward, acc_bytes, stream);
-    case 2: return launch<input_t, 2>(p, backward, acc_bytes, stream);
-    case 4: return launch<input_t, 4>(p, backward, acc_bytes, stream);
-    case 8: return launch<input_t, 8>(p, backward, acc_bytes, stream);
+    case 1: return launch<input_t, 1>(p, kind, acc_bytes, stream);
+    case 2: return launch<input_t, 2>(p, kind, acc_bytes, stream);
+    case 4: return launch<input_t, 4>(p, kind, acc_bytes, stream);
+    case 8: return launch<input_t, 8>(p, kind, acc_bytes, stream);
     default: return "selective_scan: unsupported d_state";
   }
 }
 
-const char* run(const ScanArgs& a, void* stream_ptr, bool backward) {
+// The parameters of scan_h0_grad's launch: the backward's pass 0 over the whole sequence as one segment, so that
+// the carry it stores for segment 0 (seg_v, [BD][1][N] at the workspace's start) is dh0, and seg_P after it the
+// sequence's decay product. One segment leaves (batch x channel blocks) blocks, each walking the whole sequence:
+// the pass reads delta, C, z and dout once and does per step what the forward does, no state recomputation.
+KernelParams h0_grad_params(const ScanArgs& a, const Layout& lay) {
+  KernelParams p = make_params(a, lay);
+  p.seg_chunks = p.n_chunks;
+  p.n_seg = 1;
+  p.pass = 0;
+  p.dlast = nullptr;
+  return p;
+}
+
+const char* run(const ScanArgs& a, void* stream_ptr, Kind kind) {
   if (const char* err = check_args(a)) return err;
   if (a.batch == 0 || a.dim == 0) return nullptr;  // nothing to do (a grid of 0 blocks is invalid)
   const Layout lay = make_layout(a.dstate, a.dtype);
-  const KernelParams p = make_params(a, lay);
+  const KernelParams p = kind == Kind::kH0Grad ? h0_grad_params(a, lay) : make_params(a, lay);
   const int acc_bytes = acc_size(a.dtype);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   switch (a.dtype) {
-    case ScanDType::kFloat32: return dispatch_npl<float>(p, lay.npl, backward, acc_bytes, stream);
-    case ScanDType::kFloat64: return dispatch_npl<double>(p, lay.npl, backward, acc_bytes, stream);
-    case ScanDType::kFloat16: return dispatch_npl<ssk::half_t>(p, lay.npl, backward, acc_bytes, stream);
-    case ScanDType::kBFloat16: return dispatch_npl<ssk::bf16_t>(p, lay.npl, backward, acc_bytes, stream);
+    case ScanDType::kFloat32: return dispatch_npl<float>(p, lay.npl, kind, acc_bytes, stream);
+    case ScanDType::kFloat64: return dispatch_npl<double>(p, lay.npl, kind, acc_bytes, stream);
+    case ScanDType::kFloat16: return dispatch_npl<ssk::half_t>(p, lay.npl, kind, acc_bytes, stream);
+    case ScanDType::kBFloat16: return dispatch_npl<ssk::bf16_t>(p, lay.npl, kind, acc_bytes, stream);
   }
   return "selective_scan: unsupported dtype";
 }
@@ -210,8 +228,15 @@ int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype) {
   return (seqlen + chunk - 1) / chunk;
 }
 
-const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stream, false); }
+int64_t scan_h0_grad_workspace_bytes(const ScanArgs& a) {
+  if (check_args(a) != nullptr || a.batch == 0 || a.dim == 0) return 0;
+  return 2 * a.batch * a.dim * a.dstate * acc_size(a.dtype);
+}
 
-const char* scan_bwd(const ScanArgs& args, void* stream) { return run(args, stream, true); }
+const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kForward); }
+
+const char* scan_bwd(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kBackward); }
+
+const char* scan_h0_grad(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kH0Grad); }
 
 }  // namespace vim_ds_scan

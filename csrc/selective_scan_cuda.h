@@ -98,4 +98,12 @@ int64_t scan_workspace_bytes(const ScanArgs& args, bool backward);
 const char* scan_fwd(const ScanArgs& args, void* stream);
 const char* scan_bwd(const ScanArgs& args, void* stream);
 
+// The gradient of the initial state alone for output gradient `dout` (the dh0 of scan_bwd without dlast), from
+// one reverse pass that recomputes no state (u, delta, A, B, C, z, delta_bias, dout as for scan_bwd; saved, dlast
+// and the gradients' pointers are not used). The result is written to the workspace, which must hold
+// scan_h0_grad_workspace_bytes(args) bytes: dh0 (batch, dim, dstate) at its start, then the sequence's decay
+// product exp(A * sum of delta'), as dh0, in the accumulation dtype.
+int64_t scan_h0_grad_workspace_bytes(const ScanArgs& args);
+const char* scan_h0_grad(const ScanArgs& args, void* stream);
+
 }  // namespace vim_ds_scan

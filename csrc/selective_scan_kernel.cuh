@@ -795,11 +795,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels
   const int wseg = tid / kSeg;
 
-  // Pass 0 (only when n_seg > 1): the adjoint carry leaving the segment at its first step, from a zero carry-in,
-  // and the product of its decays, into the workspace (segment 0's are never needed). Pass 1: the full backward
-  // of the segment, starting from the carry the combine kernel computed.
+  // Pass 0: the adjoint carry leaving the segment at its first step, from a zero carry-in (the last segment: from
+  // dlast), and the product of its decays, into the workspace. With n_seg > 1 segment 0's are never needed; with
+  // one segment (scan_h0_grad's launch, nothing else) its carry is the initial state's gradient alone, dh0.
+  // Pass 1: the full backward of the segment, starting from the carry the combine kernel computed.
   const bool carries_only = p.pass == 0;
-  if (carries_only && m.seg == 0) return;  // whole block
+  if (carries_only && m.seg == 0 && p.n_seg > 1) return;  // whole block
 
   acc_t A[kNPL], carry[kNPL], dA_acc[kNPL], P[kNPL];
   // Slot k holds a state iff k < slots, a real one (its channel exists) iff k < ok (see vary).

@@ -264,3 +264,17 @@ def test_gpu_float32_against_float64(reverse, L, seed):
     want = results(reference(reverse), wide, dout.double().cuda(), dlast.double().cuda())
     err, name = worst(got, want)
     assert err <= 2e-4, f"{name}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [7, 301, 4100])
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_gpu_h0_grad(reverse, L, seed):
+    """The GPU kernel's h0_grad (the backward's pass 0 over one segment) against the reference's autograd."""
+    args, dout, _ = make(torch.float64, L)
+    want = results(reference(reverse), args, dout, None)[-1]
+    got = h0_grad("cuda", on_gpu(args), dout.cuda(), reverse).cpu()
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-12
+    if L > 1:
+        wrong = h0_grad("cuda", on_gpu(args), dout.cuda(), not reverse).cpu()
+        assert ((wrong - want).abs().max() / want.abs().max()).item() > 1e-2

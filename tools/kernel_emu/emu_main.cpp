@@ -73,6 +73,7 @@ long long emu_num_segments(long long batch, long long dim, long long L, long lon
 // Pointers are host arrays of exactly the documented sizes; null for absent optionals (and for last_state when
 // the forward is not asked for it; h0, dlast: zero; dh0: not asked for). Outputs are pre-filled
 // with 0xff bytes (NaN): the kernels must write every element (the gradients' sums included).
+// backward: 0 the forward, 1 the backward, 2 scan_h0_grad (reads u, delta, A, B, C, z, bias, dout; writes dh0).
 // Returns nullptr or the launcher's error.
 const char* emu_run(int backward, int dtype_i, long long batch, long long dim, long long L, long long N,
                     int softplus, const void* u, const void* delta, const void* A, const void* B, const void* C,
@@ -98,6 +99,15 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   a.delta_bias = put(bufs, bias, size_t(dim) * as, false, -1);
   const size_t state_bytes = size_t(batch * dim * N) * as;
   a.h0 = put(bufs, h0, state_bytes, false, -1);
+  if (backward == 2) {  // the initial state's gradient alone: dh0 (then the decay product) in the workspace
+    a.dout = put(bufs, dout, x * is, false, -1);
+    emu::Guarded result(2 * state_bytes);
+    std::memset(result.ptr, 0xff, 2 * state_bytes);
+    a.workspace = size_t(vim_ds_scan::scan_h0_grad_workspace_bytes(a)) == 2 * state_bytes ? result.ptr : nullptr;
+    const char* err = vim_ds_scan::scan_h0_grad(a, nullptr);
+    std::memcpy(dh0, result.ptr, state_bytes);
+    return err;
+  }
   if (!backward) {
     a.out = put(bufs, out, x * is, true, 0xff);
     a.saved = sv ? put(bufs, saved, sv * as, true, 0xff) : nullptr;

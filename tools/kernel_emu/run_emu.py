@@ -86,12 +86,23 @@ def emu_bwd(u, delta, A, B, C, D, z, bias, dout, saved, sp, h0=None, dlast=None)
     return du, ddelta, dA, dB.to(u.dtype), dC.to(u.dtype), dD, dz, dbias, dh0
 
 
+def emu_h0_grad(u, delta, A, B, C, z, bias, dout, sp):
+    """-> dh0 of the output alone (scan_h0_grad: the backward's pass 0 over one segment)."""
+    batch, dim, L = u.shape
+    N = A.shape[1]
+    dh0 = torch.empty(batch, dim, N, dtype=A.dtype)
+    err = lib.emu_run(2, DT[u.dtype], batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), None,
+                      ptr(z), ptr(bias), None, None, ptr(dout), *([None] * 9), None, None, ptr(dh0))
+    assert err is None, err
+    return dh0
+
+
 # smallest relative error of the negative controls over the cases that ran them: the state one step before the
 # end against the kernel's last_state; with an initial state, the reference scanned from zero against the kernel's
 # output, and against the kernel's dh0 the reference's dh0 of the other direction and (where the last state's
 # gradient reaches h0 at all) its dh0 without that gradient
 CONTROL = {"last_state": float("inf"), "from zero": float("inf"), "dh0 of the other direction": float("inf"),
-           "dh0 without dlast": float("inf")}
+           "dh0 without dlast": float("inf"), "dh0 alone against dh0 with dlast": float("inf")}
 TOL = {torch.float64: 1e-11, torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 3e-2}
 NAMES = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias", "dh0"]
 
@@ -179,6 +190,11 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
         reach = ((th0.grad - dh0_no_dlast).abs().max() / th0.grad.abs().max()).item()
         if reach > 10 * tol:
             control("dh0 without dlast", grads[8], dh0_no_dlast)
+        # the initial state's gradient alone (what the sequence split asks for before its backward)
+        alone = emu_h0_grad(u_, delta_, A_, B_, C_, zk, bk, dout_, sp)
+        cmp("dh0 alone", alone, dh0_no_dlast)
+        if reach > 10 * tol:
+            control("dh0 alone against dh0 with dlast", alone, th0.grad)
     if want_last:
         cmp("last_state", last, ref_last.detach())
         # negative control: the state one step before the end must fail the same check (with a margin)

@@ -13,7 +13,7 @@ dout, saved, delta_softplus, reverse, h0, dlast) -> 9 gradients`` (the 8 above, 
 ``h0`` (batch, dim, d_state) in A's dtype, the state before the first scan step (None: zero); ``dlast`` the
 gradient of the returned last state (None: zero). With them comes ``h0_grad(u, delta, A, B, C, z, delta_bias, dout,
 saved, delta_softplus, reverse, h0) -> dh0``: bwd_state's dh0 for dlast None, alone (it depends on neither h0 nor u
-nor B; the CPU kernel has a pass for it at about the forward's cost, the others run bwd_state), and
+nor B; both kernels have a pass for it at about the forward's cost, the reference runs bwd_state), and
 ``decay_product(delta, A, delta_bias, delta_softplus) -> P``, the product of a chunk's decays (``scan_chunks``; the
 CPU kernel sums softplus(delta + bias) with its own vectorised softplus, PyTorch's float32 one being several times
 slower than a scan pass on the CPU). Ours (``ref``, ``cpu``, ``cuda``) have them (``vim_ds/ops/scan_state.py`` and
@@ -140,8 +140,8 @@ class ExtensionBackend:
         return grads if h0 is not None else grads + [None]
 
     def h0_grad(self, u, delta, A, B, C, z, delta_bias, dout, saved, delta_softplus, reverse, h0):
-        if hasattr(self.module, "h0_grad"):  # the CPU kernel's own reverse pass
-            return self.module.h0_grad(delta, A, C, z, delta_bias, dout, delta_softplus, reverse)
+        if hasattr(self.module, "h0_grad"):  # the kernel's own reverse pass
+            return self.module.h0_grad(u, delta, A, B, C, z, delta_bias, dout, delta_softplus, reverse)
         return self.bwd_state(u, delta, A, B, C, None, z, delta_bias, dout, saved, delta_softplus, reverse,
                               _state_or_zero(h0, u, A), None)[8]
 
