@@ -22,38 +22,45 @@ Per block, on each rank (B batch, D = d_inner channels, N = d_state, K = d_conv,
     * Each direction forms its chunk's pair (P, S) (``vim_ds/ops/scan_chunks.py``: P = exp(A * sum of delta'),
       S = the state a scan of the chunk from zero leaves). Collective 2, ``all_gather`` of both directions'
       pairs, (4, B, D, N) per rank. Locally: the state the chunk starts from (``initial_states``: the combine of
-      the pairs of the ranks before it; for the flipped direction of the ranks after it). Then two kernel passes
-      (``selective_scan_with_state``, which vim_ds's CPU and GPU kernels and the reference run; mamba_ssm's kernel,
-      a comparison backend without an initial state, is refused): S is the last state of a first scan from zero
-      (without D and the gate), and the output a second scan from the passed state; its backward hands dh0
-      back through the gather to the other ranks' S, whose gradient enters the first pass's backward. (LASP-2
-      scans once and adds what the passed state changes, ``vim_ds/ops/scan_chunks.py``'s ``state_correction``:
-      in PyTorch over (B, D, L_r, N) tensors that made the split about 20x slower on the CPU; docs/sequence-
-      parallel.md.)
-    * So per block each rank contributes 2(K-1)·B·D elements (the activations' dtype) and 4·B·D·N (float32;
-      float64 for a float64 model) to two all-gathers and receives the W-1 other ranks' contributions; none of it
-      grows with the number of tokens. The backward all-reduces the gathered
-      gradients, W times a contribution (gloo has no reduce-scatter, which would need only one).
-    * Every rank reads another rank's slot of both gathers (the ranks before it for the forward direction, after it
-      for the flipped one), so every rank's backward reaches both collectives: a rank whose loss did not depend on a
-      gather would skip its backward while the others wait in it.
-The head: the class token's rank broadcasts the class token's residual stream (B, embed_dim) (collective 3, once
-per forward; its backward an all-reduce of the same size); every rank applies the final norm and the head, so the
-logits are on every rank.
+      the pairs of the ranks before it; for the flipped direction of the ranks after it). Two kernel passes in
+      forward (vim_ds's CPU and GPU kernels and the reference scan from a given state; mamba_ssm's kernel, a
+      comparison backend without one, is refused): the first, from zero, gives S; the second, from the passed
+      state, the output. (LASP-2 scans once and adds what the passed state changes, ``scan_chunks``'s
+      ``state_correction``: in PyTorch over (B, D, L_r, N) tensors that made the split about 20x slower on the CPU.)
+    * Both directions' scans are one autograd Function, ``_MixerScans``, with its own backward: the scan's inputs
+      recomputed from x and the halos; each direction's gradient of its initial state from this rank's output
+      alone, g (one reverse pass of the kernel, ``h0_grad``); collective 3, ``all_gather`` of both g's, (2, B, D,
+      N) per rank; the gradient of each direction's last state, G, by the same combine the other way
+      (``_last_state_grads``: rank r's last state is rank r+1's initial state, whose gradient is g_{r+1} plus P_{r+1}
+      times rank r+1's own G); then one scan backward per direction, from the initial state, with G as its last
+      state's gradient. That one backward is the whole gradient of the chunk's inputs, through its output and
+      through its S and P (which reach the later ranks only as its last state, S + P h0), so the chunk is scanned
+      twice forward and once backward, plus the cheap g pass. ``_mixer_autograd`` is the same scheme composed of
+      differentiable ops with autograd's backward (three forward scans and two backward per direction, every
+      intermediate kept): the reference the Function is tested against.
+    * So per block each rank contributes 2(K-1)·B·D elements (the activations' dtype), 4·B·D·N and, in backward,
+      2·B·D·N (float32; float64 for a float64 model) to three all-gathers and receives the W-1 other ranks'
+      contributions; none of it grows with the number of tokens. The conv edges' backward all-reduces their
+      gathered gradients, W times a contribution (gloo has no reduce-scatter, which would need only one).
+    * Every rank reads another rank's slot of every gather (the ranks before it for the forward direction, after it
+      for the flipped one), so every rank's backward reaches every collective: a rank whose loss did not depend on
+      a gather would skip its backward while the others wait in it.
+The head: the class token's rank broadcasts the class token's residual stream (B, embed_dim) (once per forward;
+its backward an all-reduce of the same size); every rank applies the final norm and the head, so the logits are on
+every rank.
 
 Gradients
-    Every collective is a small autograd Function whose backward is its adjoint (gather -> sum of the gathered
-    gradients back to each rank's slot; broadcast -> sum of every rank's gradient to the owner), so the state's
-    gradient travels back the other way, from a chunk to those before it. If every rank computes the same loss
-    from its (identical) logits and calls ``backward()``, the gradients summed over the group are W times the
-    unsplit model's: ``average_gradients`` (all-reduce SUM, divide by W) leaves the unsplit model's gradient on
-    every rank. An engine that averages over all data × sequence-parallel ranks (DeepSpeed with
-    ``sequence_parallel_size``) gets the same without it.
+    The conv edges' gather and the class token's broadcast are small autograd Functions whose backward is their
+    adjoint (a gather's: the sum of the gathered gradients back to each rank's slot; the broadcast's: the sum of
+    every rank's gradient to the owner); the states' gradients travel inside ``_MixerScans``'s backward, from a
+    chunk to those before it (the flipped direction: after it). If every rank computes the same loss from its
+    (identical) logits and calls ``backward()``, the gradients summed over the group are W times the unsplit
+    model's: ``average_gradients`` (all-reduce SUM, divide by W) leaves the unsplit model's gradient on every
+    rank. An engine that averages over all data × sequence-parallel ranks gets the same without it.
 
 Memory
-    Each direction's two passes (the first with the pair, the second from the passed state) run under activation
-    checkpointing, with no collective inside, so a rank keeps x, z, the halos and the states per block (as the
-    unsplit model's fused branch keeps x and z), not the scan's inputs, which are recomputed in backward.
+    ``_MixerScans`` keeps x, z, the halos, the two initial states and every rank's P per block (as the unsplit
+    model's fused branch keeps x and z), not the scan's inputs: its backward recomputes them.
 
 ``split_over(model, group)`` makes ``model(images)`` run the split, which is how `vim-ds train --sequence-parallel N`
 uses it (vim_ds/engine/sequence_groups.py: the groups, and what DeepSpeed is told).
