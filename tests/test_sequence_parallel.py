@@ -372,3 +372,65 @@ def test_halos_from_short_chunks():
         before, after = sp._halos(edges, bounds, rank, 3)
         assert before.flatten().tolist() == padded[0, 0, s:s + 3].tolist(), rank
         assert after.flatten().tolist() == padded[0, 0, e + 3:e + 6].tolist(), rank
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------------
+
+def _device_job(rank, device, store_path, out_path):
+    """2 ranks on one device (gloo, which moves CUDA tensors through the host), the split on the device's kernel
+    against the unsplit model on the same device: float64 and float32, and the no-state control."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    device = torch.device(device)
+    backend = "cuda" if device.type == "cuda" else "cpu"
+    generator = torch.Generator().manual_seed(5)
+    images = torch.randn(2, 3, 24, 24, dtype=torch.float64, generator=generator).to(device).requires_grad_(True)
+    weights = torch.randn(2, 5, dtype=torch.float64, generator=generator).to(device)
+    found = {}
+    for name, dtype in (("fp64", torch.float64), ("fp32", torch.float32)):
+        model = _tiny_model().to(device, dtype)
+        x = images.detach().to(dtype).requires_grad_(True)
+        ref = _unsplit(model, x, weights.to(dtype))
+        found[name] = _errors(_split(model, x, weights.to(dtype), dist.group.WORLD, None, backend), ref)
+        if dtype == torch.float64:
+            attr, broken = _controls()["no state passed"]
+            found["no state passed"] = _errors(_swapped(attr, broken, lambda: _split(
+                model, x, weights, dist.group.WORLD, None, backend)), ref)
+    everyone = [None] * 2
+    dist.all_gather_object(everyone, found)
+    if rank == 0:
+        merged = {k: {m: max(e[k][m] for e in everyone) for m in ("logits", "grads")} for k in found}
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _on_device(device, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "errors.json"
+    mp.start_processes(_device_job, args=(device, str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
+    return json.loads(out.read_text())
+
+
+def _check_device_errors(errs):
+    assert errs["fp64"]["logits"] < TOL and errs["fp64"]["grads"] < TOL, errs
+    assert errs["fp32"]["logits"] < TOL_FP32 and errs["fp32"]["grads"] < TOL_FP32, errs
+    assert errs["no state passed"]["logits"] > CONTROL_MIN and errs["no state passed"]["grads"] > CONTROL_MIN, errs
+
+
+@pytest.mark.gpu
+def test_the_split_on_the_gpu_kernel(tmp_path):
+    """The split's kernel calls on the GPU (fwd_state, h0_grad, bwd_state with dlast, the conv through PyTorch):
+    2 ranks sharing the GPU, equal to the unsplit model on the GPU."""
+    _check_device_errors(_on_device("cuda", tmp_path))
+
+
+@pytest.mark.slow
+def test_the_device_job_on_the_cpu(tmp_path):
+    """The GPU test's job, run on the CPU kernel here, so that its code is known to work before a GPU runs it."""
+    _check_device_errors(_on_device("cpu", tmp_path))

@@ -76,7 +76,8 @@ if step tests; then
     if [ "$HAVE_GPU" = 1 ]; then
         run_step tests 420 gpu_tests.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py \
             tests/test_ssm_branch.py tests/test_model.py tests/test_model_reference.py tests/test_mamba_backend.py \
-            tests/test_mamba_contract.py tests/test_scan_reverse.py tests/test_ops_library.py tests/test_scan_state.py
+            tests/test_mamba_contract.py tests/test_scan_reverse.py tests/test_ops_library.py tests/test_scan_state.py \
+            tests/test_sequence_parallel.py
     else
         no_gpu tests
     fi
