@@ -713,11 +713,22 @@ SCAN_INLINE void channel_delta_sum(const ScanArgs<in_t, elem_t<V>>& p, int64_t b
 // of the math above is generated with that variant's instructions and vector width.
 // ---------------------------------------------------------------------------------------------------------------
 
-template <int kBytes, typename in_t, typename acc_t>
-SCAN_INLINE void fwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+// The kinds of work done one (batch, channel) pair at a time, with a forward-sized workspace.
+enum class PerChannel { kForward, kH0Grad, kDeltaSum };
+
+template <PerChannel kWork, int kBytes, typename in_t, typename acc_t>
+SCAN_INLINE void per_channel_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
   using V = typename Simd<acc_t, kBytes>::V;
   Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
-  for (int64_t i = begin; i < end; ++i) scan_channel_fwd<V>(p, i / p.dim, i % p.dim, ws);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / p.dim, d = i % p.dim;
+    if constexpr (kWork == PerChannel::kForward)
+      scan_channel_fwd<V>(p, b, d, ws);
+    else if constexpr (kWork == PerChannel::kH0Grad)
+      scan_channel_h0_grad<V>(p, b, d, ws);
+    else
+      channel_delta_sum<V>(p, b, d, ws);
+  }
 }
 
 template <int kBytes, typename in_t, typename acc_t>
@@ -736,27 +747,13 @@ SCAN_INLINE void bwd_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, i
   }
 }
 
-template <int kBytes, typename in_t, typename acc_t>
-SCAN_INLINE void h0_grad_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  using V = typename Simd<acc_t, kBytes>::V;
-  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
-  for (int64_t i = begin; i < end; ++i) scan_channel_h0_grad<V>(p, i / p.dim, i % p.dim, ws);
-}
-
-template <int kBytes, typename in_t, typename acc_t>
-SCAN_INLINE void delta_sum_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-  using V = typename Simd<acc_t, kBytes>::V;
-  Workspace<acc_t> ws(p.L, p.NP, /*backward=*/false);
-  for (int64_t i = begin; i < end; ++i) channel_delta_sum<V>(p, i / p.dim, i % p.dim, ws);
-}
-
 // One entry per kind of work (forward, backward, the initial state's gradient, the sum of delta') and instruction
 // set, each compiled with its target's instructions: fwd_range_NAME, bwd_range_NAME, h0_grad_range_NAME and
 // delta_sum_range_NAME run the *_impl bodies with kBytes-wide vectors.
 #define SCAN_VARIANT(NAME, TARGET, kBytes)                                                             \
   template <typename in_t, typename acc_t>                                                             \
   TARGET void fwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
-    fwd_range_impl<kBytes>(p, begin, end);                                                             \
+    per_channel_impl<PerChannel::kForward, kBytes>(p, begin, end);                                     \
   }                                                                                                    \
   template <typename in_t, typename acc_t>                                                             \
   TARGET void bwd_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {           \
@@ -764,11 +761,11 @@ SCAN_INLINE void delta_sum_range_impl(const ScanArgs<in_t, acc_t>& p, int64_t be
   }                                                                                                    \
   template <typename in_t, typename acc_t>                                                             \
   TARGET void h0_grad_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {       \
-    h0_grad_range_impl<kBytes>(p, begin, end);                                                         \
+    per_channel_impl<PerChannel::kH0Grad, kBytes>(p, begin, end);                                      \
   }                                                                                                    \
   template <typename in_t, typename acc_t>                                                             \
   TARGET void delta_sum_range_##NAME(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {     \
-    delta_sum_range_impl<kBytes>(p, begin, end);                                                       \
+    per_channel_impl<PerChannel::kDeltaSum, kBytes>(p, begin, end);                                    \
   }
 
 SCAN_VARIANT(generic, , 16)  // baseline: 16-byte vectors (SSE2 on x86-64, NEON on aarch64)
@@ -812,53 +809,29 @@ int current_isa() {
   return chosen < 0 ? widest_isa() : chosen;
 }
 
-template <typename in_t, typename acc_t>
-void fwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
+// KIND_range(p, begin, end): the variant of that kind of work for the instruction set in use.
 #if SCAN_X86_DISPATCH
-  switch (current_isa()) {
-    case kAvx512: return fwd_range_avx512(p, begin, end);
-    case kAvx2: return fwd_range_avx2(p, begin, end);
-    default: break;
+#define SCAN_DISPATCH(KIND)                                                     \
+  template <typename in_t, typename acc_t>                                      \
+  void KIND##_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) { \
+    switch (current_isa()) {                                                    \
+      case kAvx512: return KIND##_range_avx512(p, begin, end);                  \
+      case kAvx2: return KIND##_range_avx2(p, begin, end);                      \
+      default: return KIND##_range_generic(p, begin, end);                      \
+    }                                                                           \
+  }
+#else
+#define SCAN_DISPATCH(KIND)                                                     \
+  template <typename in_t, typename acc_t>                                      \
+  void KIND##_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) { \
+    KIND##_range_generic(p, begin, end);                                        \
   }
 #endif
-  fwd_range_generic(p, begin, end);
-}
-
-template <typename in_t, typename acc_t>
-void bwd_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-#if SCAN_X86_DISPATCH
-  switch (current_isa()) {
-    case kAvx512: return bwd_range_avx512(p, begin, end);
-    case kAvx2: return bwd_range_avx2(p, begin, end);
-    default: break;
-  }
-#endif
-  bwd_range_generic(p, begin, end);
-}
-
-template <typename in_t, typename acc_t>
-void h0_grad_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-#if SCAN_X86_DISPATCH
-  switch (current_isa()) {
-    case kAvx512: return h0_grad_range_avx512(p, begin, end);
-    case kAvx2: return h0_grad_range_avx2(p, begin, end);
-    default: break;
-  }
-#endif
-  h0_grad_range_generic(p, begin, end);
-}
-
-template <typename in_t, typename acc_t>
-void delta_sum_range(const ScanArgs<in_t, acc_t>& p, int64_t begin, int64_t end) {
-#if SCAN_X86_DISPATCH
-  switch (current_isa()) {
-    case kAvx512: return delta_sum_range_avx512(p, begin, end);
-    case kAvx2: return delta_sum_range_avx2(p, begin, end);
-    default: break;
-  }
-#endif
-  delta_sum_range_generic(p, begin, end);
-}
+SCAN_DISPATCH(fwd)
+SCAN_DISPATCH(bwd)
+SCAN_DISPATCH(h0_grad)
+SCAN_DISPATCH(delta_sum)
+#undef SCAN_DISPATCH
 
 // ---------------------------------------------------------------------------------------------------------------
 // Drivers.
