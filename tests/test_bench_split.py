@@ -52,3 +52,15 @@ def test_communication_per_block_follows_the_model():
     comm = communication_per_block(model, batch=2, dtype=torch.bfloat16)
     # Vim-small: embed_dim 384, d_inner 768, d_state 16, d_conv 4
     assert comm == {"edges": 2 * 3 * 2 * 768 * 2, "pairs": 4 * 2 * 768 * 16 * 4, "class_token": 2 * 384 * 2}
+
+
+def test_share_gpu_without_a_gpu_is_refused_in_one_line(capsys):
+    import torch
+
+    from vim_ds.bench import main
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU --share-gpu runs (tools/gpu_check.sh's split step)")
+    assert main(["split", "--share-gpu", "--ranks", "1", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--share-gpu needs a GPU; this machine has none" in err[0], err

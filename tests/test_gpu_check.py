@@ -27,7 +27,7 @@ def test_gpu_check_on_a_cpu_reports_no_gpu_and_the_predictions(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     report = (out / "report.md").read_text()
     assert "**Device:** no GPU on this machine" in report
-    for step in ("build", "tests", "model", "train"):
+    for step in ("build", "tests", "model", "train", "split"):
         assert f"| {step} | skipped (no GPU) |" in report
     assert "| scan | no GPU: predictions only, measured n/a |" in report
     assert "no GPU: measured n/a" in report and "no GPU: the GPU tests" in report
@@ -69,6 +69,10 @@ def _gpu_run(tmp_path, with_mamba):
     (tmp_path / "bench_scan.json").write_text(json.dumps(
         {"device": "NVIDIA H100 80GB HBM3", "modelled_gpu": gpu.name, "rows": rows,
          "predictions": scan_model.predictions(), "gpus": scan_model.gpus_used()}))
+    (tmp_path / "bench_split.json").write_text(json.dumps(
+        {"settings": {"share_gpu": True}, "rows": [
+            {"ranks": 1, "threads": None, "peak_bytes": 123456789, "forward_s": 0.01, "backward_s": 0.02},
+            {"ranks": 2, "threads": None, "peak_bytes": 61728394, "forward_s": 0.02, "backward_s": 0.03}]}))
     return rows
 
 
@@ -88,6 +92,8 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
         if with_mamba:
             assert f"{r['mamba_fwd_bwd_ms'] / bound['fwd_bwd_ms']:.1f}x" in line
     assert ("mamba_ssm: not installed, so not timed." in report) != with_mamba
+    # the sequence split's rows (bench split --share-gpu)
+    assert "## The sequence split's memory per rank" in report and "| 2 | — | 61728394 |" in report
 
 
 def test_report_generator_rejects_a_missing_folder(tmp_path, capsys):

@@ -6,7 +6,10 @@
 # (default gpu_results/) too. Each step has its own time limit so that one slow step cannot eat the others. The
 # steps run in the order of what they are for (the kernel, then the trainer, then the model against DeiT), and the
 # whole check fits one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on 2026-11-27; the
-# model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two).
+# model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The
+# split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28, not yet run on a GPU)
+# should take about a minute; with it the whole check may pass 10 minutes: give the model step a call of its own
+# (STEPS="build tests scan train split", then STEPS=model).
 #
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
 # the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
@@ -17,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan train model"}
+STEPS=${STEPS:-"build tests scan train split model"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -104,6 +107,15 @@ if step train; then
             --configs "${configs[@]}" --json "$OUT/bench_train.json"
     else
         no_gpu train
+    fi
+fi
+if step split; then
+    # The sequence split's memory per rank at 1024^2, N = 1, 2, 4: every rank on GPU 0 (a lent machine has one).
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step split 300 bench_split.log "$PYTHON" -m vim_ds.bench split --model vim_tiny --input-size 1024 \
+            --ranks 1 2 4 --share-gpu --json "$OUT/bench_split.json"
+    else
+        no_gpu split
     fi
 fi
 if step model; then

@@ -174,6 +174,8 @@ def build_report(out_dir) -> str:
                             _json(os.path.join(out_dir, "bench_model.json")), skipped)
     lines += _bench_section("Training through the real trainer (`vim-ds bench train`)",
                             _json(os.path.join(out_dir, "bench_train.json")), skipped)
+    lines += _bench_section("The sequence split's memory per rank (`vim-ds bench split --share-gpu`)",
+                            _json(os.path.join(out_dir, "bench_split.json")), skipped)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -6,7 +6,8 @@ paper, and how far its logits are from the unsplit model's (the measured step mu
 Memory: on a GPU the peak of allocated memory during the first step above what was allocated before it (model,
 images); on a CPU the growth of the process's peak resident set during the first step (the allocator's caching
 included; a coarser measure). Time: the median of the following `--repeat` steps. The ranks are processes on this
-machine (gloo on CPU, one thread each's share of the cores; NCCL on GPUs, one GPU each).
+machine (gloo on CPU, one thread each's share of the cores; NCCL on GPUs, one GPU each; with `--share-gpu` every
+rank on GPU 0 through gloo, for the memory per rank on a machine with fewer GPUs than ranks).
 
 The time goal is the split step against the unsplit step / N on the same hardware per rank. On GPUs that is the
 unsplit model's row (one GPU). On a CPU the N ranks share its cores, so the unsplit model is also timed with each
@@ -41,6 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=2, help="timed steps after the first (median)")
     p.add_argument("--precision", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--nb-classes", type=int, default=1000)
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every rank on GPU 0, collectives through gloo: the memory per rank of a split on a machine "
+                        "with fewer GPUs than ranks (its times are not the split's: the ranks share the GPU)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(run=run_split, check=check_args)
 
@@ -70,14 +74,18 @@ def run_split(args) -> dict:
     from .data import BenchError
 
     cuda = torch.cuda.is_available()
-    if cuda and max(args.ranks) > torch.cuda.device_count():
-        raise BenchError(f"--ranks {max(args.ranks)} needs as many GPUs; this machine has {torch.cuda.device_count()}")
+    if args.share_gpu and not cuda:
+        raise BenchError("--share-gpu needs a GPU; this machine has none")
+    if cuda and not args.share_gpu and max(args.ranks) > torch.cuda.device_count():
+        raise BenchError(f"--ranks {max(args.ranks)} needs as many GPUs (or --share-gpu); this machine has "
+                         f"{torch.cuda.device_count()}")
     settings = {"model": args.model, "model_kwargs": args.model_kwargs, "input_size": args.input_size,
                 "batch_size": args.batch_size, "repeat": args.repeat, "precision": args.precision,
                 "nb_classes": args.nb_classes, "device": "cuda" if cuda else "cpu",
-                "cores": len(os.sched_getaffinity(0))}
+                "cores": len(os.sched_getaffinity(0)), "share_gpu": bool(args.share_gpu)}
+    shared = " (every rank on GPU 0: memory per rank; times not comparable)" if args.share_gpu else ""
     print(f"vim-ds bench split: {args.model} {args.input_size}^2, batch {args.batch_size}, {args.precision}, on "
-          f"{settings['device']}; ranks per image {args.ranks}", flush=True)
+          f"{settings['device']}; ranks per image {args.ranks}{shared}", flush=True)
     cores = settings["cores"]
     runs = [(n, _threads(n, cores, cuda)) for n in args.ranks]
     if not cuda and 1 in args.ranks:  # the unsplit model at each split's threads per rank (module docstring)
@@ -137,12 +145,13 @@ def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = settings["device"] == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0 if settings["share_gpu"] else rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(settings["threads"])
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    # NCCL refuses two ranks on one GPU; gloo moves the (small) collectives through the host
+    dist.init_process_group("nccl" if cuda and not settings["share_gpu"] else "gloo", rank=rank, world_size=world)
     try:
         dtype = DTYPES[settings["precision"]]
         torch.manual_seed(0)
