@@ -234,7 +234,14 @@ def _job(rank, store_path, out_path):
                             "4 ranks, autograd": _swapped("_MIXER", sp._mixer_autograd,
                                                           lambda: _saved_bytes(split, leaves))}
 
-    everyone = [None] * WORLD
+    _write_worst(found, rank, WORLD, out_path)
+
+
+def _write_worst(found, rank, world, out_path):
+    """Every rank's measurements gathered; rank 0 writes each number's worst over the ranks to out_path (JSON)."""
+    import torch.distributed as dist
+
+    everyone = [None] * world
     dist.all_gather_object(everyone, found)
     if rank == 0:
         merged = {}
@@ -330,7 +337,7 @@ def test_bfloat16_is_as_close_to_float64_as_the_unsplit_model(measured, precisio
 def test_each_rank_keeps_its_share_of_the_activations(measured):
     # measured 2026-11-28 (_MixerScans): 236,696 bytes per rank of 4 against 709,272 unsplit (0.33: a quarter, plus
     # each rank's halos, states and head); the same scheme through autograd, which keeps the scan's inputs of both
-    # passes, 661,896 (0.93), the control: the bound must fail it
+    # passes, 739,096 (1.04), the control: the bound must fail it
     kept = measured["saved bytes"]
     assert kept["4 ranks"] < 0.5 * kept["unsplit"], kept
     assert kept["4 ranks, autograd"] > 0.5 * kept["unsplit"], kept
@@ -399,14 +406,7 @@ def _device_job(rank, device, store_path, out_path):
             attr, broken = _controls()["no state passed"]
             found["no state passed"] = _errors(_swapped(attr, broken, lambda: _split(
                 model, x, weights, dist.group.WORLD, None, backend)), ref)
-    everyone = [None] * 2
-    dist.all_gather_object(everyone, found)
-    if rank == 0:
-        merged = {k: {m: max(e[k][m] for e in everyone) for m in ("logits", "grads")} for k in found}
-        with open(out_path, "w") as f:
-            json.dump(merged, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    _write_worst(found, rank, 2, out_path)
 
 
 def _on_device(device, tmp_path):

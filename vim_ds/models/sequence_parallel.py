@@ -75,10 +75,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from ..ops.library import branch_inputs_bwd, branch_inputs_fwd, resolve
 from ..ops.scan_chunks import decay_product, initial_states
 from ..ops.scan_state import selective_scan_with_state
-from ..ops.ssm_branch import conv1d_silu, project
+from ..ops.ssm_branch import branch_inputs, project
 from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
 
 __all__ = ["average_gradients", "sequence_parallel_forward", "split_bounds", "split_over"]
@@ -345,15 +346,12 @@ def _mixer_autograd(mixer: BiMambaMixer, hidden: torch.Tensor, ctx: _Context) ->
     pieces, pairs = [], []
     for reverse, halo in ((False, before), (True, after)):
         w = _direction_weights(mixer, reverse)
-        x_ext = torch.cat((x, halo), -1) if reverse else torch.cat((halo, x), -1)
-        u = conv1d_silu(x_ext, w[0], w[1], ctx.backend, reverse)
-        u = (u[..., :x.shape[-1]] if reverse else u[..., halo.shape[-1]:]).contiguous()
-        dt_rank = w[3].shape[1]
-        x_dbl = project(w[2], u)
-        delta = project(w[3], x_dbl[:, :dt_rank]).contiguous()
-        B = x_dbl[:, dt_rank:dt_rank + mixer.d_state].contiguous()
-        C = x_dbl[:, dt_rank + mixer.d_state:].contiguous()
-        A, D, bias = -torch.exp(_at_least_fp32(w[5])), w[6], w[4]
+        # the halo's tokens run through the (token-wise) projections too, and are dropped
+        x_ext, chunk = ((torch.cat((x, halo), -1), slice(0, x.shape[-1])) if reverse else
+                        (torch.cat((halo, x), -1), slice(halo.shape[-1], None)))
+        u, delta, B, C = (t[..., chunk].contiguous()
+                          for t in branch_inputs(x_ext, *w[:4], mixer.d_state, ctx.backend, reverse))
+        A, D, bias = _scan_params(w, x)
         _, S = selective_scan_with_state(u, delta, A, B, C, None, None, bias, True, reverse, backend=ctx.backend)
         pieces.append((u, delta, B, C, A, D, bias))
         pairs += [decay_product(delta, A, bias, True), S]
