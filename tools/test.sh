@@ -26,13 +26,8 @@ lane_files=(tests/test_slurm.py tests/faults/test_data_faults.py tests/test_load
 lane_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_lane.XXXXXX")
 main_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_workers.XXXXXX")
 trap 'rm -f "$lane_log" "$main_log"' EXIT
-# The lane first builds DeepSpeed's CPU ops (tools/build_cpu_ops.py) in its idle time, so that the workers' first
-# offloaded and first multi-rank tests do not compile them on the workers' critical path.
-(
-    python3 tools/build_cpu_ops.py || echo "tools/test.sh: the CPU ops were not built ahead; the tests build them"
-    exec python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
-        python3 -m pytest -q --durations=10 --cpu-durations=10 "${lane_files[@]}"
-) > "$lane_log" 2>&1 &
+python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+    python3 -m pytest -q --durations=10 --cpu-durations=10 "${lane_files[@]}" > "$lane_log" 2>&1 &
 lane=$!
 status=0
 python3 -u -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" "${lane_files[@]/#/--ignore=}" tests 2>&1 \
