@@ -35,6 +35,8 @@
 
 #include "selective_scan_cpu.h"
 
+#include "cpu_isa.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -54,16 +56,6 @@
 // Functions taking 32-byte vectors make GCC / Clang note an ABI difference without AVX. Every function taking
 // vectors here is force-inlined into a caller compiled for the matching instruction set, so no such call exists.
 #pragma GCC diagnostic ignored "-Wpsabi"
-
-#define SCAN_INLINE inline __attribute__((always_inline))
-
-#if defined(__x86_64__)
-#define SCAN_X86_DISPATCH 1
-#define SCAN_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define SCAN_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")))
-#else
-#define SCAN_X86_DISPATCH 0
-#endif
 
 // Lane shuffle of two vectors (indices into their concatenation); GCC and Clang spell the builtin differently.
 #if defined(__clang__)
@@ -775,8 +767,7 @@ SCAN_VARIANT(avx512, SCAN_TARGET_AVX512, 64)
 #endif
 #undef SCAN_VARIANT
 
-// The variants, narrowest first; a CPU that has one has every narrower one.
-enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+// The names of the variants (cpu_isa.h), narrowest first.
 #if SCAN_X86_DISPATCH
 const char* const kIsaNames[] = {"sse2", "avx2", "avx512"};
 #elif defined(__aarch64__)
@@ -802,12 +793,8 @@ int widest_isa() {
 #endif
 }
 
-// The variant in use: the widest unless set_isa chose a narrower one.
+// The variant in use (current_isa, below the anonymous namespace): the widest unless set_isa chose a narrower one.
 std::atomic<int> g_isa{-1};
-int current_isa() {
-  const int chosen = g_isa.load(std::memory_order_relaxed);
-  return chosen < 0 ? widest_isa() : chosen;
-}
 
 // KIND_range(p, begin, end): the variant of that kind of work for the instruction set in use.
 #if SCAN_X86_DISPATCH
@@ -1041,6 +1028,11 @@ void run_delta_sum(const at::Tensor& delta, const std::optional<at::Tensor>& del
 }
 
 }  // namespace
+
+int current_isa() {
+  const int chosen = g_isa.load(std::memory_order_relaxed);
+  return chosen < 0 ? widest_isa() : chosen;
+}
 
 std::vector<at::Tensor> selective_scan_fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A,
                                            const at::Tensor& B, const at::Tensor& C,

@@ -53,7 +53,7 @@ at::Tensor delta_sum(const at::Tensor& delta, const std::optional<at::Tensor>& d
 // The instruction-set variants of the kernels, narrowest first (x86-64: sse2, avx2, avx512; aarch64: neon; other
 // CPUs: generic): those this CPU can run; the one in use (the widest, unless set_isa chose another); and
 // set_isa(name or "auto"), which returns the one in use before and throws for a variant this CPU cannot run.
-// Process-wide.
+// Process-wide, for the scan and the causal conv alike (cpu_isa.h).
 std::vector<std::string> available_isas();
 std::string isa();
 std::string set_isa(const std::string& name);

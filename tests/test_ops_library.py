@@ -135,6 +135,53 @@ def test_conv_kernel_and_reference_agree_through_the_op(reverse):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _conv_reference(x, w, b, reverse):
+    """The depthwise causal conv from first principles in float64: F.conv1d over the left-padded row (reverse: the
+    flipped row, flipped back)."""
+    x = x.flip(-1) if reverse else x
+    y = torch.nn.functional.conv1d(x, w.unsqueeze(1), b, padding=w.shape[-1] - 1, groups=x.shape[1])
+    y = y[..., :x.shape[-1]]
+    return y.flip(-1) if reverse else y
+
+
+# (out and dx in the input dtype; dw and db accumulated in float32, from inputs that bf16 holds exactly)
+CONV_TOLERANCE = {torch.float64: (1e-12, 1e-12, 1e-12), torch.float32: (2e-6, 2e-6, 2e-6),
+                  torch.bfloat16: (8e-3, 1e-5, 1e-5)}
+
+
+@pytest.mark.parametrize("length", [1, 5, 65])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_conv_matches_the_float64_reference_in_every_variant(dtype, reverse, length, cpu_isa, seed):
+    """The CPU conv kernel (each instruction-set variant, each input dtype, lengths below, at and across the vector
+    widths) against F.conv1d in float64: output and the gradients of x, the taps and the bias. x is the x half of
+    a wider (batch, 2 * dim, L) tensor, as the mixer passes it. Negative control: taps shifted by one step (the
+    off-by-one a padding or a reversed window would make) are far outside the tolerance."""
+    module = backends.load("cpu").backend.module
+    dim, width = 6, 4
+    xz = torch.randn(3, 2 * dim, length, dtype=torch.float64).to(dtype)
+    x = xz[:, :dim]
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    w, b = (0.5 * torch.randn(dim, width, dtype=torch.float64)).to(wide), torch.randn(dim, dtype=torch.float64).to(wide)
+    dout = torch.randn(3, dim, length, dtype=torch.float64).to(dtype)
+
+    out = module.conv_fwd(x, w, b, reverse)
+    dx, dw, db = module.conv_bwd(x, w, b, dout, reverse)
+
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    ref = _conv_reference(x64, w64, b64, reverse)
+    ref.backward(dout.double())
+    value_tol, dw_tol, db_tol = CONV_TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=value_tol, atol=value_tol)
+    torch.testing.assert_close(dx.double(), x64.grad, rtol=value_tol, atol=value_tol)
+    torch.testing.assert_close(dw.double(), w64.grad, rtol=dw_tol, atol=dw_tol)
+    torch.testing.assert_close(db.double(), b64.grad, rtol=db_tol, atol=db_tol)
+
+    shifted = _conv_reference(x64.detach(), torch.roll(w64.detach(), 1, dims=-1), b64.detach(), reverse)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(out.double(), shifted, rtol=value_tol, atol=value_tol)
+
+
 def test_op_backend_follows_vim_ds_scan(monkeypatch):
     """"auto" resolves as get_backend does: VIM_DS_SCAN=ref makes the op run the reference."""
     from vim_ds.ops import library

@@ -112,10 +112,10 @@ def _scan_section(data) -> list:
         lines.append("")
     cpu_rows = [r for r in rows if r.get("device") == "cpu"]
     if cpu_rows:
-        lines += ["CPU rows of the same run:", "", "| shape | dtype | variant | kernel fwd ms | kernel fwd+bwd ms |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['dtype']} | {r.get('isa', '')} | {_ms(r['kernel_fwd_ms'])} | "
-                  f"{_ms(r['kernel_fwd_bwd_ms'])} |" for r in cpu_rows]
+        lines += ["CPU rows of the same run:", "",
+                  "| op | shape | dtype | variant | kernel fwd ms | kernel fwd+bwd ms |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.get('op', 'selective_scan')} | {r['shape']} | {r['dtype']} | {r.get('isa', '')} | "
+                  f"{_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} |" for r in cpu_rows]
         lines.append("")
     preds = data.get("predictions") if isinstance(data, dict) else None
     lines += ["### The performance model's lower bounds", "",

@@ -1,5 +1,6 @@
 """`vim-ds bench scan`: the selective scan at a Vim layer shape, compiled kernel vs the pure-PyTorch reference,
-forward and forward+backward, on CPU and (when present) GPU; on a GPU also at the performance model's shapes
+forward and forward+backward, on CPU and (when present) GPU (on the CPU also the mixer's causal conv, each
+instruction-set variant beside PyTorch's depthwise F.conv1d); on a GPU also at the performance model's shapes
 (``scan_model.BENCH_SHAPES``), beside mamba_ssm's kernel when it is installed, and with ``--predict`` against the
 model's lower bound (measured / bound)."""
 from __future__ import annotations
@@ -49,6 +50,51 @@ def bench_scan_backend(backend, inputs, repeat):
         out.backward(dout)
 
     return timeit(fwd, device, repeat=repeat), timeit(fwd_bwd, device, repeat=repeat)
+
+
+def bench_conv(backend, x, weight, bias, repeat):
+    """(forward seconds, forward+backward seconds) of the mixer's depthwise causal conv through its op, on one
+    backend: "cpu" (our kernel) or "ref" (PyTorch's depthwise F.conv1d, what a user would otherwise run)."""
+    import torch
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    dout = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            torch.ops.vim_ds.causal_conv1d(x, weight, bias, False, backend)
+
+    def fwd_bwd():
+        torch.ops.vim_ds.causal_conv1d(*leaves, False, backend).backward(dout)
+
+    return timeit(fwd, x.device, repeat=repeat), timeit(fwd_bwd, x.device, repeat=repeat)
+
+
+def run_conv(args, module, isas, dtype):
+    """Rows for the CPU conv kernel (each instruction-set variant) beside F.conv1d, at the scan's (batch, dim,
+    seqlen) with Vim's 4 taps."""
+    import torch
+
+    x = torch.randn(args.batch, args.dim, args.seqlen, dtype=dtype)
+    weight, bias = 0.5 * torch.randn(args.dim, 1, 4), 0.1 * torch.randn(args.dim)
+    ref_f, ref_fb = bench_conv("ref", x, weight, bias, args.repeat)
+    rows = []
+    for isa in isas:
+        before = module.set_isa(isa)
+        try:
+            k_f, k_fb = bench_conv("cpu", x, weight, bias, args.repeat)
+        finally:
+            module.set_isa(before)
+        row = dict(op="causal_conv1d", device="cpu", isa=isa,
+                   shape=f"B={args.batch} D={args.dim} L={args.seqlen} K=4", dtype=str(dtype).replace("torch.", ""),
+                   kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3, ref_fwd_ms=ref_f * 1e3,
+                   ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f, speedup_fwd_bwd=ref_fb / k_fb)
+        print(f"[cpu {isa}] conv {row['shape']} {row['dtype']}: kernel fwd {row['kernel_fwd_ms']:.3f} ms, fwd+bwd "
+              f"{row['kernel_fwd_bwd_ms']:.3f} ms | F.conv1d fwd {row['ref_fwd_ms']:.3f} ms, fwd+bwd "
+              f"{row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd {row['speedup_fwd']:.1f}x, fwd+bwd "
+              f"{row['speedup_fwd_bwd']:.1f}x", flush=True)
+        rows.append(row)
+    return rows
 
 
 def _mamba(args, have_gpu):
@@ -138,6 +184,9 @@ def run_scan(args):
                             annotate(row, gpu)
                     results.append(row)
                     print(_scan_row(row), flush=True)
+        if device_name == "cpu":  # the branch's other kernel, the conv before the scan
+            for dtype in (torch.float32, torch.bfloat16):
+                results += run_conv(args, kernel.backend.module, isas, dtype)
     if not predict:
         return results
     preds = scan_model.predictions()
