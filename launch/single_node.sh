@@ -31,8 +31,12 @@ if [[ -z $NPROC ]]; then
 fi
 { is_uint "$NPROC" && [[ $NPROC -gt 0 ]]; } || die "NPROC must be a positive integer, not '$NPROC'"
 
-MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket
-s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+# A free port below the kernel's ephemeral range, where no outgoing connection can take it before the master binds
+# it (vim_ds/engine/ports.py says why); the file is run by path so that vim_ds's heavy imports stay out of it.
+if [[ -z ${MASTER_PORT:-} ]]; then
+    MASTER_PORT=$("$PYTHON" -I "$(dirname "${BASH_SOURCE[0]}")/../vim_ds/engine/ports.py") \
+        || die "cannot choose a free MASTER_PORT with $PYTHON (set MASTER_PORT)"
+fi
 is_uint "$MASTER_PORT" || die "MASTER_PORT must be a port number, not '$MASTER_PORT'"
 
 source_vendor_env

@@ -200,3 +200,20 @@ def test_deepspeed_builds_a_run_without_compile_with_dynamo_off_and_puts_it_back
         assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
     finally:
         del os.environ["TORCHDYNAMO_DISABLE"]
+
+
+def test_a_free_port_comes_from_below_the_ephemeral_range_and_binds():
+    """vim_ds's MASTER_PORTs (single process, bench and zero-compare runs, launch/single_node.sh) come from below
+    the ephemeral range, where no outgoing connection can take them before the master binds. Control: the kernel's
+    own choice (port 0), what every picker used before, lands inside that range."""
+    import socket
+
+    from vim_ds.engine.ports import LOWEST, ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(20)]
+    assert all(LOWEST <= p < ephemeral_low() for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free, as said
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= ephemeral_low()

@@ -17,6 +17,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from .ports import free_port  # noqa: F401  (bench/split.py and the tests import it from here)
+
 
 # --data-timeout's default: far above a healthy batch (even the first, which starts the workers), far below 600 s; and
 # at most half of --dist-timeout, so that a stalled rank stops the job before its peers' collectives time out
@@ -38,13 +40,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 from .errors import first_line
+from .ports import free_port
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,14 +67,8 @@ def launcher_command(nproc: int, launcher: str) -> list[str]:
                 "-m", "vim_ds.train"]
     if launcher == "deepspeed":  # the `deepspeed` script, run by this interpreter
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-                "--master_port", str(_free_port()), "--module", "vim_ds.train"]
+                "--master_port", str(free_port()), "--module", "vim_ds.train"]
     raise ValueError(f"unknown launcher {launcher!r}: choose torchrun or deepspeed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_arguments(config_path: str, *, nproc: int, model: str, model_kwargs: dict, input_size: int,
