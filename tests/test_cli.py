@@ -45,7 +45,7 @@ def test_bench_scan_prints_kernel_and_reference_side_by_side(tmp_path):
               "--json", str(tmp_path / "scan.json"))
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "scan.json").read_text())
-    cpu = [r for r in rows if r["device"] == "cpu"]
+    cpu = [r for r in rows if r["device"] == "cpu" and "op" not in r]  # the scan's rows (the conv's: below)
     assert cpu and cpu[0]["kernel_fwd_ms"] > 0 and cpu[0]["ref_fwd_bwd_ms"] > 0
     assert "speedup fwd" in out.stdout
     # One row per instruction-set variant of the CPU kernel, the default (widest) first.
@@ -54,3 +54,8 @@ def test_bench_scan_prints_kernel_and_reference_side_by_side(tmp_path):
     isas = load("cpu").backend.module.available_isas()
     assert [r["isa"] for r in cpu] == isas[::-1]
     assert f"[cpu {isas[-1]}] B=1 D=8 L=33 N=16 float32: kernel fwd" in out.stdout
+    # and the causal conv's, per variant and dtype, beside PyTorch's F.conv1d
+    conv = [r for r in rows if r.get("op") == "causal_conv1d"]
+    assert [(r["dtype"], r["isa"]) for r in conv] == [(d, i) for d in ("float32", "bfloat16") for i in isas[::-1]]
+    assert all(r["kernel_fwd_bwd_ms"] > 0 and r["ref_fwd_bwd_ms"] > 0 for r in conv)
+    assert f"[cpu {isas[-1]}] conv B=1 D=8 L=33 K=4 bfloat16: kernel fwd" in out.stdout and "F.conv1d fwd" in out.stdout
