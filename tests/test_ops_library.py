@@ -144,9 +144,10 @@ def _conv_reference(x, w, b, reverse):
     return y.flip(-1) if reverse else y
 
 
-# (out and dx in the input dtype; dw and db accumulated in float32, from inputs that bf16 holds exactly)
-CONV_TOLERANCE = {torch.float64: (1e-12, 1e-12, 1e-12), torch.float32: (2e-6, 2e-6, 2e-6),
-                  torch.bfloat16: (8e-3, 1e-5, 1e-5)}
+# (out and dx: sums of 4 products, in the input dtype; dw and db: sums of batch x L = 195 terms of size ~1,
+# accumulated in float32 (from inputs that bf16 holds exactly), whose rounding reaches a few 1e-6)
+CONV_TOLERANCE = {torch.float64: (1e-12, 1e-12, 1e-12), torch.float32: (2e-6, 3e-5, 3e-5),
+                  torch.bfloat16: (8e-3, 3e-5, 3e-5)}
 
 
 @pytest.mark.parametrize("length", [1, 5, 65])
