@@ -17,7 +17,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .ports import free_port  # noqa: F401  (bench/split.py and the tests import it from here)
+from .ports import free_port  # noqa: F401  (setup() below; bench/split.py imports it from here)
 
 
 # --data-timeout's default: far above a healthy batch (even the first, which starts the workers), far below 600 s; and
