@@ -15,62 +15,23 @@
 // `reverse` (Vim's backward direction) is the conv of the time-reversed sequence, in the original order: rows are
 // read back to front into the row buffer and written back front to back, so the arithmetic is exactly that of
 // flipping x and dout before and the results after.
-//
-// bfloat16 rows are converted with c10::BFloat16's own rounding (to nearest even; NaN stays NaN), written without
-// branches so that these loops vectorise too.
+// Rows are loaded and stored with the scan's helpers (cpu_rows.h), bfloat16 conversions included.
 #include "causal_conv1d_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_isa.h"
+#include "cpu_rows.h"
 
 namespace {
 
 using vim_ds::scan_cpu::current_isa;
-
-template <typename acc_t>
-SCAN_INLINE acc_t to_acc(acc_t v) {
-  return v;
-}
-SCAN_INLINE float to_acc(c10::BFloat16 v) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16);
-}
-
-template <typename scalar_t, typename acc_t>
-SCAN_INLINE scalar_t from_acc(acc_t v) {
-  if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
-    const uint32_t u = __builtin_bit_cast(uint32_t, v);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // c10::round_to_nearest_even
-    return scalar_t(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), scalar_t::from_bits());
-  } else {
-    return v;
-  }
-}
-
-// dst[t] = src[t] (or src[L-1-t]) in the accumulation type, t < L.
-template <typename scalar_t, typename acc_t>
-SCAN_INLINE void load_row(const scalar_t* __restrict src, int64_t L, bool reverse, acc_t* __restrict dst) {
-  if (reverse) {
-    for (int64_t t = 0; t < L; ++t) dst[t] = to_acc(src[L - 1 - t]);
-  } else {
-    for (int64_t t = 0; t < L; ++t) dst[t] = to_acc(src[t]);
-  }
-}
-
-template <typename scalar_t, typename acc_t>
-SCAN_INLINE void store_row(const acc_t* __restrict src, int64_t L, bool reverse, scalar_t* __restrict dst) {
-  if (reverse) {
-    for (int64_t t = 0; t < L; ++t) dst[L - 1 - t] = from_acc<scalar_t>(src[t]);
-  } else {
-    for (int64_t t = 0; t < L; ++t) dst[t] = from_acc<scalar_t>(src[t]);
-  }
-}
+using vim_ds::scan_cpu::load_row;
+using vim_ds::scan_cpu::store_row;
 
 template <typename scalar_t, typename acc_t>
 struct ConvArgs {
@@ -97,7 +58,7 @@ SCAN_INLINE void forward_rows_impl(const ConvArgs<scalar_t, acc_t>& a, int64_t b
   for (int64_t row = begin; row < end; ++row) {
     const int64_t b = row / D, d = row % D;
     const acc_t* __restrict w = a.w + d * K;
-    load_row(a.x + b * a.sb + d * L, L, a.reverse, xp + K - 1);
+    load_row(a.x + b * a.sb + d * L, L, xp + K - 1, a.reverse);
     const acc_t bias = a.bias ? a.bias[d] : acc_t(0);
     for (int64_t t = 0; t < L; ++t) o[t] = bias;
     for (int64_t k = 0; k < K; ++k) {
@@ -105,7 +66,7 @@ SCAN_INLINE void forward_rows_impl(const ConvArgs<scalar_t, acc_t>& a, int64_t b
 #pragma omp simd
       for (int64_t t = 0; t < L; ++t) o[t] += wk * xp[t + k];
     }
-    store_row(o, L, a.reverse, a.out + row * L);
+    store_row(o, L, a.out + row * L, a.reverse);
   }
 }
 
@@ -124,8 +85,8 @@ SCAN_INLINE void backward_channels_impl(const ConvArgs<scalar_t, acc_t>& a, int6
     for (int64_t k = 0; k < K; ++k) dwd[k] = 0;
     acc_t dbd = 0;
     for (int64_t b = 0; b < a.B; ++b) {
-      load_row(a.x + b * a.sb + d * L, L, a.reverse, xp + K - 1);
-      load_row(a.dout + (b * D + d) * L, L, a.reverse, gp);
+      load_row(a.x + b * a.sb + d * L, L, xp + K - 1, a.reverse);
+      load_row(a.dout + (b * D + d) * L, L, gp, a.reverse);
       acc_t s = 0;
 #pragma omp simd reduction(+ : s)
       for (int64_t t = 0; t < L; ++t) s += gp[t];
@@ -142,7 +103,7 @@ SCAN_INLINE void backward_channels_impl(const ConvArgs<scalar_t, acc_t>& a, int6
         }
         dwd[k] += dot;
       }
-      store_row(dxr, L, a.reverse, a.dx + (b * D + d) * L);
+      store_row(dxr, L, a.dx + (b * D + d) * L, a.reverse);
     }
     for (int64_t k = 0; k < K; ++k) a.dw[d * K + k] = dwd[k];
     if (a.db) a.db[d] = dbd;

@@ -36,6 +36,7 @@
 #include "selective_scan_cpu.h"
 
 #include "cpu_isa.h"
+#include "cpu_rows.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -358,25 +359,6 @@ struct Workspace {
     }
   }
 };
-
-// A row of the (batch, dim, L) tensors to / from the workspace, in scan order: back to front in reverse mode, so
-// that everything between load and store is the same code (and the same operations) as for the forward direction.
-template <typename in_t, typename acc_t>
-SCAN_INLINE void load_row(const in_t* __restrict src, int64_t L, acc_t* __restrict dst, bool reverse) {
-  if (reverse) {
-    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[L - 1 - t]);
-  } else {
-    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<acc_t>(src[t]);
-  }
-}
-template <typename in_t, typename acc_t>
-SCAN_INLINE void store_row(const acc_t* __restrict src, int64_t L, in_t* __restrict dst, bool reverse) {
-  if (reverse) {
-    for (int64_t t = 0; t < L; ++t) dst[L - 1 - t] = static_cast<in_t>(src[t]);
-  } else {
-    for (int64_t t = 0; t < L; ++t) dst[t] = static_cast<in_t>(src[t]);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The math, one (batch, channel) pair at a time. V is the vector type (its width set by the instruction set).
