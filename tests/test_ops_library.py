@@ -207,3 +207,23 @@ def test_opcheck_gpu(dtype, reverse, backend):
     torch.library.opcheck(OPS.causal_conv1d, conv_args(dtype, True, reverse, backend, device="cuda"))
     torch.library.opcheck(OPS.ssm_branch_fwd, branch_args(dtype, True, reverse, backend, device="cuda",
                                                           seqlen=300))
+
+
+def test_cpu_kernels_round_to_bfloat16_as_torch_does(cpu_isa):
+    """The kernels' own float32 -> bfloat16 rounding (csrc/cpu_rows.h, branch-free so that it vectorises) gives
+    torch's bits: through the conv with one tap of 1 and a float32 bias, out = bf16(x + bias), compared bitwise with
+    torch's conversion, on ties, near-ties and huge values (NaN: NaN). Control: truncation instead of rounding
+    differs."""
+    module = backends.load("cpu").backend.module
+    x = torch.randn(4, 3, 200).to(torch.bfloat16)
+    x[0, 0, :3] = float("nan")
+    x[0, 1, :3] = torch.tensor([3.0e38, -3.0e38, 0.0])
+    # biases that put x + bias exactly halfway between two bf16 values, or one float32 ulp either side of it
+    bias = torch.tensor([2.0 ** -9, 2.0 ** -9 + 2.0 ** -33, 1.5 * 2.0 ** -9], dtype=torch.float32)
+    out = module.conv_fwd(x, torch.ones(3, 1), bias, False)
+    expected = (x.float() + bias[None, :, None]).to(torch.bfloat16)
+    nan = expected.isnan()  # NaN stays NaN (c10's scalar rounding writes 0x7FC0; torch's vector path keeps the sign)
+    assert nan.sum() == 3 and out[nan].isnan().all()
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    truncated = ((x.float() + bias[None, :, None]).view(torch.int32) >> 16).to(torch.int16)
+    assert not torch.equal(out.view(torch.int16)[~nan], truncated[~nan])
