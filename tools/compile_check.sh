@@ -116,7 +116,7 @@ record_not() {
 }
 
 step_nvcc() {
-  local ran=0 failures=0 arch version supported
+  local ran=0 failures=0 arch version supported output=(-c) suffix=o
   : > "$work/targets.nvcc"
   echo "== 1. nvcc: csrc/selective_scan_cuda.cu"
   nvcc=$(find_tool "${NVCC:-}" "${CUDA_HOME:+$CUDA_HOME/bin/nvcc}" "${CUDA_PATH:+$CUDA_PATH/bin/nvcc}" nvcc \
@@ -137,10 +137,12 @@ step_nvcc() {
       fi
       ran=$((ran + 1))
       # One compile per target, so that ptxas's -v lines (resources per kernel) belong to one target. No torch
-      # include paths on purpose: the device code must not need them.
-      if "$nvcc" -c -std=c++17 -O3 -gencode "arch=compute_${arch},code=sm_${arch}" "${torch_nvcc_flags[@]}" \
-        -Xcompiler -Wall -Xptxas -v "$csrc/selective_scan_cuda.cu" -o "$work/selective_scan_sm_$arch.o" \
-        > "$work/nvcc_sm_$arch.log" 2>&1; then
+      # include paths on purpose: the device code must not need them. The host side is the same for every target:
+      # the first target's compile builds it too (an object file), the others the device code only (a cubin).
+      if "$nvcc" "${output[@]}" -std=c++17 -O3 -gencode "arch=compute_${arch},code=sm_${arch}" \
+        "${torch_nvcc_flags[@]}" -Xcompiler -Wall -Xptxas -v "$csrc/selective_scan_cuda.cu" \
+        -o "$work/selective_scan_sm_$arch.$suffix" > "$work/nvcc_sm_$arch.log" 2>&1; then
+        output=(-cubin) suffix=cubin
         grep -v '^ptxas info\|^    [0-9]* bytes stack frame' "$work/nvcc_sm_$arch.log" || true
         echo "OK: nvcc sm_$arch"
         record_compiled nvcc "sm_$arch" "nvcc $version" "$work/nvcc_sm_$arch.log"
