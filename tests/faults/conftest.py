@@ -25,9 +25,10 @@ def fault_args(digits, out, *extra) -> list[str]:
 
 @pytest.fixture(scope="session")
 def reference(digits, shared) -> str:
-    """The uninterrupted run: 12 steps on 2 ranks with the deepspeed launcher (made once per test run)."""
-    return shared("faults_reference",
-                  lambda out: run_train(fault_args(digits, out, "--max-steps", STEPS), nproc=2, launcher="deepspeed"))
+    """The uninterrupted run: 12 steps on 2 ranks (made once per test run). Started like the resumed runs it is
+    compared with, by torchrun with ranks forked from the preloaded server: what is compared is training state,
+    which does not depend on the launcher; the runs that a fault interrupts use the real deepspeed launcher."""
+    return shared("faults_reference", lambda out: run_train(fault_args(digits, out, "--max-steps", STEPS), nproc=2))
 
 
 def start_train(args, nproc: int = 2, launcher: str = "deepspeed", env=None) -> subprocess.Popen:

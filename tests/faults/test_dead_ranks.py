@@ -14,9 +14,10 @@ pytestmark = pytest.mark.slow
 
 
 def resume_and_compare(digits, out, reference, resumed_at: int, *extra) -> str:
-    """Resume the interrupted run to the reference's length; its losses after `resumed_at` equal the reference's."""
-    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--resume", "auto", *extra), nproc=2,
-                     launcher="deepspeed")
+    """Resume the interrupted run to the reference's length; its losses after `resumed_at` equal the reference's.
+    The interrupted run was the deepspeed launcher's; the resumed one, like the reference, is torchrun's with ranks
+    forked from the preloaded server (a checkpoint does not depend on the launcher that wrote it)."""
+    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--resume", "auto", *extra), nproc=2)
     assert f"global_step{resumed_at} at epoch 0, step {resumed_at}" in proc.stdout
     expected = {k: v for k, v in step_losses(reference).items() if k > resumed_at}
     got = {k: v for k, v in step_losses(out).items() if k > resumed_at}

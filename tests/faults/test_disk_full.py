@@ -39,9 +39,10 @@ def test_a_full_disk_stops_the_run_with_a_clear_error_and_the_previous_checkpoin
     assert open(os.path.join(save_dir, "latest")).read().strip() == "global_step4"
     assert not os.path.exists(os.path.join(save_dir, "global_step8"))  # the partial save is freed
 
-    # The checkpoint left behind is whole: moved to a disk with room, it resumes into the reference's losses.
+    # The checkpoint left behind is whole: moved to a disk with room, it resumes into the reference's losses (torchrun
+    # with preloaded ranks, as the reference was run).
     moved = tmp_path / "moved"
     shutil.copytree(save_dir, moved / "checkpoints")
-    run_train(fault_args(digits, moved, "--max-steps", STEPS, "--resume", "auto"), nproc=2, launcher="deepspeed")
+    run_train(fault_args(digits, moved, "--max-steps", STEPS, "--resume", "auto"), nproc=2)
     expected = {k: v for k, v in step_losses(reference).items() if k > 4}
     assert rel_diff(expected, step_losses(moved)) <= 1e-6
