@@ -252,10 +252,15 @@ def test_a_wheel_in_a_fresh_venv_outside_the_repository_trains_from_a_shipped_na
     folder is added as a plain path, so its own .pth files (this checkout's editable install of vim_ds) are not
     read: vim_ds can only come from the wheel, which the test checks. The venv's pip still resolves the wheel's
     declared dependencies against what it sees, so an undeclared one is a failure of the import or of the run.
-    The kernels are not built (VIM_DS_BUILD_CPU=0: the configs do not depend on them; the scan falls back to the
-    reference). The source is copied first so that nothing built earlier in the checkout (build/) goes in."""
+    The kernels are not built into the wheel (VIM_DS_BUILD_CPU=0), so the first run JIT-builds the CPU kernel from
+    the wheel's own csrc/ into VIM_DS_CACHE, as it does for any install without them; `vim-ds env` then finds it
+    there and uses it. This is the suite's test of that path (it compiles the kernel once; a folder of its own, so
+    a build cached on the machine cannot stand in). The source is copied first so that nothing built earlier in the
+    checkout (build/) goes in."""
     import site as site_module
     import sysconfig
+
+    import torch
 
     source = tmp_path / "src"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.so", "__pycache__",
@@ -277,7 +282,10 @@ def test_a_wheel_in_a_fresh_venv_outside_the_repository_trains_from_a_shipped_na
     with open(os.path.join(venv_site, "dependencies_of_the_test_environment.pth"), "w") as f:
         f.write("\n".join(dependencies) + "\n")
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    clean.update(PYTHONNOUSERSITE="1", PATH=os.pathsep.join([str(venv / "bin"), clean.get("PATH", "")]))
+    cache = tmp_path / "jit_cache"
+    clean.update(PYTHONNOUSERSITE="1", PATH=os.pathsep.join([str(venv / "bin"), clean.get("PATH", "")]),
+                 VIM_DS_CACHE=str(cache))
+    clean.pop("VIM_DS_JIT", None)
     # the venv's own setuptools (python 3.11 seeds one, older than torch asks for) would hide the environment's
     subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], capture_output=True, env=clean,
                    timeout=300)
@@ -308,3 +316,14 @@ def test_a_wheel_in_a_fresh_venv_outside_the_repository_trains_from_a_shipped_na
     assert "ZeRO-1" in run.stdout
     recorded = (work / "run" / "options.yaml").read_text()
     assert "weight_decay: 0.1\n" in recorded and "model: vim_tiny\n" in recorded and "batch_size: 4\n" in recorded
+    # the kernel the wheel does not hold, JIT-built from the wheel's sources into the cache, and reused from there
+    built = cache / f"cpu-torch{torch.__version__}"
+    assert f"vim_ds._scan_cpu is not installed; JIT-building it into {built}" in run.stderr, run.stderr[-3000:]
+    (library,) = built.glob("*.so")
+    compiled_at = library.stat().st_mtime_ns
+    report = console("env", "--json")
+    assert report.returncode == 0, report.stderr[-3000:]
+    info = json.loads(report.stdout)
+    assert info["scan_backends"]["cpu"]["available"] and info["scan_backends"]["cpu"]["how"].startswith("jit, ")
+    assert info["scan_backend_in_use"] == {"cpu": "cpu"}, info["scan_backend_in_use"]
+    assert library.stat().st_mtime_ns == compiled_at  # found built: not compiled a second time
