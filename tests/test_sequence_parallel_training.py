@@ -219,6 +219,54 @@ def test_a_world_that_n_does_not_divide_and_the_baselines_are_refused_in_one_lin
             capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["2 tokens over 4 ranks", "a DeiT", "5 tokens over 6 ranks"])
+def test_a_model_the_split_cannot_take_is_refused_before_anything_starts(case, data, tmp_path, monkeypatch, capsys):
+    """Issue 50, cases 10-12: a split the model cannot take was found only inside the first forward, after the
+    process group and DeepSpeed had started (an AttributeError for a DeiT; a refusal that left options.yaml and
+    metrics.jsonl behind, whose header `compare-runs` then showed). The run's own checks (engine/preflight.py, run
+    by every rank before the process group) and `vim-ds bench split`'s arguments refuse it in one line. Variant the
+    issue does not name: 5 tokens (2 x 2 patches) over 6 ranks, one token short. Control: the same check with 2
+    ranks per image passes (both Vims split over 2 ranks)."""
+    from vim_ds import bench
+    from vim_ds.engine.run import run
+    from vim_ds.engine.run_options import parse_args
+
+    def vim(patch: int) -> list[str]:
+        return ["--model", "vim_tiny", "--model-kwargs", "depth=2", "embed_dim=32", f"patch_size={patch}",
+                f"stride={patch}"]
+
+    deit = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "depth=1", "embed_dim=32", "num_heads=2"]
+    model, size, ranks, expected = {
+        "2 tokens over 4 ranks": (vim(8), "8", 4, "its 2 tokens (1 patch and the class token) cannot be split over "
+                                                  "4 ranks: every rank needs at least one token"),
+        "a DeiT": (deit, "32", 2, "only Vim models split their tokens over ranks, and this one is a "
+                                  "VisionTransformer"),
+        "5 tokens over 6 ranks": (vim(4), "8", 6, "its 5 tokens (4 patches and the class token) cannot be split over "
+                                               "6 ranks"),
+    }[case]
+    out = tmp_path / "r"
+    monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    monkeypatch.setenv("RANK", "0")
+    args = ["--data-set", "folder", "--data-path", data, "--output_dir", str(out), *model, "--input-size", size,
+            "--deepspeed_config", config("zero2"), "--sequence-parallel", str(ranks), "--batch-size", "4"]
+    assert run(parse_args(args)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--sequence-parallel {ranks} with --model " in err[0] and expected in err[0], err
+    assert not out.exists()  # refused before anything was written
+    with pytest.raises(SystemExit) as exited:  # an argument error: before any rank process is spawned
+        bench.main(["split", "--ranks", "1", str(ranks), "--input-size", size, "--model", *model[1:]])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"--ranks {ranks} with --model " in err[-1] and expected in err[-1], err
+    if case != "a DeiT":  # control: two ranks per image take the same model
+        from vim_ds.engine import preflight
+        from vim_ds.engine.run_config import RunConfig
+
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        args[args.index("--sequence-parallel") + 1] = "2"
+        preflight.check(RunConfig.from_namespace(parse_args(args)), True)
+
+
 def test_the_preflight_scales_the_lr_by_the_groups_not_by_the_ranks(data, tmp_path, monkeypatch):
     """Before the process group starts, the lr checks (a --min-lr above the peak lr) scale --lr by the global batch
     of the data-parallel ranks: 2 ranks as one group of 2 with 4 images are a global batch of 4, not 8 (the

@@ -56,6 +56,25 @@ def check_args(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     if any(n < 1 for n in args.ranks):
         parser.error(f"--ranks must be at least 1 each, got {args.ranks}")
+    problem = _split_problem(args)
+    if problem:
+        parser.error(problem)
+
+
+def _split_problem(args) -> str | None:
+    """Why the model cannot be built (an unknown name, a bad --model-kwargs) or split over the largest N asked (not
+    a Vim; fewer tokens than ranks), found on the meta device before any rank process starts, else None."""
+    from ..models.factory import ModelConfig
+    from ..models.sequence_parallel import split_error
+
+    try:
+        with torch.device("meta"):
+            model = ModelConfig(args.model, args.nb_classes, args.input_size, args.model_kwargs).build()
+    except ValueError as exc:
+        return str(exc)
+    most = max(args.ranks)
+    problem = split_error(model, most)
+    return f"--ranks {most} with --model {args.model} at --input-size {args.input_size}: {problem}" if problem else None
 
 
 def communication_per_block(model, batch: int, dtype: torch.dtype) -> dict:

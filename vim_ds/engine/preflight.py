@@ -105,12 +105,19 @@ def _data(config: RunConfig) -> None:
 
 def _model(config: RunConfig) -> None:
     """The model, built on the meta device with the run's options (a placeholder head: the class count comes from
-    the data)."""
+    the data), and whether --sequence-parallel can split its tokens."""
     from .components import model_config
+
+    from ..models.sequence_parallel import split_error
 
     classes = config.data.nb_classes if config.data.data_set == "synthetic" else 1000
     with torch.device("meta"):
-        model_config(config, classes).build()
+        model = model_config(config, classes).build()
+    # the split's own check runs inside the first forward, after the process group and DeepSpeed have started
+    problem = split_error(model, config.run.sequence_parallel)
+    if problem:
+        raise ValueError(f"--sequence-parallel {config.run.sequence_parallel} with --model {config.model.model} at "
+                         f"--input-size {config.model.input_size}: {problem}")
 
 
 def _files(config: RunConfig) -> None:

@@ -82,7 +82,7 @@ from ..ops.scan_state import selective_scan_with_state
 from ..ops.ssm_branch import branch_inputs, project
 from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
 
-__all__ = ["average_gradients", "sequence_parallel_forward", "split_bounds", "split_over"]
+__all__ = ["average_gradients", "sequence_parallel_forward", "split_bounds", "split_error", "split_over"]
 
 Bounds = List[Tuple[int, int]]
 
@@ -102,6 +102,24 @@ def split_bounds(length: int, world: int, lengths: Optional[Sequence[int]] = Non
         raise ValueError(f"chunk lengths {lengths} must be {world} numbers, each at least 1, summing to {length}")
     ends = torch.tensor(lengths).cumsum(0).tolist()
     return list(zip([0] + ends[:-1], ends))
+
+
+def split_error(model, ranks: int) -> str | None:
+    """Why `model`'s tokens cannot be split over `ranks` ranks, in a few words, else None: only a VisionMamba has
+    the split, and every rank needs at least one of its tokens (its patches and the class token). Checked before
+    anything starts (the training preflight, `vim-ds bench split`'s arguments), so that a job is refused in one line
+    instead of failing inside its first forward; `model` may be built on the meta device."""
+    if ranks <= 1:
+        return None
+    if not isinstance(model, VisionMamba):
+        return (f"only Vim models split their tokens over ranks, and this one is a {type(model).__name__} (use a "
+                f"vim_* model, or no split)")
+    patches = model.patch_embed.num_patches
+    if patches + 1 < ranks:
+        return (f"its {patches + 1} tokens ({patches} patch{'es' * (patches != 1)} and the class token) cannot be "
+                f"split over {ranks} ranks: every rank needs at least one token (a larger --input-size, or fewer "
+                f"ranks per image)")
+    return None
 
 
 # -- collectives with their adjoints as backward ----------------------------------------------------------------
@@ -417,6 +435,10 @@ def average_gradients(tensors, group=None) -> None:
 def split_over(model: VisionMamba, group, *, backend: str = "auto") -> VisionMamba:
     """From now on ``model(images)`` is ``sequence_parallel_forward(model, images, group)`` (what an engine that
     calls the model needs: the training engine's ZeRO hooks and autocast stay around it). Returns the model."""
+    problem = split_error(model, dist.get_world_size(group))
+    if problem:
+        raise ValueError(f"cannot split the model's tokens: {problem}")
+
     def forward(module: VisionMamba, images: torch.Tensor) -> torch.Tensor:
         return sequence_parallel_forward(module, images, group, backend=backend)
 
