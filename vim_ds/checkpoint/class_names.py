@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from ..data.names import alike, plain, quoted
+from ..data.names import alike, look_alike_key, quoted, shown
 from .files import CheckpointError, is_safetensors
 
 
@@ -39,7 +39,7 @@ def data_source(data) -> str:
 def _shown(name: str) -> str:
     """`name` as it is, or quoted where it would not print unmistakably (`names.quoted`: `'ze\\u0301ro'`, `'7 '`) or
     would read as part of a listing (a comma, `...`)."""
-    return name if plain(name) and "," not in name and "..." not in name else quoted(name)
+    return quoted(name) if "," in name or "..." in name else shown(name)
 
 
 def listing(names: list[str], most: int = 10) -> str:
@@ -94,7 +94,8 @@ def _what_differs(was: list[str], now: list[str]) -> list[str]:
     new = [n for n in now_count if n not in was_count]
     repeated = [n for n in now_count if now_count[n] > max(1, was_count[n])]
     what = []
-    twin = next(((n, m) for n in new for m in missing if alike(n, m)), None)
+    missing_by_look = {look_alike_key(m): m for m in missing}
+    twin = next(((n, missing_by_look[look_alike_key(n)]) for n in new if look_alike_key(n) in missing_by_look), None)
     if twin:  # said as one: the name here is the one there, written otherwise
         what.append(f"{_shown(twin[0])} here and {_shown(twin[1])} there are {alike(*twin)}")
         new.remove(twin[0])
