@@ -390,7 +390,7 @@ NFC, NFD = "z\u00e9ro", "ze\u0301ro"  # both print as zéro
 ])
 def test_names_that_print_alike_are_told_apart(data, train_name, val_name, why):
     """Compared as they are (a folder name is bytes on disk; NFC and NFD sort apart, so merging them could give a
-    class two labels), and shown with the code points that differ. Before: `'zéro' is in train/ but not in val/`
+    class two labels), and shown with the code points that differ. Before: `'zéro' is in val/ but not in train/`
     while `ls` showed zéro in both."""
     (data / "train" / "9").rename(data / "train" / train_name)
     (data / "val" / "9").rename(data / "val" / val_name)
