@@ -13,6 +13,7 @@ transform (resize to input_size / eval_crop_ratio, centre crop).
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import sys
 
@@ -55,8 +56,7 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
 
             names = class_folders(spec)
         elif os.path.isfile(spec):
-            with open(spec) as f:
-                names = [line.strip() for line in f if line.strip()]
+            names = names_file(spec)
         else:
             raise ValueError(f"--classes: not found: {spec}")
         if recorded and names != recorded and (folder or set(names) & set(recorded)):
@@ -83,6 +83,46 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
         if not recorded or recorded == list(info.label_names()):
             return [info.index_to_description(i) for i in range(1000)]
     return recorded
+
+
+# what a text editor may put first in a file: the encoding it names, and that the text does not start with it
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def names_file(path: str) -> list[str]:
+    """The names of a `--classes` file, one a line (blank lines and spaces at the ends left out). UTF-8, or what a
+    byte-order mark says (Windows editors write one: UTF-8's, or UTF-16's for "Unicode"), the mark not part of the
+    first name. Two names that are the same, or print the same (`names.alike`), are refused: two labels would be
+    shown alike."""
+    with open(path, "rb") as f:
+        data = f.read()
+    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--classes {path} is not {encoding.upper().replace('-SIG', '')} text (byte "
+                         f"0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8") from None
+    if "\x00" in text:  # valid UTF-8, but no name holds one
+        raise ValueError(f"--classes {path} holds NUL bytes: UTF-16 without a byte-order mark, or not text at all; "
+                         f"save it as UTF-8")
+    numbered = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    _refuse_repeats(path, numbered)
+    return [name for _, name in numbered]
+
+
+def _refuse_repeats(path: str, numbered: list[tuple[int, str]]) -> None:
+    from .data.names import alike, look_alike_key, quoted
+
+    first = {}
+    for number, name in numbered:
+        earlier, earlier_name = first.setdefault(look_alike_key(name), (number, name))
+        if earlier == number:
+            continue
+        same = (f"names {quoted(name)} twice" if name == earlier_name else
+                f"names {quoted(earlier_name)} and {quoted(name)}, {alike(earlier_name, name)},")
+        raise ValueError(f"--classes {path} {same} on lines {earlier} and {number}: two labels would be shown "
+                         f"alike; give each class a name of its own")
 
 
 def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:

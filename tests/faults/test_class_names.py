@@ -276,3 +276,119 @@ def test_finetune_onto_other_names_of_the_same_count_starts_a_fresh_head(convert
     same = model()
     assert load_finetune_weights(same, converted["pth"], DIGITS, "--data-path D") is None  # its own names: all kept
     assert torch.equal(same.head.weight, saved["head.weight"])
+
+
+# -- names listed twice, names that print alike, --classes files as editors write them (issue 50) --------------------
+
+
+def test_a_name_listed_twice_or_printing_alike_is_said_so():
+    """11 names for 10 classes used to be `the same 10 names in another order`; a name in NFD where the checkpoint
+    has it in NFC was `class zéro is missing here and zéro is new`."""
+    from vim_ds.checkpoint.class_names import refusal
+
+    fix = "give --classes the classes it was trained on"
+    assert refusal("T", DIGITS, "--classes F", [*DIGITS[:4], "3", *DIGITS[4:]], fix) == (
+        "T was trained on 10 classes 0..9; --classes F has 11 classes 0..3,3..9: 3 is listed twice (labels 4-9 would "
+        "shift by one); give --classes the classes it was trained on")
+    # the variant: as many names as classes, one of them twice and so one missing
+    assert refusal("T", DIGITS, "D", [*DIGITS[:4], "3", *DIGITS[5:]], fix) == (
+        "T was trained on 10 classes 0..9; D has 0..3,3,5..9: class 4 is missing here and 3 is listed twice (label 4 "
+        "was 4, here 3); give --classes the classes it was trained on")
+    nfc, nfd = "z\u00e9ro", "ze\u0301ro"
+    assert refusal("T", [*DIGITS[:9], nfc], "--data-path D", [*DIGITS[:9], nfd], fix) == (
+        "T was trained on 10 classes 0..8,z\u00e9ro; --data-path D has 0..8,'ze\\u0301ro': 'ze\\u0301ro' here and "
+        "z\u00e9ro there are the same letters in two Unicode forms (NFD and NFC; macOS writes names in NFD) (label 9 "
+        "was z\u00e9ro, here 'ze\\u0301ro'); give --classes the classes it was trained on")
+    # negative control: the same names in another order are said to be so
+    assert "the same 10 names in another order" in refusal("T", DIGITS, "D", DIGITS[::-1], fix)
+
+
+@pytest.fixture(scope="module")
+def named_weights(tmp_path_factory):
+    """A small random classifier whose file records the class names 0..9 (as `vim-ds convert` writes them), and an
+    image to predict."""
+    import numpy as np
+    import timm
+    from PIL import Image
+
+    import vim_ds  # noqa: F401
+
+    kwargs = {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
+    torch.manual_seed(0)
+    model = timm.create_model("vim_tiny", num_classes=10, img_size=32, **kwargs)
+    folder = tmp_path_factory.mktemp("named")
+    path, image = str(folder / "w.pth"), str(folder / "x.png")
+    torch.save({"model": model.state_dict(), "vim_ds": {"model": "vim_tiny", "model_kwargs": kwargs,
+                                                         "num_classes": 10, "input_size": 32, "classes": DIGITS}},
+               path)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(image)
+    return path, image
+
+
+def predict_with(named_weights, classes_file, capsys) -> tuple[int, str, str]:
+    from vim_ds.predict import main as predict
+
+    weights, image = named_weights
+    code = predict([image, "--weights", weights, "--classes", str(classes_file)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("encoding,bom", [("utf-8", b"\xef\xbb\xbf"), ("utf-16-le", b"\xff\xfe")],
+                         ids=["utf-8 BOM", "utf-16 (Notepad's Unicode)"])
+def test_a_classes_file_with_a_byte_order_mark_is_read_without_it(named_weights, tmp_path, capsys, encoding, bom):
+    """A BOM (Windows editors write one) used to become part of the first name: `\\ufeff0` is not class 0, and the
+    file of the recorded names was refused as `class 0 is missing here and 0 is new`."""
+    names = tmp_path / "names.txt"
+    names.write_bytes(bom + "\r\n".join(DIGITS).encode(encoding))
+    code, out, err = predict_with(named_weights, names, capsys)
+    assert (code, err) == (0, "") and out.count(" 0.") == 5, out + err
+    names.write_bytes("\r\n".join(DIGITS).encode(encoding))  # negative control: without its BOM, UTF-16 is no UTF-8
+    code, out, err = predict_with(named_weights, names, capsys)
+    if encoding == "utf-8":
+        assert (code, err) == (0, "")
+    else:
+        assert code == 2 and err == (f"vim-ds predict: error: --classes {names} holds NUL bytes: UTF-16 without a "
+                                     f"byte-order mark, or not text at all; save it as UTF-8\n")
+
+
+def test_a_classes_file_in_another_encoding_is_refused_in_one_line(named_weights, tmp_path, capsys):
+    """Latin-1 (an older Windows editor): before, `'utf-8' codec can't decode byte 0xe9 in position 4: invalid
+    continuation byte`, naming neither the file nor what to do."""
+    names = tmp_path / "names.txt"
+    names.write_bytes("\n".join(["cat", "dog", "z\u00e9ro", *"abcdefg"]).encode("latin-1"))
+    assert predict_with(named_weights, names, capsys) == (
+        2, "", f"vim-ds predict: error: --classes {names} is not UTF-8 text (byte 0xe9 at offset 9); save it as "
+               f"UTF-8\n")
+    names.write_text("\n".join(["cat", "dog", "z\u00e9ro", *"abcdefg"]), encoding="utf-8")  # negative control
+    assert predict_with(named_weights, names, capsys)[0] == 0
+
+
+@pytest.mark.parametrize("second,said", [
+    ("cat", "names 'cat' twice"),  # the issue's case
+    ("cat ", "names 'cat' twice"),  # spaces at the ends are left out: the same name
+    ("cat\u200b", "names 'cat' and 'cat\\u200b', the same name but for invisible characters,"),  # the variants:
+    ("CAT", None),  # negative control: another name                                            # they print alike
+], ids=["twice", "with a space", "zero-width space", "CAT"])
+def test_a_classes_file_naming_two_labels_alike_is_refused(named_weights, tmp_path, capsys, second, said):
+    """Display names (they share no name with the recorded ones): `cat` shown for two labels was accepted."""
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join(["cat", second, "dog", *"abcdefg"]) + "\n")
+    code, out, err = predict_with(named_weights, names, capsys)
+    if said is None:
+        assert code == 0 and err.startswith(f"note: --classes {names} names none of the classes"), err
+        return
+    assert (code, out) == (2, "")
+    assert err == (f"vim-ds predict: error: --classes {names} {said} on lines 1 and 2: two labels would be shown "
+                   f"alike; give each class a name of its own\n")
+
+
+def test_a_classes_file_in_nfd_is_told_apart_from_its_nfc_twin(named_weights, tmp_path, capsys):
+    nfc, nfd = "z\u00e9ro", "ze\u0301ro"
+    names = tmp_path / "names.txt"
+    names.write_text("\n".join([nfc, nfd, *"abcdefgh"]) + "\n", encoding="utf-8")
+    code, _, err = predict_with(named_weights, names, capsys)
+    assert code == 2 and err == (
+        f"vim-ds predict: error: --classes {names} names 'z\u00e9ro' and 'ze\\u0301ro', the same letters in two "
+        f"Unicode forms (NFC and NFD; macOS writes names in NFD), on lines 1 and 2: two labels would be shown alike; "
+        f"give each class a name of its own\n")

@@ -11,7 +11,9 @@ names (written before, published, timm's) are taken as before: only the class co
 from __future__ import annotations
 
 import os
+from collections import Counter
 
+from ..data.names import alike, look_alike_key, quoted, shown
 from .files import CheckpointError, is_safetensors
 
 
@@ -35,7 +37,9 @@ def data_source(data) -> str:
 
 
 def _shown(name: str) -> str:
-    return repr(name) if not name or "," in name or name != name.strip() or "..." in name else name
+    """`name` as it is, or quoted where it would not print unmistakably (`names.quoted`: `'ze\\u0301ro'`, `'7 '`) or
+    would read as part of a listing (a comma, `...`)."""
+    return quoted(name) if "," in name or "..." in name else shown(name)
 
 
 def listing(names: list[str], most: int = 10) -> str:
@@ -78,20 +82,43 @@ def _counted(n: int) -> str:
     return {1: "one", 2: "two", 3: "three"}.get(abs(n), str(abs(n)))
 
 
-def difference(was: list[str], now: list[str]) -> str:
-    """What differs between the names a checkpoint was trained on (`was`) and those of the data (`now`), and what it
-    would do to the labels: `class 3 is missing here and z3 is new (labels 3-9 would shift by one)`."""
-    was_set, now_set = set(was), set(now)
-    missing = [n for n in was if n not in now_set]
-    new = [n for n in now if n not in was_set]
+def _times(n: int) -> str:
+    return {2: "twice", 3: "three times"}.get(n, f"{n} times")
+
+
+def _what_differs(was: list[str], now: list[str]) -> list[str]:
+    """The names missing here, new here and listed more often here than there, as phrases; a new name that prints
+    like a missing one (`zéro` in NFD here, in NFC there) is said to be so, once."""
+    was_count, now_count = Counter(was), Counter(now)
+    missing = [n for n in was_count if n not in now_count]
+    new = [n for n in now_count if n not in was_count]
+    repeated = [n for n in now_count if now_count[n] > max(1, was_count[n])]
     what = []
+    missing_by_look = {look_alike_key(m): m for m in missing}
+    twin = next(((n, missing_by_look[look_alike_key(n)]) for n in new if look_alike_key(n) in missing_by_look), None)
+    if twin:  # said as one: the name here is the one there, written otherwise
+        what.append(f"{_shown(twin[0])} here and {_shown(twin[1])} there are {alike(*twin)}")
+        new.remove(twin[0])
+        missing.remove(twin[1])
     if missing:
         what.append(f"class{'es' if len(missing) > 1 else ''} {_some(missing)} "
                     f"{'are' if len(missing) > 1 else 'is'} missing here")
     if new:
         what.append(f"{_some(new)} {'are' if len(new) > 1 else 'is'} new")
-    if not what:
-        what.append(f"the same {len(was)} names in another order")
+    for name in repeated[:3]:
+        what.append(f"{_shown(name)} is listed {_times(now_count[name])}")
+    if len(repeated) > 3:
+        what.append(f"{len(repeated) - 3} more names are listed more than once")
+    return what
+
+
+def difference(was: list[str], now: list[str]) -> str:
+    """What differs between the names a checkpoint was trained on (`was`) and those of the data (`now`), and what it
+    would do to the labels: `class 3 is missing here and z3 is new (labels 3-9 would shift by one)`. Names are
+    compared as they are (a folder name is bytes on disk), and shown so that two that print alike can be told apart.
+    """
+    was_set = set(was)
+    what = _what_differs(was, now) or [f"the same {len(was)} names in another order"]
     changed = [i for i in range(min(len(was), len(now))) if was[i] != now[i]]
     if not changed:  # one list is the other's beginning: only a count of classes differs
         return " and ".join(what)

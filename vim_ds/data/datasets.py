@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from .images import open_rgb
+from .names import alike, look_alike_key, quoted
 from .transforms import TransformConfig, build_handover_transform
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ def decode_failure(path: str, exc: Exception) -> str:
     except OSError:
         pass
     if isinstance(exc, FileNotFoundError):
+        if os.path.islink(path):  # listed as it is: an image whose link leads nowhere
+            return f"a symlink to {os.readlink(path)}, which does not exist"
         return "the file is gone: deleted or moved after the data set was listed"
     if isinstance(exc, UnidentifiedImageError):
         return "not an image PIL can identify"
@@ -179,6 +182,7 @@ class FolderDataset(SeededDataset):
         # counts and one example each, not the lists: the data set is pickled to every data-loader worker
         self.ignored_files, self.ignored_example = len(scan.ignored), (scan.ignored or [None])[0]
         self.hidden_entries, self.hidden_example = len(scan.hidden), (scan.hidden or [None])[0]
+        self.loose_images, self.loose_example = len(scan.loose), (scan.loose or [None])[0]
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -196,27 +200,74 @@ class FolderDataset(SeededDataset):
         return self.transform(image), target
 
 
-def _entries(folder: str):
+def _entries(folder: str, what: str = "folder", split_level: bool = False):
     """(hidden paths, sub-folder paths, file paths) of one folder, each sorted; symlinks are followed.
 
     Names starting with '.' are never classes or images: `.ipynb_checkpoints` (a copy of some images, which as a
     class folder would shift every label by one), macOS's `.DS_Store` and `._name.png` resource forks.
+
+    What cannot be read is refused by name (a DataError), never skipped: a folder that cannot be listed (`what` names
+    it: "class folder", "folder"), a symlink that never resolves (a loop), and a symlink that leads nowhere, which
+    may be a folder on a disk not mounted: in `split_level` (the class folders' level) always, since a class left
+    out would renumber the classes after it; below it, unless its name is an image's (an image file that is gone,
+    skipped as any image that does not decode).
     """
     hidden, folders, files = [], [], []
-    for entry in os.scandir(folder):
-        if entry.name.startswith("."):
-            hidden.append(entry.path)
-            continue
-        try:
-            # follows a symlink; a dangling one is a file (undecodable, skipped later)
-            is_dir = entry.is_dir()
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a link to itself, or links that point at each other
-                raise DataError(f"symlink loop: {_named(entry.path)} never reaches a file or folder; "
-                                f"remove the link") from None
-            raise
-        (folders if is_dir else files).append(entry.path)
+    try:
+        with os.scandir(folder) as listing:
+            for entry in listing:
+                if entry.name.startswith("."):
+                    hidden.append(entry.path)
+                elif _is_folder(entry, split_level):
+                    folders.append(entry.path)
+                else:
+                    files.append(entry.path)
+    except OSError as exc:
+        raise _cannot_read(folder, exc, what) from None
     return sorted(hidden), sorted(folders), sorted(files)
+
+
+_LEFT_OUT = {True: "a class folder there would be left out, and the classes after it renumbered",
+             False: "the images of a folder there would be left out"}
+
+
+def _is_folder(entry: os.DirEntry, split_level: bool) -> bool:
+    """Whether `entry` is (or links to) a folder; a DataError for a link that never resolves or leads nowhere."""
+    try:
+        if entry.is_dir():  # follows a symlink
+            return True
+        if entry.is_symlink():
+            os.stat(entry.path)  # a link to a file; raises for one that leads nowhere
+        return False
+    except FileNotFoundError:
+        if not split_level and has_file_allowed_extension(entry.name, IMG_EXTENSIONS):
+            return False  # an image that is gone: skipped, with its link's target, when it is read
+        raise DataError(_leads_nowhere(entry.path, _LEFT_OUT[split_level])) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link to itself, or links that point at each other
+            raise DataError(f"symlink loop: {_named(entry.path)} never reaches a file or folder; "
+                            f"remove the link") from None
+        # only a link is followed here (a plain entry's type comes with the listing): one to a place it cannot see
+        raise _cannot_read(_named(entry.path), exc, "the target of") from None
+
+
+def _leads_nowhere(path: str, lost: str | None) -> str:
+    """The refusal of the symlink `path` to something that does not exist; `lost`: what skipping it would lose."""
+    target = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    lost = f"{lost}; " if lost else ""
+    return (f"{_named(path)} leads nowhere: {target} does not exist (a disk not mounted? moved?); {lost}mount or "
+            f"restore it, or remove the link")
+
+
+def _cannot_read(path: str, exc: OSError, what: str) -> DataError:
+    """The refusal of a folder that cannot be listed: skipping it would leave its images (as a class folder: its
+    class, renumbering those after it) out without a word."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        fix = "give the user running vim-ds read and execute permission on it (chmod a+rx)"
+    else:
+        fix = "the disk or file system holding it failed (see dmesg); repair or remount it"
+    return DataError(f"{what} {path} cannot be read ({reason}): {fix}")
 
 
 def _named(path: str) -> str:
@@ -238,12 +289,22 @@ class _FolderScan:
       Folders are told apart by (st_dev, st_ino), which also catches bind mounts; files are not (a stat per file
       would cost minutes on a network file system), so a symlinked file is listed as it is, once.
     * hidden names are skipped (`_entries`), and counted.
+    * what cannot be read is refused by name (`_entries`): a class folder that is a symlink leading nowhere (a disk
+      not mounted), a folder that cannot be listed (permissions, an I/O error), a loop. ImageFolder skips the first
+      (a class fewer, the labels after it shifted by one) and stops with a traceback on the others.
+    * two class folders whose names look the same (`names.alike`: `zéro` in NFC and in NFD) are refused: two classes
+      every message and prediction would show alike.
+    * images beside the class folders (no class's samples, as in ImageFolder) are counted (`loose`) for a warning.
+
+    With `walk` False only the class folders are listed and checked (each opened, none walked): what the preflight
+    and `predict --classes FOLDER` need, at the cost of one stat and one open per class.
     """
 
-    def __init__(self, split_dir: str):
-        # files beside the class folders are not samples
-        self.hidden, class_dirs, _ = _entries(split_dir)
+    def __init__(self, split_dir: str, walk: bool = True):
+        self.hidden, class_dirs, files = _entries(split_dir, split_level=True)
+        self.loose = [file for file in files if has_file_allowed_extension(file, IMG_EXTENSIONS)]
         self.classes = [os.path.basename(path) for path in class_dirs]
+        _refuse_look_alikes(split_dir, self.classes)
         self.samples, self.ignored = [], []
         self.seen = {}  # identity -> (path, class) of every folder listed so far
         holders = {}  # identity -> path of the split folder and of every folder above it
@@ -253,9 +314,13 @@ class _FolderScan:
             up = os.path.dirname(up)
         # every class folder is claimed first, so that a link from one class into another is caught either way
         keys = [self._claim(path, name, holders) for path, name in zip(class_dirs, self.classes)]
+        if not walk:
+            for path in class_dirs:
+                _open_folder(path, "class folder")
+            return
         for idx, (path, name, key) in enumerate(zip(class_dirs, self.classes, keys)):
             listed = []
-            self._walk(path, name, {**holders, key: path}, listed)
+            self._walk(path, name, {**holders, key: path}, listed, "class folder")
             # ImageFolder's order: folders by path, then files by name
             for _, files in sorted(listed):
                 for file in files:
@@ -271,20 +336,42 @@ class _FolderScan:
                             f"images would be listed over and over; remove the link")
         if key in self.seen:
             first, first_class = self.seen[key]
-            where = f"under classes {first_class!r} and {name!r}" if first_class != name else f"in class {name!r}"
+            where = (f"under classes {quoted(first_class)} and {quoted(name)}" if first_class != name else
+                     f"in class {quoted(name)}")
             raise DataError(f"{_named(path)} is the same folder as {_named(first)}: its images would be listed "
                             f"twice, {where}; remove the link or copy the folder")
         self.seen[key] = path, name
         return key
 
-    def _walk(self, folder: str, name: str, holders: dict, listed: list) -> None:
+    def _walk(self, folder: str, name: str, holders: dict, listed: list, what: str = "folder") -> None:
         """Depth first below `folder` of class `name`; `holders`: identity -> path of the folders holding it."""
-        hidden, folders, files = _entries(folder)
+        hidden, folders, files = _entries(folder, what)
         self.hidden += hidden
         listed.append((folder, files))
         for path in folders:
             key = self._claim(path, name, holders)
             self._walk(path, name, {**holders, key: path}, listed)
+
+
+def _open_folder(path: str, what: str) -> None:
+    """Open `path` and read its first entry, as listing it would: a DataError if it cannot be read."""
+    try:
+        with os.scandir(path) as listing:
+            next(listing, None)
+    except OSError as exc:
+        raise _cannot_read(path, exc, what) from None
+
+
+def _refuse_look_alikes(split_dir: str, classes: list) -> None:
+    """Two class folders whose names print the same (see `names`) would be two classes no message could tell
+    apart."""
+    first = {}
+    for name in classes:
+        twin = first.setdefault(look_alike_key(name), name)
+        if twin != name:
+            raise DataError(f"class folders {quoted(twin)} and {quoted(name)} of {split_dir} look the same: "
+                            f"{alike(twin, name)}; they would be two classes that every message and prediction "
+                            f"shows alike: merge them into one folder, or rename one")
 
 
 class SyntheticDataset(SeededDataset):
@@ -305,8 +392,9 @@ class SyntheticDataset(SeededDataset):
 
 
 def class_folders(split_dir: str) -> list:
-    """Class folders as `_FolderScan` finds them (sorted folder names, hidden ones left out), so the two agree."""
-    return [os.path.basename(path) for path in _entries(split_dir)[1]]
+    """Class folders as `_FolderScan` finds them (sorted folder names, hidden ones left out), checked as it checks
+    them (every one can be read; no link loops, none reached twice, no two names alike), so the two agree."""
+    return _FolderScan(split_dir, walk=False).classes
 
 
 def _checked_split(root, split: str) -> list:
@@ -314,11 +402,13 @@ def _checked_split(root, split: str) -> list:
     if not root:
         raise DataError("no --data-path given: it must hold train/<class>/* and val/<class>/* (the ImageNet layout)")
     layout = f"{root}/train/<class>/* and {root}/val/<class>/*"
+    _refuse_dangling(root)
     if os.path.exists(root) and not os.path.isdir(root):
         raise DataError(f"data path {root} is a file, not a folder (expected {layout})")
     if not os.path.isdir(root):
         raise DataError(f"data path {root} does not exist (expected {layout})")
     split_dir = os.path.join(root, split)
+    _refuse_dangling(split_dir)
     if os.path.exists(split_dir) and not os.path.isdir(split_dir):
         raise DataError(f"{split_dir} is a file, not a folder: the data path must hold train/<class>/* and "
                         f"val/<class>/*")
@@ -328,6 +418,17 @@ def _checked_split(root, split: str) -> list:
     if not classes:
         raise DataError(f"{split_dir} has no class folders (expected {split_dir}/<class>/<image files>)")
     return classes
+
+
+def _refuse_dangling(path: str) -> None:
+    """A data path or split folder that is a symlink leading nowhere is not "missing": `ls` shows it."""
+    if os.path.islink(path) and not os.path.exists(path):
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise DataError(_leads_nowhere(path, None)) from None
+        except OSError:
+            pass  # a loop, or no permission on the way: the scan names it
 
 
 def check_layout(root: str, need_train: bool = True) -> None:
@@ -342,8 +443,22 @@ def _same_classes(root: str, train_classes: list, classes: list) -> None:
     if classes != train_classes:  # both sorted: equal sets give equal lists
         first = sorted(set(train_classes) ^ set(classes))[0]
         has, lacks = ("train", "val") if first in train_classes else ("val", "train")
+        there = classes if lacks == "val" else train_classes
         raise DataError(f"class folders of {os.path.join(root, 'train')} and {os.path.join(root, 'val')} differ: "
-                        f"{first!r} is in {has}/ but not in {lacks}/")
+                        f"{_not_in(root, first, has, lacks, there)}")
+
+
+def _not_in(root: str, name: str, has: str, lacks: str, there: list) -> str:
+    """Why class `name` of split `has` is not one of `lacks`, which holds the classes `there`, told so that it can
+    be matched with what `ls` shows: a file of that name, or a folder whose name only looks the same."""
+    if os.path.lexists(os.path.join(root, lacks, name)):  # not a folder (a link leading nowhere was refused)
+        return f"{lacks}/{name} is a file, not a folder, so {quoted(name)} is a class of {has}/ only"
+    twin = next((other for other in there if alike(other, name)), None)
+    if twin is not None:
+        train, val = (name, twin) if has == "train" else (twin, name)
+        return (f"train/ has {quoted(train)} where val/ has {quoted(val)}: {alike(train, val)}; rename one like the "
+                f"other")
+    return f"{quoted(name)} is in {has}/ but not in {lacks}/"
 
 
 def _folder_dataset(root: str, is_train: bool, transform, finish=None) -> FolderDataset:
@@ -352,12 +467,7 @@ def _folder_dataset(root: str, is_train: bool, transform, finish=None) -> Folder
     classes = train_classes if is_train else _checked_split(root, "val")
     _same_classes(root, train_classes, classes)
     dataset = FolderDataset(os.path.join(root, split), transform, finish)
-    if dataset.ignored_files and _is_rank0():
-        log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",
-                    dataset.ignored_files, dataset.root, " ".join(IMG_EXTENSIONS), dataset.ignored_example)
-    if dataset.hidden_entries and _is_rank0():
-        log.warning("warning: skipped %d hidden file(s) and folder(s) in %s (names starting with '.' are neither "
-                    "classes nor images), e.g. %s", dataset.hidden_entries, dataset.root, dataset.hidden_example)
+    warn_left_out(dataset)
     counts = Counter(dataset.targets)
     for idx, name in enumerate(dataset.classes):
         if counts[idx]:
@@ -372,6 +482,23 @@ def _folder_dataset(root: str, is_train: bool, transform, finish=None) -> Folder
             log.warning("warning: class folder %s has no image files; class %d (%s) is not evaluated",
                         folder, idx, name)
     return dataset
+
+
+def warn_left_out(dataset: FolderDataset) -> None:
+    """One warning (on the first rank) for each kind of file a folder data set does not read: images beside the class
+    folders, files without an image extension, hidden names."""
+    if not _is_rank0():
+        return
+    if dataset.loose_images:
+        log.warning("warning: ignored %d image file(s) directly in %s, outside any class folder (an image's class is "
+                    "the folder it is in: move them into one), e.g. %s", dataset.loose_images, dataset.root,
+                    dataset.loose_example)
+    if dataset.ignored_files:
+        log.warning("warning: ignored %d file(s) in %s without an image extension (%s), e.g. %s",
+                    dataset.ignored_files, dataset.root, " ".join(IMG_EXTENSIONS), dataset.ignored_example)
+    if dataset.hidden_entries:
+        log.warning("warning: skipped %d hidden file(s) and folder(s) in %s (names starting with '.' are neither "
+                    "classes nor images), e.g. %s", dataset.hidden_entries, dataset.root, dataset.hidden_example)
 
 
 def _is_rank0() -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 from PIL import UnidentifiedImageError
 
 from .datasets import (READERS, BadImage, DataError, FolderDataset, SeededDataset, _folder_dataset,
-                       class_folders)
+                       class_folders, warn_left_out)
 from .images import open_rgb
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,9 @@ def source_splits(data_path: str, split: str | None = None) -> dict:
     if not class_folders(data_path):
         raise DataError(f"{data_path} has no class folders (expected train/<class>/* and val/<class>/*, or "
                         f"<class>/*)")
-    return {split or "train": FolderDataset(data_path, None)}
+    dataset = FolderDataset(data_path, None)
+    warn_left_out(dataset)
+    return {split or "train": dataset}
 
 
 def _write_info(out: str, headers: dict, name: str) -> None:
