@@ -169,12 +169,15 @@ def test_a_universal_conversion_on_a_full_disk_is_one_line_and_removes_its_folde
     size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
     with small_disk(tmp_path / "disk", f"{size // 1024 + 64}k") as disk:  # the source fits, its copy does not
         shutil.copytree(src, disk / "global_step3")
+        (disk / "global_step3_universal").mkdir()  # a user's note in the folder: the clean-up keeps it (issue 50)
+        (disk / "global_step3_universal" / "notes.txt").write_text("mine")
         proc = convert_cli(disk, "--universal")
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = only_line(proc, "vim-ds convert: error")
         assert line.startswith(f"vim-ds convert: error: cannot convert {disk / 'global_step3'} to a universal "
                                f"checkpoint: No space left on device"), line
-        assert "global_step3_universal" not in os.listdir(disk)
+        # what the conversion wrote is gone (without the note, the folder too: the signal test below)
+        assert os.listdir(disk / "global_step3_universal") == ["notes.txt"]
 
 
 @pytest.mark.parametrize("words", ["RuntimeError: basic_ios::clear: iostream error",  # the C++ stream (CI's run)
