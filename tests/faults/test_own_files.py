@@ -21,8 +21,10 @@ import json
 import os
 import shutil
 
+import pytest
 
 from vim_ds.checkpoint import deepspeed_dir as layout
+from vim_ds.checkpoint.files import CheckpointError
 from vim_ds.engine.checkpointing import Checkpointer
 
 # what a 1-rank ZeRO-0 save writes (Checkpointer.save: DeepSpeed's file, vim_ds's EMA and RNG state)
@@ -138,3 +140,88 @@ def test_removing_a_save_takes_its_files_and_then_its_folder(tmp_path):
     assert layout.remove_saved(complete) == ([layout.MARKER, *sorted(SAVED)], [])
     assert layout.remove_saved(interrupted)[1] == []
     assert entries(tmp_path) == []
+
+
+# -- `latest` naming a checkpoint that is gone ----------------------------------------------------------------------
+
+
+def train_config(*argv):
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    return RunConfig.from_namespace(parse_args(["--data-set", "synthetic", "--synthetic-size", "32", "--nb-classes",
+                                                "4", "--model", "vim_tiny", "--input-size", "32", "--model-kwargs",
+                                                "depth=2", "embed_dim=32", "patch_size=4", "stride=4",
+                                                *map(str, argv)]))
+
+
+def run_folder(tmp_path, steps=(1, 2, 3, 4)):
+    """A run's --output_dir: its checkpoints, `latest` naming the newest, metrics.jsonl's steps."""
+    out = tmp_path / "run"
+    for step in steps:
+        lay_out(out / "checkpoints", step)
+    (out / "checkpoints" / "latest").write_text(f"global_step{steps[-1]}")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.0}) + "\n" for s in steps))
+    return out
+
+
+def test_resume_auto_refuses_when_latest_names_a_checkpoint_that_is_gone(tmp_path):
+    """The issue's case, through `vim-ds train` itself: global_step4 deleted, nothing else complete."""
+    from faults.test_refused_runs_leave_nothing import args
+    from train_utils import error_line, run_train
+
+    out = run_folder(tmp_path)
+    for step in (1, 2, 3, 4):
+        shutil.rmtree(out / "checkpoints" / f"global_step{step}")
+    before = contents(out)
+    proc = run_train(args(out, "--batch-size", 8, "--resume", "auto"), check=False)  # a run that would start
+    save_dir = out / "checkpoints"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert error_line(proc) == (
+        f"vim-ds train: error (rank 0): --resume auto: {save_dir / 'latest'} names global_step4, which is not there "
+        f"(deleted or moved?), and {save_dir} holds no other complete checkpoint; starting from step 0 would write a "
+        f"second history into {out}: put global_step4 back, or start anew with another --output_dir"), \
+        proc.stderr[-3000:]
+    assert contents(out) == before  # metrics.jsonl has one history; nothing written
+
+
+def test_the_trainers_own_resume_plan_refuses_it_too(tmp_path):
+    """The variant: the trainer's own resume plan (after the folder is claimed, the preflight's check repeated
+    there) refuses it with the same line, with an interrupted save left beside it; and a save folder named to
+    eval or convert (no `auto`) is refused naming the missing tag."""
+    from vim_ds.engine.parts import auto_resume_path
+
+    out = run_folder(tmp_path)
+    for step in (1, 3, 4):
+        shutil.rmtree(out / "checkpoints" / f"global_step{step}")
+    os.remove(out / "checkpoints" / "global_step2" / layout.MARKER)  # interrupted
+    with pytest.raises(CheckpointError, match=r"^--resume auto: .*latest names global_step4, which is not there"):
+        auto_resume_path(str(out))
+    with pytest.raises(CheckpointError) as refused:
+        layout.resolve(str(out / "checkpoints"))
+    assert str(refused.value) == (f"no complete checkpoint in {out / 'checkpoints'}: its `latest` names global_step4, "
+                                  f"which is not there (deleted or moved?)")
+
+
+def test_with_another_complete_checkpoint_the_missing_latest_is_said_and_the_newest_used(tmp_path, capsys):
+    out = run_folder(tmp_path)
+    shutil.rmtree(out / "checkpoints" / "global_step4")
+    from vim_ds.engine.output_dir import latest_gone
+
+    assert latest_gone(str(out)) is None  # resumable: not refused
+    for _ in range(2):  # said once
+        assert layout.resolve(str(out)) == (str(out / "checkpoints"), "global_step3")
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {out / 'checkpoints' / 'latest'} names global_step4, which is not there (deleted or moved?); using "
+        f"the newest complete checkpoint, global_step3"]
+
+
+# -- the same three forms for every command that takes a checkpoint ------------------------------------------------
+
+
+def test_a_tag_a_save_folder_and_an_output_dir_resolve_alike(tmp_path):
+    out = run_folder(tmp_path, steps=(1, 2))
+    save_dir = str(out / "checkpoints")
+    assert layout.resolve(str(out)) == layout.resolve(save_dir) == layout.resolve(save_dir + "/global_step2") == \
+        (save_dir, "global_step2")
+    assert layout.save_dir_of(str(out)) == save_dir and layout.save_dir_of(save_dir) == save_dir

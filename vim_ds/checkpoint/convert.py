@@ -87,14 +87,11 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     if os.path.isdir(out_path):  # before the (long) read; os.replace cannot put a file there
         raise CheckpointError(f"{os.fspath(out_path)} is a folder: OUT is the file to write, e.g. "
                               f"{os.path.join(out_path, 'weights.pth')}")
-    if tag:
-        save_dir = os.path.normpath(ckpt_path)
+    if tag:  # in a save directory or a training --output_dir
+        save_dir = deepspeed_dir.save_dir_of(os.path.normpath(ckpt_path))
         if not os.path.isdir(os.path.join(save_dir, tag)):
             raise CheckpointError(f"no checkpoint {tag!r} in {save_dir}")
     else:
-        if os.path.isdir(ckpt_path) and not deepspeed_dir.is_tag_dir(ckpt_path) \
-                and os.path.isdir(os.path.join(ckpt_path, "checkpoints")):
-            ckpt_path = os.path.join(ckpt_path, "checkpoints")  # a training --output_dir
         save_dir, tag = deepspeed_dir.resolve(ckpt_path)
     tag_dir = os.path.join(save_dir, tag)
     if not deepspeed_dir.is_tag_dir(tag_dir):

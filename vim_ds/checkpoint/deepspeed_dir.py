@@ -183,6 +183,13 @@ def _warn(text: str):
 _WARNED: set[str] = set()
 
 
+def _warn_once(text: str):
+    """A warning said once per process (every command resolves its checkpoint more than once)."""
+    if text not in _WARNED:
+        _WARNED.add(text)
+        _warn(text)
+
+
 def read_latest(save_dir: str, newest: str = "") -> str | None:
     """The tag DeepSpeed's `latest` file in `save_dir` names, or None: no such file, or one that cannot be read
     (invalid UTF-8, binary garbage, empty, an I/O error), said once per process in a warning naming the file (and
@@ -213,11 +220,31 @@ def read_latest(save_dir: str, newest: str = "") -> str | None:
     return None
 
 
+def save_dir_of(path: str) -> str:
+    """The save directory `path` names: itself, or for a training run's --output_dir (which holds no checkpoints of
+    its own, only `checkpoints/`) its `checkpoints/`, so that every command takes the same three forms (a tag
+    directory, a save directory, an --output_dir)."""
+    inner = os.path.join(path, "checkpoints")
+    if os.path.isdir(inner) and not os.path.isfile(os.path.join(path, "latest")) \
+            and not any(tag_step(entry) >= 0 for entry in os.listdir(path)):
+        return inner
+    return path
+
+
+def missing_latest(save_dir: str) -> str | None:
+    """The tag `save_dir`'s `latest` names when no folder of that name is there (deleted or moved), else None."""
+    latest = read_latest(save_dir)
+    if latest is None or os.path.isdir(os.path.join(save_dir, latest)):
+        return None
+    return latest
+
+
 def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[str, str]:
-    """(save_dir, tag) of the checkpoint to load from a save directory (its newest complete one) or a tag
-    directory. With `verify`, a checkpoint whose files do not match their recorded checksums (see `damage`) is
-    refused naming the file; with `fall_back` too (resuming), a save directory's newest *intact* checkpoint is
-    taken instead, with a warning."""
+    """(save_dir, tag) of the checkpoint to load from a tag directory, a save directory (its newest complete one)
+    or a training --output_dir (its `checkpoints/`). With `verify`, a checkpoint whose files do not match their
+    recorded checksums (see `damage`) is refused naming the file; with `fall_back` too (resuming), a save
+    directory's newest *intact* checkpoint is taken instead, with a warning. A `latest` naming a tag that is not
+    there is said: in the refusal when no other complete checkpoint exists, else in a warning naming the one used."""
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory not found: {path}")
@@ -228,10 +255,16 @@ def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[st
         if problem:
             raise CheckpointError(f"{path} cannot be used: {problem}")
         return os.path.dirname(path), os.path.basename(path)
+    path = save_dir_of(path)
     tags = complete_tags(path)
+    latest = read_latest(path, newest=tags[-1] if tags else "")
+    missing = latest is not None and not os.path.isdir(os.path.join(path, latest))
     if not tags:
-        raise CheckpointError(f"no complete checkpoint in {path}")
-    latest = read_latest(path, newest=tags[-1])
+        named = f": its `latest` names {latest}, which is not there (deleted or moved?)" if missing else ""
+        raise CheckpointError(f"no complete checkpoint in {path}{named}")
+    if missing:
+        _warn_once(f"{os.path.join(path, 'latest')} names {latest}, which is not there (deleted or moved?); using "
+                   f"the newest complete checkpoint, {tags[-1]}")
     if latest in tags:  # the newest unless `latest` names an older one
         tags = tags[:tags.index(latest) + 1]
     for tag in reversed(tags):

@@ -156,6 +156,24 @@ def _earlier_run(run: RunOptions) -> str | None:
     return None
 
 
+def latest_gone(output_dir: str) -> str | None:
+    """Why `--resume auto` into `output_dir` must not start from step 0 although nothing is there to resume, or None:
+    its `latest` names a checkpoint that is gone (deleted or moved) and no other complete one exists. The run saved
+    that checkpoint (`latest` moves only once one is complete), so starting over would write a second history into
+    its folder (metrics.jsonl's steps from 1 again)."""
+    from ..checkpoint import deepspeed_dir
+
+    save_dir = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(save_dir) or deepspeed_dir.complete_tags(save_dir):
+        return None
+    missing = deepspeed_dir.missing_latest(save_dir)
+    if not missing:
+        return None
+    return (f"--resume auto: {os.path.join(save_dir, 'latest')} names {missing}, which is not there (deleted or "
+            f"moved?), and {save_dir} holds no other complete checkpoint; starting from step 0 would write a second "
+            f"history into {output_dir}: put {missing} back, or start anew with another --output_dir")
+
+
 def overwritten_by_resume(output_dir: str, tag_dir: str) -> list[str]:
     """The complete checkpoints in OUTPUT_DIR/checkpoints that a run resumed from `tag_dir` would write over (its
     saves are named after their step) and prune: every one of a later step than `tag_dir`'s, whatever run saved it.
@@ -186,7 +204,7 @@ def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
         return None
     from ..checkpoint import deepspeed_dir
 
-    step = deepspeed_dir.tag_step(os.path.basename(tag_dir))
+    step = deepspeed_dir.checkpoint_step(tag_dir)
     how = "`latest` names" if run.resume == "auto" or not deepspeed_dir.is_tag_dir(run.resume) else "--resume"
     shown = ", ".join(newer[-3:]) + (f" and {len(newer) - 3} more" if len(newer) > 3 else "")
     return (f"{how} {tag_dir} (step {step}), but {os.path.join(run.output_dir, 'checkpoints')} holds newer "

@@ -115,13 +115,20 @@ def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConf
 
 
 def auto_resume_path(output_dir: str) -> str:
+    """The save directory `--resume auto` resumes, or '' to start from step 0 (nothing saved yet; only interrupted
+    saves, with a warning). Refused: a `latest` naming a checkpoint that is gone, with nothing else to resume."""
     from ..checkpoint import deepspeed_dir
+    from ..checkpoint.files import CheckpointError
+    from .output_dir import latest_gone
 
     if not output_dir:
         raise ValueError("--resume auto looks in --output_dir; none was given")
     save_dir = os.path.join(output_dir, "checkpoints")
     if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
         return save_dir
+    problem = latest_gone(output_dir)
+    if problem:
+        raise CheckpointError(problem)
     interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
     if interrupted and os.environ.get("RANK", "0") == "0":
         print(f"warning: --resume auto: {save_dir} holds only interrupted saves ({', '.join(interrupted)}: no "
