@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -225,3 +226,68 @@ def test_a_tag_a_save_folder_and_an_output_dir_resolve_alike(tmp_path):
     assert layout.resolve(str(out)) == layout.resolve(save_dir) == layout.resolve(save_dir + "/global_step2") == \
         (save_dir, "global_step2")
     assert layout.save_dir_of(str(out)) == save_dir and layout.save_dir_of(save_dir) == save_dir
+
+
+# -- a live run's folder is said to be one before any advice --------------------------------------------------------
+
+
+# a live run's rank 0 as far as the folder sees it: an exclusive flock on the lock file, its record written in it
+HOLDER = """
+import fcntl, json, os, socket, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX)
+f.truncate(0)
+f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
+f.flush()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def held(tmp_path):
+    """A run folder with checkpoints whose lock a live process holds, as rank 0 holds it."""
+    import sys
+
+    out = run_folder(tmp_path, steps=(1, 2, 3))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out / ".vim_ds.lock")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield out, holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_new_run_into_a_live_runs_folder_is_told_it_is_in_use(held):
+    """The issue's case: a run without --resume into a folder whose run is saving was told to `--resume auto`."""
+    from vim_ds.engine import preflight
+
+    out, holder = held
+    with pytest.raises(ValueError) as refused:
+        preflight.check(train_config("--output_dir", out), is_main=True)
+    assert str(refused.value).startswith(f"{out} is in use by another run (process {holder.pid} on "), refused.value
+    holder.kill()  # the control: once it is gone, the earlier run's checkpoints are what is said
+    holder.wait()
+    with pytest.raises(ValueError, match="holds the checkpoints of an earlier run"):
+        preflight.check(train_config("--output_dir", out), is_main=True)
+
+
+def test_a_branch_into_a_live_runs_folder_and_the_claim_say_in_use_first(held):
+    """The variants: `--resume` of an older step (whose advice, another --output_dir or `--resume NEWEST`, the lock
+    would also fail), and the trainer's claim after the process group, which takes the lock before it looks at
+    the folder; the holder's record is left as it was."""
+    from vim_ds.engine import distributed, output_dir, preflight
+
+    out, holder = held
+    older = out / "checkpoints" / "global_step1"
+    record = (out / ".vim_ds.lock").read_text()
+    with pytest.raises(ValueError, match=f"^{out} is in use by another run \\(process {holder.pid} "):
+        preflight.check(train_config("--output_dir", out, "--resume", older), is_main=True)
+    info = distributed.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=None)
+    for config in (train_config("--output_dir", out), train_config("--output_dir", out, "--resume", older)):
+        with pytest.raises(ValueError, match=f"^{out} is in use by another run \\(process {holder.pid} "):
+            output_dir.claim(config, info)
+        output_dir.release(undo=True)
+    assert (out / ".vim_ds.lock").read_text() == record

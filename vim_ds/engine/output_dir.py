@@ -53,6 +53,31 @@ def _holder(text: str) -> dict:
         return {}
 
 
+def _in_use_error(output_dir: str, holder: dict) -> str:
+    who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started " \
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('time', 0)))}" if holder else "a process"
+    return f"{output_dir} is in use by another run ({who}); wait for it to end or give another --output_dir"
+
+
+def _in_use(output_dir: str) -> str | None:
+    """Whether a live run holds the folder's lock, found without taking it (a shared lock tried and dropped at
+    once: the checks before the process group create and hold nothing), as `_lock`'s error, or None. Asked first:
+    every other refusal's advice (`--resume auto`, `--resume NEWEST`) would fail on the lock."""
+    try:
+        f = open(os.path.join(output_dir, LOCK_FILE))
+    except OSError:
+        return None  # no lock file (or none readable): no run has claimed the folder
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _in_use_error(output_dir, _holder(f.read()))
+        except OSError:
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def _lock(output_dir: str) -> tuple[str | None, str | None]:
     """(error, note) of taking the folder's lock on this process."""
     global _held
@@ -60,16 +85,19 @@ def _lock(output_dir: str) -> tuple[str | None, str | None]:
     lock_path = os.path.join(output_dir, LOCK_FILE)
     new_lock = not os.path.exists(lock_path)
     f = open(lock_path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = _holder(f.read())
-        f.close()
-        who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started " \
-              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('time', 0)))}" if holder else "a process"
-        return (f"{output_dir} is in use by another run ({who}); wait for it to end or give another --output_dir",
-                None)
+    # a moment's retry: another job's `_in_use` check holds a shared lock for microseconds
+    for attempt in range(6):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt < 5:
+                time.sleep(0.05)
+                continue
+            f.seek(0)
+            holder = _holder(f.read())
+            f.close()
+            return _in_use_error(output_dir, holder), None
     f.seek(0)
     previous = _holder(f.read())
     note = None
@@ -220,7 +248,8 @@ def check(config: RunConfig) -> str | None:
     run = config.run
     if not run.output_dir or run.eval:
         return None
-    problem = _earlier_run(run)
+    problem = _in_use(run.output_dir) or _earlier_run(run) or (latest_gone(run.output_dir) if run.resume == "auto"
+                                                                 else None)
     # the baselines save nothing
     if problem or run.engine != "deepspeed":
         return problem
@@ -236,17 +265,17 @@ def claim(config: RunConfig, dist_info) -> None:
         return
     error = None
     if dist_info.is_main:
-        error = _earlier_run(run)
-        if not error:
-            try:
-                error, note = _lock(output_dir)
-            except OSError as exc:
-                error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
-            if note:
-                print(note, flush=True)
-            # the baselines save nothing
-            if not error and run.engine == "deepspeed":
-                error = _unwritable(os.path.join(output_dir, "checkpoints"))
+        # the lock first: a live run's folder is refused as such, not with advice that would fail on its lock
+        try:
+            error, note = _lock(output_dir)
+        except OSError as exc:
+            error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
+        error = error or _earlier_run(run)
+        # the baselines save nothing
+        if not error and run.engine == "deepspeed":
+            error = _unwritable(os.path.join(output_dir, "checkpoints"))
+        if note and not error:
+            print(note, flush=True)
     error = distributed.broadcast_object(error)
     if error:
         raise ValueError(error)
