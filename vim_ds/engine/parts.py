@@ -240,9 +240,11 @@ def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Dat
     return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
 
 
-def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds) -> tuple:
+def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds,
+                resuming: bool = False) -> tuple:
     """(the model with its initial weights, Model): the same weights on every rank (drawn after
-    `seed_everything(--seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights)."""
+    `seed_everything(--seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights, by a run
+    that is not `resuming`)."""
     options = config.model
     # identical initial weights on every rank
     seed_everything(config.run.seed)
@@ -260,7 +262,7 @@ def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, d
     info = init_weights.apply(model, {
         **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
         "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info,
-        load=options.init_weights, save=options.save_init_weights)
+        load=options.init_weights, save=options.save_init_weights, resuming=resuming)
     return model, Model(model_cfg, sum(p.numel() for p in model.parameters()), info)
 
 
@@ -409,7 +411,7 @@ def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer
     config = settle_lr(config, ds, dist_info)
     mixup = build_mixup(config, ds.batch, datasets.num_classes)
     data = build_data(config, dist_info, datasets, ds.batch, fault_hook, groups)
-    model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds)
+    model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds, resuming=bool(resume_path))
     engine = build_engine(config, dist_info, model, ds, data.steps_per_epoch)
     criterion = build_criterion(config.augment.smoothing, mixup)
     ema = build_ema(config, engine.engine)
