@@ -9,7 +9,10 @@
 - A lock (`OUTPUT_DIR/.vim_ds.lock`, an exclusive `flock` held by rank 0 for the life of the run) stops a second
   live run in the same folder; the kernel drops it when the holder dies, however it dies, and the next run says
   whose lock it took over. (flock is per host: two runs on different hosts sharing the folder over NFS are not
-  told apart.)
+  told apart.) It is asked about before anything else (`_in_use` in the checks before the process group; the
+  claim takes it first), so a live run's folder is never answered with advice the lock would refuse.
+- `--resume auto` does not start from step 0 in a folder whose `latest` names a checkpoint that is gone with
+  nothing else to resume (`latest_gone`): the run would write a second history there.
 - A refused run leaves the folder as it found it: the checks before the process group create nothing (they probe
   the nearest existing parent), and what `claim` created (the folder and its parents, `checkpoints/`, the lock
   file) is removed again by `release(undo=True)` when the run ends before it started writing (train.run: an
@@ -242,8 +245,9 @@ def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
 
 
 def check(config: RunConfig) -> str | None:
-    """Why the run's --output_dir cannot take this run (an earlier run's checkpoints without --resume; not
-    writable), or None: what `claim` finds, without taking the lock, for any rank to tell before the process group
+    """Why the run's --output_dir cannot take this run (a live run holds it; an earlier run's checkpoints without
+    --resume; `--resume auto` with a `latest` naming a checkpoint that is gone; not writable), or None: what
+    `claim` and the resume plan find, without taking the lock, for any rank to tell before the process group
     exists."""
     run = config.run
     if not run.output_dir or run.eval:
