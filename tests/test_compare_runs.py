@@ -233,6 +233,61 @@ def test_init_weights_of_another_model_are_refused(tmp_path):
         load_init_weights(tiny_vim(0), path)
 
 
+INIT_META = {"model": "vim_tiny", "model_kwargs": {}, "num_classes": 10, "input_size": 32, "step": 0}
+
+
+def test_save_init_weights_never_replaces_a_file_and_a_replay_of_options_yaml_is_refused(tmp_path):
+    """The issue's case: `--save-init-weights f.pth` wrote over an existing file, and `vim-ds train --config
+    OUT/options.yaml` (the run replayed) did it again. Refused before anything runs (the preflight of every rank),
+    pointing to --init-weights, which starts from the very same weights; the file keeps its bytes."""
+    from vim_ds.engine import options_file, preflight
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    init, out = tmp_path / "init.pth", tmp_path / "run"
+    save_init_weights(tiny_vim(seed=1), str(init), INIT_META)  # the first run's
+    before = init.read_bytes()
+    argv = ["--data-set", "synthetic", "--nb-classes", "10", *TINY, "--output_dir", str(out), "--save-init-weights",
+            str(init)]
+    out.mkdir()
+    options_file.write_run(str(out / options_file.OPTIONS_FILE),
+                           options_file.record(RunConfig.from_namespace(parse_args(argv))))
+    for replay in (argv, ["--config", str(out / options_file.OPTIONS_FILE)]):
+        with pytest.raises(ValueError) as refused:
+            preflight.check(RunConfig.from_namespace(parse_args(replay)), is_main=True)
+        assert str(refused.value) == (f"--save-init-weights {init} exists and is never replaced (runs that started "
+                                      f"from it record its sha256): start from it with --init-weights {init}, or give "
+                                      f"a new file name")
+    assert init.read_bytes() == before
+
+
+def test_the_initial_weights_writer_never_replaces_a_file_that_appears_meanwhile(tmp_path):
+    """The variants, through the writer the trainer calls: a file already there, one that appears while the weights
+    are written (the check before the write cannot see it: the hard link that puts the file in place refuses it),
+    and a resumed run, which writes nothing (its initial weights were its first segment's)."""
+    from vim_ds.checkpoint.convert import write_weights_file
+    from vim_ds.checkpoint.files import CheckpointError
+    from vim_ds.engine import distributed
+    from vim_ds.engine.init_weights import apply
+
+    init = tmp_path / "init.pth"
+    init.write_bytes(b"someone's file")
+    with pytest.raises(CheckpointError, match="exists and is never replaced"):
+        save_init_weights(tiny_vim(seed=1), str(init), INIT_META)
+    assert init.read_bytes() == b"someone's file"
+
+    late = tmp_path / "late.pth"
+    with pytest.raises(CheckpointError, match=f"^cannot write {late}: File exists$"):
+        write_weights_file(str(late), tiny_vim(seed=1).state_dict(), INIT_META, replace=False,
+                           stall=lambda: late.write_bytes(b"written meanwhile"))
+    assert late.read_bytes() == b"written meanwhile" and sorted(os.listdir(tmp_path)) == ["init.pth", "late.pth"]
+
+    info = distributed.DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    recorded = apply(tiny_vim(seed=2), INIT_META, info, save=str(init), resuming=True)
+    assert init.read_bytes() == b"someone's file"
+    assert recorded["init_weights_sha256"] == hashlib.sha256(b"someone's file").hexdigest()
+
+
 def test_one_source_of_initial_weights_at_a_time():
     from vim_ds.engine.run_options import parse_args
 

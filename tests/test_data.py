@@ -2,6 +2,7 @@
 one-line data errors, and the batch samplers' split-independence."""
 import dataclasses
 import logging
+import os
 import random
 import sys
 from collections import Counter
@@ -96,6 +97,42 @@ def test_digits_split_is_deterministic_and_cli_refuses_non_empty_dir(digits, tmp
     assert vim_ds.cli.main(["data", "digits", "--out", str(again), "--force", "--val-fraction", "0.5",
                             "--seed", "1"]) == 0
     assert listing(again) == listing(tmp_path / "other") and (again / "keep.txt").read_text() == "mine"
+
+
+def test_data_force_replaces_only_what_vim_ds_data_wrote(tmp_path, capsys):
+    """`--force` removed the whole train/ and val/ of --out, whoever wrote them (`vim-ds data digits --out
+    ~/data/imagenet --force` took ImageNet's training images). Now it removes the files these commands write and
+    refuses, before removing anything, a split holding anything else: a file of another name, or (the variant) a
+    link to a folder elsewhere, whose files it would have removed through the link. The control: the files both
+    writers name (digits' `<class>/<n>.png`, photos' `<class>/<split>_<n>.jpg`) go, with their folders; nothing
+    else of --out is touched."""
+    import vim_ds.cli
+    from vim_ds.data.digits import clear_output_folder
+
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    for rel in ("train/3/0001.png", "val/3/0002.png", "train/c0/train_00001.jpg", "val/c0/val_00001.jpg",
+                "train/n01440764/n01440764_10026.JPEG", "keep.txt", "../elsewhere/0003.png"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(rel.encode())
+
+    def files(root):
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+    before = files(tmp_path)
+    assert vim_ds.cli.main(["data", "digits", "--out", str(out), "--force"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"vim-ds data digits: error: {out / 'train'} holds files vim-ds data did not write (e.g. "
+        f"{out / 'train' / 'n01440764' / 'n01440764_10026.JPEG'}); --force replaces only what it wrote: move them "
+        f"away or give another --out"]
+    os.remove(out / "train" / "n01440764" / "n01440764_10026.JPEG")
+    os.symlink(elsewhere, out / "val" / "7")
+    assert clear_output_folder(out, force=True) == (
+        f"{out / 'val'} holds files vim-ds data did not write (e.g. {out / 'val' / '7'}); --force replaces only what "
+        f"it wrote: move them away or give another --out")
+    assert files(tmp_path) == sorted({*before, "out/val/7"} - {"out/train/n01440764/n01440764_10026.JPEG"})
+    os.remove(out / "val" / "7")
+    assert clear_output_folder(out, force=True) is None
+    assert files(out) == ["keep.txt"] and files(elsewhere) == ["0003.png"]
 
 
 def test_data_command_usage(capsys):

@@ -67,3 +67,38 @@ def test_mismatched_weights_are_one_line(weights, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vim-ds export: error:") and "shape mismatch" in err[0]
     assert not os.path.exists(tmp_path / "m.pt2")
+
+
+def test_out_never_lands_on_the_weights_or_on_a_file_export_did_not_write(weights, tmp_path, capsys):
+    """`--out` naming the --weights file wrote the program over the weights (the issue's `convert` case, in export);
+    the variants: the weights under another name (a link), and a file that is not a program. Refused before the
+    export, in one line; the files keep their bytes. The control: a program exported earlier is replaced."""
+    import shutil
+
+    from vim_ds.export import out_problem
+
+    path = tmp_path / "vim.pth"
+    shutil.copy(weights[0], path)
+    os.symlink(path, tmp_path / "link.pt2")
+    (tmp_path / "notes.pt2").write_text("not a program")
+    before = {name: (tmp_path / name).read_bytes() for name in ("vim.pth", "notes.pt2")}
+    refused = {
+        path: f"--out {path} is the --weights file {path}: writing the program would destroy the weights; give --out "
+              f"a new name, e.g. model.pt2",
+        tmp_path / "link.pt2": f"--out {tmp_path / 'link.pt2'} is the --weights file {path}: writing",
+        tmp_path / "notes.pt2": f"--out {tmp_path / 'notes.pt2'} exists and is not a torch.export program: vim-ds "
+                                f"export replaces only a program it wrote; give --out a new name, or move "
+                                f"{tmp_path / 'notes.pt2'} away first"}
+    for out, error in refused.items():
+        assert main(["--weights", str(path), "--out", str(out), *ARCH]) == 2
+        assert [line[len("vim-ds export: error: "):][:len(error)]
+                for line in capsys.readouterr().err.strip().splitlines()] == [error]
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    program = tmp_path / "earlier.pt2"
+    torch.export.save(torch.export.export(Double(), (torch.ones(2),)), str(program))
+    assert out_problem(str(program), str(path)) is None

@@ -99,6 +99,33 @@ def test_a_malformed_model_kwarg_is_a_usage_error_of_zero_compare(tmp_path):
     assert not out.exists()
 
 
+def test_a_runs_folder_it_did_not_launch_is_never_removed(tmp_path, capsys):
+    """zero-compare removed OUT/runs/<config> before each run (its metrics.jsonl is appended to), whatever it was:
+    `--out` naming a folder whose runs/zero1 is a training run of the user's took it. Now the runs' folders are
+    all checked first, and one that no earlier comparison launched (its train.log) stops it in one line, exit 2,
+    before anything is removed or trained. The variants through the same check (bench train --keep's folders
+    too): a link to a folder, and, the control, an earlier launched run's folder, which is removed."""
+    from vim_ds.engine.launched_runs import clear_run_folder, foreign_run_folder
+
+    out = tmp_path / "cmp"
+    mine = out / "runs" / "zero1"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "metrics.jsonl").write_text('{"step": 1, "loss": 2.3}\n')
+    assert zc.main(["--model", "vim_tiny", "--model-kwargs", "depth=2", "embed_dim=32", "patch_size=4", "stride=4",
+                    "--input-size", "32", "--stages", "0", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"vim-ds zero-compare: error: {mine} exists and is not a run this command launched (no train.log of one): it "
+        f"is never removed; give another folder, or move it away"]
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "metrics.jsonl", "runs", "zero1"]
+
+    os.symlink(mine, out / "runs" / "zero2")
+    assert foreign_run_folder(str(out / "runs" / "zero2")).startswith(f"{out / 'runs' / 'zero2'} exists and is not")
+    (mine / "train.log").write_text("$ torchrun ... -m vim_ds.train ...\n# exit status 0\n")
+    assert foreign_run_folder(str(mine)) is None
+    clear_run_folder(str(mine))
+    assert not mine.exists()
+
+
 def _ints(cell):
     return [int(float(v)) for v in cell.split()]
 
@@ -123,6 +150,9 @@ def test_zero_compare_tiny_two_ranks_fp32(tmp_path):
     Image.open(out / "report.png").verify()
     assert "all agree" in (out / "report.md").read_text()
     assert all(r["loss_flag"] in ("False", "") for r in rows.values())
+    from vim_ds.engine.launched_runs import foreign_run_folder
+
+    assert foreign_run_folder(str(out / "runs" / "zero0")) is None  # its runs are known as its own: a rerun clears them
 
     def kind(config, name):
         return max(_ints(rows[config][f"{name}_bytes_per_rank"]))

@@ -118,7 +118,8 @@ def _universal(args, target: list, stall=None) -> int:
     from .checkpoint import deepspeed_dir
     from .engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
 
-    save_dir, tag = deepspeed_dir.resolve(os.path.join(args.checkpoint, args.tag) if args.tag else args.checkpoint)
+    save_dir, tag = deepspeed_dir.resolve(os.path.join(deepspeed_dir.save_dir_of(args.checkpoint), args.tag)
+                                          if args.tag else args.checkpoint)
     target[0] = os.path.join(save_dir, tag + UNIVERSAL_SUFFIX)
     # a failed or stopped conversion removes its partial folder
     universal = universal_copy(save_dir, tag, stall)

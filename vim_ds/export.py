@@ -47,9 +47,14 @@ def export(args) -> tuple[str, int, int]:
 
     from .checkpoint.weights_model import load_model
 
+    from .checkpoint.atomic_write import write_atomically
+
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):  # before the (slow) export, not after it
         raise ValueError(f"--out: no such directory: {directory}")
+    problem = out_problem(args.out, args.weights)
+    if problem:
+        raise ValueError(problem)
     model, input_size, num_classes, _ = load_model(args.weights, model=args.model, kwargs=args.model_kwargs,
                                                     input_size=args.input_size, num_classes=args.num_classes,
                                                     ema=args.ema, backbone_ok=True)
@@ -57,8 +62,38 @@ def export(args) -> tuple[str, int, int]:
     dynamic = None if args.static_batch else {"x": {0: torch.export.Dim("batch", min=1, max=4096)}}
     with torch.no_grad():
         program = torch.export.export(model, (example,), dynamic_shapes=dynamic)
-    torch.export.save(program, args.out)
+
+    def write(path: str):
+        with open(path, "wb") as f:  # a file object: the archive's inner folder is not named after the temporary
+            torch.export.save(program, f)
+
+    # whole or not at all, however the export stops (see atomic_write)
+    write_atomically(args.out, write)
     return args.out, input_size, num_classes
+
+
+def out_problem(out: str, weights: str) -> str | None:
+    """Why --out must not be written, or None: a folder, the --weights file itself (also through a link), or an
+    existing file that is not a torch.export program (a program exported earlier is replaced)."""
+    import zipfile
+
+    from .checkpoint.atomic_write import same_file
+
+    if os.path.isdir(out):
+        return f"--out {out} is a folder: give the program file to write, e.g. {os.path.join(out, 'model.pt2')}"
+    if same_file(out, [weights]):
+        return f"--out {out} is the --weights file {weights}: writing the program would destroy the weights; give " \
+               f"--out a new name, e.g. model.pt2"
+    if not os.path.lexists(out):
+        return None
+    try:
+        with zipfile.ZipFile(out) as archive:  # torch.export.save's archive: `<folder>/archive_format` in a zip
+            if any(name.endswith("/archive_format") for name in archive.namelist()):
+                return None
+    except (OSError, zipfile.BadZipFile):
+        pass
+    return f"--out {out} exists and is not a torch.export program: {PROG} replaces only a program it wrote; give " \
+           f"--out a new name, or move {out} away first"
 
 
 def main(argv=None) -> int:

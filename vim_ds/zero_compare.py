@@ -25,7 +25,6 @@ import csv
 import io
 import json
 import os
-import shutil
 import sys
 
 from .engine.run_options import key_value
@@ -418,8 +417,8 @@ def _baseline_precision(precision: str) -> str:
 
 
 def main(argv=None) -> int:
-    from .engine.errors import first_line
-    from .engine.launched_runs import run_train_config
+    from .engine.errors import first_line, report_error
+    from .engine.launched_runs import clear_run_folder, foreign_run_folder, run_train_config
 
     args = parse_args(argv)
     model_kwargs = dict(args.model_kwargs)
@@ -441,10 +440,16 @@ def main(argv=None) -> int:
     # zero0.json: batch, AdamW, lr
     runs += [(engine, None, "-", engine, "zero0") for engine in args.baselines]
     rows, losses = [], {}
+    # an earlier comparison's runs (metrics.jsonl is appended to), all checked before the first is removed: a folder
+    # that is not one of them stops the comparison before anything is removed or trained
+    run_dirs = [os.path.join(args.out, "runs", name) for name, *_ in runs]
+    problem = next(filter(None, map(foreign_run_folder, run_dirs)), None)
+    if problem:
+        return report_error("vim-ds zero-compare", problem)
+    for run_dir in run_dirs:
+        clear_run_folder(run_dir)
     for name, stage, offload, engine, config in runs:
         run_dir = os.path.join(args.out, "runs", name)
-        if os.path.isdir(run_dir):
-            shutil.rmtree(run_dir)  # metrics.jsonl is appended to
         print(f"[{name}] training ...", flush=True)
         res = run_train_config(config, nproc=args.ranks, launcher=args.launcher, model=args.model,
                                model_kwargs=model_kwargs, input_size=args.input_size, batch_size=args.batch_size,

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import preloaded
 from train_utils import ROOT, config_run_args, run_train, step_losses
@@ -69,17 +70,24 @@ def ckpt(config_run) -> str:
 # -- a failed write --------------------------------------------------------------------------------------------------
 
 
+EARLIER = {"model": "vim_tiny", "model_kwargs": {}, "num_classes": 10, "input_size": 32}  # a converted file's record
+
+
 @pytest.mark.parametrize("name", ["w.pth", "w.safetensors"])  # torch's zip writer; safetensors (the variant)
 def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(ckpt, tmp_path, name):
+    from vim_ds.checkpoint.convert import write_weights_file
+
     with small_disk(tmp_path / "disk") as disk:
         out = disk / name
-        out.write_bytes(b"an earlier file")  # a convert that fails leaves it as it was
+        # an earlier conversion (a file vim_ds wrote, which a conversion may replace): a failed one leaves it as it was
+        write_weights_file(str(out), {"w": torch.zeros(2)}, EARLIER)
+        earlier = out.read_bytes()
         proc = convert_cli(ckpt, out)
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = only_line(proc, "vim-ds convert: error")
         assert line.startswith(f"vim-ds convert: error: cannot write {out}: No space left on device ("), line
         assert line.endswith(f" MiB free in {disk})"), line
-        assert os.listdir(disk) == [name] and out.read_bytes() == b"an earlier file"  # no temporary, OUT as it was
+        assert os.listdir(disk) == [name] and out.read_bytes() == earlier  # no temporary, OUT as it was
 
 
 def test_a_read_only_disk_is_one_line_exit_2(ckpt, tmp_path):
@@ -96,6 +104,99 @@ def test_a_read_only_disk_is_one_line_exit_2(ckpt, tmp_path):
         assert only_line(proc, "vim-ds convert: error") == \
             f"vim-ds convert: error: cannot write {folder / 'sub' / 'w.pth'}: Read-only file system"
         assert os.listdir(folder) == []
+
+
+# -- OUT never lands on a file the conversion reads, nor on a file vim_ds did not write -------------------------------
+
+
+@pytest.fixture
+def own_copy(ckpt, tmp_path):
+    """A copy of the shared checkpoints: a refusal that failed would write over what it names."""
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(ckpt, copy)
+    return copy
+
+
+def file_bytes(folder) -> dict:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.join(root, name)] = f.read()
+    return out
+
+
+def test_convert_refuses_to_write_over_a_file_of_the_checkpoint_it_converts(own_copy):
+    """The issue's case: OUT named the checkpoint's own model states, and eval then refused it as damaged."""
+    before = file_bytes(own_copy)
+    tag_dir = own_copy / "global_step3"
+    proc = convert_cli(own_copy, tag_dir / "mp_rank_00_model_states.pt")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert only_line(proc, "vim-ds convert: error") == (
+        f"vim-ds convert: error: {tag_dir / 'mp_rank_00_model_states.pt'} is a file of the checkpoint being "
+        f"converted ({tag_dir}): writing it would destroy the checkpoint; give OUT a new file outside {tag_dir}, e.g. "
+        f"weights.pth")
+    assert file_bytes(own_copy) == before
+
+
+def test_convert_refuses_what_it_reads_by_another_path_and_files_vim_ds_did_not_write(own_copy, tmp_path):
+    """The variants: a file of the checkpoint through a linked folder, the save folder's `latest`, a checkpoint
+    named by --tag; another checkpoint's DeepSpeed file and a published checkpoint (files vim_ds did not write).
+    The control: a new file is written, and the conversion run again replaces the file it wrote."""
+    from vim_ds.checkpoint.convert import convert
+    from vim_ds.checkpoint.files import CheckpointError
+
+    step2, step3 = own_copy / "global_step2", own_copy / "global_step3"
+    os.symlink(step3, tmp_path / "view")
+    published = tmp_path / "vim_s_midclstok_ft_81p6acc.pth"
+    torch.save({"model": {"head.bias": torch.ones(10)}}, published)
+    not_ours = "exists and is a PyTorch file with no vim_ds record: vim-ds convert replaces only a weights file " \
+               "vim_ds wrote; give OUT a new name, or move {} away first"
+    cases = [  # (OUT, --tag, the error)
+        (tmp_path / "view" / "ema.pt", None, f"{tmp_path / 'view' / 'ema.pt'} is {step3 / 'ema.pt'}, a file of the "
+         f"checkpoint being converted ({step3}): writing it would destroy the checkpoint; give OUT a new file outside "
+         f"{step3}, e.g. weights.pth"),
+        (own_copy / "latest", None, f"{own_copy / 'latest'} is a file of the checkpoint being converted ({step3})"),
+        (step2 / "ema.pt", "global_step2", f"{step2 / 'ema.pt'} is a file of the checkpoint being converted ({step2})"),
+        (step2 / "mp_rank_00_model_states.pt", None, f"{step2 / 'mp_rank_00_model_states.pt'} " +
+         not_ours.format(step2 / "mp_rank_00_model_states.pt")),
+        (published, None, f"{published} " + not_ours.format(published)),
+    ]
+    before = file_bytes(tmp_path)
+    for out, tag, error in cases:
+        with pytest.raises(CheckpointError) as refused:
+            convert(str(own_copy), str(out), tag=tag)
+        assert str(refused.value).startswith(error), (out, refused.value)
+    assert file_bytes(tmp_path) == before
+    out = tmp_path / "w.pth"
+    assert convert(str(own_copy), str(out))["step"] == 3
+    assert convert(str(own_copy), str(out), tag="global_step2")["step"] == 2  # over the file it wrote
+    assert torch.load(out, weights_only=True)["vim_ds"]["step"] == 2
+
+
+def test_every_command_takes_a_runs_output_dir(config_run, digits, tmp_path):
+    """The issue's case: `vim-ds eval --resume RUNDIR` said "no complete checkpoint" where `vim-ds convert RUNDIR`
+    found RUNDIR/checkpoints; eval's weights are the same whichever of the three forms names them. The variant:
+    `vim-ds convert RUNDIR --tag global_step2`."""
+    from train_utils import config_run_args
+    from vim_ds.checkpoint.convert import convert
+    from vim_ds.engine.components import model_config
+    from vim_ds.engine.evaluate import load_eval_weights
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    run = config_run("zero0")
+    loaded = []
+    for source in (run, os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", "global_step3")):
+        argv = config_run_args(digits, tmp_path, "zero0", "--resume", source, "--eval")
+        config = RunConfig.from_namespace(parse_args([str(a) for a in argv]))
+        model = model_config(config, 10).build()
+        ema = load_eval_weights(config, model)
+        loaded.append((model.state_dict(), ema))
+    for weights, ema in loaded[1:]:
+        assert all(torch.equal(weights[k], loaded[0][0][k]) for k in weights)
+        assert all(torch.equal(ema[k], loaded[0][1][k]) for k in ema)
+    assert convert(run, str(tmp_path / "w.pth"), tag="global_step2")["step"] == 2
 
 
 # -- a signal while it writes ----------------------------------------------------------------------------------------
@@ -169,12 +270,15 @@ def test_a_universal_conversion_on_a_full_disk_is_one_line_and_removes_its_folde
     size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
     with small_disk(tmp_path / "disk", f"{size // 1024 + 64}k") as disk:  # the source fits, its copy does not
         shutil.copytree(src, disk / "global_step3")
+        (disk / "global_step3_universal").mkdir()  # a user's note in the folder: the clean-up keeps it (issue 50)
+        (disk / "global_step3_universal" / "notes.txt").write_text("mine")
         proc = convert_cli(disk, "--universal")
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = only_line(proc, "vim-ds convert: error")
         assert line.startswith(f"vim-ds convert: error: cannot convert {disk / 'global_step3'} to a universal "
                                f"checkpoint: No space left on device"), line
-        assert "global_step3_universal" not in os.listdir(disk)
+        # what the conversion wrote is gone (without the note, the folder too: the signal test below)
+        assert os.listdir(disk / "global_step3_universal") == ["notes.txt"]
 
 
 @pytest.mark.parametrize("words", ["RuntimeError: basic_ios::clear: iostream error",  # the C++ stream (CI's run)

@@ -71,7 +71,10 @@ def test_a_second_live_run_is_refused_and_a_dead_runs_lock_is_taken_over(digits,
         assert proc.returncode == 2 and time.monotonic() - t0 < 120
         line = error_line(proc)
         assert "is in use by another run (process" in line and "--output_dir" in line, proc.stderr[-2000:]
-        assert step_losses(out) and max(step_losses(out)) == 2  # the second run wrote no step
+        # a new run (no --resume) is told the same, not to `--resume auto` the earlier run's checkpoints (issue 50)
+        proc = run_train(args(digits, out, "--max-steps", "20"), check=False)
+        assert proc.returncode == 2 and "is in use by another run (process" in error_line(proc), proc.stderr[-2000:]
+        assert step_losses(out) and max(step_losses(out)) == 2  # the second runs wrote no step
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # killed: no chance to release its lock file
         finish(first, 60)

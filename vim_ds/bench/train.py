@@ -8,7 +8,8 @@ import os
 import shutil
 import tempfile
 
-from ..engine.launched_runs import describe_config, resolve_config, run_train_config
+from ..engine.launched_runs import (clear_run_folder, describe_config, foreign_run_folder, resolve_config,
+                                     run_train_config)
 
 DEFAULT_TRAIN_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 # The published Vim fine-tuning speed we compare a GPU against: about 39 images/s per GPU, from the Vim
@@ -137,8 +138,13 @@ def run_train(args) -> dict:
                 name, n = f"{label}-{n}", n + 1
             used.add(name)
             out_dir = os.path.join(work, name)
-            if os.path.isdir(out_dir):
-                shutil.rmtree(out_dir)  # a previous benchmark's run: metrics.jsonl is appended to
+            # a previous benchmark's run (metrics.jsonl is appended to); never a folder that is not one
+            problem = foreign_run_folder(out_dir)
+            if problem:
+                rows.append({"config": config, "error": problem})
+                print(f"[{config}] skipped: {problem}", flush=True)
+                continue
+            clear_run_folder(out_dir)
             print(f"[{config}] training ...", flush=True)
             row = run_train_config(config, nproc=nproc, launcher=args.launcher, model=args.model,
                                    model_kwargs=model_kwargs, input_size=args.input_size, batch_size=batch_size,

@@ -1,5 +1,5 @@
 """Write a file so that it appears whole or not at all, however the writer stops (`vim-ds convert`'s OUT,
-`--save-init-weights`).
+`--save-init-weights`, `vim-ds export`'s program), and never onto a file the command reads (`same_file`).
 
 Where the bytes go while they are written:
 - Linux (ext4, xfs, btrfs, tmpfs, ...): an *unnamed* file in OUT's folder (`open(O_TMPFILE)`). It has no name
@@ -68,6 +68,28 @@ def remove_stale_temporaries(out_path: str) -> list[str]:
     return removed
 
 
+def same_file(path: str, others) -> str | None:
+    """The first of `others` that is the very file at `path` (the same device and inode: through a symlink or a
+    hard link too), or None; None when `path` does not exist."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    for other in others:
+        try:
+            found = os.stat(other)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (stat.st_dev, stat.st_ino):
+            return other
+    return None
+
+
+def files_under(folder: str) -> list[str]:
+    """Every file under `folder` (what a command reads from a checkpoint folder)."""
+    return [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+
+
 def _unnamed_file(folder: str) -> int | None:
     """An O_TMPFILE descriptor in `folder` that can be reopened and linked through /proc, or None."""
     if os.environ.get("VIM_DS_NO_TMPFILE") == "1" or not hasattr(os, "O_TMPFILE"):
@@ -108,10 +130,12 @@ def _cause(exc: BaseException, folder: str, shown: str | None = None) -> str:
     return cause
 
 
-def write_atomically(out_path: str, write, stall=None) -> None:
+def write_atomically(out_path: str, write, stall=None, replace: bool = True) -> None:
     """Call `write(path)` to write the file that becomes `out_path` (see the module docstring); `path` is where
     the writer opens and writes its bytes. `stall()`, when given, runs once the bytes are written, before OUT gets
-    them (fault injection: a test stops the writer there)."""
+    them (fault injection: a test stops the writer there). Without `replace`, OUT must not exist when the file is
+    put in place (a hard link, which fails on an existing name: no check-then-write race): a file that appeared
+    meanwhile is kept and the write fails with `File exists`."""
     shown = os.fspath(out_path)  # the path as the user gave it, in messages
     shown_folder = os.path.dirname(shown) or "."
     out_path = os.path.abspath(shown)
@@ -143,7 +167,11 @@ def write_atomically(out_path: str, write, stall=None) -> None:
                         follow_symlinks=True)
             finally:
                 os.close(dir_fd)
-        os.replace(staged, out_path)
+        if replace:
+            os.replace(staged, out_path)
+        else:
+            os.link(staged, out_path)
+            os.remove(staged)
         _fsync_folder(folder)
     # an error, Ctrl-C, a caught SIGTERM: nothing of the new file is left
     except BaseException as exc:

@@ -20,7 +20,7 @@ from . import deepspeed_dir, safe_load
 from .atomic_write import write_atomically
 from .consolidate import fp32_state_dict
 from ..models.factory import DESCRIPTION_KEYS
-from .files import CheckpointError, is_safetensors
+from .files import SAFE_GLOBALS, SAFETENSORS, TORCH, CheckpointError, is_safetensors, sniff
 
 _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
 # the model's description (models.ModelConfig), where the run was, and "classes": the class names the run was
@@ -87,18 +87,18 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
     if os.path.isdir(out_path):  # before the (long) read; os.replace cannot put a file there
         raise CheckpointError(f"{os.fspath(out_path)} is a folder: OUT is the file to write, e.g. "
                               f"{os.path.join(out_path, 'weights.pth')}")
-    if tag:
-        save_dir = os.path.normpath(ckpt_path)
+    if tag:  # in a save directory or a training --output_dir
+        save_dir = deepspeed_dir.save_dir_of(os.path.normpath(ckpt_path))
         if not os.path.isdir(os.path.join(save_dir, tag)):
             raise CheckpointError(f"no checkpoint {tag!r} in {save_dir}")
     else:
-        if os.path.isdir(ckpt_path) and not deepspeed_dir.is_tag_dir(ckpt_path) \
-                and os.path.isdir(os.path.join(ckpt_path, "checkpoints")):
-            ckpt_path = os.path.join(ckpt_path, "checkpoints")  # a training --output_dir
         save_dir, tag = deepspeed_dir.resolve(ckpt_path)
     tag_dir = os.path.join(save_dir, tag)
     if not deepspeed_dir.is_tag_dir(tag_dir):
         raise CheckpointError(f"{tag_dir} is not a vim-ds checkpoint (no *model_states.pt)")
+    problem = output_problem(os.fspath(out_path), tag_dir)
+    if problem:  # before anything is read or written
+        raise CheckpointError(problem)
     state = client_state(tag_dir)
     check_complete(tag_dir, state)
     ema_path = os.path.join(tag_dir, deepspeed_dir.EMA_FILE)
@@ -128,12 +128,62 @@ def convert(ckpt_path: str, out_path: str, *, tag: str | None = None, ema: bool 
             "parameters": sum(v.numel() for v in weights.values()), "has_ema": ema_sd is not None, **meta}
 
 
+def output_problem(out_path: str, tag_dir: str) -> str | None:
+    """Why OUT must not be written by converting `tag_dir`, or None: OUT is one of the files the conversion reads
+    (the checkpoint's own files, its save directory's `latest`; also through a link), or an existing file that is
+    not a weights file vim_ds wrote (a published checkpoint, another checkpoint's DeepSpeed file, anything else a
+    user keeps there). A converted file written earlier is replaced, as a conversion run again expects."""
+    from .atomic_write import files_under, same_file
+
+    read = same_file(out_path, files_under(tag_dir) + [os.path.join(os.path.dirname(tag_dir), "latest")])
+    if read:
+        what = "a file" if os.path.abspath(read) == os.path.abspath(out_path) else f"{read}, a file"
+        return (f"{out_path} is {what} of the checkpoint being converted ({tag_dir}): writing it would destroy the "
+                f"checkpoint; give OUT a new file outside {tag_dir}, e.g. weights.pth")
+    return not_our_file(out_path, "vim-ds convert", "OUT")
+
+
+def not_our_file(path: str, writer: str, option: str) -> str | None:
+    """Why the existing file `path` is not replaced by `writer` (it is not a weights file vim_ds wrote, see
+    `written_by_vim_ds`), or None (no such file, or one vim_ds wrote)."""
+    if not os.path.lexists(path) or written_by_vim_ds(path):
+        return None
+    try:
+        kind, what = sniff(path)
+    except OSError as exc:
+        kind, what = "", f"a file that cannot be read ({exc.strerror or exc})"
+    if kind:
+        what = f"{'a safetensors' if kind == SAFETENSORS else 'a PyTorch'} file with no vim_ds record"
+    return (f"{path} exists and is {what}: {writer} replaces only a weights file vim_ds wrote; give {option} a "
+            f"new name, or move {path} away first")
+
+
+def written_by_vim_ds(path: str) -> bool:
+    """Whether `path` is a weights file vim_ds wrote (`vim-ds convert`, `--save-init-weights`): its vim_ds record,
+    read without its tensors (a .pth memory-mapped; a safetensors header)."""
+    try:
+        kind, _ = sniff(path)
+        if kind == SAFETENSORS:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                return (f.metadata() or {}).get("format") == "vim_ds"
+        if kind == TORCH:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict)
+    except Exception:  # noqa: BLE001 - unreadable, a legacy pickle (no mmap), not a dict: not one of ours
+        return False
+    return False
+
+
 def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "model", ema_sd: dict | None = None,
-                       safetensors: bool | None = None, stall=None):
+                       safetensors: bool | None = None, stall=None, replace: bool = True):
     """Write a converted weights file atomically: .pth `{"model": weights, "vim_ds": meta, ["model_ema": ema_sd]}`,
     or .safetensors with the model description as metadata (no EMA there). `which` names what `weights` are. A
     failed write is a one-line CheckpointError and leaves no file, however the writer stops (see atomic_write;
-    `stall` is its fault-injection point)."""
+    `stall` is its fault-injection point). Without `replace`, a file already at `out_path` is kept and the write
+    fails."""
     if safetensors is None:
         safetensors = out_path.endswith(".safetensors")
 
@@ -160,7 +210,7 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
             torch.save(obj, path)
 
     # a full disk, a read-only one, Ctrl-C, SIGTERM, SIGKILL: no half-written file is left behind, one-line errors
-    write_atomically(out_path, write, stall=stall)
+    write_atomically(out_path, write, stall=stall, replace=replace)
 
 
 def read_vim_ds_meta(obj_or_path) -> dict | None:

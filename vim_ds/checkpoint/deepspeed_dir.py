@@ -4,6 +4,12 @@ A save directory holds one sub-directory per checkpoint ("tag", e.g. `global_ste
 file naming the newest. vim_ds adds to each tag directory `ema.pt` (the gathered EMA weights), one
 `rng_rank{N}.pt` per rank, and, written last and only after every rank has finished writing, `vim_ds_complete.json`.
 A tag without that marker is a save that was interrupted: it is never resumed, even if `latest` names it.
+
+The run's own checkpoints are the folders named as it names them, `global_step<N>` (and `global_step<N>_universal`
+for DeepSpeed's universal copy of one): only they are chosen when a save directory is resolved, counted, pruned or
+cleaned up. A folder a user makes beside them (`cp -a global_step2 my_best_step2`, `global_step4.bak`) is theirs;
+it is resumed, evaluated or converted only when named itself. Removing a checkpoint removes what its save wrote
+(`remove_saved`), never a file a user put into its folder.
 """
 from __future__ import annotations
 
@@ -38,26 +44,94 @@ def read_marker(tag_dir: str) -> dict:
 
 
 def complete_tags(save_dir: str) -> list[str]:
-    """Complete checkpoints in `save_dir`, oldest first (by optimizer step)."""
+    """The run's complete checkpoints in `save_dir` (named as it names them, see the module docstring), oldest
+    first (by optimizer step)."""
     tags = []
     for entry in os.listdir(save_dir):
         tag_dir = os.path.join(save_dir, entry)
-        if os.path.isdir(tag_dir) and is_complete(tag_dir):
+        if tag_step(entry) >= 0 and os.path.isdir(tag_dir) and is_complete(tag_dir):
             tags.append((read_marker(tag_dir).get("step", -1), entry))
     return [tag for _, tag in sorted(tags)]
 
 
+# the names the trainer gives its checkpoints (Checkpointer.save, universal_copy), whole names only
+_TAG_NAME = re.compile(r"global_step(\d+)(?:_universal)?")
+
+
 def tag_step(tag: str) -> int:
-    """The optimizer step in a tag name (`global_step1200`, `global_step1200_universal`), or -1."""
-    match = re.match(r"global_step(\d+)", tag)
+    """The optimizer step in a tag name the trainer gives (`global_step1200`, `global_step1200_universal`), or -1
+    for any other name (`global_step1200.bak`, `my_best_step2`)."""
+    match = _TAG_NAME.fullmatch(tag)
     return int(match.group(1)) if match else -1
 
 
+def checkpoint_step(tag_dir: str) -> int:
+    """The step of the checkpoint in `tag_dir`: its marker's, else its name's (-1 when neither says)."""
+    if is_complete(tag_dir):
+        try:
+            return int(read_marker(tag_dir).get("step", -1))
+        except (OSError, ValueError, TypeError):
+            pass
+    return tag_step(os.path.basename(os.path.normpath(tag_dir)))
+
+
 def incomplete_tags(save_dir: str) -> list[str]:
-    """Tag directories without the completion marker (interrupted saves), oldest first."""
+    """The run's tag directories without the completion marker (interrupted saves), oldest first."""
     tags = [entry for entry in os.listdir(save_dir) if tag_step(entry) >= 0
             and os.path.isdir(os.path.join(save_dir, entry)) and not is_complete(os.path.join(save_dir, entry))]
     return sorted(tags, key=tag_step)
+
+
+# What a save writes into a tag folder, by relative path: DeepSpeed's states (`mp_rank_00_model_states.pt`,
+# `[bf16_]zero_pp_rank_N_mp_rank_00_{model,optim}_states.pt`, and its other `*_states.pt` layouts), vim_ds's EMA,
+# RNG states, marker and the marker's temporary (write_atomic).
+_SAVED_NAME = re.compile(r"[\w.-]*_states\.pt|" + re.escape(EMA_FILE) + r"|rng_rank\d+\.pt|"
+                         + re.escape(MARKER) + r"(?:\.tmp\d+)?")
+# ds_to_universal's tree in a `_universal` folder: one folder per parameter (named after it) and its scratch folder
+_UNIVERSAL_TREE = re.compile(r"(?:zero|tmp)/.+")
+
+
+def saved_by_a_save(tag_dir: str, rel: str) -> bool:
+    """Whether the file `rel` (relative to `tag_dir`) has a name a save gives its files."""
+    return bool(_SAVED_NAME.fullmatch(rel)
+                or (tag_dir.rstrip(os.sep).endswith("_universal") and _UNIVERSAL_TREE.fullmatch(rel)))
+
+
+def foreign_files(tag_dir: str) -> set[str]:
+    """The files in `tag_dir` (relative paths) whose names no save gives: a user's, before a save writes there."""
+    return {rel for root, _, names in os.walk(tag_dir) for name in names
+            if not saved_by_a_save(tag_dir, rel := os.path.relpath(os.path.join(root, name), tag_dir))}
+
+
+def remove_saved(tag_dir: str) -> tuple[list[str], list[str]]:
+    """Remove what a save wrote into `tag_dir`, then the folders left empty, `tag_dir` last; returns (removed, kept)
+    as paths relative to `tag_dir`. What a save wrote: the files its marker lists, and the marker (removed first, so
+    that a removal cut short leaves an interrupted save, never a complete checkpoint with files missing); without a
+    marker listing them (an interrupted or failed save, a checkpoint older than the list), the files named as
+    DeepSpeed and vim_ds name theirs (`saved_by_a_save`). Anything else (a user's `weights.pth`, notes) stays, and
+    with it the folders that hold it."""
+    listed, removed, kept = None, [], []
+    if is_complete(tag_dir):
+        try:
+            listed = set(read_marker(tag_dir).get("files") or ()) or None
+        except (OSError, ValueError):
+            pass  # unreadable: the names tell
+        os.remove(os.path.join(tag_dir, MARKER))
+        removed.append(MARKER)
+    for root, _, files in os.walk(tag_dir):
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), tag_dir)
+            if (rel in listed) if listed is not None else saved_by_a_save(tag_dir, rel):
+                os.remove(os.path.join(root, name))
+                removed.append(rel)
+            else:
+                kept.append(rel)
+    for root, _, _ in os.walk(tag_dir, topdown=False):
+        try:
+            os.rmdir(root)  # only an empty folder
+        except OSError:
+            pass
+    return removed, kept
 
 
 def file_checksums(tag_dir: str) -> dict[str, list]:
@@ -109,6 +183,13 @@ def _warn(text: str):
 _WARNED: set[str] = set()
 
 
+def _warn_once(text: str):
+    """A warning said once per process (every command resolves its checkpoint more than once)."""
+    if text not in _WARNED:
+        _WARNED.add(text)
+        _warn(text)
+
+
 def read_latest(save_dir: str, newest: str = "") -> str | None:
     """The tag DeepSpeed's `latest` file in `save_dir` names, or None: no such file, or one that cannot be read
     (invalid UTF-8, binary garbage, empty, an I/O error), said once per process in a warning naming the file (and
@@ -139,11 +220,31 @@ def read_latest(save_dir: str, newest: str = "") -> str | None:
     return None
 
 
+def save_dir_of(path: str) -> str:
+    """The save directory `path` names: itself, or for a training run's --output_dir (which holds no checkpoints of
+    its own, only `checkpoints/`) its `checkpoints/`, so that every command takes the same three forms (a tag
+    directory, a save directory, an --output_dir)."""
+    inner = os.path.join(path, "checkpoints")
+    if os.path.isdir(inner) and not os.path.isfile(os.path.join(path, "latest")) \
+            and not any(tag_step(entry) >= 0 for entry in os.listdir(path)):
+        return inner
+    return path
+
+
+def missing_latest(save_dir: str) -> str | None:
+    """The tag `save_dir`'s `latest` names when no folder of that name is there (deleted or moved), else None."""
+    latest = read_latest(save_dir)
+    if latest is None or os.path.isdir(os.path.join(save_dir, latest)):
+        return None
+    return latest
+
+
 def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[str, str]:
-    """(save_dir, tag) of the checkpoint to load from a save directory (its newest complete one) or a tag
-    directory. With `verify`, a checkpoint whose files do not match their recorded checksums (see `damage`) is
-    refused naming the file; with `fall_back` too (resuming), a save directory's newest *intact* checkpoint is
-    taken instead, with a warning."""
+    """(save_dir, tag) of the checkpoint to load from a tag directory, a save directory (its newest complete one)
+    or a training --output_dir (its `checkpoints/`). With `verify`, a checkpoint whose files do not match their
+    recorded checksums (see `damage`) is refused naming the file; with `fall_back` too (resuming), a save
+    directory's newest *intact* checkpoint is taken instead, with a warning. A `latest` naming a tag that is not
+    there is said: in the refusal when no other complete checkpoint exists, else in a warning naming the one used."""
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint directory not found: {path}")
@@ -154,10 +255,16 @@ def resolve(path: str, verify: bool = True, fall_back: bool = False) -> tuple[st
         if problem:
             raise CheckpointError(f"{path} cannot be used: {problem}")
         return os.path.dirname(path), os.path.basename(path)
+    path = save_dir_of(path)
     tags = complete_tags(path)
+    latest = read_latest(path, newest=tags[-1] if tags else "")
+    missing = latest is not None and not os.path.isdir(os.path.join(path, latest))
     if not tags:
-        raise CheckpointError(f"no complete checkpoint in {path}")
-    latest = read_latest(path, newest=tags[-1])
+        named = f": its `latest` names {latest}, which is not there (deleted or moved?)" if missing else ""
+        raise CheckpointError(f"no complete checkpoint in {path}{named}")
+    if missing:
+        _warn_once(f"{os.path.join(path, 'latest')} names {latest}, which is not there (deleted or moved?); using "
+                   f"the newest complete checkpoint, {tags[-1]}")
     if latest in tags:  # the newest unless `latest` names an older one
         tags = tags[:tags.index(latest) + 1]
     for tag in reversed(tags):

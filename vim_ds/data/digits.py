@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import math
-import shutil
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,14 +52,44 @@ def write_digits(out_dir, val_fraction: float = 0.2, seed: int = 0) -> dict:
     return counts
 
 
+# The files `vim-ds data digits` and `vim-ds data photos` write in a split: `<class>/<n>.png` (write_digits) and
+# `<class>/<split>_<n>.jpg` (photos.write_photos)
+_WRITTEN = re.compile(r"[^/]+/(?:\d{4}\.png|(?:train|val)_\d{5}\.jpg)")
+
+
+def _not_written(split: Path) -> str | None:
+    """The first entry of a split folder that the data writers would not have written (a file of another name, a
+    link, a file where a folder belongs), or None."""
+    if split.is_symlink() or not split.is_dir():
+        return str(split)
+    for root, folders, files in os.walk(split):
+        for name in files + [f for f in folders if os.path.islink(os.path.join(root, f))]:
+            path = os.path.join(root, name)
+            if os.path.islink(path) or not _WRITTEN.fullmatch(os.path.relpath(path, split).replace(os.sep, "/")):
+                return path
+    return None
+
+
 def clear_output_folder(out: Path, force: bool) -> str | None:
-    """Make `out` ready for a data set writer: why not (a file; a non-empty folder without `force`), or None after
-    removing its train/ and val/ (with `force`; nothing else in it is touched)."""
+    """Make `out` ready for a data set writer: why not (a file; a non-empty folder without `force`; with `force`, a
+    train/ or val/ holding files these writers did not write), or None after removing its train/ and val/ (with
+    `force`: the files these writers name as they do, then the folders left empty; nothing else in it is touched)."""
     if out.exists() and not out.is_dir():
         return f"{out} exists and is not a folder"
     if out.is_dir() and any(out.iterdir()):
         if not force:
             return f"{out} exists and is not empty; pass --force to replace its train/ and val/"
-        for split in ("train", "val"):
-            shutil.rmtree(out / split, ignore_errors=True)
+        splits = [out / split for split in ("train", "val") if os.path.lexists(out / split)]
+        for split in splits:
+            foreign = _not_written(split)
+            if foreign:
+                return (f"{split} holds files vim-ds data did not write (e.g. {foreign}); --force replaces only what "
+                        f"it wrote: move them away or give another --out")
+        for split in splits:
+            for root, folders, files in os.walk(split, topdown=False):
+                for name in files:
+                    os.remove(os.path.join(root, name))
+                for name in folders:
+                    os.rmdir(os.path.join(root, name))
+            os.rmdir(split)
     return None

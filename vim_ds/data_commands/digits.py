@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fraction of each class written to val/ (default 0.2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
     parser.add_argument("--force", action="store_true",
-                        help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
+                        help="write into a non-empty DIR, replacing the train/ and val/ that `vim-ds data` wrote "
+                             "there (refused when they hold other files; nothing else is touched)")
     return parser
 
 

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="image sizes, each image picks one "
                              f"(default {' '.join(f'{w}x{h}' for w, h in DEFAULT_SIZES)})")
     parser.add_argument("--force", action="store_true",
-                        help="write into a non-empty DIR, replacing its train/ and val/ (nothing else is touched)")
+                        help="write into a non-empty DIR, replacing the train/ and val/ that `vim-ds data` wrote "
+                             "there (refused when they hold other files; nothing else is touched)")
     return parser
 
 

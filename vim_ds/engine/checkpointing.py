@@ -81,6 +81,8 @@ class Checkpointer:
         step = client_state["step"]
         tag = f"global_step{step}"
         tag_dir = os.path.join(self.save_dir, tag)
+        # what a user put into a folder being rewritten is not this save's: not in its marker, never pruned with it
+        foreign = layout.foreign_files(tag_dir) if self.rank == 0 else set()
         if self.rank == 0 and os.path.exists(os.path.join(tag_dir, layout.MARKER)):
             # being rewritten: not complete until done again
             os.remove(os.path.join(tag_dir, layout.MARKER))
@@ -96,9 +98,10 @@ class Checkpointer:
         # torch.save reports a full disk as a RuntimeError from its writer
         except (OSError, RuntimeError) as exc:
             cause = _save_failure(self.save_dir, exc)
-            # Free what the failed save wrote (it has no marker, so it would never be resumed anyway); the other
-            # ranks stop too, as soon as their next collective finds this one gone.
-            shutil.rmtree(tag_dir, ignore_errors=True)
+            # Free what the failed save wrote (it has no marker, so it would never be resumed anyway), by its
+            # names: a user's file in the folder stays; the other ranks stop too, as soon as their next collective
+            # finds this one gone.
+            _remove_quietly(tag_dir)
             previous = layout.complete_tags(self.save_dir) if os.path.isdir(self.save_dir) else []
             kept = f"the previous checkpoint {os.path.join(self.save_dir, previous[-1])} is intact" if previous \
                 else "no earlier checkpoint exists"
@@ -107,7 +110,8 @@ class Checkpointer:
         if self.rank == 0:
             marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **(summary or {}),
                       # checked before the checkpoint is used
-                      "files": layout.file_checksums(tag_dir)}
+                      "files": {rel: entry for rel, entry in layout.file_checksums(tag_dir).items()
+                                if rel not in foreign}}
             layout.write_atomic(os.path.join(tag_dir, layout.MARKER), json.dumps(marker, indent=1))
             layout.write_atomic(os.path.join(self.save_dir, "latest"), tag)
             self._prune(keep=tag)
@@ -118,10 +122,13 @@ class Checkpointer:
         """Keep the newest `keep_last` complete checkpoints (0 keeps all), and delete interrupted saves older than
         the one just completed. Runs only after `keep` is complete, so a crash never leaves fewer good ones.
 
-        Only checkpoints of this run's lineage count (the same `run_id` in their markers: this run's and those of
-        the runs it resumed), and only they are removed. A `<tag>_universal` copy is derived from `<tag>` and goes
-        when `<tag>` goes, never in its place. The checkpoint this run resumed from stays until `keep_last`
-        checkpoints this run saved itself are complete, so a resumed run that fails early still has its start."""
+        Only the run's own checkpoints count: folders named as it names them (`global_stepN`, whose marker says
+        step N; never a user's `my_best_step2` or `global_step4.bak`), of this run's lineage (the same `run_id` in
+        their markers: this run's and those of the runs it resumed), and only they are removed, file by file
+        (layout.remove_saved: what the save wrote; a file a user put in the folder keeps it, said in one line). A
+        `<tag>_universal` copy is derived from `<tag>` and goes when `<tag>` goes, never in its place. The checkpoint
+        this run resumed from stays until `keep_last` checkpoints this run saved itself are complete, so a resumed
+        run that fails early still has its start."""
         marker = layout.read_marker(os.path.join(self.save_dir, keep))
         newest, lineage = marker["step"], marker.get("run_id")
         for tag in layout.incomplete_tags(self.save_dir):
@@ -130,17 +137,31 @@ class Checkpointer:
         self.saved.append(keep)
         if self.keep_last <= 0:
             return
-        tags = [t for t in layout.complete_tags(self.save_dir) if not t.endswith(UNIVERSAL_SUFFIX)
-                and layout.read_marker(os.path.join(self.save_dir, t)).get("run_id") == lineage]
+        tags = [t for t in layout.complete_tags(self.save_dir) if self._of_lineage(t, lineage)]
         own_saves = len(set(self.saved))
         for tag in tags[:-self.keep_last]:
             if tag == keep or (tag == self.resumed_from and own_saves < self.keep_last):
                 continue
             self._remove(tag)
 
+    def _of_lineage(self, tag: str, lineage) -> bool:
+        """`tag` is a checkpoint the run names `global_stepN` whose marker says step N and `lineage`'s run id."""
+        if tag.endswith(UNIVERSAL_SUFFIX) or layout.tag_step(tag) < 0:
+            return False
+        marker = layout.read_marker(os.path.join(self.save_dir, tag))
+        return marker.get("run_id") == lineage and marker.get("step") == layout.tag_step(tag)
+
     def _remove(self, tag: str):
+        """Remove checkpoint `tag` and its universal copy, what their saves wrote only (see `_prune`)."""
         for name in (tag, tag + UNIVERSAL_SUFFIX):
-            shutil.rmtree(os.path.join(self.save_dir, name), ignore_errors=True)
+            path = os.path.join(self.save_dir, name)
+            if not os.path.isdir(path):
+                continue
+            removed, kept = layout.remove_saved(path)
+            if removed and kept:
+                shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+                print(f"note: --keep-checkpoints: removed the checkpoint files of {path} but kept the folder: it "
+                      f"holds files the run did not write ({shown})", flush=True)
 
     def protect(self, path: str):
         """The checkpoint (directory, or save directory + `latest`) this run resumed from: see `_prune`."""
@@ -183,6 +204,14 @@ class Checkpointer:
         if os.path.isfile(rng_path):
             set_rng_state(safe_load.load(rng_path, extra_globals=safe_load.numpy_rng_globals()))
         return client_state
+
+
+def _remove_quietly(tag_dir: str) -> None:
+    """layout.remove_saved where the folder may be gone or unreadable (a failed save's or conversion's clean-up)."""
+    try:
+        layout.remove_saved(tag_dir)
+    except OSError:
+        pass
 
 
 def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
@@ -238,7 +267,9 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     src, dst = os.path.join(save_dir, tag), os.path.join(save_dir, universal)
     if layout.is_complete(dst):
         return universal
-    shutil.rmtree(dst, ignore_errors=True)
+    # an interrupted conversion's files (by their names: a user's file in the folder stays, out of the marker)
+    _remove_quietly(dst)
+    foreign = layout.foreign_files(dst)
     # ds_to_universal unpickles every rank file: run it under the weights-only allow-list like every other load. In
     # a session of its own, so that its worker processes can be stopped with it (see _end_group).
     proc = None
@@ -254,14 +285,15 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
             shutil.copy2(os.path.join(src, layout.EMA_FILE), os.path.join(dst, layout.EMA_FILE))
         if stall is not None:
             stall()
-        marker = {**layout.read_marker(src), "files": layout.file_checksums(dst), "universal_of": tag}
+        files = {rel: entry for rel, entry in layout.file_checksums(dst).items() if rel not in foreign}
+        marker = {**layout.read_marker(src), "files": files, "universal_of": tag}
         layout.write_atomic(os.path.join(dst, layout.MARKER), json.dumps(marker, indent=1))
     # a full or read-only disk, a signal (vim-ds convert's Ctrl-C, SIGTERM): no partial folder is left
     except BaseException as exc:
         cause = _save_failure(save_dir, exc) if isinstance(exc, OSError) else None
         if proc is not None:
             _end_group(proc)
-        shutil.rmtree(dst, ignore_errors=True)
+        _remove_quietly(dst)
         if cause is not None:
             raise CheckpointError(f"cannot write {dst}: {cause}") from exc
         raise

@@ -46,21 +46,42 @@ def load_init_weights(model: torch.nn.Module, path: str) -> str:
     return sha256_file(path)
 
 
-def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
-    """Write `model`'s weights as `vim-ds convert` would (fp32, CPU); returns the file's sha256."""
-    from ..checkpoint.convert import write_weights_file
+def existing_file_error(path: str) -> str | None:
+    """Why `--save-init-weights PATH` is refused because something is already there, or None."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path):
+        return f"--save-init-weights {path} is a folder: give the file to write, e.g. {os.path.join(path, 'init.pth')}"
+    return (f"--save-init-weights {path} exists and is never replaced (runs that started from it record its "
+            f"sha256): start from it with --init-weights {path}, or give a new file name")
 
+
+def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
+    """Write `model`'s weights as `vim-ds convert` would (fp32, CPU) to a new file; returns the file's sha256. An
+    existing file is refused, also one that appears while the weights are written (the write never replaces)."""
+    from ..checkpoint.convert import write_weights_file
+    from ..checkpoint.files import CheckpointError
+
+    problem = existing_file_error(path)
+    if problem:
+        raise CheckpointError(problem)
     weights = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-    write_weights_file(path, weights, meta)
+    write_weights_file(path, weights, meta, replace=False)
     return sha256_file(path)
 
 
 def apply(model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo, *, load: str = "",
-          save: str = "") -> dict:
+          save: str = "", resuming: bool = False) -> dict:
     """Load `load` (--init-weights) on every rank, or write `save` (--save-init-weights) on rank 0; every rank learns
     whether all succeeded (one collective), so a file missing on one node stops the whole job with its message
     instead of leaving the other ranks waiting in the engine's first collective. Returns what metrics.jsonl
-    records."""
+    records. A resumed run (`resuming`) writes no `save`: its initial weights were its first segment's, which wrote
+    the file (recorded as such when it is there)."""
+    if save and resuming:
+        if os.path.isfile(save):
+            return {"init_weights": os.path.abspath(save), "init_weights_sha256": sha256_file(save),
+                    "init_weights_mode": "saved"}
+        return {}
     if not (load or save):
         return {}
     digest, error = None, ""

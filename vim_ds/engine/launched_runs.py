@@ -181,6 +181,40 @@ def summarise_metrics(path: str, warmup: int) -> dict:
     }
 
 
+LOG = "train.log"  # the launcher's command line, exit status and output, in each run's folder
+
+
+def _write_log(out_dir: str, cmd: list[str], rest: str) -> None:
+    with open(os.path.join(out_dir, LOG), "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n{rest}")
+
+
+def foreign_run_folder(out_dir: str) -> str | None:
+    """Why `out_dir` must not be removed to make room for a run, in one line, or None (nothing there, or the folder
+    of an earlier run `run_train_config` launched: its train.log, `$ COMMAND` then `# ...`). Anything else is a
+    user's folder (a training run of theirs, notes) and is never removed."""
+    if not os.path.lexists(out_dir):
+        return None
+    try:
+        with open(os.path.join(out_dir, LOG)) as f:
+            ours = f.readline().startswith("$ ") and f.readline().startswith("# ")
+    except (OSError, UnicodeDecodeError):
+        ours = False
+    if ours and not os.path.islink(out_dir):
+        return None
+    return (f"{out_dir} exists and is not a run this command launched (no {LOG} of one): it is never removed; give "
+            f"another folder, or move it away")
+
+
+def clear_run_folder(out_dir: str) -> None:
+    """Remove the folder of an earlier launched run (its metrics.jsonl would be appended to); `foreign_run_folder`
+    must have said None."""
+    import shutil
+
+    if os.path.lexists(out_dir):
+        shutil.rmtree(out_dir)
+
+
 def run_train_config(config: str, *, nproc: int, launcher: str, model: str, model_kwargs: dict, input_size: int,
                      batch_size: int, steps: int, warmup: int, precision: str | None, workers: int, out_dir: str,
                      nb_classes: int = 1000, extra_args=(), timeout: float | None = None) -> dict:
@@ -200,11 +234,12 @@ def run_train_config(config: str, *, nproc: int, launcher: str, model: str, mode
         return {**row, "error": first_line(exc)}
     os.makedirs(out_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the folder's mark as one of these runs (see clear_run_folder) from the start: a run killed midway has it too
+    _write_log(out_dir, cmd, "# running")
     start = time.perf_counter()
     returncode, out, err = _run_group(cmd, timeout, env)
     row["wall_s"] = time.perf_counter() - start
-    with open(os.path.join(out_dir, "train.log"), "w") as f:
-        f.write(f"$ {' '.join(cmd)}\n# exit status {returncode}\n--- stdout\n{out}\n--- stderr\n{err}")
+    _write_log(out_dir, cmd, f"# exit status {returncode}\n--- stdout\n{out}\n--- stderr\n{err}")
     if returncode is None:
         return {**row, "error": f"timed out after {timeout:.0f} s"}
     if returncode != 0:

@@ -9,7 +9,10 @@
 - A lock (`OUTPUT_DIR/.vim_ds.lock`, an exclusive `flock` held by rank 0 for the life of the run) stops a second
   live run in the same folder; the kernel drops it when the holder dies, however it dies, and the next run says
   whose lock it took over. (flock is per host: two runs on different hosts sharing the folder over NFS are not
-  told apart.)
+  told apart.) It is asked about before anything else (`_in_use` in the checks before the process group; the
+  claim takes it first), so a live run's folder is never answered with advice the lock would refuse.
+- `--resume auto` does not start from step 0 in a folder whose `latest` names a checkpoint that is gone with
+  nothing else to resume (`latest_gone`): the run would write a second history there.
 - A refused run leaves the folder as it found it: the checks before the process group create nothing (they probe
   the nearest existing parent), and what `claim` created (the folder and its parents, `checkpoints/`, the lock
   file) is removed again by `release(undo=True)` when the run ends before it started writing (train.run: an
@@ -53,6 +56,31 @@ def _holder(text: str) -> dict:
         return {}
 
 
+def _in_use_error(output_dir: str, holder: dict) -> str:
+    who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started " \
+          f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('time', 0)))}" if holder else "a process"
+    return f"{output_dir} is in use by another run ({who}); wait for it to end or give another --output_dir"
+
+
+def _in_use(output_dir: str) -> str | None:
+    """Whether a live run holds the folder's lock, found without taking it (a shared lock tried and dropped at
+    once: the checks before the process group create and hold nothing), as `_lock`'s error, or None. Asked first:
+    every other refusal's advice (`--resume auto`, `--resume NEWEST`) would fail on the lock."""
+    try:
+        f = open(os.path.join(output_dir, LOCK_FILE))
+    except OSError:
+        return None  # no lock file (or none readable): no run has claimed the folder
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _in_use_error(output_dir, _holder(f.read()))
+        except OSError:
+            return None
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def _lock(output_dir: str) -> tuple[str | None, str | None]:
     """(error, note) of taking the folder's lock on this process."""
     global _held
@@ -60,16 +88,19 @@ def _lock(output_dir: str) -> tuple[str | None, str | None]:
     lock_path = os.path.join(output_dir, LOCK_FILE)
     new_lock = not os.path.exists(lock_path)
     f = open(lock_path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = _holder(f.read())
-        f.close()
-        who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started " \
-              f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('time', 0)))}" if holder else "a process"
-        return (f"{output_dir} is in use by another run ({who}); wait for it to end or give another --output_dir",
-                None)
+    # a moment's retry: another job's `_in_use` check holds a shared lock for microseconds
+    for attempt in range(6):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt < 5:
+                time.sleep(0.05)
+                continue
+            f.seek(0)
+            holder = _holder(f.read())
+            f.close()
+            return _in_use_error(output_dir, holder), None
     f.seek(0)
     previous = _holder(f.read())
     note = None
@@ -156,6 +187,24 @@ def _earlier_run(run: RunOptions) -> str | None:
     return None
 
 
+def latest_gone(output_dir: str) -> str | None:
+    """Why `--resume auto` into `output_dir` must not start from step 0 although nothing is there to resume, or None:
+    its `latest` names a checkpoint that is gone (deleted or moved) and no other complete one exists. The run saved
+    that checkpoint (`latest` moves only once one is complete), so starting over would write a second history into
+    its folder (metrics.jsonl's steps from 1 again)."""
+    from ..checkpoint import deepspeed_dir
+
+    save_dir = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(save_dir) or deepspeed_dir.complete_tags(save_dir):
+        return None
+    missing = deepspeed_dir.missing_latest(save_dir)
+    if not missing:
+        return None
+    return (f"--resume auto: {os.path.join(save_dir, 'latest')} names {missing}, which is not there (deleted or "
+            f"moved?), and {save_dir} holds no other complete checkpoint; starting from step 0 would write a second "
+            f"history into {output_dir}: put {missing} back, or start anew with another --output_dir")
+
+
 def overwritten_by_resume(output_dir: str, tag_dir: str) -> list[str]:
     """The complete checkpoints in OUTPUT_DIR/checkpoints that a run resumed from `tag_dir` would write over (its
     saves are named after their step) and prune: every one of a later step than `tag_dir`'s, whatever run saved it.
@@ -186,7 +235,7 @@ def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
         return None
     from ..checkpoint import deepspeed_dir
 
-    step = deepspeed_dir.tag_step(os.path.basename(tag_dir))
+    step = deepspeed_dir.checkpoint_step(tag_dir)
     how = "`latest` names" if run.resume == "auto" or not deepspeed_dir.is_tag_dir(run.resume) else "--resume"
     shown = ", ".join(newer[-3:]) + (f" and {len(newer) - 3} more" if len(newer) > 3 else "")
     return (f"{how} {tag_dir} (step {step}), but {os.path.join(run.output_dir, 'checkpoints')} holds newer "
@@ -196,13 +245,15 @@ def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
 
 
 def check(config: RunConfig) -> str | None:
-    """Why the run's --output_dir cannot take this run (an earlier run's checkpoints without --resume; not
-    writable), or None: what `claim` finds, without taking the lock, for any rank to tell before the process group
+    """Why the run's --output_dir cannot take this run (a live run holds it; an earlier run's checkpoints without
+    --resume; `--resume auto` with a `latest` naming a checkpoint that is gone; not writable), or None: what
+    `claim` and the resume plan find, without taking the lock, for any rank to tell before the process group
     exists."""
     run = config.run
     if not run.output_dir or run.eval:
         return None
-    problem = _earlier_run(run)
+    problem = _in_use(run.output_dir) or _earlier_run(run) or (latest_gone(run.output_dir) if run.resume == "auto"
+                                                                 else None)
     # the baselines save nothing
     if problem or run.engine != "deepspeed":
         return problem
@@ -218,17 +269,17 @@ def claim(config: RunConfig, dist_info) -> None:
         return
     error = None
     if dist_info.is_main:
-        error = _earlier_run(run)
-        if not error:
-            try:
-                error, note = _lock(output_dir)
-            except OSError as exc:
-                error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
-            if note:
-                print(note, flush=True)
-            # the baselines save nothing
-            if not error and run.engine == "deepspeed":
-                error = _unwritable(os.path.join(output_dir, "checkpoints"))
+        # the lock first: a live run's folder is refused as such, not with advice that would fail on its lock
+        try:
+            error, note = _lock(output_dir)
+        except OSError as exc:
+            error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
+        error = error or _earlier_run(run)
+        # the baselines save nothing
+        if not error and run.engine == "deepspeed":
+            error = _unwritable(os.path.join(output_dir, "checkpoints"))
+        if note and not error:
+            print(note, flush=True)
     error = distributed.broadcast_object(error)
     if error:
         raise ValueError(error)

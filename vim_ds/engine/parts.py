@@ -115,13 +115,20 @@ def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConf
 
 
 def auto_resume_path(output_dir: str) -> str:
+    """The save directory `--resume auto` resumes, or '' to start from step 0 (nothing saved yet; only interrupted
+    saves, with a warning). Refused: a `latest` naming a checkpoint that is gone, with nothing else to resume."""
     from ..checkpoint import deepspeed_dir
+    from ..checkpoint.files import CheckpointError
+    from .output_dir import latest_gone
 
     if not output_dir:
         raise ValueError("--resume auto looks in --output_dir; none was given")
     save_dir = os.path.join(output_dir, "checkpoints")
     if os.path.isdir(save_dir) and deepspeed_dir.complete_tags(save_dir):
         return save_dir
+    problem = latest_gone(output_dir)
+    if problem:
+        raise CheckpointError(problem)
     interrupted = deepspeed_dir.incomplete_tags(save_dir) if os.path.isdir(save_dir) else []
     if interrupted and os.environ.get("RANK", "0") == "0":
         print(f"warning: --resume auto: {save_dir} holds only interrupted saves ({', '.join(interrupted)}: no "
@@ -233,9 +240,11 @@ def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Dat
     return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
 
 
-def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds) -> tuple:
+def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, datasets: Datasets, ds,
+                resuming: bool = False) -> tuple:
     """(the model with its initial weights, Model): the same weights on every rank (drawn after
-    `seed_everything(--seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights)."""
+    `seed_everything(--seed)`), then --finetune's, then --init-weights' (or saved to --save-init-weights, by a run
+    that is not `resuming`)."""
     options = config.model
     # identical initial weights on every rank
     seed_everything(config.run.seed)
@@ -253,7 +262,7 @@ def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, d
     info = init_weights.apply(model, {
         **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
         "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info,
-        load=options.init_weights, save=options.save_init_weights)
+        load=options.init_weights, save=options.save_init_weights, resuming=resuming)
     return model, Model(model_cfg, sum(p.numel() for p in model.parameters()), info)
 
 
@@ -402,7 +411,7 @@ def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer
     config = settle_lr(config, ds, dist_info)
     mixup = build_mixup(config, ds.batch, datasets.num_classes)
     data = build_data(config, dist_info, datasets, ds.batch, fault_hook, groups)
-    model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds)
+    model, model_parts = build_model(config, dist_info, model_cfg, datasets, ds, resuming=bool(resume_path))
     engine = build_engine(config, dist_info, model, ds, data.steps_per_epoch)
     criterion = build_criterion(config.augment.smoothing, mixup)
     ema = build_ema(config, engine.engine)

@@ -129,6 +129,13 @@ def _files(config: RunConfig) -> None:
         if path and option != "--resume" and not os.path.isfile(path):
             raise ValueError(f"{option} {path} is a folder, not a weights file; `vim-ds convert` makes one from a "
                              f"checkpoint directory")
+    # a new run writes its initial weights to a new file (a resumed one writes none: init_weights.apply)
+    if config.model.save_init_weights and not resume:
+        from .init_weights import existing_file_error
+
+        problem = existing_file_error(config.model.save_init_weights)
+        if problem:
+            raise ValueError(problem)
 
 
 def _resume_overwrite(config: RunConfig) -> str | None:
