@@ -92,15 +92,45 @@ def _one(option: Option, value, where: str):
     return value
 
 
+class _KeyGivenTwice(Exception):
+    """A key that appears twice in one YAML mapping: (key, the line of its first and of its second appearance)."""
+
+
+def _unique_key_loader():
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML requires keys to be unique, but PyYAML
+    keeps the last value without a word (`batch_size: 16`, later `batch_size: 4`, trained with 4)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            first_line = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = key in first_line
+                except TypeError:  # an unhashable key: the safe loader's own error says so
+                    break
+                if seen:
+                    raise _KeyGivenTwice(key, first_line[key], key_node.start_mark.line + 1)
+                first_line[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def read(path: str) -> dict:
-    """The mapping a YAML option file holds, or a one-line ValueError."""
+    """The mapping a YAML option file holds, or a one-line ValueError (a key given twice in one mapping too)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except _KeyGivenTwice as exc:
+        key, first, again = exc.args
+        raise ValueError(f"--config {path}: {str(key)!r} is given twice (lines {first} and {again}); keep one") \
+            from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
