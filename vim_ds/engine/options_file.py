@@ -36,6 +36,11 @@ NOT_PART_OF_THE_RUN = ("resume", "output_dir", "num_workers", "data_timeout", "d
 # the options the lr schedule is built from: a resume that changes one rebuilds it from the new values
 SCHEDULE_OPTIONS = ("lr", "unscale_lr", "min_lr", "warmup_lr", "warmup_epochs", "epochs")
 SETTABLE = sorted(dest for dest in OPTIONS if dest not in NOT_RECORDED)  # the keys a file may set
+# options that name files or folders: recorded absolute, so that `--config OUTPUT_DIR/options.yaml` started from
+# another working directory reads the same data, DeepSpeed config and weights (a shipped config's name, `zero2`, is
+# kept: it names the same file from anywhere; `--resume auto` too)
+PATH_OPTIONS = ("data_path", "finetune", "init_weights", "save_init_weights", "resume", "output_dir",
+                "deepspeed_config")
 
 
 def _derived_data_timeout(values: dict) -> float:
@@ -260,7 +265,7 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     for segment in segments:
         current.update(segment["options"])
     changed = {dest: value for dest, value in options.items()
-               if dest not in NOT_PART_OF_THE_RUN and value != _plain(current.get(dest, _default(dest)))}
+               if dest not in NOT_PART_OF_THE_RUN and not same_value(dest, value, current.get(dest, _default(dest)))}
     if not changed:
         return None
     segment = {"from_step": int(step), "options": changed}
@@ -272,9 +277,49 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
             f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
+def same_value(dest: str, a, b) -> bool:
+    """Do two recorded values of option `dest` mean the same run? Equal values do; two spellings of one file or
+    folder do too (a relative path and its absolute one, as older records hold them; a shipped DeepSpeed config's
+    name and its path): they are compared by what they resolve to (relative paths from the working directory)."""
+    a, b = plain(a), plain(b)
+    if a == b:
+        return True
+    if dest not in PATH_OPTIONS or not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    return _resolved(dest, a) == _resolved(dest, b)
+
+
+def _resolved(dest: str, value: str) -> str:
+    """The file or folder a path option's value names (`auto` for `--resume auto`)."""
+    import os
+
+    from . import shipped_configs
+
+    if dest == "resume" and value == "auto":
+        return value
+    if dest == "deepspeed_config":
+        try:
+            value = shipped_configs.resolve(value)
+        except ValueError:
+            pass  # names nothing here: compared as it is
+    return os.path.realpath(value)
+
+
+def _absolute(dest: str, value):
+    """A path option's value as recorded: absolute (see PATH_OPTIONS); empty, `auto` and a shipped config's name as
+    they are."""
+    import os
+
+    if not value or (dest == "resume" and value == "auto"):
+        return value
+    if dest == "deepspeed_config" and not os.path.exists(value):
+        return value  # a shipped config's name (or nothing the checks will find: they say so)
+    return os.path.abspath(value)
+
+
 def record(config: RunConfig) -> dict:
     """The effective options of a run (its RunConfig) as a YAML-ready mapping (tuples as lists), in the order of
-    --help (the options are engine/run_config.py's)."""
+    --help (the options are engine/run_config.py's); paths absolute (PATH_OPTIONS)."""
     from . import shipped_configs
 
     values = config.to_dict()
@@ -288,16 +333,18 @@ def record(config: RunConfig) -> dict:
         elif dest in DERIVED and value == DERIVED[dest](values):
             # derived from other options by run_options.parse_args: derived again from the file's other values
             value = None
-        out[dest] = _plain(value)
+        elif dest in PATH_OPTIONS:
+            value = _absolute(dest, value)
+        out[dest] = plain(value)
     return out
 
 
-def _plain(value):
+def plain(value):
     """A value YAML's safe dumper writes: tuples as lists, anything else unusual (a Path set by a caller) as text."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     return str(value)
