@@ -69,17 +69,37 @@ def _parse(text: str) -> set[tuple[str, int, int | None]]:
     return faults
 
 
-_FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+# read when first asked, not at import: a value it cannot read is then a one-line error of the command that reads
+# it (engine/env_vars.py checks it at every command's start), not a traceback of an import
+_FAULTS = None
 _RECORD_DIR = os.environ.get("VIM_DS_RECORD_BATCHES", "")
 
 
+def check_injected(text: str) -> None:
+    """A ValueError naming VIM_DS_INJECT and what it accepts when `text` cannot be read."""
+    _parse(text)
+
+
+def check_signal(text: str) -> None:
+    """A ValueError naming VIM_DS_INJECT_SIGNAL and what it accepts when `text` cannot be read."""
+    _signal_target(text)
+
+
+def _faults() -> set[tuple[str, int, int | None]]:
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+    return _FAULTS
+
+
 def active(name: str, step: int, rank: int) -> bool:
-    return (name, step, None) in _FAULTS or (name, step, rank) in _FAULTS
+    faults = _faults()
+    return (name, step, None) in faults or (name, step, rank) in faults
 
 
 def number(name: str, rank: int) -> int | None:
     """The number of a `name` fault that applies to `rank`, or None."""
-    return min((n for fault, n, r in _FAULTS if fault == name and r in (None, rank)), default=None)
+    return min((n for fault, n, r in _faults() if fault == name and r in (None, rank)), default=None)
 
 
 def kill_self():
@@ -108,9 +128,10 @@ def stall(what: str):
     hang()
 
 
-def _signal_target() -> tuple[int, bool]:
-    """(signal, to this process only) from VIM_DS_INJECT_SIGNAL."""
-    name, _, target = os.environ.get("VIM_DS_INJECT_SIGNAL", "SIGTERM").partition(":")
+def _signal_target(text: str | None = None) -> tuple[int, bool]:
+    """(signal, to this process only) from VIM_DS_INJECT_SIGNAL (or `text`)."""
+    text = os.environ.get("VIM_DS_INJECT_SIGNAL", "SIGTERM") if text is None else text
+    name, _, target = text.partition(":")
     if name not in ("SIGTERM", "SIGINT") or target not in ("", "rank"):
         raise ValueError(f"VIM_DS_INJECT_SIGNAL: cannot read {name}{':' + target if target else ''} (expected "
                          f"SIGTERM or SIGINT, optionally followed by :rank)")
@@ -224,4 +245,4 @@ NO_FAULTS = _NoFaults()
 
 def for_rank(rank: int) -> FaultHook:
     """The fault hook of `rank`: NO_FAULTS unless VIM_DS_INJECT or VIM_DS_RECORD_BATCHES is set."""
-    return FaultHook(rank) if _FAULTS or _RECORD_DIR else NO_FAULTS
+    return FaultHook(rank) if _faults() or _RECORD_DIR else NO_FAULTS

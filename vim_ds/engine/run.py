@@ -13,6 +13,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     from ..data.loader import DataStall
     from . import build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
     from .checkpointing import SaveError
+    from .env_vars import refusal
     from .errors import first_line, report_error
     from .parts import build_trainer
     from .run_config import RunConfig
@@ -21,6 +22,10 @@ def run(args, prog: str = "vim-ds train") -> int:
 
     config = RunConfig.from_namespace(args)
     rank = os.environ.get("RANK", "0")
+    # a VIM_DS_* variable it cannot read: said before anything starts, on every rank (however it was launched)
+    refused = refusal(prog, rank=rank)
+    if refused:
+        return refused
     # found first: see its start below
     launchers = None if config.run.eval else launcher_watch.LauncherWatch()
     # as parsed, before the checks resolve any name

@@ -280,7 +280,7 @@ def _jit_build(kind):
         raise RuntimeError("the kernel sources (csrc/) are not installed")
     extension = build_config.cpu_extension_args(root) if kind == "cpu" else build_config.gpu_extension_args(root)
     build_dir = os.path.join(
-        os.environ.get("VIM_DS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vim_ds")),
+        os.environ.get("VIM_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vim_ds"),
         f"{kind}-torch{torch.__version__}",
     )
     os.makedirs(build_dir, exist_ok=True)
@@ -356,7 +356,12 @@ def _announce(key, message):
 
 
 def forced_backend() -> Optional[str]:
-    name = os.environ.get(ENV_BACKEND, "").strip().lower()
+    return read_forced_backend(os.environ.get(ENV_BACKEND, ""))
+
+
+def read_forced_backend(text: str) -> Optional[str]:
+    """The backend a VIM_DS_SCAN value names (None for none), or a one-line ValueError saying what it accepts."""
+    name = text.strip().lower()
     if not name:
         return None
     if name not in BACKENDS:
