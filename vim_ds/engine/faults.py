@@ -32,6 +32,10 @@ batch of the evaluation after step N, `signal_in_save@N` half-way through saving
 `signal_in_train@N` by a training data-loader worker at its N-th sample, which it then takes 2 s over (the rank is
 waiting for data when the signal arrives).
 
+A refusal at a precise moment, for tests/faults/test_refused_runs_leave_nothing.py: `refuse_in_step@N` raises, at the
+start of optimizer step N, the ValueError a check of the input raises (the run ends as refused, exit 2), after the
+run has written its options.yaml and metrics.jsonl: what a run refused that late must take back.
+
 For `vim-ds convert` (tests/faults/test_convert_faults.py): `stall_convert_write@1` stops the converter for good
 once the bytes of OUT are written, before OUT gets them (fsynced, not yet named), after saying so on stderr, so that
 a test sends a real signal (or SIGKILL) to a converter that is writing; with `--universal`, once ds_to_universal has
@@ -54,7 +58,7 @@ import time
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
          "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save",
-         "stall_convert_write")
+         "stall_convert_write", "refuse_in_step")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -186,6 +190,8 @@ class FaultHook:
             hang()
         if micro == 0 and self._active("wait_for_signal", step):
             wait_for_signal()
+        if micro == 0 and self._active("refuse_in_step", step):
+            raise ValueError(f"VIM_DS_INJECT: refuse_in_step@{step}: a refusal injected at the start of step {step}")
 
     def on_loss(self, step: int, loss):
         """The loss of a micro step of optimizer step `step`, before backward (NaN under `nan_loss`)."""

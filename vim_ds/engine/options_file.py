@@ -251,6 +251,9 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     appended, and the returned note says which; the same options leave the file as it is (None)."""
     import os
 
+    from . import write_journal
+
+    write_journal.rewriting(path)  # a run refused before its first step puts it back
     if step is None or not os.path.isfile(path):
         write(path, options)
         return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed, faults, sequence_groups
+from . import distributed, faults, sequence_groups, write_journal
 from .components import dataset_config, loader_config, mixup_config, model_config
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .errors import first_line
@@ -136,7 +136,7 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
     from ..checkpoint import deepspeed_dir
     # sniff: a weights file by its content, any name
     from ..checkpoint.files import CheckpointError, sniff
-    from .checkpointing import universal_copy
+    from .checkpointing import UNIVERSAL_SUFFIX, universal_copy
 
     path = config.run.resume
     if not path or config.run.eval:
@@ -186,6 +186,8 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
     if dist_info.is_main:
         print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
               f"converting it to a universal checkpoint for {dist_info.world_size}", flush=True)
+        # DeepSpeed's conversion, made for this run: a run refused before its first step takes it back too
+        write_journal.filling(os.path.join(save_dir, tag + UNIVERSAL_SUFFIX))
         universal = universal_copy(save_dir, tag)
     else:
         universal = None

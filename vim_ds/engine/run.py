@@ -11,7 +11,8 @@ def run(args, prog: str = "vim-ds train") -> int:
     its messages. The namespace ends here: the engine below reads the run's typed RunConfig."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
-    from . import build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
+    from . import (build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals,
+                   write_journal)
     from .checkpointing import SaveError
     from .env_vars import refusal
     from .errors import first_line, report_error
@@ -50,13 +51,16 @@ def run(args, prog: str = "vim-ds train") -> int:
                                   f"meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
                                   f"--dist-timeout {config.run.dist_timeout:g} s): {first_line(exc)}", rank=rank)
     trainer = None
-    # has the run written anything into --output_dir? (until then a refusal undoes the claim)
-    started = False
+    # what the run writes until its first step (its folder's claim, options.yaml, metrics.jsonl, ...): taken back
+    # below unless it ends as it should (trained, or stopped by a signal)
+    write_journal.start()
+    ended_well = False
     try:
         if config.run.eval:
             from .evaluate import evaluate_weights
 
             evaluate_weights(config, dist_info)
+            ended_well = True
             return 0
         # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         signals.install(dist_info.is_main)
@@ -67,10 +71,8 @@ def run(args, prog: str = "vim-ds train") -> int:
         trainer = build_trainer(config, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
-        started = True
-        # `--config OUTPUT_DIR/options.yaml` starts this run again; written once nothing can refuse the run any
-        # more (a refused resume leaves the folder as it was); a resume with other options adds a segment to it
-        # (from which step they ran), said in a note
+        # `--config OUTPUT_DIR/options.yaml` starts this run again; a resume with other options adds a segment to
+        # it (from which step they ran), said in a note; a run refused before its first step puts it back as it was
         if dist_info.is_main and config.run.output_dir:
             note = options_file.write_run(os.path.join(config.run.output_dir, options_file.OPTIONS_FILE), options,
                                           step=trainer.step if trainer.resume_path else None)
@@ -81,9 +83,11 @@ def run(args, prog: str = "vim-ds train") -> int:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
             print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
                   f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+        ended_well = True
         return 0
     except StopRequested as stop:
         # what a shell reports for the signal: stopped early, on purpose, state saved
+        ended_well = True
         return 128 + stop.signum
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
         # 1: the run failed; 2: bad input
@@ -92,5 +96,9 @@ def run(args, prog: str = "vim-ds train") -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        output_dir.release(undo=not started)  # a refused run leaves no folder or lock it created
+        if not ended_well:
+            # refused or failed before its first step: every folder as it was (nothing, once it has trained a
+            # step); the lock file it created is removed while still held
+            write_journal.undo()
+        output_dir.release()
         distributed.teardown()
