@@ -53,6 +53,9 @@ def check(config: RunConfig, is_main: bool) -> RunConfig:
     problem = output_dir.check(config) or _resume_overwrite(config)
     if problem:
         raise ValueError(problem)
+    if is_main and not config.run.output_dir:  # said now, not found after hours of training
+        print("note: no --output_dir: nothing of this run is kept (no checkpoints, no metrics.jsonl, no "
+              "options.yaml); give --output_dir DIR to keep them", flush=True)
     # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
     return _deepspeed_config(config, is_main)
 
