@@ -158,7 +158,17 @@ BAD_INPUT = [
      False),  # a file in the way (a read-only folder would not stop root, who runs CI)
     ("config type", lambda p: ["--deepspeed_config",
                                _write(p / "t.json", '{"zero_optimization": {"stage": "two"}}')], "stage", True),
+    # issue 50, item 7: a number in the JSON that a typed option contradicts (it used to win without a word)
+    ("config vs command line", lambda p: ["--deepspeed_config", _json_with(p / "c.json", gradient_clipping=0.01),
+                                          "--clip-grad", "100"],
+     'c.json sets gradient_clipping=0.01 but --clip-grad is 100; set it to "auto" or drop --clip-grad', True),
 ]
+
+
+def _json_with(path, **top):
+    """The shipped zero0.json with the top-level values `top`."""
+    with open(os.path.join(ROOT, "ds_configs", "zero0.json")) as f:
+        return _write(path, json.dumps({**json.load(f), **top}))
 
 
 def _write(path, text):

@@ -6,6 +6,7 @@ compare-runs names it; --config repeats the first segment and says what it does 
 synthetic images), real files."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -14,18 +15,29 @@ import yaml
 from train_utils import QUIET_AUG, TINY, config, run_train
 
 
-def args(out, *extra) -> list:
+def args(out, ds_config, *extra) -> list:
     return ["--data-set", "synthetic", "--synthetic-size", 32, "--nb-classes", 4, *TINY, *QUIET_AUG,
-            "--num_workers", 0, "--deepspeed_config", config("zero0"), "--precision", "fp32", "--batch-size", 4,
+            "--num_workers", 0, "--deepspeed_config", ds_config, "--precision", "fp32", "--batch-size", 4,
             "--lr", 2e-3, "--unscale-lr", "--warmup-epochs", 0, "--no-model-ema", "--save-interval", 3,
             "--output_dir", out, *extra]
 
 
 def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, capsys):
     changed, same = tmp_path / "changed", tmp_path / "same"
-    run_train(args(changed, "--max-steps", 3))
+    # zero0 with a clipping of its own (issue 50, item 7): the run records the 0.5 that runs, and a resume with
+    # the same JSON and options agrees with that record (the control below leaves the file as it is)
+    clipped = tmp_path / "clipped.json"
+    clipped.write_text(json.dumps({**json.loads(open(config("zero0")).read()), "gradient_clipping": 0.5}))
+
+    def args(out, *extra):
+        return globals()["args"](out, clipped, *extra)
+
+    proc = run_train(args(changed, "--max-steps", 3))
     shutil.copytree(changed, same)
     first_record = (changed / "options.yaml").read_text()
+    assert yaml.safe_load(first_record)["clip_grad"] == 0.5
+    assert (f"note: {clipped} sets --clip-grad 0.5 (not given on the command line): the file's values run, and "
+            f"options.yaml records them") in proc.stdout, proc.stdout[-2000:]
 
     proc = run_train(args(changed, "--max-steps", 5, "--lr", 0.05, "--resume", "auto"))
     note = (f"note: resuming with options that differ from {changed}/options.yaml: --max-steps 5 (was 3), --lr 0.05 "

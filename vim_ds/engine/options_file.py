@@ -320,6 +320,19 @@ def _absolute(dest: str, value):
     return os.path.abspath(value)
 
 
+# the options the checks settle with the DeepSpeed config (engine/preflight.py, optim.settle_shared: a number in the
+# JSON that the command line did not give): recorded as they run, so that the record says what ran and `--config`
+# of it repeats the run with another DeepSpeed config too (the precision: --precision as given, or the recorded
+# config's sections, as before)
+SETTLED = ("lr", "unscale_lr", "weight_decay", "opt_betas", "opt_eps", "clip_grad")
+
+
+def with_settled(options: dict, config: RunConfig) -> dict:
+    """A run's record (`record`) with the values of SETTLED as `config` (the checked config) holds them."""
+    values = config.to_dict()
+    return {**options, **{dest: plain(values[dest]) for dest in SETTLED}}
+
+
 def record(config: RunConfig) -> dict:
     """The effective options of a run (its RunConfig) as a YAML-ready mapping (tuples as lists), in the order of
     --help (the options are engine/run_config.py's); paths absolute (PATH_OPTIONS)."""

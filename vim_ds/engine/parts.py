@@ -103,12 +103,15 @@ def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_wor
 
 
 def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConfig:
-    """As the preflight did: the lr floor and the warmup start against the peak (notes on the first rank). Returns
-    the config the schedule is built from, with a default floor or start lowered to the peak."""
-    from .optim import check_lr_settings, peak_lr
+    """As the preflight did: the values the DeepSpeed config sets too (optim.settle_shared: the file's numbers the
+    command line did not give, so that the parameter groups' weight decay is the one that runs), and the lr floor and
+    the warmup start against the peak (notes on the first rank). Returns the config the engine and the schedule are
+    built from, with a default floor or start lowered to the peak."""
+    from .optim import check_lr_settings, peak_lr, settle_shared
 
-    optim, notes = check_lr_settings(config.optim, *peak_lr(config.optim, ds))
-    for note in notes:
+    optim, shared_note = settle_shared(config.optim, ds)
+    optim, notes = check_lr_settings(optim, *peak_lr(optim, ds))
+    for note in ([shared_note] if shared_note else []) + notes:
         if dist_info.is_main:
             print(note, flush=True)
     return dataclasses.replace(config, optim=optim)

@@ -41,6 +41,8 @@ def run(args, prog: str = "vim-ds train") -> int:
         config = preflight.check(config, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
         return report_error(prog, exc, rank=rank)
+    # what runs where the DeepSpeed config and the command line both set a value
+    options = options_file.with_settled(options, config)
     try:
         dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
