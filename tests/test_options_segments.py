@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 
-from train_utils import QUIET_AUG, TINY, config, run_train
+from train_utils import QUIET_AUG, ROOT, TINY, config, records, run_train
 
 
 def args(out, ds_config, *extra) -> list:
@@ -36,6 +36,8 @@ def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, c
     shutil.copytree(changed, same)
     first_record = (changed / "options.yaml").read_text()
     assert yaml.safe_load(first_record)["clip_grad"] == 0.5
+    # the metrics header's command, typed with relative paths maybe, says where it ran (issue 50, item 6)
+    assert records(changed)[0]["cwd"] == ROOT
     assert (f"note: {clipped} sets --clip-grad 0.5 (not given on the command line): the file's values run, and "
             f"options.yaml records them") in proc.stdout, proc.stdout[-2000:]
 
