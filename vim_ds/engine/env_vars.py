@@ -48,10 +48,10 @@ def _scan_backend(name: str, value: str) -> None:
 
 
 def _cpu_isa(name: str, value: str) -> None:
-    # the variants are the CPU kernel's (this CPU's widest and narrower ones): it says which it has when it loads
+    # the variants are the CPU kernel's (this CPU's widest and narrower ones): it says which it has
     from ..ops import backends
 
-    backends.load("cpu")
+    backends.check_cpu_isa(value)
 
 
 # name -> the check of a value (a one-line ValueError naming the variable and what it accepts), in the order of the

@@ -339,6 +339,19 @@ def _apply_cpu_isa(loaded: _Loaded) -> None:
             raise ValueError(f"{ENV_CPU_ISA}={name}: {str(exc).splitlines()[0]}") from None
 
 
+def check_cpu_isa(text: str) -> None:
+    """A one-line ValueError naming VIM_DS_CPU_ISA when the CPU kernel (loaded now if it is not yet, which applies
+    the variable) has no variant `text`; the kernel's variant in use is left as it was."""
+    loaded = load("cpu")
+    if loaded.backend is None:
+        return  # no CPU kernel here: nothing to choose from (`vim-ds env` says why)
+    module = loaded.backend.module
+    try:
+        module.set_isa(module.set_isa(text.strip().lower()))
+    except RuntimeError as exc:
+        raise ValueError(f"{ENV_CPU_ISA}={text.strip().lower()}: {str(exc).splitlines()[0]}") from None
+
+
 def load(kind) -> _Loaded:
     with _registry.lock:
         if kind not in _registry.loaded:
