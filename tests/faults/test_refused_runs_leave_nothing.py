@@ -154,3 +154,4 @@ def test_the_journal_gives_back_what_was_rewritten_appended_filled_or_created(tm
     write_journal.sure()
     write_journal.undo()
     assert (tmp_path / "options.yaml").read_text() == "the run's" and (tmp_path / "init.pth").exists()
+    write_journal.start()  # as a run in this process would find it
