@@ -11,6 +11,9 @@ options that change how or where a run runs, not what it computes (NOT_PART_OF_T
 `--config` of such a file repeats the first segment, with a note naming the later ones (`segments_note`);
 `vim-ds compare-runs` compares the first segments and lists the later ones. A file without `segments:` (every
 file written before they existed) is one segment.
+The record names files absolute (PATH_OPTIONS: it replays from any working directory), holds the values a DeepSpeed
+config set as they ran (SETTLED), and is compared by what paths resolve to (`same_value`). A key given twice in one
+mapping of a file is refused (YAML would keep the last).
 The command line wins over the file: run_options.parse_args makes the file's values the parser's defaults, then parses
 the command line. Every value goes through its option's own type and choices (engine/run_config.py defines the
 options), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error naming the
