@@ -49,6 +49,31 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
+def with_options(directory, **options):
+    """A run's options.yaml as `vim-ds train` writes it beside its metrics."""
+    from vim_ds.engine.options_file import write
+
+    write(os.path.join(directory, "options.yaml"), {"model": "vim_tiny", "lr": 2e-3, "resume": "",
+                                                    "deepspeed_config": "zero0", "output_dir": directory, **options})
+    return directory
+
+
+def test_options_that_do_not_change_what_a_run_computes_are_not_named(tmp_path, capsys):
+    """Issue 50, item 16b: compare-runs named `--resume` as an option that differs, though it does not count (a
+    resumed run's record does not count it either). The options that change how or where a run runs are left out;
+    the variant: a shipped config's name and its path are one value. The control: --lr is still named."""
+    from vim_ds.engine.shipped_configs import resolve
+
+    ref = with_options(write_run(tmp_path / "ref", curve()), num_workers=8)
+    resumed = with_options(write_run(tmp_path / "resumed", curve()), resume="auto", num_workers=2, save_interval=5,
+                           deepspeed_config=resolve("zero0"))
+    other = with_options(write_run(tmp_path / "other", curve()), resume="auto", lr=4e-3)
+    code, out, _ = run_cli(capsys, ref, resumed, other)
+    assert code == 0
+    lines = [line.strip() for line in out.splitlines() if "options that differ" in line]
+    assert lines == ["options that differ: --lr 0.002 (reference) vs 0.004 (other)"], out
+
+
 # -- verdicts ---------------------------------------------------------------------------------------------------
 
 def test_runs_within_tolerance_exit_0_and_write_plot_csv_markdown(tmp_path, capsys):

@@ -158,7 +158,17 @@ BAD_INPUT = [
      False),  # a file in the way (a read-only folder would not stop root, who runs CI)
     ("config type", lambda p: ["--deepspeed_config",
                                _write(p / "t.json", '{"zero_optimization": {"stage": "two"}}')], "stage", True),
+    # issue 50, item 7: a number in the JSON that a typed option contradicts (it used to win without a word)
+    ("config vs command line", lambda p: ["--deepspeed_config", _json_with(p / "c.json", gradient_clipping=0.01),
+                                          "--clip-grad", "100"],
+     'c.json sets gradient_clipping=0.01 but --clip-grad is 100; set it to "auto" or drop --clip-grad', True),
 ]
+
+
+def _json_with(path, **top):
+    """The shipped zero0.json with the top-level values `top`."""
+    with open(os.path.join(ROOT, "ds_configs", "zero0.json")) as f:
+        return _write(path, json.dumps({**json.load(f), **top}))
 
 
 def _write(path, text):
@@ -234,10 +244,30 @@ def test_time_to_an_error_through_the_console_script(tmp_path):
 
 
 def test_without_deepspeed_config_the_default_is_said_and_trains(tmp_path):
-    (result,) = _drive(tmp_path, [["--deepspeed_config", ""]])
+    """Without --deepspeed_config the default is said; without --output_dir too (issue 50, item 16d: a run that
+    keeps nothing said so only at the end, on a stop signal)."""
+    (result,) = _drive(tmp_path, [["--deepspeed_config", "", "--output_dir", ""]])
     assert result["rc"] == 0, result["stderr"][-3000:]
     assert "note: no --deepspeed_config given: using the shipped zero2 (" in result["stdout"]
     assert "ZeRO-2" in result["stdout"], result["stdout"][-2000:]
+    assert ("note: no --output_dir: nothing of this run is kept (no checkpoints, no metrics.jsonl, no options.yaml); "
+            "give --output_dir DIR to keep them") in result["stdout"], result["stdout"][-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_that_keeps_nothing_says_so_at_its_start(tmp_path, capsys):
+    """The variant of the note above: --output_dir not given at all (a recipe's command line), said by the checks
+    every run makes before its process group; not said with a folder, nor by an evaluation (which writes none)."""
+    from vim_ds.engine import preflight
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    argv = ["--data-set", "synthetic", "--synthetic-size", "16", "--nb-classes", "4", *TINY, "--batch-size", "4",
+            "--deepspeed_config", "zero0", "--precision", "fp32"]
+    said = "note: no --output_dir: nothing of this run is kept"
+    for extra, expected in (([], True), (["--output_dir", str(tmp_path / "run")], False), (["--eval"], False)):
+        preflight.check(RunConfig.from_namespace(parse_args(argv + extra)), is_main=True)
+        assert (said in capsys.readouterr().out) == expected, extra
 
 
 @pytest.mark.slow

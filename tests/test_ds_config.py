@@ -322,6 +322,84 @@ def test_dict_source_is_copied_not_modified():
     assert prepared.config["optimizer"]["params"]["lr"] == 1e-3
 
 
+# ----------------------------------------------------------------------------------------------------- both sources
+
+def settled(tmp_path, json_top: dict, argv: list, params: dict | None = None):
+    """(the options after optim.settle_shared, its note) for a JSON written with `json_top` (and optimizer
+    `params`) and the command line `argv`, as the preflight settles them."""
+    from vim_ds.engine.optim import ds_auto_values, settle_shared
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    path = write(tmp_path, {**minimal(**json_top), "optimizer": {"type": "AdamW", "params": params or {}}})
+    optim = RunConfig.from_namespace(parse_args(["--batch-size", "4", *argv])).optim
+    prepared = prepare(path, auto_values=lambda batch: ds_auto_values(optim, batch))
+    return settle_shared(optim, prepared)
+
+
+def test_a_value_the_json_and_the_command_line_both_set_must_agree(tmp_path):
+    """Issue 50, item 7: `"gradient_clipping": 0.01` won over a typed `--clip-grad 100` without a word (while
+    options.yaml recorded 100). Now a number in the JSON that contradicts a value given on the command line (or in a
+    --config file) is refused in one line, in the batch sizes' words, whichever value it is."""
+    src = tmp_path / "my.json"
+    with pytest.raises(ConfigError) as info:
+        settled(tmp_path, {"gradient_clipping": 0.01}, ["--clip-grad", "100"])
+    assert str(info.value) == f'{src} sets gradient_clipping=0.01 but --clip-grad is 100; set it to "auto" or drop ' \
+                              f'--clip-grad'
+    # the variants, the same rule: the other optimizer values; a value typed as the default is given too; a file
+    # that leaves gradient_clipping out clips at DeepSpeed's default, 1.0; the lr is compared once scaled
+    refused = {
+        "weight decay": ({}, ["--weight-decay", "0.05"], {"weight_decay": 0.1},
+                         f'{src} sets optimizer.params.weight_decay=0.1 but --weight-decay is 0.05; set it to "auto" '
+                         f'or drop --weight-decay'),
+        "betas": ({}, ["--opt-betas", "0.9", "0.95"], {"betas": [0.9, 0.999]},
+                  f'{src} sets optimizer.params.betas=[0.9, 0.999] but --opt-betas is 0.9 0.95; set it to "auto" or '
+                  f'drop --opt-betas'),
+        "left out": ({}, ["--clip-grad", "5"], None,
+                     f'{src} has no gradient_clipping, so DeepSpeed uses its default 1.0 but --clip-grad is 5; set '
+                     f'gradient_clipping to "auto" in it or drop --clip-grad'),
+        "lr": ({"gradient_clipping": "auto"}, ["--lr", "5e-4"], {"lr": 1e-3},
+               f'{src} sets optimizer.params.lr=0.001 but --lr 0.0005 gives 3.90625e-06 (x global batch 4 / 512); '
+               f'set it to "auto" or drop --lr'),
+    }
+    for case, (top, argv, params, message) in refused.items():
+        top = top if params is None else {"gradient_clipping": "auto", **top}
+        with pytest.raises(ConfigError) as info:
+            settled(tmp_path, top, argv, params)
+        assert str(info.value) == message, case
+    # the same values agree: nothing to say
+    assert settled(tmp_path, {"gradient_clipping": 0.01}, ["--clip-grad", "0.01"])[1] is None
+    assert settled(tmp_path, {"gradient_clipping": "auto"}, ["--lr", "1e-3", "--unscale-lr"], {"lr": 1e-3})[1] is None
+
+
+def test_a_json_number_the_command_line_did_not_give_runs_and_is_what_the_run_records(tmp_path):
+    """The order when only the JSON sets a value: its number runs, the run's options take it (the parameter groups'
+    weight decay, the baselines, options.yaml, the checkpoints), said once; `--config` of the record then agrees
+    with the same JSON (the recorded values count as given) and repeats it with a JSON of "auto"."""
+    from vim_ds.engine import options_file
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    optim, note = settled(tmp_path, {"gradient_clipping": 0.01}, [], {"weight_decay": 0.1, "lr": 1e-3})
+    assert (optim.clip_grad, optim.weight_decay, optim.lr, optim.unscale_lr) == (0.01, 0.1, 1e-3, True)
+    assert note == (f"note: {tmp_path / 'my.json'} sets --lr 0.001, --weight-decay 0.1, --clip-grad 0.01 (not given "
+                    f"on the command line): the file's values run, and options.yaml records them")
+    config = RunConfig.from_namespace(parse_args(["--batch-size", "4"]))
+    record = options_file.with_settled(options_file.record(config), config.replace(**{
+        k: getattr(optim, k) for k in options_file.SETTLED}))
+    assert (record["clip_grad"], record["weight_decay"], record["lr"], record["unscale_lr"]) == (0.01, 0.1, 1e-3, True)
+    options_file.write(str(tmp_path / "options.yaml"), record)
+    again = settled(tmp_path, {"gradient_clipping": 0.01}, ["--config", str(tmp_path / "options.yaml")],
+                    {"weight_decay": 0.1, "lr": 1e-3})
+    assert again[1] is None and {"clip_grad", "weight_decay", "lr"} <= set(again[0].given)
+    assert (again[0].clip_grad, again[0].weight_decay, again[0].lr) == (0.01, 0.1, 1e-3)
+    assert settled(tmp_path, {"gradient_clipping": "auto"}, ["--config", str(tmp_path / "options.yaml")],
+                   {"weight_decay": "auto", "lr": "auto"})[0].clip_grad == 0.01
+    # a file that leaves clipping out clips at DeepSpeed's 1.0: said, and what the baselines clip at too
+    optim, note = settled(tmp_path, {}, [], {"lr": "auto"})
+    assert optim.clip_grad == 1.0 and "--clip-grad 1 (DeepSpeed's default: the file leaves it out)" in note
+
+
 # ----------------------------------------------------------------------------------------------------- optimizer
 
 
@@ -337,7 +415,8 @@ def test_cpu_without_offload_uses_torch_adamw_and_gpu_keeps_fused_adam():
     assert adam_params(prepare(explicit))["torch_adam"] is False
     # FusedAdam-only params: dropped where torch's AdamW does the same, else FusedAdam stays.
     same = adam_params(prepare(minimal(optimizer={"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": True}})))
-    assert same == {"lr": 1e-3, "torch_adam": True}
+    # (the params the file leaves out are the command line's, as "auto" ones)
+    assert same == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True}
     differs = adam_params(prepare(minimal(optimizer={"type": "AdamW",
                                                      "params": {"lr": 1e-3, "bias_correction": False}})))
     assert "torch_adam" not in differs

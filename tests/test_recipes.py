@@ -219,6 +219,24 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, case, text, argv, words):
     assert errors[0].startswith("vim-ds train: error: ") and words in errors[0], errors
 
 
+@pytest.mark.parametrize("text,words", [
+    # issue 50, item 8: the second value won without a word
+    ("batch_size: 16\nlr: 1e-3\nbatch_size: 4\n", "'batch_size' is given twice (lines 1 and 3); keep one"),
+    # the variant: a key given twice in a mapping inside the file
+    ("model_kwargs:\n  depth: 2\n  embed_dim: 32\n  depth: 4\n", "'depth' is given twice (lines 2 and 4); keep one"),
+    # and the one spelt two ways (refused before)
+    ("batch_size: 16\nbatch-size: 4\n", "'batch-size' is given twice"),
+], ids=["top level", "nested", "two spellings"])
+def test_a_key_given_twice_is_refused_in_one_line(tmp_path, capsys, text, words):
+    from vim_ds.engine.run_options import parse_args
+
+    (tmp_path / "twice.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(tmp_path / "twice.yaml")])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and errors[-1] == f"vim-ds train: error: --config {tmp_path / 'twice.yaml'}: {words}"
+
+
 def test_configs_lists_the_recipes():
     proc = preloaded.run([sys.executable, "-m", "vim_ds.cli", "configs"], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)

@@ -50,9 +50,9 @@ def mismatches(parser: argparse.ArgumentParser) -> list[str]:
 def test_the_parser_is_the_fields_both_ways():
     assert mismatches(build_parser()) == []
     assert mismatches(build_parser("vim-ds eval")) == []
-    # the only field that is not an option: what parse_args derives from the command line
+    # the only fields that are not options: what parse_args derives from the command line
     fields = [f.name for group in GROUPS for f in dataclasses.fields(group)]
-    assert sorted(set(fields) - set(OPTIONS)) == ["lr_defaults"] and len(fields) == len(set(fields))
+    assert sorted(set(fields) - set(OPTIONS)) == ["given", "lr_defaults"] and len(fields) == len(set(fields))
 
 
 def test_a_hand_made_option_or_a_changed_default_is_found():
@@ -104,7 +104,7 @@ def test_the_typed_config_holds_what_parse_args_returns():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.optim.lr = 1.0
     # the defaults of the fields are the parser's
-    assert RunConfig().to_dict() == {**vars(build_parser().parse_args([])), "lr_defaults": ()}
+    assert RunConfig().to_dict() == {**vars(build_parser().parse_args([])), "lr_defaults": (), "given": ()}
 
 
 def test_replace_changes_the_named_fields_in_their_groups_and_nothing_else():

@@ -39,7 +39,6 @@ SHOWN = ("world_size", "micro_batch", "accum_steps", "zero_stage", "precision", 
          "torch", "deepspeed", "timm")
 EVAL_KEYS = ("eval_acc1", "eval_acc5", "ema_eval_acc1")
 OPTIONS_FILE = "options.yaml"  # vim_ds.engine.options_file.OPTIONS_FILE, beside metrics.jsonl
-IGNORED_OPTIONS = ("output_dir",)  # differs between any two runs
 
 
 class RunError(ValueError):
@@ -155,14 +154,18 @@ def read_options(path: str) -> dict | None:
 
 def option_differences(ref: Run, run: Run) -> list[str]:
     """`--lr 0.002 (reference) vs 0.001 (run X)` for each `vim-ds train` option the two runs' options.yaml set to
-    different values (--output_dir aside: it is what tells runs apart)."""
+    different values. Options that change how or where a run runs, not what it computes (--output_dir, which tells
+    runs apart, --resume, --num_workers, ...: options_file.NOT_PART_OF_THE_RUN, which a resume does not count
+    either) are left out, and two spellings of one file (a relative and an absolute path, a shipped DeepSpeed
+    config's name and its path) are the same value."""
     if ref.options is None or run.options is None:
         return []
-    from .engine.options_file import option_name, shown
+    from .engine.options_file import NOT_PART_OF_THE_RUN, option_name, same_value, shown
 
     keys = list(ref.options) + [k for k in run.options if k not in ref.options]
     return [f"{option_name(k)} {shown(ref.options.get(k))} (reference) vs {shown(run.options.get(k))} "
-            f"({run.label})" for k in keys if k not in IGNORED_OPTIONS and ref.options.get(k) != run.options.get(k)]
+            f"({run.label})" for k in keys
+            if k not in NOT_PART_OF_THE_RUN and not same_value(k, ref.options.get(k), run.options.get(k))]
 
 
 def rel_diff(reference: float, value: float) -> float:

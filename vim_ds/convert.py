@@ -69,6 +69,11 @@ def _stop_on_signals() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    from .engine import env_vars
+
+    refused = env_vars.refusal("vim-ds convert")  # a VIM_DS_* variable it cannot read: one line
+    if refused:
+        return refused
     existed = bool(args.out) and os.path.isfile(args.out)
     target = [args.out]  # what a stop leaves unwritten (the universal folder, once it is known)
     previous = _stop_on_signals()

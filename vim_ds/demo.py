@@ -20,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from vim_ds.engine import env_vars
+
+    refused = env_vars.refusal("vim-ds demo")  # a VIM_DS_* variable it cannot read: one line, before anything starts
+    if refused:
+        return refused
 
     import timm
     import torch

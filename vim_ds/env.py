@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 
+from .engine import env_vars
 from .engine.run_info import accelerator
 
 
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    refused = env_vars.refusal("vim-ds env")  # a VIM_DS_* variable it cannot read: one line, before anything starts
+    if refused:
+        return refused
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from .engine import env_vars
 from .engine.errors import report_error
 from .engine.run_options import key_value
 
@@ -98,6 +99,9 @@ def out_problem(out: str, weights: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    refused = env_vars.refusal(PROG)  # a VIM_DS_* variable it cannot read: one line, before anything starts
+    if refused:
+        return refused
     if not os.path.isfile(args.weights):
         return report_error(PROG, f"--weights: no such file: {args.weights}")
     try:

@@ -17,6 +17,7 @@ import codecs
 import os
 import sys
 
+from .engine import env_vars
 from .engine.errors import report_error
 from .engine.run_options import key_value
 
@@ -158,6 +159,9 @@ def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    refused = env_vars.refusal(PROG)  # a VIM_DS_* variable it cannot read: one line, before anything starts
+    if refused:
+        return refused
     try:
         results = predict(args)
     except (ValueError, OSError) as exc:  # CheckpointError is a ValueError

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from .engine import env_vars
 from .engine.run_options import key_value
 
 KINDS = ("param", "grad", "optim")
@@ -421,6 +422,9 @@ def main(argv=None) -> int:
     from .engine.launched_runs import clear_run_folder, foreign_run_folder, run_train_config
 
     args = parse_args(argv)
+    refused = env_vars.refusal("vim-ds zero-compare")  # a VIM_DS_* variable it cannot read: one line
+    if refused:
+        return refused
     model_kwargs = dict(args.model_kwargs)
     os.makedirs(args.out, exist_ok=True)
     try:

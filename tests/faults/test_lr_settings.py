@@ -47,9 +47,10 @@ def test_a_floor_or_warmup_start_above_the_peak_is_refused_before_anything_is_wr
             f"--warmup-lr 0.0001 is above the peak lr 3.90625e-06 ({PEAK}): the warmup would lower the lr to the "
             f"peak instead of raising it; give --warmup-lr at most 3.90625e-06 (or --warmup-epochs 0 for no "
             f"warmup), or a larger --lr")
-    else:  # the variant: a number in the DeepSpeed config wins over --lr (and its scaling)
+    else:  # the variant: a number in the DeepSpeed config wins over --lr's default (and its scaling); a --lr given
+        # as well would have to agree with it (issue 50, item 7: tests/test_ds_config.py)
         json_file = _json_with_lr(tmp_path / "lr.json", 1e-4)
-        extra, expected = ["--deepspeed_config", json_file, "--lr", 1, "--min-lr", 2e-4], (
+        extra, expected = ["--deepspeed_config", json_file, "--min-lr", 2e-4], (
             f"--min-lr 0.0002 is above the peak lr 0.0001 (optimizer.params.lr in {json_file}, which wins over "
             f"--lr): the cosine schedule would raise the lr to it over the run; give --min-lr at most 0.0001 (e.g. "
             f"--min-lr 0), or a larger optimizer.params.lr in {json_file}")

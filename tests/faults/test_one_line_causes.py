@@ -310,3 +310,75 @@ def test_weights_without_a_head_are_refused_by_predict_and_export(weights, digit
     assert "-> pooled features (no head)" in capsys.readouterr().out
     features = torch.export.load(str(program)).module()(torch.randn(2, 3, 32, 32))
     assert features.shape == (2, 32)
+
+
+# -- issue 50, item 13: VIM_DS_* variables with a value they do not accept ----------------------------------------
+
+def test_a_junk_fault_injection_is_one_line_before_anything_starts(tmp_path):
+    """VIM_DS_INJECT=garbage was a ValueError traceback of an import (the variable was read when the trainer's modules
+    were imported); now every rank says it in one line before anything starts, and nothing is written."""
+    out = tmp_path / "run"
+    proc = run_train(["--data-set", "synthetic", "--synthetic-size", 16, "--nb-classes", 4, *TINY, "--num_workers",
+                      0, "--output_dir", out], check=False, env={"VIM_DS_INJECT": "garbage"})
+    assert proc.returncode == 2
+    assert only_error_line(proc).startswith(
+        "vim-ds train: error (rank 0): VIM_DS_INJECT: cannot read 'garbage' (expected FAULT@STEP[:RANK], FAULT one "
+        "of nan_loss, ")
+    assert not out.exists() and "DeepSpeed" not in proc.stdout
+
+
+JUNK = {  # variable: (a value it does not accept, what the one line says it accepts)
+    "VIM_DS_SCAN": ("fast", "VIM_DS_SCAN='fast' is not a scan backend; choose one of ref, cpu, cuda, mamba"),
+    "VIM_DS_CPU_ISA": ("avx9000", "VIM_DS_CPU_ISA=avx9000: selective_scan (cpu): instruction set 'avx9000' is not "
+                                  "available on this CPU; choose auto or "),
+    "VIM_DS_JIT": ("no", "VIM_DS_JIT=no: expected 0 or 1 (0: never JIT-build a missing kernel), or leave it unset"),
+    "VIM_DS_JIT_VERBOSE": ("yes", "VIM_DS_JIT_VERBOSE=yes: expected 0 or 1 (1: show the compiler's output of a JIT "
+                                  "build)"),
+    "VIM_DS_NO_TMPFILE": ("true", "VIM_DS_NO_TMPFILE=true: expected 0 or 1 (1: write files through a named temporary "
+                                  "instead of O_TMPFILE)"),
+    "VIM_DS_TRACEBACK": ("on", "VIM_DS_TRACEBACK=on: expected 0 or 1 (1: print the traceback above a one-line "
+                               "error)"),
+    "VIM_DS_INJECT": ("nan_loss@five", "VIM_DS_INJECT: cannot read 'nan_loss@five' (expected FAULT@STEP[:RANK]"),
+    "VIM_DS_INJECT_SIGNAL": ("SIGKILL", "VIM_DS_INJECT_SIGNAL: cannot read SIGKILL (expected SIGTERM or SIGINT, "
+                                        "optionally followed by :rank)"),
+    "VIM_DS_CACHE": (None, "is a file: it names a folder (where JIT-built kernels are kept)"),
+    "VIM_DS_RECORD_BATCHES": (None, "is a file: it names a folder (where each training micro batch is saved)"),
+}
+
+
+def test_every_vim_ds_variable_names_what_it_accepts(tmp_path, monkeypatch):
+    """Each variable vim_ds reads, with a junk value, is one line naming it and what it accepts (a folder given as
+    a file: the file); every value it accepts passes (the CPU kernel's `auto`: a check that loads the kernel applies
+    the variable, for this whole process)."""
+    from vim_ds.engine import env_vars
+
+    assert sorted(JUNK) == sorted(env_vars.VARIABLES)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for name, (junk, words) in JUNK.items():
+        monkeypatch.setenv(name, str(a_file) if junk is None else junk)
+        assert words in (env_vars.problem() or ""), name
+        monkeypatch.delenv(name)
+    accepted = {"VIM_DS_SCAN": "ref", "VIM_DS_CPU_ISA": "auto", "VIM_DS_JIT": "0", "VIM_DS_JIT_VERBOSE": "1",
+                "VIM_DS_NO_TMPFILE": "1", "VIM_DS_TRACEBACK": "0", "VIM_DS_INJECT": "nan_loss@5,hang@3:1",
+                "VIM_DS_INJECT_SIGNAL": "SIGINT:rank", "VIM_DS_CACHE": str(tmp_path / "new"),
+                "VIM_DS_RECORD_BATCHES": str(tmp_path)}
+    for name, value in accepted.items():
+        monkeypatch.setenv(name, value)
+    assert env_vars.problem() is None
+
+
+def test_a_junk_switch_is_refused_by_the_command_that_reads_it(tmp_path, monkeypatch, capsys):
+    """The variant: VIM_DS_NO_TMPFILE=yes, which `vim-ds convert` read as off without a word, is its one-line error
+    now, before anything is read (the checkpoint folder is not even looked at) or written."""
+    from vim_ds.convert import main as convert
+
+    monkeypatch.setenv("VIM_DS_NO_TMPFILE", "yes")
+    assert convert([str(tmp_path / "checkpoints"), str(tmp_path / "w.pth")]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["vim-ds convert: error: VIM_DS_NO_TMPFILE=yes: expected 0 or 1 (1: write files "
+                                "through a named temporary instead of O_TMPFILE), or leave it unset"]
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setenv("VIM_DS_NO_TMPFILE", "1")  # the control: accepted, and convert goes on to its own checks
+    assert convert([str(tmp_path / "checkpoints"), str(tmp_path / "w.pth")]) == 2
+    assert "VIM_DS_NO_TMPFILE" not in capsys.readouterr().err

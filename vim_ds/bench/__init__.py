@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from ..engine import env_vars
 from ..engine.errors import report_error
 from ..engine.run_options import key_value
 from . import convert, data, model, scan, split, train
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
+    refused = env_vars.refusal(f"vim-ds bench {args.what}")  # a VIM_DS_* variable it cannot read: one line
+    if refused:
+        return refused
     if args.check:
         args.check(parser, args)
     try:

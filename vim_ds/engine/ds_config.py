@@ -34,6 +34,12 @@ AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # the dtype torch.autocast 
 TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})
 DEFAULT_MICRO_BATCH = 64
 DEFAULT_ACCUM_STEPS = 1
+# what DeepSpeed 0.19.8 clips at when a config has no gradient_clipping (runtime/constants.py): written down, so that
+# the --engine ddp/fsdp baselines clip as DeepSpeed does and the command line's --clip-grad is held against it
+DEEPSPEED_DEFAULT_CLIPPING = 1.0
+# the optimizer's params the command line sets too (optim.SHARED): one the file leaves out is filled as "auto" is
+# (DeepSpeed would pass nothing and the optimizer class would use its own default, which the command line never saw)
+COMMAND_LINE_OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 
 # Every top-level key DeepSpeed 0.19.8 reads: deepspeed/runtime/config.py (DeepSpeedConfig._initialize_params and
 # the get_* helpers, with names from runtime/constants.py) and the section parsers it calls (monitor/config.py,
@@ -111,6 +117,10 @@ class PreparedConfig:
     source: str  # file path or "<dict>"
     # the dotted paths whose "auto" was filled from the command line (the others hold what the JSON says)
     filled: frozenset = frozenset()
+    # the dotted paths the file leaves out and that hold DeepSpeed's default (gradient_clipping)
+    unset: frozenset = frozenset()
+    # the precision the file's own sections choose, when --precision chose another ("" when the same or not given)
+    overridden_precision: str = ""
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -187,8 +197,10 @@ def prepare_ds_config(
     device_type = str(device_type).lower()
 
     _check_top_level(config, src)
+    unset = _write_down_default_clipping(config)
     zero = _check_zero(config, src)
     zero_section = copy.deepcopy(config.get("zero_optimization"))
+    file_precision = _file_precision(config) if precision is not None else None
     resolved_precision = _resolve_precision(config, src, precision, device_type)
 
     batch = _resolve_batch(config, src, world_size, micro_batch, accum_steps)
@@ -196,7 +208,11 @@ def prepare_ds_config(
     config["train_micro_batch_size_per_gpu"] = batch.micro
     config["gradient_accumulation_steps"] = batch.accum
 
-    filled = _fill_auto(config, auto_values(batch)) if auto_values is not None else frozenset()
+    filled = frozenset()
+    if auto_values is not None:
+        values = auto_values(batch)
+        _left_out_params_as_auto(config, values)
+        filled = _fill_auto(config, values)
     left = list(_auto_paths(config))
     if left:
         raise ConfigError(f"{src}: still \"auto\" with nothing to fill it: {', '.join(left)}; "
@@ -220,6 +236,8 @@ def prepare_ds_config(
         offload_param=offload_param,
         source=src,
         filled=filled,
+        unset=unset,
+        overridden_precision=file_precision if file_precision not in (None, resolved_precision) else "",
     )
 
 
@@ -253,6 +271,26 @@ def _check_top_level(config: dict, src: str) -> None:
                               f"{_with_suggestions(unknown, OPTIMIZER_SECTION_KEYS)} (expected type, params)")
         if "params" in optimizer and not isinstance(optimizer["params"], dict):
             raise ConfigError(f"{src}: optimizer.params must be an object, not {_json_type(optimizer['params'])}")
+
+
+def _write_down_default_clipping(config: dict) -> frozenset:
+    """A gradient_clipping the file leaves out is DeepSpeed's default, written down; returns the paths so given."""
+    if "gradient_clipping" in config:
+        return frozenset()
+    config["gradient_clipping"] = DEEPSPEED_DEFAULT_CLIPPING
+    return frozenset({"gradient_clipping"})
+
+
+def _left_out_params_as_auto(config: dict, values: Mapping[str, Any]) -> None:
+    """An optimizer param of COMMAND_LINE_OPTIMIZER_PARAMS that the file leaves out is "auto": filled from the
+    command line (`values`, when it has one)."""
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return
+    params = optimizer.setdefault("params", {})
+    for key in COMMAND_LINE_OPTIMIZER_PARAMS:
+        if key not in params and f"optimizer.params.{key}" in values:
+            params[key] = AUTO
 
 
 def _check_zero(config: dict, src: str):
@@ -353,6 +391,15 @@ def _check_torch_autocast(config: dict, src: str) -> None:
     if config.get("zero_optimization", {}).get("zero_quantized_weights"):
         raise ConfigError(f"{src}: torch_autocast cannot be combined with zero_optimization.zero_quantized_weights "
                           f"(DeepSpeed refuses it); disable one of them")
+
+
+def _file_precision(config: dict) -> str | None:
+    """The precision the file's own sections choose (None when they contradict: --precision settles it)."""
+    on = [section for section in ("bf16", "fp16", "torch_autocast")
+          if isinstance(config.get(section), dict) and config[section].get("enabled") is True]
+    if len(on) > 1:
+        return None
+    return {"bf16": "bf16", "fp16": "fp16", "torch_autocast": "autocast-bf16"}[on[0]] if on else "fp32"
 
 
 def _resolve_precision(config: dict, src: str, precision: str | None, device_type: str) -> str:

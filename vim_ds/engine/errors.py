@@ -24,7 +24,8 @@ def _first(text: str) -> str:
 
 
 def tracebacks_wanted() -> bool:
-    """VIM_DS_TRACEBACK=1 (any value but empty or 0): print the traceback above the one line."""
+    """VIM_DS_TRACEBACK=1: print the traceback above the one line (another value than 0 or 1 is refused at the
+    command's start, engine/env_vars.py; here it counts as 1)."""
     return os.environ.get("VIM_DS_TRACEBACK", "") not in ("", "0")
 
 

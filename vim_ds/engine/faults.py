@@ -32,6 +32,10 @@ batch of the evaluation after step N, `signal_in_save@N` half-way through saving
 `signal_in_train@N` by a training data-loader worker at its N-th sample, which it then takes 2 s over (the rank is
 waiting for data when the signal arrives).
 
+A refusal at a precise moment, for tests/faults/test_refused_runs_leave_nothing.py: `refuse_in_step@N` raises, at the
+start of optimizer step N, the ValueError a check of the input raises (the run ends as refused, exit 2), after the
+run has written its options.yaml and metrics.jsonl: what a run refused that late must take back.
+
 For `vim-ds convert` (tests/faults/test_convert_faults.py): `stall_convert_write@1` stops the converter for good
 once the bytes of OUT are written, before OUT gets them (fsynced, not yet named), after saying so on stderr, so that
 a test sends a real signal (or SIGKILL) to a converter that is writing; with `--universal`, once ds_to_universal has
@@ -54,7 +58,7 @@ import time
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
          "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save",
-         "stall_convert_write")
+         "stall_convert_write", "refuse_in_step")
 
 
 def _parse(text: str) -> set[tuple[str, int, int | None]]:
@@ -69,17 +73,37 @@ def _parse(text: str) -> set[tuple[str, int, int | None]]:
     return faults
 
 
-_FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+# read when first asked, not at import: a value it cannot read is then a one-line error of the command that reads
+# it (engine/env_vars.py checks it at every command's start), not a traceback of an import
+_FAULTS = None
 _RECORD_DIR = os.environ.get("VIM_DS_RECORD_BATCHES", "")
 
 
+def check_injected(text: str) -> None:
+    """A ValueError naming VIM_DS_INJECT and what it accepts when `text` cannot be read."""
+    _parse(text)
+
+
+def check_signal(text: str) -> None:
+    """A ValueError naming VIM_DS_INJECT_SIGNAL and what it accepts when `text` cannot be read."""
+    _signal_target(text)
+
+
+def _faults() -> set[tuple[str, int, int | None]]:
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = _parse(os.environ.get("VIM_DS_INJECT", ""))
+    return _FAULTS
+
+
 def active(name: str, step: int, rank: int) -> bool:
-    return (name, step, None) in _FAULTS or (name, step, rank) in _FAULTS
+    faults = _faults()
+    return (name, step, None) in faults or (name, step, rank) in faults
 
 
 def number(name: str, rank: int) -> int | None:
     """The number of a `name` fault that applies to `rank`, or None."""
-    return min((n for fault, n, r in _FAULTS if fault == name and r in (None, rank)), default=None)
+    return min((n for fault, n, r in _faults() if fault == name and r in (None, rank)), default=None)
 
 
 def kill_self():
@@ -108,9 +132,10 @@ def stall(what: str):
     hang()
 
 
-def _signal_target() -> tuple[int, bool]:
-    """(signal, to this process only) from VIM_DS_INJECT_SIGNAL."""
-    name, _, target = os.environ.get("VIM_DS_INJECT_SIGNAL", "SIGTERM").partition(":")
+def _signal_target(text: str | None = None) -> tuple[int, bool]:
+    """(signal, to this process only) from VIM_DS_INJECT_SIGNAL (or `text`)."""
+    text = os.environ.get("VIM_DS_INJECT_SIGNAL", "SIGTERM") if text is None else text
+    name, _, target = text.partition(":")
     if name not in ("SIGTERM", "SIGINT") or target not in ("", "rank"):
         raise ValueError(f"VIM_DS_INJECT_SIGNAL: cannot read {name}{':' + target if target else ''} (expected "
                          f"SIGTERM or SIGINT, optionally followed by :rank)")
@@ -165,6 +190,8 @@ class FaultHook:
             hang()
         if micro == 0 and self._active("wait_for_signal", step):
             wait_for_signal()
+        if micro == 0 and self._active("refuse_in_step", step):
+            raise ValueError(f"VIM_DS_INJECT: refuse_in_step@{step}: a refusal injected at the start of step {step}")
 
     def on_loss(self, step: int, loss):
         """The loss of a micro step of optimizer step `step`, before backward (NaN under `nan_loss`)."""
@@ -224,4 +251,4 @@ NO_FAULTS = _NoFaults()
 
 def for_rank(rank: int) -> FaultHook:
     """The fault hook of `rank`: NO_FAULTS unless VIM_DS_INJECT or VIM_DS_RECORD_BATCHES is set."""
-    return FaultHook(rank) if _FAULTS or _RECORD_DIR else NO_FAULTS
+    return FaultHook(rank) if _faults() or _RECORD_DIR else NO_FAULTS

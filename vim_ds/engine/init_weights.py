@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from . import distributed
+from . import distributed, write_journal
 from .errors import first_line
 
 
@@ -89,6 +89,7 @@ def apply(model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo, *
         if load:
             digest = load_init_weights(model, load)
         elif dist_info.is_main:
+            write_journal.rewriting(save)  # a run refused before its first step puts back what was there
             digest = save_init_weights(model, save, meta)
     except (ValueError, OSError) as exc:
         error = first_line(exc)

@@ -33,15 +33,21 @@ class MetricsLog:
         self._t0, self._s0 = time.time(), start_step
         if not enabled:
             return
+        from . import write_journal  # a run that ends in an error before its first step takes these back
+
         if output_dir:
             os.makedirs(output_dir, exist_ok=True)
-            self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+            path = os.path.join(output_dir, "metrics.jsonl")
+            write_journal.appending(path)
+            self.file = open(path, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-            self.writer = SummaryWriter(os.path.join(output_dir or ".", "tensorboard"))
+            folder = os.path.join(output_dir or ".", "tensorboard")
+            write_journal.filling(folder)
+            self.writer = SummaryWriter(folder)
         if sys.stderr.isatty():
             from tqdm import tqdm
 

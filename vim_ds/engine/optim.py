@@ -62,6 +62,85 @@ def ds_auto_values(optim: OptimOptions, batch) -> dict:
             "optimizer.params.eps": optim.opt_eps, "gradient_clipping": optim.clip_grad or 0.0}
 
 
+# What a DeepSpeed config and the command line can both set (besides the batch sizes, ds_config._resolve_batch, and
+# the precision, which --precision overrides with a note): the JSON's dotted path -> the option (dest).
+SHARED = {"optimizer.params.lr": "lr", "optimizer.params.weight_decay": "weight_decay",
+          "optimizer.params.betas": "opt_betas", "optimizer.params.eps": "opt_eps", "gradient_clipping": "clip_grad"}
+
+
+def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | None]:
+    """One value for each of SHARED, whichever source sets it (ds_configs/README.md): "auto" (or an optimizer
+    param the file leaves out) is the command line's; a number in the JSON must agree with a value given on the
+    command line or in a --config file (`optim.given`), or the run is refused in one line (a ConfigError naming
+    both), as for the batch sizes; a number the command line did not give wins, and the options take it, so that
+    what runs is what the parameter groups' weight decay, the --engine baselines, options.yaml and the checkpoints
+    use and say. Returns the options and a note naming the values the JSON set (None when it set none)."""
+    from .ds_config import ConfigError
+
+    ours = ds_auto_values(optim, prepared.batch)
+    taken = {}
+    for path, dest in SHARED.items():
+        value = _at(prepared.config, path)
+        if path in prepared.filled or value is None or _same(value, ours[path]):
+            continue
+        if dest in optim.given:
+            raise ConfigError(_disagreement(optim, prepared, path, value))
+        taken[dest] = value
+    if not taken:
+        return optim, None
+    if "lr" in taken:  # the JSON's lr is the optimizer's, not one per 512 images to scale
+        taken["unscale_lr"] = True
+    if "opt_betas" in taken:
+        taken["opt_betas"] = tuple(taken["opt_betas"])
+    from .options_file import option_name, shown
+
+    unset = {SHARED[path] for path in prepared.unset}
+    said = ", ".join(f"{option_name(dest)} {shown(value)}" + (" (DeepSpeed's default: the file leaves it out)"
+                                                               if dest in unset else "")
+                     for dest, value in taken.items() if dest != "unscale_lr")
+    note = (f"note: {prepared.source} sets {said} (not given on the command line): the file's values run, and "
+            f"options.yaml records them")
+    return dataclasses.replace(optim, **taken), note
+
+
+def _at(config: dict, path: str):
+    node = config
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _same(a, b) -> bool:
+    import math
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=0)
+
+
+def _disagreement(optim: OptimOptions, prepared, path: str, value) -> str:
+    """The refusal of a JSON number that contradicts the command line, in the batch sizes' words."""
+    import json
+
+    from .options_file import option_name, shown
+
+    dest = SHARED[path]
+    flag = option_name(dest)
+    if path in prepared.unset:
+        where = f"{prepared.source} has no {path}, so DeepSpeed uses its default {json.dumps(value)}"
+        fix = f"set {path} to \"auto\" in it or drop {flag}"
+    else:
+        where = f"{prepared.source} sets {path}={json.dumps(value)}"
+        fix = f"set it to \"auto\" or drop {flag}"
+    given = f"{flag} is {shown(getattr(optim, dest))}"
+    if dest == "lr" and not optim.unscale_lr:
+        given = (f"{flag} {shown(optim.lr)} gives {shown(scaled_lr(optim.lr, prepared.batch.global_))} (x global "
+                 f"batch {prepared.batch.global_} / 512)")
+    elif dest == "clip_grad" and not optim.clip_grad:
+        given = f"{flag} is {shown(optim.clip_grad or 0.0)} (no clipping)"
+    return f"{where} but {given}; {fix}"
+
+
 def schedule_error(peak: float, min_lr: float, warmup_lr: float | None) -> str | None:
     """Why a cosine schedule from `peak` to `min_lr` (with a warmup from `warmup_lr`, None without one) would raise
     the lr instead of lowering it, or None. Equal values are fine (a constant lr)."""

@@ -11,6 +11,9 @@ options that change how or where a run runs, not what it computes (NOT_PART_OF_T
 `--config` of such a file repeats the first segment, with a note naming the later ones (`segments_note`);
 `vim-ds compare-runs` compares the first segments and lists the later ones. A file without `segments:` (every
 file written before they existed) is one segment.
+The record names files absolute (PATH_OPTIONS: it replays from any working directory), holds the values a DeepSpeed
+config set as they ran (SETTLED), and is compared by what paths resolve to (`same_value`). A key given twice in one
+mapping of a file is refused (YAML would keep the last).
 The command line wins over the file: run_options.parse_args makes the file's values the parser's defaults, then parses
 the command line. Every value goes through its option's own type and choices (engine/run_config.py defines the
 options), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error naming the
@@ -36,6 +39,11 @@ NOT_PART_OF_THE_RUN = ("resume", "output_dir", "num_workers", "data_timeout", "d
 # the options the lr schedule is built from: a resume that changes one rebuilds it from the new values
 SCHEDULE_OPTIONS = ("lr", "unscale_lr", "min_lr", "warmup_lr", "warmup_epochs", "epochs")
 SETTABLE = sorted(dest for dest in OPTIONS if dest not in NOT_RECORDED)  # the keys a file may set
+# options that name files or folders: recorded absolute, so that `--config OUTPUT_DIR/options.yaml` started from
+# another working directory reads the same data, DeepSpeed config and weights (a shipped config's name, `zero2`, is
+# kept: it names the same file from anywhere; `--resume auto` too)
+PATH_OPTIONS = ("data_path", "finetune", "init_weights", "save_init_weights", "resume", "output_dir",
+                "deepspeed_config")
 
 
 def _derived_data_timeout(values: dict) -> float:
@@ -92,15 +100,45 @@ def _one(option: Option, value, where: str):
     return value
 
 
+class _KeyGivenTwice(Exception):
+    """A key that appears twice in one YAML mapping: (key, the line of its first and of its second appearance)."""
+
+
+def _unique_key_loader():
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML requires keys to be unique, but PyYAML
+    keeps the last value without a word (`batch_size: 16`, later `batch_size: 4`, trained with 4)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            first_line = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = key in first_line
+                except TypeError:  # an unhashable key: the safe loader's own error says so
+                    break
+                if seen:
+                    raise _KeyGivenTwice(key, first_line[key], key_node.start_mark.line + 1)
+                first_line[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def read(path: str) -> dict:
-    """The mapping a YAML option file holds, or a one-line ValueError."""
+    """The mapping a YAML option file holds, or a one-line ValueError (a key given twice in one mapping too)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except _KeyGivenTwice as exc:
+        key, first, again = exc.args
+        raise ValueError(f"--config {path}: {str(key)!r} is given twice (lines {first} and {again}); keep one") \
+            from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -216,6 +254,9 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     appended, and the returned note says which; the same options leave the file as it is (None)."""
     import os
 
+    from . import write_journal
+
+    write_journal.rewriting(path)  # a run refused before its first step puts it back
     if step is None or not os.path.isfile(path):
         write(path, options)
         return None
@@ -230,7 +271,7 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     for segment in segments:
         current.update(segment["options"])
     changed = {dest: value for dest, value in options.items()
-               if dest not in NOT_PART_OF_THE_RUN and value != _plain(current.get(dest, _default(dest)))}
+               if dest not in NOT_PART_OF_THE_RUN and not same_value(dest, value, current.get(dest, _default(dest)))}
     if not changed:
         return None
     segment = {"from_step": int(step), "options": changed}
@@ -242,9 +283,62 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
             f"{step}" + ("; the lr schedule is rebuilt from the new values" if rebuilt else ""))
 
 
+def same_value(dest: str, a, b) -> bool:
+    """Do two recorded values of option `dest` mean the same run? Equal values do; two spellings of one file or
+    folder do too (a relative path and its absolute one, as older records hold them; a shipped DeepSpeed config's
+    name and its path): they are compared by what they resolve to (relative paths from the working directory)."""
+    a, b = plain(a), plain(b)
+    if a == b:
+        return True
+    if dest not in PATH_OPTIONS or not (isinstance(a, str) and isinstance(b, str) and a and b):
+        return False
+    return _resolved(dest, a) == _resolved(dest, b)
+
+
+def _resolved(dest: str, value: str) -> str:
+    """The file or folder a path option's value names (`auto` for `--resume auto`)."""
+    import os
+
+    from . import shipped_configs
+
+    if dest == "resume" and value == "auto":
+        return value
+    if dest == "deepspeed_config":
+        try:
+            value = shipped_configs.resolve(value)
+        except ValueError:
+            pass  # names nothing here: compared as it is
+    return os.path.realpath(value)
+
+
+def _absolute(dest: str, value):
+    """A path option's value as recorded: absolute (see PATH_OPTIONS); empty, `auto` and a shipped config's name as
+    they are."""
+    import os
+
+    if not value or (dest == "resume" and value == "auto"):
+        return value
+    if dest == "deepspeed_config" and not os.path.exists(value):
+        return value  # a shipped config's name (or nothing the checks will find: they say so)
+    return os.path.abspath(value)
+
+
+# the options the checks settle with the DeepSpeed config (engine/preflight.py, optim.settle_shared: a number in the
+# JSON that the command line did not give): recorded as they run, so that the record says what ran and `--config`
+# of it repeats the run with another DeepSpeed config too (the precision: --precision as given, or the recorded
+# config's sections, as before)
+SETTLED = ("lr", "unscale_lr", "weight_decay", "opt_betas", "opt_eps", "clip_grad")
+
+
+def with_settled(options: dict, config: RunConfig) -> dict:
+    """A run's record (`record`) with the values of SETTLED as `config` (the checked config) holds them."""
+    values = config.to_dict()
+    return {**options, **{dest: plain(values[dest]) for dest in SETTLED}}
+
+
 def record(config: RunConfig) -> dict:
     """The effective options of a run (its RunConfig) as a YAML-ready mapping (tuples as lists), in the order of
-    --help (the options are engine/run_config.py's)."""
+    --help (the options are engine/run_config.py's); paths absolute (PATH_OPTIONS)."""
     from . import shipped_configs
 
     values = config.to_dict()
@@ -258,16 +352,18 @@ def record(config: RunConfig) -> dict:
         elif dest in DERIVED and value == DERIVED[dest](values):
             # derived from other options by run_options.parse_args: derived again from the file's other values
             value = None
-        out[dest] = _plain(value)
+        elif dest in PATH_OPTIONS:
+            value = _absolute(dest, value)
+        out[dest] = plain(value)
     return out
 
 
-def _plain(value):
+def plain(value):
     """A value YAML's safe dumper writes: tuples as lists, anything else unusual (a Path set by a caller) as text."""
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     return str(value)

@@ -14,10 +14,11 @@
 - `--resume auto` does not start from step 0 in a folder whose `latest` names a checkpoint that is gone with
   nothing else to resume (`latest_gone`): the run would write a second history there.
 - A refused run leaves the folder as it found it: the checks before the process group create nothing (they probe
-  the nearest existing parent), and what `claim` created (the folder and its parents, `checkpoints/`, the lock
-  file) is removed again by `release(undo=True)` when the run ends before it started writing (train.run: an
-  oversized --batch-size, a bad DeepSpeed config, a refused resume, ...). Only what this process created, and only
-  empty folders (os.rmdir): a folder that existed before, or anything written into it meanwhile, stays.
+  the nearest existing parent), and what `claim` creates (the folder and its parents, `checkpoints/`, the lock
+  file) goes into the run's write journal (engine/write_journal.py), with everything the run writes after it
+  until its first step (options.yaml, metrics.jsonl, ...): a run that ends in an error before then takes it all
+  back (engine/run.py). Only what this process created, and only empty folders (os.rmdir): a folder that existed
+  before, or anything written into it meanwhile, stays.
 """
 from __future__ import annotations
 
@@ -27,17 +28,15 @@ import os
 import socket
 import time
 
-from . import distributed
+from . import distributed, write_journal
 from .run_config import RunConfig, RunOptions
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process
-# what `claim` created on this process (folders, the lock file), in the order made
-_created: list[str] = []
 
 
 def _makedirs(path: str) -> None:
-    """os.makedirs, remembering the folders it creates (for `release(undo=True)`)."""
+    """os.makedirs, noting the folders it creates in the run's write journal (a refused run removes them)."""
     missing, current = [], os.path.abspath(path)
     while not os.path.exists(current):
         missing.append(current)
@@ -46,7 +45,8 @@ def _makedirs(path: str) -> None:
             break
         current = parent
     os.makedirs(path, exist_ok=True)
-    _created.extend(reversed(missing))
+    for folder in reversed(missing):
+        write_journal.created(folder)
 
 
 def _holder(text: str) -> dict:
@@ -112,28 +112,15 @@ def _lock(output_dir: str) -> tuple[str | None, str | None]:
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}))
     f.flush()
     _held = f
-    if new_lock:
-        _created.append(os.path.abspath(lock_path))
+    if new_lock:  # only once it is ours: a refused run removes it while it still holds it (engine/run.py)
+        write_journal.created(lock_path)
     return None, note
 
 
-def release(undo: bool = False) -> None:
+def release() -> None:
     """End of the run (whatever its outcome, short of being killed): the lock file is emptied, so the next run in
-    the folder does not report a dead holder, and the lock is dropped. With `undo` (the run was refused before it
-    wrote anything), what `claim` created is removed first, while the lock is still held: the lock file it made,
-    then the folders it made, deepest first, each only if empty."""
+    the folder does not report a dead holder, and the lock is dropped."""
     global _held
-    if undo:
-        for path in reversed(_created):
-            try:
-                if os.path.basename(path) == LOCK_FILE:
-                    if _held is not None:
-                        os.remove(path)
-                else:
-                    os.rmdir(path)  # never removes anything but an empty folder
-            except OSError:
-                pass  # written into meanwhile (or already gone): it stays
-    _created.clear()
     if _held is not None:
         _held.seek(0)
         _held.truncate()
@@ -154,7 +141,7 @@ def _earlier_checkpoints(output_dir: str) -> str | None:
 def _unwritable(save_dir: str, create: bool = True) -> str | None:
     """Why checkpoints cannot be written to `save_dir`, found by writing a file there and removing it (os.access
     says yes to root on a read-only mount, and knows nothing of quotas), or None. With `create` a missing
-    `save_dir` is created (and remembered, see `release`); without (the checks before the process group, which
+    `save_dir` is created (and noted in the run's write journal); without (the checks before the process group, which
     create nothing), the file is written in its nearest existing parent, where the folders would be made."""
     if os.path.exists(save_dir) and not os.path.isdir(save_dir):
         return f"{save_dir} is a file, not a folder; move it away or give another --output_dir"

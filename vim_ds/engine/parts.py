@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed, faults, sequence_groups
+from . import distributed, faults, sequence_groups, write_journal
 from .components import dataset_config, loader_config, mixup_config, model_config
 from .ds_config import PRECISION_DTYPES, autocast_dtype
 from .errors import first_line
@@ -103,12 +103,15 @@ def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_wor
 
 
 def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConfig:
-    """As the preflight did: the lr floor and the warmup start against the peak (notes on the first rank). Returns
-    the config the schedule is built from, with a default floor or start lowered to the peak."""
-    from .optim import check_lr_settings, peak_lr
+    """As the preflight did: the values the DeepSpeed config sets too (optim.settle_shared: the file's numbers the
+    command line did not give, so that the parameter groups' weight decay is the one that runs), and the lr floor and
+    the warmup start against the peak (notes on the first rank). Returns the config the engine and the schedule are
+    built from, with a default floor or start lowered to the peak."""
+    from .optim import check_lr_settings, peak_lr, settle_shared
 
-    optim, notes = check_lr_settings(config.optim, *peak_lr(config.optim, ds))
-    for note in notes:
+    optim, shared_note = settle_shared(config.optim, ds)
+    optim, notes = check_lr_settings(optim, *peak_lr(optim, ds))
+    for note in ([shared_note] if shared_note else []) + notes:
         if dist_info.is_main:
             print(note, flush=True)
     return dataclasses.replace(config, optim=optim)
@@ -143,7 +146,7 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
     from ..checkpoint import deepspeed_dir
     # sniff: a weights file by its content, any name
     from ..checkpoint.files import CheckpointError, sniff
-    from .checkpointing import universal_copy
+    from .checkpointing import UNIVERSAL_SUFFIX, universal_copy
 
     path = config.run.resume
     if not path or config.run.eval:
@@ -193,6 +196,8 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
     if dist_info.is_main:
         print(f"{os.path.join(save_dir, tag)} was saved by {saved_world} ranks (ZeRO-{saved_stage}); "
               f"converting it to a universal checkpoint for {dist_info.world_size}", flush=True)
+        # DeepSpeed's conversion, made for this run: a run refused before its first step takes it back too
+        write_journal.filling(os.path.join(save_dir, tag + UNIVERSAL_SUFFIX))
         universal = universal_copy(save_dir, tag)
     else:
         universal = None

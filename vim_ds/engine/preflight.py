@@ -53,6 +53,9 @@ def check(config: RunConfig, is_main: bool) -> RunConfig:
     problem = output_dir.check(config) or _resume_overwrite(config)
     if problem:
         raise ValueError(problem)
+    if is_main and not config.run.output_dir:  # said now, not found after hours of training
+        print("note: no --output_dir: nothing of this run is kept (no checkpoints, no metrics.jsonl, no "
+              "options.yaml); give --output_dir DIR to keep them", flush=True)
     # last: its schema is DeepSpeed's (the one check that imports DeepSpeed)
     return _deepspeed_config(config, is_main)
 
@@ -76,7 +79,24 @@ def _deepspeed_config(config: RunConfig, is_main: bool) -> RunConfig:
     prepared = prepare_ds_config(path, world_size=data_world, device_type=device_type(),
                                  micro_batch=optim.batch_size, accum_steps=optim.accum_steps,
                                  precision=optim.precision, auto_values=lambda batch: ds_auto_values(optim, batch))
-    return _lr_settings(config, prepared, is_main)
+    return _lr_settings(_settle_with_the_json(config, prepared, is_main), prepared, is_main)
+
+
+def _settle_with_the_json(config: RunConfig, prepared, is_main: bool) -> RunConfig:
+    """What the DeepSpeed config and the command line both set, settled (optim.settle_shared: a contradiction is
+    refused, a number the command line did not give taken, so that the options say what runs and options.yaml
+    records it); --precision wins over the file's sections, said once."""
+    from .optim import settle_shared
+
+    optim, note = settle_shared(config.optim, prepared)
+    notes = [note] if note else []
+    if prepared.overridden_precision:
+        notes.insert(0, f"note: --precision {optim.precision} overrides the {prepared.overridden_precision} of "
+                        f"{prepared.source}")
+    for note in notes:
+        if is_main:
+            print(note, flush=True)
+    return dataclasses.replace(config, optim=optim)
 
 
 def _lr_settings(config: RunConfig, prepared, is_main: bool) -> RunConfig:

@@ -11,8 +11,10 @@ def run(args, prog: str = "vim-ds train") -> int:
     its messages. The namespace ends here: the engine below reads the run's typed RunConfig."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
-    from . import build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals
+    from . import (build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals,
+                   write_journal)
     from .checkpointing import SaveError
+    from .env_vars import refusal
     from .errors import first_line, report_error
     from .parts import build_trainer
     from .run_config import RunConfig
@@ -21,6 +23,10 @@ def run(args, prog: str = "vim-ds train") -> int:
 
     config = RunConfig.from_namespace(args)
     rank = os.environ.get("RANK", "0")
+    # a VIM_DS_* variable it cannot read: said before anything starts, on every rank (however it was launched)
+    refused = refusal(prog, rank=rank)
+    if refused:
+        return refused
     # found first: see its start below
     launchers = None if config.run.eval else launcher_watch.LauncherWatch()
     # as parsed, before the checks resolve any name
@@ -35,6 +41,8 @@ def run(args, prog: str = "vim-ds train") -> int:
         config = preflight.check(config, is_main=rank == "0")
     except (ValueError, CheckpointError) as exc:
         return report_error(prog, exc, rank=rank)
+    # what runs where the DeepSpeed config and the command line both set a value
+    options = options_file.with_settled(options, config)
     try:
         dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
     except Exception as exc:  # noqa: BLE001 - a launcher/environment problem: say it in one line
@@ -45,13 +53,16 @@ def run(args, prog: str = "vim-ds train") -> int:
                                   f"meeting at {env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}, "
                                   f"--dist-timeout {config.run.dist_timeout:g} s): {first_line(exc)}", rank=rank)
     trainer = None
-    # has the run written anything into --output_dir? (until then a refusal undoes the claim)
-    started = False
+    # what the run writes until its first step (its folder's claim, options.yaml, metrics.jsonl, ...): taken back
+    # below unless it ends as it should (trained, or stopped by a signal)
+    write_journal.start()
+    ended_well = False
     try:
         if config.run.eval:
             from .evaluate import evaluate_weights
 
             evaluate_weights(config, dist_info)
+            ended_well = True
             return 0
         # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
         signals.install(dist_info.is_main)
@@ -62,10 +73,8 @@ def run(args, prog: str = "vim-ds train") -> int:
         trainer = build_trainer(config, dist_info)
         if trainer.resume_path:
             trainer.resume(trainer.resume_path)
-        started = True
-        # `--config OUTPUT_DIR/options.yaml` starts this run again; written once nothing can refuse the run any
-        # more (a refused resume leaves the folder as it was); a resume with other options adds a segment to it
-        # (from which step they ran), said in a note
+        # `--config OUTPUT_DIR/options.yaml` starts this run again; a resume with other options adds a segment to
+        # it (from which step they ran), said in a note; a run refused before its first step puts it back as it was
         if dist_info.is_main and config.run.output_dir:
             note = options_file.write_run(os.path.join(config.run.output_dir, options_file.OPTIONS_FILE), options,
                                           step=trainer.step if trainer.resume_path else None)
@@ -76,9 +85,11 @@ def run(args, prog: str = "vim-ds train") -> int:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
             print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
                   f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+        ended_well = True
         return 0
     except StopRequested as stop:
         # what a shell reports for the signal: stopped early, on purpose, state saved
+        ended_well = True
         return 128 + stop.signum
     except (ValueError, CheckpointError, TrainingError, SaveError, OSError, RuntimeError) as exc:
         # 1: the run failed; 2: bad input
@@ -87,5 +98,9 @@ def run(args, prog: str = "vim-ds train") -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        output_dir.release(undo=not started)  # a refused run leaves no folder or lock it created
+        if not ended_well:
+            # refused or failed before its first step: every folder as it was (nothing, once it has trained a
+            # step); the lock file it created is removed while still held
+            write_journal.undo()
+        output_dir.release()
         distributed.teardown()

@@ -144,6 +144,10 @@ class OptimOptions:
              "under torch.autocast(bf16) (DeepSpeed's torch_autocast section)")
     # not an option: which of --min-lr and --warmup-lr hold the built-in default (run_options._lr_defaults)
     lr_defaults: tuple[str, ...] = ()
+    # not an option: which of the values a DeepSpeed config can set too (optim.SHARED) were given, on the command
+    # line or in a --config file (run_options._given): a number in the JSON must agree with these, and wins over
+    # the others
+    given: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

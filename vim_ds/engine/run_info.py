@@ -71,4 +71,5 @@ def header(trainer) -> dict:
             "vim_ds": __version__, "torch": torch.__version__, "deepspeed": _version("deepspeed"),
             "timm": _version("timm"), "python": platform.python_version(), "accelerator_runtime": runtime,
             "init_weights": None, "init_weights_sha256": None, **trainer.init_weights_info,
-            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+            # the command as typed, and where: its relative paths name files from there
+            "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "cwd": os.getcwd()}

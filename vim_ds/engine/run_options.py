@@ -87,16 +87,17 @@ def patch_grid_error(model: str, model_kwargs: dict, input_size: int) -> str | N
             f"dropped; the nearest valid sizes are {nearest}")
 
 
-def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
+def _apply_config(parser: argparse.ArgumentParser, argv) -> tuple[dict, dict]:
     """With --config: the file's options become the parser's defaults (so the command line still wins); returns the
-    file's `recipe:` description ({} without one). A bad file is a parser error (one line, exit 2)."""
+    file's `recipe:` description ({} without one) and its options. A bad file is a parser error (one line, exit
+    2)."""
     from . import options_file, shipped_configs
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="")
     known, _ = pre.parse_known_args(argv)
     if not known.config:
-        return {}
+        return {}, {}
     try:
         path = shipped_configs.resolve_recipe(known.config)
         options, meta = options_file.load(path)
@@ -107,12 +108,12 @@ def _apply_config(parser: argparse.ArgumentParser, argv) -> dict:
     if meta.get(options_file.SEGMENTS_KEY) and os.environ.get("RANK", "0") == "0":
         print(options_file.segments_note(known.config, options, meta[options_file.SEGMENTS_KEY]),
               flush=True)
-    return meta
+    return meta, options
 
 
 def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     parser = build_parser(prog)
-    meta = _apply_config(parser, sys.argv[1:] if argv is None else argv)
+    meta, from_file = _apply_config(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     missing = [name for name in meta.get("requires") or () if not getattr(args, name, None)]
     if missing and not args.eval:
@@ -160,16 +161,34 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
     if problem:
         parser.error(problem)
     args.scale, args.ratio = tuple(args.scale), tuple(args.ratio)
-    args.lr_defaults = _lr_defaults(args, argv, prog)
+    typed = _typed(argv, prog)
+    args.lr_defaults = _lr_defaults(args, typed)
+    args.given = _given(typed, from_file)
     return args
 
 
-def _lr_defaults(args, argv, prog: str) -> tuple:
-    """Of --min-lr and --warmup-lr, those holding the built-in default, not typed on the command line (in any
-    spelling argparse accepts): a default above a small batch's scaled lr is lowered with a note, a given value
-    refused (engine/optim.check_lr_settings). A --config file's value equal to the default counts as the default,
-    since a run's options.yaml records every option."""
+def _typed(argv, prog: str) -> set[str]:
+    """The options typed on the command line (in any spelling argparse accepts), by dest."""
     typed, _ = build_parser(prog, defaults=False).parse_known_args(sys.argv[1:] if argv is None else argv)
+    return set(vars(typed))
+
+
+def _lr_defaults(args, typed: set[str]) -> tuple:
+    """Of --min-lr and --warmup-lr, those holding the built-in default, not typed on the command line: a default
+    above a small batch's scaled lr is lowered with a note, a given value refused (engine/optim.check_lr_settings).
+    A --config file's value equal to the default counts as the default, since a run's options.yaml records every
+    option."""
     # a tuple: vars(args) goes into the checkpoints
     return tuple(dest for dest in ("min_lr", "warmup_lr")
-                 if not hasattr(typed, dest) and getattr(args, dest) == OPTIONS[dest].default)
+                 if dest not in typed and getattr(args, dest) == OPTIONS[dest].default)
+
+
+def _given(typed: set[str], from_file: dict) -> tuple:
+    """Of the values a DeepSpeed config can set too (optim.SHARED), those given: typed on the command line, or in
+    the --config file with another value than the default (a run's options.yaml records every option: the values
+    it holds that the JSON decided are the JSON's, and agree with it)."""
+    from .optim import SHARED
+    from .options_file import plain
+
+    return tuple(dest for dest in SHARED.values()
+                 if dest in typed or (dest in from_file and plain(from_file[dest]) != plain(OPTIONS[dest].default)))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..data.datasets import derive_seed
-from . import distributed, faults, sequence_groups, signals
+from . import distributed, faults, sequence_groups, signals, write_journal
 from .errors import first_line
 from .run_config import RunConfig
 from .sequence_groups import SequenceGroups
@@ -280,6 +280,8 @@ class Trainer:
                           "other_time": spent["other"], "bad_images": int(p.images_bad),
                           **({} if applied else {"skipped": True})})
             self._add_timing(spent)
+            # it has trained: from now on what it wrote is its record, whatever ends it
+            write_journal.sure()
             loss_sum, bad, seen = 0.0, 0.0, 0.0
             done = p.step >= self.data.total_steps
             at_epoch_end = p.step_in_epoch == self.data.steps_per_epoch

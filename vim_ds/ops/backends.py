@@ -280,7 +280,7 @@ def _jit_build(kind):
         raise RuntimeError("the kernel sources (csrc/) are not installed")
     extension = build_config.cpu_extension_args(root) if kind == "cpu" else build_config.gpu_extension_args(root)
     build_dir = os.path.join(
-        os.environ.get("VIM_DS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vim_ds")),
+        os.environ.get("VIM_DS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "vim_ds"),
         f"{kind}-torch{torch.__version__}",
     )
     os.makedirs(build_dir, exist_ok=True)
@@ -339,6 +339,19 @@ def _apply_cpu_isa(loaded: _Loaded) -> None:
             raise ValueError(f"{ENV_CPU_ISA}={name}: {str(exc).splitlines()[0]}") from None
 
 
+def check_cpu_isa(text: str) -> None:
+    """A one-line ValueError naming VIM_DS_CPU_ISA when the CPU kernel (loaded now if it is not yet, which applies
+    the variable) has no variant `text`; the kernel's variant in use is left as it was."""
+    loaded = load("cpu")
+    if loaded.backend is None:
+        return  # no CPU kernel here: nothing to choose from (`vim-ds env` says why)
+    module = loaded.backend.module
+    try:
+        module.set_isa(module.set_isa(text.strip().lower()))
+    except RuntimeError as exc:
+        raise ValueError(f"{ENV_CPU_ISA}={text.strip().lower()}: {str(exc).splitlines()[0]}") from None
+
+
 def load(kind) -> _Loaded:
     with _registry.lock:
         if kind not in _registry.loaded:
@@ -356,7 +369,12 @@ def _announce(key, message):
 
 
 def forced_backend() -> Optional[str]:
-    name = os.environ.get(ENV_BACKEND, "").strip().lower()
+    return read_forced_backend(os.environ.get(ENV_BACKEND, ""))
+
+
+def read_forced_backend(text: str) -> Optional[str]:
+    """The backend a VIM_DS_SCAN value names (None for none), or a one-line ValueError saying what it accepts."""
+    name = text.strip().lower()
     if not name:
         return None
     if name not in BACKENDS:
