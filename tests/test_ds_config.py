@@ -346,8 +346,8 @@ def test_a_value_the_json_and_the_command_line_both_set_must_agree(tmp_path):
         settled(tmp_path, {"gradient_clipping": 0.01}, ["--clip-grad", "100"])
     assert str(info.value) == f'{src} sets gradient_clipping=0.01 but --clip-grad is 100; set it to "auto" or drop ' \
                               f'--clip-grad'
-    # the variants, the same rule: the other optimizer values; a value typed as the default is given too; a file
-    # that leaves gradient_clipping out clips at DeepSpeed's default, 1.0; the lr is compared once scaled
+    # the variants, the same rule: the other optimizer values; a value typed as the default is given too; the lr
+    # is compared once scaled
     refused = {
         "weight decay": ({}, ["--weight-decay", "0.05"], {"weight_decay": 0.1},
                          f'{src} sets optimizer.params.weight_decay=0.1 but --weight-decay is 0.05; set it to "auto" '
@@ -355,9 +355,6 @@ def test_a_value_the_json_and_the_command_line_both_set_must_agree(tmp_path):
         "betas": ({}, ["--opt-betas", "0.9", "0.95"], {"betas": [0.9, 0.999]},
                   f'{src} sets optimizer.params.betas=[0.9, 0.999] but --opt-betas is 0.9 0.95; set it to "auto" or '
                   f'drop --opt-betas'),
-        "left out": ({}, ["--clip-grad", "5"], None,
-                     f'{src} has no gradient_clipping, so DeepSpeed uses its default 1.0 but --clip-grad is 5; set '
-                     f'gradient_clipping to "auto" in it or drop --clip-grad'),
         "lr": ({"gradient_clipping": "auto"}, ["--lr", "5e-4"], {"lr": 1e-3},
                f'{src} sets optimizer.params.lr=0.001 but --lr 0.0005 gives 3.90625e-06 (x global batch 4 / 512); '
                f'set it to "auto" or drop --lr'),
@@ -370,6 +367,29 @@ def test_a_value_the_json_and_the_command_line_both_set_must_agree(tmp_path):
     # the same values agree: nothing to say
     assert settled(tmp_path, {"gradient_clipping": 0.01}, ["--clip-grad", "0.01"])[1] is None
     assert settled(tmp_path, {"gradient_clipping": "auto"}, ["--lr", "1e-3", "--unscale-lr"], {"lr": 1e-3})[1] is None
+
+
+def test_a_value_the_json_leaves_out_is_the_command_lines_when_given(tmp_path):
+    """A JSON without gradient_clipping (DeepSpeed clips such a run at its default, 1.0) and a typed `--clip-grad
+    5`: nothing contradicts what was typed, so it runs, as for "auto" (and for an optimizer param the file leaves
+    out); without --clip-grad DeepSpeed's 1.0 runs and is said. Control: a JSON that does set 1.0 is refused."""
+    from vim_ds.engine.optim import ds_auto_values, settle_shared
+    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.engine.run_options import parse_args
+
+    def settle(top: dict, argv: list):
+        path = write(tmp_path, {**minimal(**top), "optimizer": {"type": "AdamW", "params": {}}})
+        optim = RunConfig.from_namespace(parse_args(["--batch-size", "4", *argv])).optim
+        prepared = prepare(path, auto_values=lambda batch: ds_auto_values(optim, batch))
+        return prepared, *settle_shared(optim, prepared)
+
+    prepared, optim, note = settle({}, ["--clip-grad", "5"])
+    assert prepared.config["gradient_clipping"] == 5 and optim.clip_grad == 5 and note is None
+    prepared, optim, note = settle({}, [])
+    assert prepared.config["gradient_clipping"] == 1.0 and optim.clip_grad == 1.0
+    assert "sets --clip-grad 1 (DeepSpeed's default: the file leaves it out)" in note
+    with pytest.raises(ConfigError, match=r"sets gradient_clipping=1\.0 but --clip-grad is 5"):
+        settle({"gradient_clipping": 1.0}, ["--clip-grad", "5"])
 
 
 def test_a_json_number_the_command_line_did_not_give_runs_and_is_what_the_run_records(tmp_path):

@@ -35,7 +35,8 @@ TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modul
 DEFAULT_MICRO_BATCH = 64
 DEFAULT_ACCUM_STEPS = 1
 # what DeepSpeed 0.19.8 clips at when a config has no gradient_clipping (runtime/constants.py): written down, so that
-# the --engine ddp/fsdp baselines clip as DeepSpeed does and the command line's --clip-grad is held against it
+# a run without --clip-grad says it clips there and the --engine ddp/fsdp baselines clip as DeepSpeed does (a given
+# --clip-grad takes its place: optim.settle_shared)
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 # the optimizer's params the command line sets too (optim.SHARED): one the file leaves out is filled as "auto" is
 # (DeepSpeed would pass nothing and the optimizer class would use its own default, which the command line never saw)

@@ -69,8 +69,8 @@ SHARED = {"optimizer.params.lr": "lr", "optimizer.params.weight_decay": "weight_
 
 
 def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | None]:
-    """One value for each of SHARED, whichever source sets it (ds_configs/README.md): "auto" (or an optimizer
-    param the file leaves out) is the command line's; a number in the JSON must agree with a value given on the
+    """One value for each of SHARED, whichever source sets it (ds_configs/README.md): "auto" (or a value the file
+    leaves out: an optimizer param; gradient_clipping, when --clip-grad is given) is the command line's; a number in the JSON must agree with a value given on the
     command line or in a --config file (`optim.given`), or the run is refused in one line (a ConfigError naming
     both), as for the batch sizes; a number the command line did not give wins, and the options take it, so that
     what runs is what the parameter groups' weight decay, the --engine baselines, options.yaml and the checkpoints
@@ -82,6 +82,10 @@ def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | No
     for path, dest in SHARED.items():
         value = _at(prepared.config, path)
         if path in prepared.filled or value is None or _same(value, ours[path]):
+            continue
+        if dest in optim.given and path in prepared.unset:
+            # the file is silent (DeepSpeed's default written down): what was given runs, as "auto" would give it
+            prepared.config[path] = ours[path]
             continue
         if dest in optim.given:
             raise ConfigError(_disagreement(optim, prepared, path, value))
@@ -126,12 +130,8 @@ def _disagreement(optim: OptimOptions, prepared, path: str, value) -> str:
 
     dest = SHARED[path]
     flag = option_name(dest)
-    if path in prepared.unset:
-        where = f"{prepared.source} has no {path}, so DeepSpeed uses its default {json.dumps(value)}"
-        fix = f"set {path} to \"auto\" in it or drop {flag}"
-    else:
-        where = f"{prepared.source} sets {path}={json.dumps(value)}"
-        fix = f"set it to \"auto\" or drop {flag}"
+    where = f"{prepared.source} sets {path}={json.dumps(value)}"
+    fix = f"set it to \"auto\" or drop {flag}"
     given = f"{flag} is {shown(getattr(optim, dest))}"
     if dest == "lr" and not optim.unscale_lr:
         given = (f"{flag} {shown(optim.lr)} gives {shown(scaled_lr(optim.lr, prepared.batch.global_))} (x global "
