@@ -70,11 +70,11 @@ SHARED = {"optimizer.params.lr": "lr", "optimizer.params.weight_decay": "weight_
 
 def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | None]:
     """One value for each of SHARED, whichever source sets it (ds_configs/README.md): "auto" (or a value the file
-    leaves out: an optimizer param; gradient_clipping, when --clip-grad is given) is the command line's; a number in the JSON must agree with a value given on the
-    command line or in a --config file (`optim.given`), or the run is refused in one line (a ConfigError naming
-    both), as for the batch sizes; a number the command line did not give wins, and the options take it, so that
-    what runs is what the parameter groups' weight decay, the --engine baselines, options.yaml and the checkpoints
-    use and say. Returns the options and a note naming the values the JSON set (None when it set none)."""
+    leaves out: an optimizer param; gradient_clipping, when --clip-grad is given) is the command line's; a number in
+    the JSON must agree with a value given on the command line or in a --config file (`optim.given`), or the run is
+    refused in one line (a ConfigError naming both), as for the batch sizes; a number the command line did not give
+    wins, and the options take it, so that what runs is what the parameter groups' weight decay, the --engine
+    baselines, options.yaml and the checkpoints use and say. Returns the options and a note naming the values the JSON set (None when it set none)."""
     from .ds_config import ConfigError
 
     ours = ds_auto_values(optim, prepared.batch)
