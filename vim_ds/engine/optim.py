@@ -74,7 +74,8 @@ def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | No
     the JSON must agree with a value given on the command line or in a --config file (`optim.given`), or the run is
     refused in one line (a ConfigError naming both), as for the batch sizes; a number the command line did not give
     wins, and the options take it, so that what runs is what the parameter groups' weight decay, the --engine
-    baselines, options.yaml and the checkpoints use and say. Returns the options and a note naming the values the JSON set (None when it set none)."""
+    baselines, options.yaml and the checkpoints use and say. Returns the options and a note naming the values the
+    JSON set (None when it set none)."""
     from .ds_config import ConfigError
 
     ours = ds_auto_values(optim, prepared.batch)
