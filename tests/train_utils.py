@@ -128,6 +128,17 @@ def rerecord_checksums(tag_dir) -> None:
             json.dump(marker, f)
 
 
+def folder_bytes(folder) -> dict[str, bytes]:
+    """Every file under `folder` (its path relative to `folder`) with its bytes: what a test compares before and
+    after a command that must leave a folder as it found it."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return out
+
+
 def digits80(digits: str, root) -> str:
     """8 training and 3 validation images of each digit, from the suite's digits folder: 80 images (5 steps of a
     global batch of 16 an epoch) and a 30-image evaluation."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import preloaded
-from train_utils import ROOT, config_run_args, run_train, step_losses
+from train_utils import ROOT, config_run_args, folder_bytes, run_train, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -117,18 +117,11 @@ def own_copy(ckpt, tmp_path):
     return copy
 
 
-def file_bytes(folder) -> dict:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                out[os.path.join(root, name)] = f.read()
-    return out
 
 
 def test_convert_refuses_to_write_over_a_file_of_the_checkpoint_it_converts(own_copy):
     """The issue's case: OUT named the checkpoint's own model states, and eval then refused it as damaged."""
-    before = file_bytes(own_copy)
+    before = folder_bytes(own_copy)
     tag_dir = own_copy / "global_step3"
     proc = convert_cli(own_copy, tag_dir / "mp_rank_00_model_states.pt")
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -136,7 +129,7 @@ def test_convert_refuses_to_write_over_a_file_of_the_checkpoint_it_converts(own_
         f"vim-ds convert: error: {tag_dir / 'mp_rank_00_model_states.pt'} is a file of the checkpoint being "
         f"converted ({tag_dir}): writing it would destroy the checkpoint; give OUT a new file outside {tag_dir}, e.g. "
         f"weights.pth")
-    assert file_bytes(own_copy) == before
+    assert folder_bytes(own_copy) == before
 
 
 def test_convert_refuses_what_it_reads_by_another_path_and_files_vim_ds_did_not_write(own_copy, tmp_path):
@@ -162,12 +155,12 @@ def test_convert_refuses_what_it_reads_by_another_path_and_files_vim_ds_did_not_
          not_ours.format(step2 / "mp_rank_00_model_states.pt")),
         (published, None, f"{published} " + not_ours.format(published)),
     ]
-    before = file_bytes(tmp_path)
+    before = folder_bytes(tmp_path)
     for out, tag, error in cases:
         with pytest.raises(CheckpointError) as refused:
             convert(str(own_copy), str(out), tag=tag)
         assert str(refused.value).startswith(error), (out, refused.value)
-    assert file_bytes(tmp_path) == before
+    assert folder_bytes(tmp_path) == before
     out = tmp_path / "w.pth"
     assert convert(str(own_copy), str(out))["step"] == 3
     assert convert(str(own_copy), str(out), tag="global_step2")["step"] == 2  # over the file it wrote

@@ -28,6 +28,8 @@ from vim_ds.checkpoint import deepspeed_dir as layout
 from vim_ds.checkpoint.files import CheckpointError
 from vim_ds.engine.checkpointing import Checkpointer
 
+from train_utils import folder_bytes
+
 # what a 1-rank ZeRO-0 save writes (Checkpointer.save: DeepSpeed's file, vim_ds's EMA and RNG state)
 SAVED = ("mp_rank_00_model_states.pt", "ema.pt", "rng_rank0.pt")
 
@@ -46,14 +48,6 @@ def lay_out(save_dir, step: int, run_id: str = "run1", complete: bool = True, na
     return tag_dir
 
 
-def contents(folder) -> dict:
-    """Every file under `folder` (relative path) with its bytes."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
-    return out
 
 
 def entries(folder) -> list[str]:
@@ -81,7 +75,7 @@ def test_pruning_keeps_a_users_copies_and_files(tmp_path, capsys):
     shutil.copytree(save_dir / "global_step2", save_dir / "my_best_step2")
     shutil.copytree(save_dir / "global_step4", save_dir / "global_step4.bak")
     (save_dir / "global_step2" / "weights.pth").write_bytes(b"a converted file")
-    users = {name: contents(save_dir / name) for name in ("my_best_step2", "global_step4.bak")}
+    users = {name: folder_bytes(save_dir / name) for name in ("my_best_step2", "global_step4.bak")}
 
     checkpointer = Checkpointer(None, str(save_dir), rank=0, keep_last=2)
     checkpointer.protect(str(save_dir / "global_step4"))  # resumed from it
@@ -91,7 +85,7 @@ def test_pruning_keeps_a_users_copies_and_files(tmp_path, capsys):
     assert entries(save_dir) == ["global_step2", "global_step4.bak", "global_step5", "global_step6", "latest",
                                  "my_best_step2"]
     assert entries(save_dir / "global_step2") == ["weights.pth"]  # the checkpoint's files went, the user's stayed
-    assert {name: contents(save_dir / name) for name in users} == users
+    assert {name: folder_bytes(save_dir / name) for name in users} == users
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --keep-checkpoints")]
     assert notes == [f"note: --keep-checkpoints: removed the checkpoint files of {save_dir / 'global_step2'} but kept "
                      f"the folder: it holds files the run did not write (weights.pth)"]
@@ -174,7 +168,7 @@ def test_resume_auto_refuses_when_latest_names_a_checkpoint_that_is_gone(tmp_pat
     out = run_folder(tmp_path)
     for step in (1, 2, 3, 4):
         shutil.rmtree(out / "checkpoints" / f"global_step{step}")
-    before = contents(out)
+    before = folder_bytes(out)
     proc = run_train(args(out, "--batch-size", 8, "--resume", "auto"), check=False)  # a run that would start
     save_dir = out / "checkpoints"
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -183,7 +177,7 @@ def test_resume_auto_refuses_when_latest_names_a_checkpoint_that_is_gone(tmp_pat
         f"(deleted or moved?), and {save_dir} holds no other complete checkpoint; starting from step 0 would write a "
         f"second history into {out}: put global_step4 back, or start anew with another --output_dir"), \
         proc.stderr[-3000:]
-    assert contents(out) == before  # metrics.jsonl has one history; nothing written
+    assert folder_bytes(out) == before  # metrics.jsonl has one history; nothing written
 
 
 def test_the_trainers_own_resume_plan_refuses_it_too(tmp_path):
