@@ -254,9 +254,15 @@ __device__ __forceinline__ T shfl_xor(T v, int mask) {
 #endif
 }
 
-// Accumulation type: double for double input, float otherwise.
-template <typename T> struct AccType { using type = float; };
-template <> struct AccType<double> { using type = double; };
+// Accumulation type: double for double input, float otherwise. The kernel emulator's counting build
+// (tools/kernel_emu) defines SS_ACC_FLOAT / SS_ACC_DOUBLE as types that compute the same and count what is done
+// with them; nothing else defines them.
+#ifndef SS_ACC_FLOAT
+#define SS_ACC_FLOAT float
+#define SS_ACC_DOUBLE double
+#endif
+template <typename T> struct AccType { using type = SS_ACC_FLOAT; };
+template <> struct AccType<double> { using type = SS_ACC_DOUBLE; };
 
 // Load an input element as the accumulation type, and store an accumulation value as the input type.
 // Explicit intrinsics only: torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __HIP_NO_HALF_CONVERSIONS__ etc.
