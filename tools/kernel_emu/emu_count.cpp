@@ -265,6 +265,12 @@ void acc_copy(const void* dst, const void* src) {
   C().shadow.at(dst) = s;
 }
 
+void acc_assign(const void* dst, const void* src) {
+  Shadow s = read(src);
+  s.fuse = -1;
+  C().shadow.at(dst) = s;
+}
+
 void acc_arith(const void* dst, char op, const void* a, const void* b) {
   Shadow x = read(a), y = read(b);
   const bool commutes = op != '-';

@@ -165,13 +165,36 @@ def backward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
                       BWD_FMA_PER_ELEM * elems + BWD_FMA_PER_ROW * bdl, backward_chain(batch, dim, seqlen, d_state))
 
 
-def kernel_partials_bytes(batch, dim, seqlen, d_state) -> int:
-    """Our GPU backward's extra traffic beyond the minimum: per-block-of-channels partial sums of dB and dC in
-    fp32, written by the scan and read back by the ordered reduction (none when one block holds every channel).
-    A block of 128 threads holds 128 / G channels, G = the next power of two >= d_state, at most 32."""
+# The GPU launcher's choices that set the backward's partial sums (csrc/selective_scan_cuda.cu, backward_tiles;
+# csrc/selective_scan_kernel.cuh, bwd_tiles): blocks wanted without segments, channel tiles a block walks at most.
+KERNEL_TARGET_BLOCKS = 1024
+KERNEL_MAX_TILES = 4
+
+
+def kernel_backward_blocks(batch, dim, d_state, dtype="float32") -> int:
+    """Blocks of channels per batch element in our GPU backward: each holds tiles x 128 / G channels, G = the next
+    power of two >= d_state (at most 32); up to 4 tiles when d_state <= 32 (not for float64 input; at most 256
+    channels a block), as many as keep 1024 blocks in all when one tile a block gives that many."""
     group = min(32, 1 << max(0, math.ceil(math.log2(d_state))))
-    blocks = -(-dim // (128 // group))
-    return 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * 4
+    cpb = 128 // group
+    most = KERNEL_MAX_TILES if d_state <= 32 and dtype != "float64" else 1
+    while most * cpb > 256:
+        most //= 2
+    blocks = lambda t: -(-dim // (cpb * t))  # noqa: E731
+    tiles = most
+    if batch * blocks(1) >= KERNEL_TARGET_BLOCKS:
+        while tiles > 1 and batch * blocks(tiles) < KERNEL_TARGET_BLOCKS:
+            tiles //= 2
+    return blocks(tiles)
+
+
+def kernel_partials_bytes(batch, dim, seqlen, d_state, dtype="float32") -> int:
+    """Our GPU backward's extra traffic beyond the minimum: per-block-of-channels partial sums of dB and dC in the
+    accumulation type (fp32 but for float64 input), written by the scan and read back by the ordered reduction
+    (none when one block holds every channel)."""
+    blocks = kernel_backward_blocks(batch, dim, d_state, dtype)
+    acc = 8 if dtype == "float64" else 4
+    return 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * acc
 
 
 def predict(batch, dim, seqlen, d_state, dtype) -> dict:
@@ -181,7 +204,7 @@ def predict(batch, dim, seqlen, d_state, dtype) -> dict:
     row = {"shape": shape_text(batch, dim, seqlen, d_state), "dtype": dtype,
            "fwd": {"bytes": fwd.bytes, "exp": fwd.exp, "fma": fwd.fma, "chain": fwd.chain},
            "bwd": {"bytes": bwd.bytes, "exp": bwd.exp, "fma": bwd.fma, "chain": bwd.chain,
-                   "kernel_partials_bytes": kernel_partials_bytes(batch, dim, seqlen, d_state)},
+                   "kernel_partials_bytes": kernel_partials_bytes(batch, dim, seqlen, d_state, dtype)},
            "bounds": {}}
     for gpu in GPUS:
         f, b = fwd.bound(gpu), bwd.bound(gpu)

@@ -8,10 +8,12 @@
 //     distinct 32-byte sector its lanes touch.
 //   * arithmetic: the accumulation type is Acc<float> (Acc<double>) instead of float (double), through the
 //     kernel's SS_ACC_FLOAT / SS_ACC_DOUBLE. Its operators compute exactly what float does and tell emu_count.cpp,
-//     which counts FMA-pipe operations (a multiply feeding an add is one fused multiply-add, as nvcc's default
-//     contraction makes it; an operation repeated on the same values between two switch points is counted once,
-//     as common-subexpression elimination leaves it) and special-function operations (exp, log1p, the reciprocal
-//     of a division), and follows each value's chain of dependent steps through registers, shuffles and memory.
+//     which counts FMA-pipe operations and special-function operations (exp, log1p, the reciprocal of a
+//     division), and follows each value's chain of dependent steps through registers, shuffles and memory. As a
+//     compiler would: a multiply feeding an add is one fused multiply-add (nvcc's and hipcc's default
+//     contraction), unless the product was first assigned to a variable that already existed (a loop-carried
+//     value: the add is in the next iteration, past the loop's back edge) or stored; an operation repeated on the
+//     same values between two switch points is counted once (common-subexpression elimination).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -35,7 +37,8 @@ void count_shuffle_pair(int dst_tid, int src_tid);  // lane dst receives lane sr
 
 // The shadow of an accumulation value (at its address): what made it.
 void acc_fresh(const void* self);                 // from outside: a constant, a conversion, a global load
-void acc_copy(const void* dst, const void* src);  // the same value elsewhere (register, shared or global memory)
+void acc_copy(const void* dst, const void* src);    // the same value in a new variable, or loaded from memory
+void acc_assign(const void* dst, const void* src);  // the same value into a variable that existed (or memory)
 void acc_arith(const void* dst, char op, const void* a, const void* b);  // op: '+', '-', '*'
 void acc_div(const void* dst, const void* a, const void* b, bool dividend_is_one);
 void acc_neg(const void* dst, const void* a);
@@ -55,7 +58,7 @@ struct Acc {
   EMU_INLINE Acc(const Acc& o) : v(o.v) { acc_copy(this, &o); }
   EMU_INLINE Acc& operator=(const Acc& o) {
     v = o.v;
-    acc_copy(this, &o);
+    acc_assign(this, &o);
     return *this;
   }
   EMU_INLINE operator T() const { return v; }  // NOLINT
