@@ -138,6 +138,12 @@ def test_counts_that_cannot_be_made_say_why(monkeypatch, capsys, tmp_path):
     text = capsys.readouterr().out
     assert f"counts: n/a ({scan_counts.ENV_BUILD}={tmp_path} has no {scan_counts.LIB_NAME}" in text
     assert "has no libscan_emu_count.so" in json.loads(out.read_text())["counts"]["unavailable"]
+    assert "Performance model: lower bounds" in text  # the model's part is all there
+    # no compiler to build the library with (nothing prebuilt named)
+    monkeypatch.delenv(scan_counts.ENV_BUILD)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert bench.main(["scan", "--predict-only"]) == 0
+    assert "counts: n/a (no C++ compiler (no-such-compiler) for the kernel emulator)" in capsys.readouterr().out
     # and --no-counts leaves them out
     assert bench.main(["scan", "--predict-only", "--no-counts"]) == 0
     assert "counts" not in capsys.readouterr().out.split("no GPU: measured n/a")[1]
