@@ -34,8 +34,6 @@ COUNT_SHAPES = (
 
 FIELDS = ("blocks", "threads", "pass", "barriers", "shuffles", "read_bytes", "write_bytes", "read_unique",
           "write_unique", "exp", "fma", "chain")
-# per kernel: the sums over its launches (the chains too: launches run one after another)
-TOTALS = ("bytes", "unique_bytes", "exp", "fma", "chain", "barriers", "shuffles")
 DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 
 
@@ -152,6 +150,7 @@ def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0) -> dict:
 
 
 def _kernel(launches: list) -> dict:
+    """A kernel's totals: the sums over its launches (the chains too: the launches run one after another)."""
     total = {"bytes": sum(n["read_bytes"] + n["write_bytes"] for n in launches),
              "unique_bytes": sum(n["read_unique"] + n["write_unique"] for n in launches)}
     for key in ("exp", "fma", "chain", "barriers", "shuffles"):
@@ -161,8 +160,8 @@ def _kernel(launches: list) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0) -> dict:
-    """What emulate() counted, per kernel: {"fwd": counts, "bwd": counts}, each the TOTALS and its "launches"
-    (the same inputs give the same counts: cached)."""
+    """What emulate() counted, per kernel: {"fwd": counts, "bwd": counts}, each the totals (bytes, unique_bytes,
+    exp, fma, chain, barriers, shuffles) and its "launches" (the same inputs give the same counts: cached)."""
     run = emulate(load(str(lib_path or library())), batch, dim, seqlen, d_state, dtype, seed)
     return {"fwd": _kernel(run["fwd"]), "bwd": _kernel(run["bwd"])}
 
