@@ -52,7 +52,22 @@ const char* check_args(const ScanArgs& a) {
   return nullptr;
 }
 
-KernelParams make_params(const ScanArgs& a, const Layout& lay) {
+// Channel tiles per backward block (see "Channel tiles" in the kernel header): the most the instance has
+// (ssk::bwd_tiles) when the sequence is split into segments anyway, else the most that keep kTargetBlocks blocks
+// with one segment. Splitting costs the backward its pass 0 over part of the inputs (their bytes and the
+// exponentials again) and a combine launch; a tile fewer costs partial sums of dB and dC: at B 64, D 384, L 197,
+// N 16 in fp32 about the same bytes (two tiles and one segment, or four and two segments), so no split.
+int backward_tiles(const ScanArgs& a, const Layout& lay) {
+  const int64_t cpb = ssk::kThreads / lay.group;
+  int tiles = ssk::bwd_tiles(lay.npl, acc_size(a.dtype), lay.group);
+  const auto blocks = [&](int t) { return a.batch * ((a.dim + cpb * t - 1) / (cpb * t)); };
+  if (blocks(1) < kTargetBlocks) return tiles;
+  while (tiles > 1 && blocks(tiles) < kTargetBlocks) tiles /= 2;
+  return tiles;
+}
+
+// The parameters of the forward's or the backward's launches (the backward's blocks walk several channel tiles).
+KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
   KernelParams p;
   p.batch = int(a.batch);
   p.dim = int(a.dim);
@@ -62,10 +77,12 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay) {
   p.chunk = lay.chunk;
   p.n_chunks = int((a.seqlen + lay.chunk - 1) / lay.chunk);
   const int cpb = ssk::kThreads / lay.group;
-  p.blocks_per_batch = int((a.dim + cpb - 1) / cpb);
+  p.tiles = backward ? backward_tiles(a, lay) : 1;
+  p.blocks_per_batch = int((a.dim + cpb * p.tiles - 1) / (cpb * p.tiles));
   // Segments along the sequence: enough blocks to fill the GPU when batch x channels alone do not, each segment
   // at least kMinSegChunks chunks (a segment costs a second pass over its inputs). Batch 1, D 384, N 16, L 4097:
-  // 48 blocks x 22 segments of 6 chunks; B 64, D 384, L 197: 3072 blocks, one segment (today's mapping).
+  // forward 48 blocks x 22 segments of 6 chunks (backward 12 x 65 of 2); B 64, D 384, L 197: 3072 blocks
+  // forward, 1536 of 2 tiles backward, one segment.
   const int64_t base_blocks = a.batch * p.blocks_per_batch;
   int64_t seg_chunks = p.n_chunks;
   if (base_blocks < kTargetBlocks) {
@@ -184,7 +201,7 @@ const char* dispatch_npl(const KernelParams& p, int npl, Kind kind, int acc_byte
 // sequence's decay product. One segment leaves (batch x channel blocks) blocks, each walking the whole sequence:
 // the pass reads delta, C, z and dout once and does per step what the forward does, no state recomputation.
 KernelParams h0_grad_params(const ScanArgs& a, const Layout& lay) {
-  KernelParams p = make_params(a, lay);
+  KernelParams p = make_params(a, lay, true);
   p.seg_chunks = p.n_chunks;
   p.n_seg = 1;
   p.pass = 0;
@@ -196,7 +213,8 @@ const char* run(const ScanArgs& a, void* stream_ptr, Kind kind) {
   if (const char* err = check_args(a)) return err;
   if (a.batch == 0 || a.dim == 0) return nullptr;  // nothing to do (a grid of 0 blocks is invalid)
   const Layout lay = make_layout(a.dstate, a.dtype);
-  const KernelParams p = kind == Kind::kH0Grad ? h0_grad_params(a, lay) : make_params(a, lay);
+  const KernelParams p =
+      kind == Kind::kH0Grad ? h0_grad_params(a, lay) : make_params(a, lay, kind == Kind::kBackward);
   const int acc_bytes = acc_size(a.dtype);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   switch (a.dtype) {
@@ -217,7 +235,7 @@ int64_t scan_chunk_length(int64_t dstate, ScanDType dtype) {
 
 int64_t scan_workspace_bytes(const ScanArgs& a, bool backward) {
   if (check_args(a) != nullptr || a.batch == 0 || a.dim == 0) return 0;
-  const KernelParams p = make_params(a, make_layout(a.dstate, a.dtype));
+  const KernelParams p = make_params(a, make_layout(a.dstate, a.dtype), backward);
   const ssk::WsLayout w = ssk::ws_layout(p);
   return (backward ? w.bwd_total : w.fwd_total) * acc_size(a.dtype);
 }

@@ -11,8 +11,9 @@
 //
 // ---------------------------------------------------------------------------------------------------------
 // Work mapping (both kernels)
-//   * A block (kThreads threads) owns one batch element b, `cpb` consecutive channels d0 .. d0+cpb-1 and one
-//     segment of the sequence (see "Sequence parallelism"; one segment = the whole sequence).
+//   * A block (kThreads threads) owns one batch element b, `cpb` consecutive channels d0 .. d0+cpb-1 (in the
+//     backward several such tiles, see "Channel tiles") and one segment of the sequence (see "Sequence
+//     parallelism"; one segment = the whole sequence).
 //   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, capped at
 //     kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL "states per lane", a
 //     template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
@@ -25,6 +26,16 @@
 //     backward's shared memory stays under kSmemBudget: 48 KiB on NVIDIA, 32 KiB on AMD). Per chunk the block
 //     first stages the chunk's inputs in shared memory with coalesced loads (converted to the accumulation
 //     type), then every thread steps through the chunk reading only shared memory.
+//
+// Channel tiles (backward). A backward block owns `tiles` (KernelParams::tiles, bwd_tiles(): up to kMaxTiles = 4
+//   when a lane holds one state of a float accumulation) tiles of cpb channels, d0 .. d0 + tiles*cpb - 1, and
+//   walks them in turn within each chunk: B and C are staged once per chunk, each tile's channels are staged,
+//   recomputed and stepped back through with the same threads, and the tiles' dB, dC add up in shared memory
+//   before one store per chunk. Its dB/dC partial sums (see Determinism) and its reads of B and C are per block,
+//   so tiles divide them by the number of tiles. Each tile's carry, running sums, A and D stay in registers
+//   across chunks (BwdState: one set per tile, rotated so that the loops only touch set 0). The forward keeps one
+//   tile (its traffic is near the minimum, tests/test_kernel_counts.py). The launcher takes fewer tiles when
+//   that keeps the sequence in one segment (backward_tiles).
 //
 // Sequence parallelism (a two-level chunked scan). h_t = a_t h_{t-1} + b_t is associative on (a, b) pairs, so
 //   the chunks are grouped into n_seg segments of seg_chunks chunks, each run by its own block:
@@ -43,9 +54,9 @@
 //
 // Determinism: no float atomics. Every output element is written by one thread, and every sum has a fixed
 //   order: over n by the xor-shuffle tree, dB/dC over the channels of a 32-lane segment by shuffles, then over
-//   the block's 32-lane segments in index order (shared memory), then over blocks of channels by
-//   scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one block holds
-//   all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
+//   the block's channel tiles in order and its 32-lane segments in index order (shared memory), then over blocks
+//   of channels by scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one
+//   block holds all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
 //   segments in order. So the same inputs give the same bits run after run, on any block schedule.
 //
 // Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
@@ -68,8 +79,9 @@
 //   the last scan step, stores its final h as last_state[b,d,:]: the state after time L-1, or after time 0 in
 //   reverse mode (mamba_ssm's last_state; the CPU kernel and selective_scan_ref give the same).
 //
-// Backward: walks the chunks of its segment from last to first. For chunk c it
-//   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z), B, C of the chunk in shared memory;
+// Backward: walks the chunks of its segment from last to first, and in each chunk its channel tiles in turn.
+//   For chunk c it stages B, C of the chunk in shared memory, and for each tile
+//   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z) of the tile's channels in shared memory;
 //   2. recomputes the chunk's states from the stored state at its start (saved[b,d,c,:]), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
 //   3. runs the reverse recurrence t = end .. start, with dh_t = C_t*dy_t + exp(dl_{t+1}A)*dh_{t+1} (the
@@ -78,8 +90,9 @@
 //         dA[n]   += dh*dl*exp(dl*A)*h_{t-1}         dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
 //         dz_t     = y_t * dout*silu'(z)             (y_t recomputed from the history)
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
-//      dB and dC are sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the segment's
-//      steps in registers and stored as per-segment partials.
+//   4. writes the tile's du, ddelta, dz of the chunk;
+//   then the chunk's dB, dC, sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the
+//   segment's steps in registers and stored as per-segment partials.
 //
 // Performance model (what the hardware allows; vim_ds/bench/scan_model.py computes it, `vim-ds bench scan
 //   --predict` prints it beside the measured times as measured / bound, tests/test_scan_model.py checks the counts).
@@ -113,11 +126,12 @@
 //   the exps take over the forward (N + 4 = 20 special-function ops per (b, d, t) at 1/8 or 1/4 of the FMA rate)
 //   and the FMAs the backward (13 N + 21 = 229 per (b, d, t)), so bf16 gains little over fp32 on paper (H100, B=64
 //   L=197: 0.112 vs 0.129 ms). This kernel moves more than the minimum: the backward's per-block-of-channels
-//   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (128 / G)) x N x L x 4
-//   bytes each) are 310 MB at B=64 D=768 L=197, more than the 275 MB (fp32) / 137 MB (bf16) of the minimum, so
-//   the backward cannot come within ~2x of its bound (H100: 0.17 / 0.13 ms of traffic against bounds of 0.082 /
-//   0.066 ms, fp32 / bf16) until they shrink; the stored states
-//   (`saved`, N floats per chunk of T steps) add ~1/T of that; with segments, pass 0 reads u, delta, B once more.
+//   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (tiles x 128 / G)) x N
+//   x L x 4 bytes each) are 78 MB at B=64 D=768 L=197 with 4 channel tiles a block (310 MB with one, before the
+//   tiles: more than the 275 MB (fp32) / 137 MB (bf16) of the minimum), and the stored states (`saved`, N floats
+//   per chunk of T steps, written forward, read backward) 22 MB: H100 0.11 / 0.071 ms of backward traffic against
+//   bounds of 0.082 / 0.066 ms, fp32 / bf16 (0.18 / 0.14 ms before the tiles); with segments, pass 0 reads its
+//   inputs once more. The kernel emulator counts what each launch moves (tools/kernel_emu, scan_counts.py).
 //
 // Occupancy floor (tools/compile_check.sh fails below it): 12.5%, that is 8 of an SM's 64 warps (two per
 //   scheduler: two 128-thread blocks) on NVIDIA, and 4 of a CDNA CU's 32 wavefronts (one per SIMD: two blocks) on
@@ -254,9 +268,15 @@ __device__ __forceinline__ T shfl_xor(T v, int mask) {
 #endif
 }
 
-// Accumulation type: double for double input, float otherwise.
-template <typename T> struct AccType { using type = float; };
-template <> struct AccType<double> { using type = double; };
+// Accumulation type: double for double input, float otherwise. The kernel emulator's counting build
+// (tools/kernel_emu) defines SS_ACC_FLOAT / SS_ACC_DOUBLE as types that compute the same and count what is done
+// with them; nothing else defines them.
+#ifndef SS_ACC_FLOAT
+#define SS_ACC_FLOAT float
+#define SS_ACC_DOUBLE double
+#endif
+template <typename T> struct AccType { using type = SS_ACC_FLOAT; };
+template <> struct AccType<double> { using type = SS_ACC_DOUBLE; };
 
 // Load an input element as the accumulation type, and store an accumulation value as the input type.
 // Explicit intrinsics only: torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __HIP_NO_HALF_CONVERSIONS__ etc.
@@ -360,6 +380,7 @@ struct KernelParams {
   void* dD;                // null iff D is null
   void* ddelta_bias;       // null iff delta_bias is null
   void* ws;                // workspace (see ws_layout), accumulation type, no initialisation needed
+  int tiles;               // channel tiles of cpb channels a block walks in turn: 1 forward, bwd_tiles() backward
 };
 
 // Workspace layout, offsets in elements of the accumulation type; BD = batch*dim, S = n_seg, NC = blocks per batch.
@@ -411,19 +432,20 @@ __host__ __device__ __forceinline__ int group_size(const KernelParams& p) {
   return (SS_HIP && kNPL > 1) ? kSeg : p.group;
 }
 
-// Which (batch, channel, lane) a thread works on.
+// Which (batch, channel, lane) a thread works on (in a block's first channel tile; see bwd_tiles).
 // Block index = (b * blocks_per_batch + chb) * n_seg + seg.
 struct ThreadMap {
   int b, chb, seg, c_begin, c_end, d0, c_local, lane_g, d;
   int64_t bd;  // b * dim + d
   bool ch_ok;
-  __device__ ThreadMap(const KernelParams& p) {
+  // tiles: the channel tiles of a block, p.tiles in the backward (the forward's constant 1 spares it registers)
+  __device__ ThreadMap(const KernelParams& p, int tiles = 1) {
     const int cpb = kThreads / p.group;
     seg = blockIdx.x % p.n_seg;
     const int bc = blockIdx.x / p.n_seg;
     b = bc / p.blocks_per_batch;
     chb = bc % p.blocks_per_batch;
-    d0 = chb * cpb;
+    d0 = chb * cpb * tiles;
     c_begin = seg * p.seg_chunks;
     c_end = min(p.n_chunks, c_begin + p.seg_chunks);
     c_local = threadIdx.x / p.group;
@@ -476,6 +498,20 @@ __device__ __forceinline__ T* block_ptr(T* ptr, int64_t start) {
 template <bool kBases = kBlockBases>
 __device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start, int row, int s) {
   return kBases ? int64_t(row_off(p, row, s)) : start + int64_t(row) * p.seqlen + p.time(s);
+}
+
+// Channel tiles a backward block walks in turn (see "Channel tiles" at the top): kMaxTiles when a lane holds one
+// state (d_state <= 32) of a float accumulation, where each tile's A, D, carry and running sums cost the thread six
+// more registers; one when it holds several, and for float64 input (the gradient-checking dtype, whose registers
+// are the scarcest: with tiles its backward parked scalar registers in vector lanes on gfx90a). Fewer when the
+// block's rows would pass kMaxRows (d_state 1: 128 channels a tile, two tiles).
+constexpr int kMaxTiles = 4;
+__host__ __device__ constexpr int bwd_max_tiles(int npl, int acc_bytes) {
+  return npl == 1 && acc_bytes == 4 ? kMaxTiles : 1;
+}
+__host__ __device__ inline int bwd_tiles(int npl, int acc_bytes, int group) {
+  const int cpb = kThreads / group, most = bwd_max_tiles(npl, acc_bytes);
+  return most * cpb <= kMaxRows ? most : kMaxRows / cpb;
 }
 
 // State slots of this lane: slot k holds state n = k*G + lane_g, which exists for k < slots (0 .. kNPL).
@@ -732,13 +768,45 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 
 // ------------------------------------------------------------------ backward -------------------------------
 
+// The state of a backward thread's channel that lives from chunk to chunk, for each of the kTiles channel tiles
+// of its block (see "Channel tiles" at the top). The tile being worked on is always set 0 and rotate() brings the
+// next one there, so that the time loops index the arrays with constants only (an array indexed by a run-time
+// tile number would sit in local memory); kTiles rotations restore the order.
+template <typename acc_t, int kNPL, int kTiles>
+struct BwdState {
+  acc_t A[kTiles][kNPL];      // the channel's A[d, n] (kept: loading it per chunk held its pointer in SGPRs)
+  acc_t carry[kTiles][kNPL];  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}
+  acc_t sum[kTiles][kNPL];    // pass 1: dA summed over the segment's steps; pass 0: the product of the decays
+  acc_t D[kTiles], dD[kTiles], dbias[kTiles];  // pass 1; dD, dbias meaningful on lane_g == 0
+  __device__ __forceinline__ void rotate() {
+#pragma unroll
+    for (int g = 0; g + 1 < kTiles; ++g) {
+#pragma unroll
+      for (int k = 0; k < kNPL; ++k) {
+        swap(A[g][k], A[g + 1][k]);
+        swap(carry[g][k], carry[g + 1][k]);
+        swap(sum[g][k], sum[g + 1][k]);
+      }
+      swap(D[g], D[g + 1]);
+      swap(dD[g], dD[g + 1]);
+      swap(dbias[g], dbias[g + 1]);
+    }
+  }
+  static __device__ __forceinline__ void swap(acc_t& a, acc_t& b) {
+    const acc_t t = a;
+    a = b;
+    b = t;
+  }
+};
+
 template <typename input_t, int kNPL>
 __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
+  constexpr int kTiles = bwd_max_tiles(kNPL, sizeof(input_t) == 8 ? 8 : 4);
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
-  const ThreadMap m(p);
+  const ThreadMap m(p, p.tiles);  // this thread's channel in tile 0; in tile g it is g * cpb further
 
   // The block's rows of each tensor (see block_ptr).
   const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
@@ -757,7 +825,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const acc_t* __restrict__ Ag = static_cast<const acc_t*>(p.A);
   const acc_t* __restrict__ Dg = static_cast<const acc_t*>(p.D);
   const acc_t* __restrict__ bias = static_cast<const acc_t*>(p.delta_bias);
-  // This thread's checkpoints: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
+  // This thread's checkpoints in tile 0: saved[b, d, c, k*G + lane_g] at saved_t[c*N + k*G].
   const acc_t* __restrict__ saved_t = static_cast<const acc_t*>(p.saved) + (m.bd * p.n_chunks) * N + m.lane_g;
   input_t* __restrict__ du = block_ptr<true, kBases>(static_cast<input_t*>(p.du), rows0);
   input_t* __restrict__ ddelta = block_ptr<true, kBases>(static_cast<input_t*>(p.ddelta), rows0);
@@ -773,9 +841,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   acc_t* __restrict__ dC =
       block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
 
-  // Shared memory layout (see bwd_smem_elems). The arrays' offsets go through in_vgpr: 12 uniform LDS addresses
-  // held in scalar registers for the whole kernel were the largest use of them left (see "Registers on AMD" at
-  // the top).
+  // Shared memory layout (see bwd_smem_elems): one tile's channels at a time. The arrays' offsets go through
+  // in_vgpr: 12 uniform LDS addresses held in scalar registers for the whole kernel were the largest use of them
+  // left (see "Registers on AMD" at the top).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
   constexpr int kSegs = kThreads / kSeg;   // 32-lane segments per block
   const int TC = T * cpb, TN = T * N, o = (T + 1) * kSlots;
@@ -786,13 +854,13 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][cpb]  d dl / d(delta+bias)
   acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][cpb]  dL/dy = dout * silu(z)
   acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][cpb]  dout * silu'(z), so dz = y * gz
-  acc_t* du_o = smem + in_vgpr(o + 5 * TC);                  // [T][cpb]  outputs, stored after the chunk
+  acc_t* du_o = smem + in_vgpr(o + 5 * TC);                  // [T][cpb]  outputs, stored after the tile
   acc_t* ddl_o = smem + in_vgpr(o + 6 * TC);                 // [T][cpb]
   acc_t* dz_o = smem + in_vgpr(o + 7 * TC);                  // [T][cpb]
   acc_t* B_s = smem + in_vgpr(o + 8 * TC);                   // [T][N]
   acc_t* C_s = smem + in_vgpr(o + 8 * TC + TN);              // [T][N]
   acc_t* dB_s = smem + in_vgpr(o + 8 * TC + 2 * TN);         // [kSegs][T][N]  each 32-lane segment's sum over
-  acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels
+  acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels of every tile
   const int wseg = tid / kSeg;
 
   // Pass 0: the adjoint carry leaving the segment at its first step, from a zero carry-in (the last segment: from
@@ -802,86 +870,70 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const bool carries_only = p.pass == 0;
   if (carries_only && m.seg == 0 && p.n_seg > 1) return;  // whole block
 
-  acc_t A[kNPL], carry[kNPL], dA_acc[kNPL], P[kNPL];
-  // Slot k holds a state iff k < slots, a real one (its channel exists) iff k < ok (see vary).
+  // Slot k holds a state iff k < slots; a real one (its channel exists) iff k < the tile's ok (see vary).
   const int slots = lane_slots(p, m);
-  int ok = m.ch_ok ? slots : 0;
   const bool last_seg = m.seg == p.n_seg - 1;
-  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}. Into the segment's last step (slot 0
-  // of this thread at carry_in, or zero): in pass 1 what the combine kernel stored for the next segment; into the
-  // last segment, in both passes, the last state's gradient.
+  // The gradient reaching the segment's last step (slot 0 of this thread in tile 0 at carry_in, or zero): in
+  // pass 1 what the combine kernel stored for the next segment; into the last segment, in both passes, the last
+  // state's gradient. Tile g's channel is g * cpb rows further on: carry_in + g * carry_step.
   const acc_t* carry_in = (!carries_only && !last_seg) ? ws + w.seg_v + (m.bd * p.n_seg + m.seg + 1) * N + m.lane_g
                           : (last_seg && p.dlast != nullptr) ? state_slot(static_cast<const acc_t*>(p.dlast), p, m)
                                                              : nullptr;
+  const int carry_step = (!carries_only && !last_seg) ? cpb * p.n_seg * N : cpb * N;
+  BwdState<acc_t, kNPL, kTiles> st;
 #pragma unroll
-  for (int k = 0; k < kNPL; ++k) {
-    const int n = k * G + m.lane_g;
-    A[k] = k < ok ? Ag[int64_t(m.d) * N + n] : acc_t(0);
-    carry[k] = (k < ok && carry_in != nullptr) ? carry_in[k * G] : acc_t(0);
-    dA_acc[k] = acc_t(0);
-    P[k] = acc_t(1);
+  for (int g = 0; g < kTiles; ++g) {
+    const int d = m.d + g * cpb;
+    const int ok = (g < p.tiles && d < p.dim) ? slots : 0;
+#pragma unroll
+    for (int k = 0; k < kNPL; ++k) {
+      st.A[g][k] = k < ok ? Ag[int64_t(d) * N + k * G + m.lane_g] : acc_t(0);
+      st.carry[g][k] = (k < ok && carry_in != nullptr) ? carry_in[g * carry_step + k * G] : acc_t(0);
+      st.sum[g][k] = carries_only ? acc_t(1) : acc_t(0);
+    }
+    st.D[g] = (Dg != nullptr && ok > 0) ? Dg[d] : acc_t(0);
+    st.dD[g] = acc_t(0);
+    st.dbias[g] = acc_t(0);
   }
-  const acc_t D_d = (Dg != nullptr && m.ch_ok) ? Dg[m.d] : acc_t(0);
-  acc_t dD_acc = acc_t(0), dbias_acc = acc_t(0);  // meaningful on lane_g == 0
+  // This thread's tile stride of `saved` (a per-lane value, see in_vgpr), the tiles of the block with channels.
+  const int saved_tile = kTiles == 1 ? 0 : in_vgpr(cpb * p.n_chunks * N);
+  const int tiles = kTiles == 1 ? 1 : min(p.tiles, (p.dim - m.d0 + cpb - 1) / cpb);
   // The first group of each 32-lane segment stores the segment's dB, dC sums: slots k < lead of this lane.
   int lead = (tid % kSeg) < G ? slots : 0;
   int lane_g = m.lane_g;  // a copy that vary() may touch
 
-  // Addresses of the stores after the loop (see kEarlyAddresses): pass 0 the segment summary (a, b), pass 1 the
-  // segment's sums of dA ([BD][S][N]), dD and ddelta_bias ([BD][S]), and in segment 0 dh0 (d; null when not
-  // asked for).
-  const auto out_addrs = [&]() {
+  // Addresses of the stores after the loop (see kEarlyAddresses), per tile: pass 0 the segment summary (a, b),
+  // pass 1 the segment's sums of dA ([BD][S][N]), dD and ddelta_bias ([BD][S]), and in segment 0 dh0 (d; null
+  // when not asked for); null for a tile without this thread's channel.
+  const auto out_addrs = [&](int g) {
     const WsLayout wl = ws_layout(p);
     acc_t* wsp = static_cast<acc_t*>(p.ws);
-    OutAddrs<acc_t> r;
-    r.a = seg_slot<acc_t>(p, m, carries_only ? wl.seg_v : wl.dA_p);
-    r.b = carries_only ? seg_slot<acc_t>(p, m, wl.seg_P) : per_lane(wsp + wl.dD_p + m.bd * p.n_seg + m.seg);
-    r.c = per_lane(wsp + wl.dbias_p + m.bd * p.n_seg + m.seg);
-    // (segment 0 is the one that starts at chunk 0; the stores below keep to slots k < ok, none past dim)
+    const int64_t bd = m.bd + g * cpb;
+    OutAddrs<acc_t> r{nullptr, nullptr, nullptr, nullptr};
+    if (g >= p.tiles || m.d + g * cpb >= p.dim) return r;
+    const int64_t row = (bd * p.n_seg + m.seg) * N + m.lane_g;  // of [BD][S][N]
+    r.a = per_lane(wsp + (carries_only ? wl.seg_v : wl.dA_p) + row);
+    r.b = per_lane(carries_only ? wsp + wl.seg_P + row : wsp + wl.dD_p + bd * p.n_seg + m.seg);
+    r.c = per_lane(wsp + wl.dbias_p + bd * p.n_seg + m.seg);
+    // (segment 0 is the one that starts at chunk 0)
     r.d = (!carries_only && m.c_begin == 0 && p.dh0 != nullptr)
-              ? per_lane(state_slot(static_cast<acc_t*>(p.dh0), p, m)) : nullptr;
+              ? per_lane(static_cast<acc_t*>(p.dh0) + bd * N + m.lane_g) : nullptr;
     return r;
   };
-  OutAddrs<acc_t> tail{nullptr, nullptr, nullptr, nullptr};
-  if (kEarlyAddresses) tail = out_addrs();
+  OutAddrs<acc_t> tail[kTiles];
+  if (kEarlyAddresses) {
+#pragma unroll
+    for (int g = 0; g < kTiles; ++g) tail[g] = out_addrs(g);
+  }
 
   for (int c = m.c_end - 1; c >= m.c_begin; --c) {
     const int t0 = c * T;
     const int len = min(T, L - t0);
-    vary(ok);
 
-    // The previous (later) chunk's epilogue must be done with the shared arrays before they are restaged. (Today
-    // each thread would only overwrite dB_s / dC_s entries it read itself, but the phases stay independent.)
+    // The previous (later) chunk's epilogue must be done with the shared arrays before they are restaged.
     __syncthreads();
 
-    // ---- 1. stage the chunk (zeros outside the sequence and for channels past dim)
-    for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i / T, t = i % T, dd = m.d0 + cl;
-      acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
-      if (dd < p.dim && t < len) {
-        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
-        uv = load_acc(u + off);
-        acc_t raw = load_acc(delta + off);
-        if (bias != nullptr) raw += bias[dd];
-        dl = p.softplus ? softplus(raw) : raw;
-        dsp = p.softplus ? softplus_grad(raw) : acc_t(1);
-        const acc_t g = load_acc(dout + off);
-        if (z != nullptr) {
-          const acc_t zv = load_acc(z + off);
-          const acc_t sg = sigmoid(zv);
-          dy = g * zv * sg;                                 // dout * silu(z)
-          gz = g * sg * (acc_t(1) + zv * (acc_t(1) - sg));  // dout * silu'(z)
-        } else {
-          dy = g;
-        }
-      }
-      const int s = t * cpb + cl;
-      u_s[s] = uv;
-      dl_s[s] = dl;
-      dsp_s[s] = dsp;
-      dy_s[s] = dy;
-      gz_s[s] = gz;
-    }
+    // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence)
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       acc_t bv = acc_t(0), cv = acc_t(0);
@@ -893,113 +945,160 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
       B_s[t * N + n] = bv;
       C_s[t * N + n] = cv;
     }
-    __syncthreads();
 
-    if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
-      for (int t = len - 1; t >= 0; --t) {
+#pragma unroll 1  // one body for every tile (rotate() brings each one's state to set 0)
+    for (int g = 0; g < kTiles; ++g) {
+      const int row0 = g * cpb;  // the tile's first row among the block's channel rows
+      if (kTiles == 1 || g < tiles) {  // uniform over the block
+        int ok = m.d + row0 < p.dim ? slots : 0;
         vary(ok);
-        const int s = t * cpb + m.c_local;
-        const acc_t dl = dl_s[s], dy = dy_s[s];
+        // The previous tile's epilogue must be done with the channel arrays (tiles with channels come first).
+        if (g > 0) __syncthreads();
+
+        // ---- 1. stage the tile's channels for the chunk (zeros outside the sequence and for channels past dim)
+        for (int i = tid; i < cpb * T; i += kThreads) {
+          const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
+          acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
+          if (dd < p.dim && t < len) {
+            const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
+            uv = load_acc(u + off);
+            acc_t raw = load_acc(delta + off);
+            if (bias != nullptr) raw += bias[dd];
+            dl = p.softplus ? softplus(raw) : raw;
+            dsp = p.softplus ? softplus_grad(raw) : acc_t(1);
+            const acc_t gv = load_acc(dout + off);
+            if (z != nullptr) {
+              const acc_t zv = load_acc(z + off);
+              const acc_t sg = sigmoid(zv);
+              dy = gv * zv * sg;                                 // dout * silu(z)
+              gz = gv * sg * (acc_t(1) + zv * (acc_t(1) - sg));  // dout * silu'(z)
+            } else {
+              dy = gv;
+            }
+          }
+          const int s = t * cpb + cl;
+          u_s[s] = uv;
+          dl_s[s] = dl;
+          dsp_s[s] = dsp;
+          dy_s[s] = dy;
+          gz_s[s] = gz;
+        }
+        __syncthreads();
+
+        if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
+          for (int t = len - 1; t >= 0; --t) {
+            vary(ok);
+            const int s = t * cpb + m.c_local;
+            const acc_t dl = dl_s[s], dy = dy_s[s];
 #pragma unroll
-        for (int k = 0; k < kNPL; ++k) {
-          if (k < ok) {
-            const acc_t a = ss_exp(dl * A[k]);
-            carry[k] = a * (carry[k] + C_s[t * N + k * G + m.lane_g] * dy);
-            P[k] *= a;
+            for (int k = 0; k < kNPL; ++k) {
+              if (k < ok) {
+                const acc_t a = ss_exp(dl * st.A[0][k]);
+                st.carry[0][k] = a * (st.carry[0][k] + C_s[t * N + k * G + m.lane_g] * dy);
+                st.sum[0][k] *= a;
+              }
+            }
+          }
+        } else {
+          const acc_t D_d = st.D[0];
+          // ---- 2. recompute the tile's states over the chunk from the stored start state, with the same
+          // operations as the forward. Each thread only touches its own history slots, so no barrier is needed
+          // before step 3.
+          {
+            const acc_t* saved_g = kTiles == 1 ? saved_t : saved_t + int64_t(g) * saved_tile;
+            acc_t h[kNPL];
+#pragma unroll
+            for (int k = 0; k < kNPL; ++k) {
+              h[k] = k < ok ? saved_g[c * N + k * G] : acc_t(0);
+              hist[k * kThreads + tid] = h[k];
+            }
+            for (int t = 0; t < len; ++t) {
+              vary(ok);
+              const acc_t dl = dl_s[t * cpb + m.c_local];
+              const acc_t dlu = dl * u_s[t * cpb + m.c_local];
+#pragma unroll
+              for (int k = 0; k < kNPL; ++k) {
+                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
+                hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
+              }
+            }
+          }
+
+          // ---- 3. reverse recurrence over the chunk
+          for (int t = len - 1; t >= 0; --t) {
+            vary(ok);
+            vary(lead);
+            vary(lane_g);
+            const int s = t * cpb + m.c_local;
+            const acc_t dl = dl_s[s];
+            const acc_t uv = u_s[s];
+            const acc_t dy = dy_s[s];
+            acc_t y_p = acc_t(0), ddl_p = acc_t(0), du_p = acc_t(0);  // this lane's part of the sums over n
+#pragma unroll
+            for (int k = 0; k < kNPL; ++k) {
+              const int n = k * G + m.lane_g;
+              acc_t dB_v = acc_t(0), dC_v = acc_t(0);
+              if (k < ok) {
+                const acc_t Bv = B_s[t * N + n];
+                const acc_t Cv = C_s[t * N + n];
+                const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
+                const acc_t h_cur = hist[(t + 1) * kSlots + k * kThreads + tid];
+                const acc_t a = ss_exp(dl * st.A[0][k]);
+                const acc_t dh = st.carry[0][k] + Cv * dy;  // total gradient of h_t
+                y_p += h_cur * Cv;
+                dB_v = dh * dl * uv;
+                dC_v = h_cur * dy;
+                ddl_p += dh * (st.A[0][k] * a * h_prev + Bv * uv);
+                du_p += dh * dl * Bv;
+                st.sum[0][k] += dh * dl * a * h_prev;
+                st.carry[0][k] = a * dh;
+              }
+              // Sum dB, dC over the channels sharing this 32-lane segment (lanes with the same lane_g); the
+              // segment's first group keeps them, adding tile after tile (one writer per entry, tiles in order;
+              // the epilogue adds the segments in order).
+              for (int off = G; off < kSeg; off <<= 1) {
+                dB_v += shfl_xor(dB_v, off);
+                dC_v += shfl_xor(dC_v, off);
+              }
+              if (k < lead) {
+                const int e = (wseg * T + t) * N + n;
+                dB_s[e] = (kTiles == 1 || g == 0) ? dB_v : dB_s[e] + dB_v;
+                dC_s[e] = (kTiles == 1 || g == 0) ? dC_v : dC_s[e] + dC_v;
+              }
+            }
+            y_p = group_sum(y_p, G);
+            ddl_p = group_sum(ddl_p, G);
+            du_p = group_sum(du_p, G);
+            if (lane_g == 0) {  // zeros for channels past dim (all staged values are 0 there)
+              const acc_t y = y_p + D_d * uv;
+              const acc_t ddelta_t = ddl_p * dsp_s[s];
+              dz_o[s] = y * gz_s[s];
+              du_o[s] = du_p + D_d * dy;
+              ddl_o[s] = ddelta_t;
+              st.dD[0] += dy * uv;
+              st.dbias[0] += ddelta_t;
+            }
+          }
+          __syncthreads();  // the tile's outputs complete (and dB_s / dC_s after the last tile)
+
+          // ---- 4. write the tile's gradients for the chunk, coalesced
+          for (int i = tid; i < cpb * T; i += kThreads) {
+            const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
+            if (dd < p.dim && t < len) {
+              const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
+              const int s = t * cpb + cl;
+              store_from_acc(du + off, du_o[s]);
+              store_from_acc(ddelta + off, ddl_o[s]);
+              if (z != nullptr) store_from_acc(dz + off, dz_o[s]);  // dz is null iff z is
+            }
           }
         }
       }
-      continue;  // uniform over the block; the next chunk starts with a barrier
+      st.rotate();
     }
+    if (carries_only) continue;  // uniform over the block; the next chunk starts with a barrier
 
-    // ---- 2. recompute the chunk's states from the stored start state, with the same operations as the
-    // forward. Each thread only touches its own history slots, so no barrier is needed before step 3.
-    {
-      acc_t h[kNPL];
-#pragma unroll
-      for (int k = 0; k < kNPL; ++k) {
-        h[k] = k < ok ? saved_t[c * N + k * G] : acc_t(0);
-        hist[k * kThreads + tid] = h[k];
-      }
-      for (int t = 0; t < len; ++t) {
-        vary(ok);
-        const acc_t dl = dl_s[t * cpb + m.c_local];
-        const acc_t dlu = dl * u_s[t * cpb + m.c_local];
-#pragma unroll
-        for (int k = 0; k < kNPL; ++k) {
-          if (k < ok) h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
-          hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
-        }
-      }
-    }
-
-    // ---- 3. reverse recurrence over the chunk
-    for (int t = len - 1; t >= 0; --t) {
-      vary(ok);
-      vary(lead);
-      vary(lane_g);
-      const int s = t * cpb + m.c_local;
-      const acc_t dl = dl_s[s];
-      const acc_t uv = u_s[s];
-      const acc_t dy = dy_s[s];
-      acc_t y_p = acc_t(0), ddl_p = acc_t(0), du_p = acc_t(0);  // this lane's part of the sums over n
-#pragma unroll
-      for (int k = 0; k < kNPL; ++k) {
-        const int n = k * G + m.lane_g;
-        acc_t dB_v = acc_t(0), dC_v = acc_t(0);
-        if (k < ok) {
-          const acc_t Bv = B_s[t * N + n];
-          const acc_t Cv = C_s[t * N + n];
-          const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
-          const acc_t h_cur = hist[(t + 1) * kSlots + k * kThreads + tid];
-          const acc_t a = ss_exp(dl * A[k]);
-          const acc_t dh = carry[k] + Cv * dy;  // total gradient of h_t
-          y_p += h_cur * Cv;
-          dB_v = dh * dl * uv;
-          dC_v = h_cur * dy;
-          ddl_p += dh * (A[k] * a * h_prev + Bv * uv);
-          du_p += dh * dl * Bv;
-          dA_acc[k] += dh * dl * a * h_prev;
-          carry[k] = a * dh;
-        }
-        // Sum dB, dC over the channels sharing this 32-lane segment (lanes with the same lane_g); the segment's
-        // first group stores them (plain stores: one writer per entry; the epilogue adds the segments in order).
-        for (int off = G; off < kSeg; off <<= 1) {
-          dB_v += shfl_xor(dB_v, off);
-          dC_v += shfl_xor(dC_v, off);
-        }
-        if (k < lead) {
-          dB_s[(wseg * T + t) * N + n] = dB_v;
-          dC_s[(wseg * T + t) * N + n] = dC_v;
-        }
-      }
-      y_p = group_sum(y_p, G);
-      ddl_p = group_sum(ddl_p, G);
-      du_p = group_sum(du_p, G);
-      if (lane_g == 0) {  // zeros for channels past dim (all staged values are 0 there)
-        const acc_t y = y_p + D_d * uv;
-        const acc_t ddelta_t = ddl_p * dsp_s[s];
-        dz_o[s] = y * gz_s[s];
-        du_o[s] = du_p + D_d * dy;
-        ddl_o[s] = ddelta_t;
-        dD_acc += dy * uv;
-        dbias_acc += ddelta_t;
-      }
-    }
-    __syncthreads();  // outputs and dB_s / dC_s complete
-
-    // ---- 4. write the chunk's gradients, coalesced
-    for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i / T, t = i % T, dd = m.d0 + cl;
-      if (dd < p.dim && t < len) {
-        const int64_t off = blk_off<kBases>(p, rows0, cl, t0 + t);
-        const int s = t * cpb + cl;
-        store_from_acc(du + off, du_o[s]);
-        store_from_acc(ddelta + off, ddl_o[s]);
-        if (z != nullptr) store_from_acc(dz + off, dz_o[s]);  // dz is null iff z is
-      }
-    }
-    // Each (b, n, time) of dB / dC belongs to one segment, so to exactly one block of this row.
+    // ---- 5. the chunk's dB, dC: each (b, n, time) belongs to one segment, so to exactly one block of this row
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
       if (t < len) {
@@ -1015,24 +1114,27 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     }
   }
 
-  if (carries_only) {
-    if (!kEarlyAddresses) tail = out_addrs();
-    store_segment_summary<acc_t, kNPL>(G, ok, tail.a, tail.b, carry, P);
-    return;
-  }
-  if (!kEarlyAddresses) tail = out_addrs();
-  // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.
-  // In segment 0 the carry is now exp(dl_0 A) dh_0, the gradient of the state before the first step: dh0.
 #pragma unroll
-  for (int k = 0; k < kNPL; ++k) {
-    if (k < ok) {
-      tail.a[k * G] = dA_acc[k];
-      if (tail.d != nullptr) tail.d[k * G] = carry[k];
+  for (int g = 0; g < kTiles; ++g) {
+    if (!kEarlyAddresses) tail[g] = out_addrs(g);
+    if (tail[g].a == nullptr) continue;  // no channel of this thread in the tile
+    if (carries_only) {
+      store_segment_summary<acc_t, kNPL>(G, slots, tail[g].a, tail[g].b, st.carry[g], st.sum[g]);
+      continue;
     }
-  }
-  if (m.lane_g == 0 && m.ch_ok) {
-    *tail.b = dD_acc;
-    *tail.c = dbias_acc;
+    // Parameters' gradients: this segment's sums over time; scan_reduce_kernel adds segments and batch in order.
+    // In segment 0 the carry is now exp(dl_0 A) dh_0, the gradient of the state before the first step: dh0.
+#pragma unroll
+    for (int k = 0; k < kNPL; ++k) {
+      if (k < slots) {
+        tail[g].a[k * G] = st.sum[g][k];
+        if (tail[g].d != nullptr) tail[g].d[k * G] = st.carry[g][k];
+      }
+    }
+    if (m.lane_g == 0) {
+      *tail[g].b = st.dD[g];
+      *tail[g].c = st.dbias[g];
+    }
   }
 }
 

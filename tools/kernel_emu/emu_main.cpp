@@ -34,6 +34,7 @@ void* put(std::vector<Buf>& bufs, const void* host, size_t bytes, bool copy_back
     std::memset(b.g.ptr, fill, bytes);
   else
     std::memcpy(b.g.ptr, host, bytes);
+  EMU_COUNT_HOOK(emu::count_global(b.g.ptr, bytes));
   return b.g.ptr;
 }
 
@@ -81,6 +82,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
                     void* du, void* ddelta, void* dz, void* dA, void* dB, void* dC, void* dD, void* dbias,
                     void* last_state, const void* h0, const void* dlast, void* dh0) {
   emu::sched().smem_slot = &ssk::ss_smem_raw;
+  EMU_COUNT_HOOK(emu::count_clear_globals());
   const ScanDType dt = ScanDType(dtype_i);
   const size_t is = in_size(dt), as = acc_size(dt);
   const size_t x = size_t(batch * dim * L), bc = size_t(batch * N * L);
@@ -103,6 +105,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
     a.dout = put(bufs, dout, x * is, false, -1);
     emu::Guarded result(2 * state_bytes);
     std::memset(result.ptr, 0xff, 2 * state_bytes);
+    EMU_COUNT_HOOK(emu::count_global(result.ptr, 2 * state_bytes));
     a.workspace = size_t(vim_ds_scan::scan_h0_grad_workspace_bytes(a)) == 2 * state_bytes ? result.ptr : nullptr;
     const char* err = vim_ds_scan::scan_h0_grad(a, nullptr);
     std::memcpy(dh0, result.ptr, state_bytes);
@@ -132,6 +135,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   if (ws_bytes > 0) {
     ws = emu::Guarded(ws_bytes);
     std::memset(ws.ptr, 0xff, ws_bytes);
+    EMU_COUNT_HOOK(emu::count_global(ws.ptr, ws_bytes));
     a.workspace = ws.ptr;
   }
   const char* err = backward ? vim_ds_scan::scan_bwd(a, nullptr) : vim_ds_scan::scan_fwd(a, nullptr);

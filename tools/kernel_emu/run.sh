@@ -24,7 +24,7 @@ if [ "$keep" = 0 ]; then
   trap 'rm -rf "$out"' EXIT
 fi
 lib_dir=${SCAN_EMU_BUILD:-$out}
-[ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" "$out" > /dev/null
+[ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" --check "$out" > /dev/null
 # the two runs go side by side (one core each on a 2-core CI box); their logs are printed in order
 pids=()
 for warp in 32 64; do

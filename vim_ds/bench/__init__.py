@@ -3,7 +3,8 @@ baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
-       mamba_ssm's kernel when installed; --predict adds the model's lower bounds and measured / bound.
+       mamba_ssm's kernel when installed; --predict adds the model's lower bounds and measured / bound, and the
+       GPU kernels' bytes, operations and chains counted in the CPU emulator beside the model's minimum.
 model  a Vim training step vs timm's DeiT of the same size, eager and torch.compile'd, and high-resolution
        inference (time and peak memory), each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
@@ -61,9 +62,13 @@ def _add_scan(sub) -> None:
                    f"never timed beyond L = {scan.REF_MAX_SEQLEN})")
     p.add_argument("--predict", action="store_true",
                    help="also print the performance model's lower bounds (bytes, exp, FMA on H100 SXM, H200 SXM, "
-                   "MI250X, MI300X) and, on a modelled GPU, measured / bound per row; --json then writes "
-                   "{rows, predictions, gpus}")
-    p.add_argument("--predict-only", action="store_true", help="print the model's predictions, time nothing")
+                   "MI250X, MI300X) and, on a modelled GPU, measured / bound per row, and what the GPU kernels "
+                   "do at small shapes, counted in the CPU kernel emulator, against the model's minimum; --json "
+                   "then writes {rows, predictions, gpus, counts}")
+    p.add_argument("--predict-only", action="store_true", help="print the model's predictions and the emulator's "
+                   "counts, time nothing")
+    p.add_argument("--no-counts", action="store_true", help="with --predict(-only): leave out the emulator's counts "
+                   "(they build and run the kernel emulator: a C++ compile the first time, then seconds)")
     p.add_argument("--mamba", action="store_true",
                    help="also time mamba_ssm's kernel (an error if it is not installed or there is no GPU) "
                    "[timed on a GPU whenever installed]; VIM_DS_SCAN=mamba asks the same")

@@ -2,12 +2,14 @@
 forward and forward+backward, on CPU and (when present) GPU (on the CPU also the mixer's causal conv, each
 instruction-set variant beside PyTorch's depthwise F.conv1d); on a GPU also at the performance model's shapes
 (``scan_model.BENCH_SHAPES``), beside mamba_ssm's kernel when it is installed, and with ``--predict`` against the
-model's lower bound (measured / bound)."""
+model's lower bound (measured / bound), and the GPU kernels counted in the CPU emulator (``scan_counts``) beside
+the model's minimum."""
 from __future__ import annotations
 
 import os
 
-from . import scan_model
+from . import scan_counts, scan_model
+from .scan_model import scan_inputs
 from .timing import timeit
 
 # the pure-PyTorch loop is timed only up to this length (longer ones take minutes)
@@ -16,19 +18,6 @@ REF_MAX_SEQLEN = 1024
 
 class ScanBenchError(ValueError):
     """A request the bench cannot serve: bad input (one line; `vim-ds bench` exits 2)."""
-
-
-def scan_inputs(batch, dim, seqlen, d_state, dtype, device):
-    import torch
-
-    g = dict(dtype=dtype, device=device)
-    return dict(
-        u=torch.randn(batch, dim, seqlen, **g), delta=0.5 * torch.randn(batch, dim, seqlen, **g),
-        A=-torch.exp(0.5 * torch.randn(dim, d_state, device=device)),
-        B=torch.randn(batch, d_state, seqlen, **g), C=torch.randn(batch, d_state, seqlen, **g),
-        D=torch.randn(dim, device=device), z=torch.randn(batch, dim, seqlen, **g),
-        delta_bias=0.5 * torch.randn(dim, device=device),
-    )
 
 
 def bench_scan_backend(backend, inputs, repeat):
@@ -198,8 +187,28 @@ def run_scan(args):
     elif gpu is None:
         print(f"{gpu_name}: not a modelled GPU, so no measured / bound ratio (the bounds above are for the "
               f"modelled ones)")
-    return {"device": gpu_name or "cpu", "modelled_gpu": gpu.name if gpu else None, "rows": results,
-            "predictions": preds, "gpus": scan_model.gpus_used()}
+    result = {"device": gpu_name or "cpu", "modelled_gpu": gpu.name if gpu else None, "rows": results,
+              "predictions": preds, "gpus": scan_model.gpus_used()}
+    if not getattr(args, "no_counts", False):
+        result["counts"] = print_counts()
+    return result
+
+
+def print_counts():
+    """The GPU kernels counted in the CPU emulator beside the model's minimum (scan_counts): the rows, or
+    {"unavailable": why} when they cannot be counted here."""
+    print("\nThe GPU kernels counted in the CPU kernel emulator (scan_counts; counted (counted / the model's minimum) "
+          "per kernel at small shapes; bytes per warp access are what the SMs request, distinct sectors what an "
+          "ideal cache would fetch from memory):")
+    try:
+        rows = scan_counts.count_rows()
+    except scan_counts.CountsUnavailable as exc:
+        print(f"counts: n/a ({exc})")
+        return {"unavailable": str(exc)}
+    print(scan_counts.table(rows))
+    for shape, dtype, what in scan_counts.COUNT_SHAPES:
+        print(f"- {scan_model.shape_text(*shape)} {dtype}: {what}")
+    return rows
 
 
 def _scan_row(r):

@@ -25,6 +25,15 @@ the "Performance model" paragraph of ``csrc/selective_scan_kernel.cuh``):
 The lower bound of a kernel on a GPU is max(bytes / HBM bandwidth, fma / FMA rate, exp / SFU rate): the three
 units work in parallel, and no kernel can beat the busiest one. A measured time is then reported as
 measured / bound (>= 1; the closer to 1, the less is left to gain).
+
+* **chain** — the longest chain of dependent steps (each exp/log/reciprocal or FMA-pipe operation one step) when
+  every scan and every sum is evaluated as a balanced tree: a scan over L steps of the pairs (a, b) in
+  ceil(log2 L) levels of one fused multiply-add each, a sum of n terms in ceil(log2 n) adds. Not a time bound by
+  itself (many chains run side by side), but the latency a parallel evaluation gets down to: an implementation
+  that walks the sequence serially has a chain of about L steps (or 2L) instead of log2 L. ``forward_chain`` /
+  ``backward_chain`` list the steps. The kernel emulator's counting build (tools/kernel_emu) measures the
+  kernels' bytes, exp, FMA and chains to set beside these minima (``vim_ds/bench/scan_counts.py``,
+  ``vim-ds bench scan --predict``).
 """
 from __future__ import annotations
 
@@ -105,6 +114,7 @@ class KernelCost:
     bytes: int
     exp: int
     fma: int
+    chain: int = 0
 
     def bound(self, gpu: GPU) -> dict:
         """Seconds each unit needs at its peak, the lower bound (the largest) and the unit that sets it."""
@@ -114,6 +124,27 @@ class KernelCost:
         return {"seconds": terms[limit], "bound_by": limit, **{f"{k}_s": v for k, v in terms.items()}}
 
 
+def _levels(n: int) -> int:
+    """Dependent levels of a balanced tree over n terms."""
+    return max(0, math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def forward_chain(batch, dim, seqlen, d_state) -> int:
+    """delta + bias, exp and log1p (softplus), dl*A, exp: 5 steps to a_t (b_t = dl*u*B is ready sooner); the scan
+    of (a, b): ceil(log2 L); y = sum over n of h*C: ceil(log2 N) adds, the products fused into the first level
+    (one step when N is 1); + D*u (fused), * silu(z) (computed beside): 2."""
+    return 5 + _levels(seqlen) + max(1, _levels(d_state)) + 2
+
+
+def backward_chain(batch, dim, seqlen, d_state) -> int:
+    """dy = dout*silu(z) (exp, add, reciprocal, two multiplies: 5) and C*dy: 6 steps; the reverse scan of the
+    adjoint dh_t = C_t dy_t + a_{t+1} dh_{t+1}: ceil(log2 L); then the longer of ddelta's and dA's paths (the
+    states they need come from the forward's recomputation beside, in fewer steps): ddelta = softplus' * sum over
+    n of dh*(A*a*h_prev + B*u): ceil(log2 N) + 1; dA = dh*dl*(a*h_prev): 2; and the sum of either over batch and
+    time: ceil(log2(batch*L))."""
+    return 6 + _levels(seqlen) + max(_levels(d_state) + 1, 2) + _levels(batch * seqlen)
+
+
 def forward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
     e = ELEM_BYTES[dtype]
     bdl, bnl, elems = batch * dim * seqlen, batch * d_state * seqlen, batch * dim * seqlen * d_state
@@ -121,7 +152,7 @@ def forward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
     read = 3 * bdl * e + 2 * bnl * e + (dim * d_state + 2 * dim) * PARAM_BYTES
     write = bdl * e  # out
     return KernelCost(read + write, FWD_EXP_PER_ELEM * elems + FWD_EXP_PER_ROW * bdl,
-                      FWD_FMA_PER_ELEM * elems + FWD_FMA_PER_ROW * bdl)
+                      FWD_FMA_PER_ELEM * elems + FWD_FMA_PER_ROW * bdl, forward_chain(batch, dim, seqlen, d_state))
 
 
 def backward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
@@ -131,16 +162,39 @@ def backward_cost(batch, dim, seqlen, d_state, dtype="float32") -> KernelCost:
     read = 4 * bdl * e + 2 * bnl * e + params  # u delta z dout, B C, A D bias
     write = 3 * bdl * e + 2 * bnl * e + params  # du ddelta dz, dB dC, dA dD ddelta_bias
     return KernelCost(read + write, BWD_EXP_PER_ELEM * elems + BWD_EXP_PER_ROW * bdl,
-                      BWD_FMA_PER_ELEM * elems + BWD_FMA_PER_ROW * bdl)
+                      BWD_FMA_PER_ELEM * elems + BWD_FMA_PER_ROW * bdl, backward_chain(batch, dim, seqlen, d_state))
 
 
-def kernel_partials_bytes(batch, dim, seqlen, d_state) -> int:
-    """Our GPU backward's extra traffic beyond the minimum: per-block-of-channels partial sums of dB and dC in
-    fp32, written by the scan and read back by the ordered reduction (none when one block holds every channel).
-    A block of 128 threads holds 128 / G channels, G = the next power of two >= d_state, at most 32."""
+# The GPU launcher's choices that set the backward's partial sums (csrc/selective_scan_cuda.cu, backward_tiles;
+# csrc/selective_scan_kernel.cuh, bwd_tiles): blocks wanted without segments, channel tiles a block walks at most.
+KERNEL_TARGET_BLOCKS = 1024
+KERNEL_MAX_TILES = 4
+
+
+def kernel_backward_blocks(batch, dim, d_state, dtype="float32") -> int:
+    """Blocks of channels per batch element in our GPU backward: each holds tiles x 128 / G channels, G = the next
+    power of two >= d_state (at most 32); up to 4 tiles when d_state <= 32 (not for float64 input; at most 256
+    channels a block), as many as keep 1024 blocks in all when one tile a block gives that many."""
     group = min(32, 1 << max(0, math.ceil(math.log2(d_state))))
-    blocks = -(-dim // (128 // group))
-    return 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * 4
+    cpb = 128 // group
+    most = KERNEL_MAX_TILES if d_state <= 32 and dtype != "float64" else 1
+    while most * cpb > 256:
+        most //= 2
+    blocks = lambda t: -(-dim // (cpb * t))  # noqa: E731
+    tiles = most
+    if batch * blocks(1) >= KERNEL_TARGET_BLOCKS:
+        while tiles > 1 and batch * blocks(tiles) < KERNEL_TARGET_BLOCKS:
+            tiles //= 2
+    return blocks(tiles)
+
+
+def kernel_partials_bytes(batch, dim, seqlen, d_state, dtype="float32") -> int:
+    """Our GPU backward's extra traffic beyond the minimum: per-block-of-channels partial sums of dB and dC in the
+    accumulation type (fp32 but for float64 input), written by the scan and read back by the ordered reduction
+    (none when one block holds every channel)."""
+    blocks = kernel_backward_blocks(batch, dim, d_state, dtype)
+    acc = 8 if dtype == "float64" else 4
+    return 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * acc
 
 
 def predict(batch, dim, seqlen, d_state, dtype) -> dict:
@@ -148,9 +202,9 @@ def predict(batch, dim, seqlen, d_state, dtype) -> dict:
     fwd+bwd), on every modelled GPU."""
     fwd, bwd = forward_cost(batch, dim, seqlen, d_state, dtype), backward_cost(batch, dim, seqlen, d_state, dtype)
     row = {"shape": shape_text(batch, dim, seqlen, d_state), "dtype": dtype,
-           "fwd": {"bytes": fwd.bytes, "exp": fwd.exp, "fma": fwd.fma},
-           "bwd": {"bytes": bwd.bytes, "exp": bwd.exp, "fma": bwd.fma,
-                   "kernel_partials_bytes": kernel_partials_bytes(batch, dim, seqlen, d_state)},
+           "fwd": {"bytes": fwd.bytes, "exp": fwd.exp, "fma": fwd.fma, "chain": fwd.chain},
+           "bwd": {"bytes": bwd.bytes, "exp": bwd.exp, "fma": bwd.fma, "chain": bwd.chain,
+                   "kernel_partials_bytes": kernel_partials_bytes(batch, dim, seqlen, d_state, dtype)},
            "bounds": {}}
     for gpu in GPUS:
         f, b = fwd.bound(gpu), bwd.bound(gpu)
@@ -158,6 +212,20 @@ def predict(batch, dim, seqlen, d_state, dtype) -> dict:
                                    "bwd_ms": b["seconds"] * 1e3, "bwd_bound_by": b["bound_by"],
                                    "fwd_bwd_ms": (f["seconds"] + b["seconds"]) * 1e3}
     return row
+
+
+def scan_inputs(batch, dim, seqlen, d_state, dtype, device):
+    """Random inputs of Vim's call (D, z, delta_bias present), what `bench scan` times and the emulator counts."""
+    import torch
+
+    g = dict(dtype=dtype, device=device)
+    return dict(
+        u=torch.randn(batch, dim, seqlen, **g), delta=0.5 * torch.randn(batch, dim, seqlen, **g),
+        A=-torch.exp(0.5 * torch.randn(dim, d_state, device=device)),
+        B=torch.randn(batch, d_state, seqlen, **g), C=torch.randn(batch, d_state, seqlen, **g),
+        D=torch.randn(dim, device=device), z=torch.randn(batch, dim, seqlen, **g),
+        delta_bias=0.5 * torch.randn(dim, device=device),
+    )
 
 
 def shape_text(batch, dim, seqlen, d_state) -> str:

@@ -1,6 +1,7 @@
 // CPU stand-in for the CUDA runtime, just enough to run the selective-scan kernels on the host: every GPU thread
 // of a block is a coroutine; __syncthreads() and warp shuffles are the only switch points. Blocks run one after
-// another. Used only by tools/kernel_emu (never by a real build).
+// another. Used only by tools/kernel_emu (never by a real build). With EMU_COUNT (the counting build) it also reports
+// every launch, barrier, shuffle and round of the scheduler to emu_count.cpp (emu_count.h).
 #pragma once
 #include <sys/mman.h>
 #include <unistd.h>
@@ -24,7 +25,15 @@
 #define __global__
 #define __device__
 #define __host__
+#if defined(EMU_COUNT)
+#include "emu_count.h"
+// Inlined for certain, so that each access of global memory is counted at its call site in the kernel.
+#define __forceinline__ EMU_INLINE
+#define EMU_COUNT_HOOK(...) __VA_ARGS__
+#else
 #define __forceinline__ inline
+#define EMU_COUNT_HOOK(...)
+#endif
 #define __launch_bounds__(...)
 #define __shared__
 
@@ -214,9 +223,12 @@ inline void run_block(int nthreads) {
     for (int i : order) {
       if (th[i].state != RUNNING) continue;
       s.cur = &th[i];
+      EMU_COUNT_HOOK(count_lane(i));
       switch_context(s.main_ctx, th[i].ctx);
     }
     s.cur = nullptr;
+    EMU_COUNT_HOOK(count_lane(-1));
+    EMU_COUNT_HOOK(count_round_end());
     int n_done = 0, n_sync = 0, n_shfl = 0;
     for (auto& t : th) {
       n_done += t.state == DONE;
@@ -226,10 +238,12 @@ inline void run_block(int nthreads) {
     if (n_done == nthreads) break;
     ++s.sync_points;
     if (n_sync == nthreads) {
+      EMU_COUNT_HOOK(count_barrier());
       for (auto& t : th) t.state = RUNNING;
       continue;
     }
     if (n_shfl == nthreads) {
+      EMU_COUNT_HOOK(count_shuffle(nthreads / W));
       for (int w = 0; w < nthreads / W; ++w) {
         for (int l = 0; l < W; ++l) {
           const Thread& me = th[w * W + l];
@@ -237,7 +251,10 @@ inline void run_block(int nthreads) {
           const int partner = l ^ me.lanemask;
           if (partner >= W) fatal("shuffle partner outside the warp");
         }
-        for (int l = 0; l < W; ++l) th[w * W + l].res = th[w * W + (l ^ th[w * W + l].lanemask)].val;
+        for (int l = 0; l < W; ++l) {
+          th[w * W + l].res = th[w * W + (l ^ th[w * W + l].lanemask)].val;
+          EMU_COUNT_HOOK(count_shuffle_pair(w * W + l, w * W + (l ^ th[w * W + l].lanemask)));
+        }
       }
       for (auto& t : th) t.state = RUNNING;
       continue;
@@ -245,6 +262,16 @@ inline void run_block(int nthreads) {
     fatal("divergent synchronisation: done=" + std::to_string(n_done) + " syncthreads=" + std::to_string(n_sync) +
           " shuffle=" + std::to_string(n_shfl) + " of " + std::to_string(nthreads));
   }
+}
+
+// The pass of a multi-pass launch, for the counting build's report (-1: the parameters have none).
+template <typename Params>
+auto launch_pass(const Params& p, int) -> decltype(int(p.pass)) {
+  return p.pass;
+}
+template <typename Params>
+int launch_pass(const Params&, long) {
+  return -1;
 }
 
 template <typename Kernel, typename Params>
@@ -266,12 +293,16 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, con
   for (unsigned b = 0; b < grid.x; ++b) blocks[b] = b;
   if (config().order_mode == 1) std::reverse(blocks.begin(), blocks.end());
   if (config().order_mode == 2) std::shuffle(blocks.begin(), blocks.end(), std::mt19937(config().seed));
+  EMU_COUNT_HOOK(count_smem(sm.ptr, smem));
+  EMU_COUNT_HOOK(count_launch_begin(reinterpret_cast<const void*>(kernel), launch_pass(params, 0), grid.x, block.x,
+                                    config().warp));
   for (unsigned b : blocks) {
     std::memset(sm.ptr, 0xff, smem);  // NaN for float and double: reading shared memory never written shows
     *s.smem_slot = static_cast<double*>(sm.ptr);
     s.block_idx = dim3(b);
     run_block(int(block.x));
   }
+  EMU_COUNT_HOOK(count_launch_end());
 }
 
 }  // namespace emu
@@ -292,6 +323,16 @@ inline T __shfl_xor_sync(unsigned mask, T v, int lanemask, int width = 32) {
   emu::yield(emu::AT_SHFL);
   return T(t->res);
 }
+#if defined(EMU_COUNT)
+// An accumulation value crosses lanes with its shadow (emu_count.h).
+template <typename T>
+inline emu::Acc<T> __shfl_xor_sync(unsigned mask, emu::Acc<T> v, int lanemask, int width = 32) {
+  emu::acc_shfl_send(&v);
+  emu::Acc<T> r(__shfl_xor_sync(mask, v.v, lanemask, width));
+  emu::acc_shfl_recv(&r);
+  return r;
+}
+#endif
 
 // One OS thread runs everything, so plain read-modify-write is atomic here.
 inline float atomicAdd(float* p, float v) {

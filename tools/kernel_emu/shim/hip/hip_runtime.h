@@ -17,3 +17,12 @@ inline T __shfl_xor(T v, int lanemask, int width = __AMDGCN_WAVEFRONT_SIZE) {
   emu::yield(emu::AT_SHFL);
   return T(t->res);
 }
+#if defined(EMU_COUNT)
+template <typename T>
+inline emu::Acc<T> __shfl_xor(emu::Acc<T> v, int lanemask, int width = __AMDGCN_WAVEFRONT_SIZE) {
+  emu::acc_shfl_send(&v);
+  emu::Acc<T> r(__shfl_xor(v.v, lanemask, width));
+  emu::acc_shfl_recv(&r);
+  return r;
+}
+#endif

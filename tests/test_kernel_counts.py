@@ -1,0 +1,149 @@
+"""What the GPU kernels do, counted in the kernel emulator's counting build (tools/kernel_emu, libscan_emu_count.so;
+vim_ds/bench/scan_counts.py) against the performance model's minimum (vim_ds/bench/scan_model.py), at a small
+shape with the bench shapes' layout: one segment along the sequence, several blocks of channels.
+
+- The counting build computes the same bits as the checking build (its accumulation type only reports).
+- Its distinct-sector bytes are exactly the model's minimum plus the traffic the kernels' design adds (the stored
+  states, the backward's per-block dB/dC partials and per-segment parameter sums, dB/dC in fp32), each from the
+  shapes and the launch's own block count: nothing missed, nothing counted twice.
+- Against the minimum (issue 51, item 3; the goal is 1.3x for the bytes): the forward's distinct bytes are within
+  it; the backward's are not yet, and the test holds them at what the kernel does now (its dB/dC partials, a
+  quarter of what they were, are most of the excess). The exp of the forward is the model's exactly; the chains
+  are the serial walk over the sequence.
+
+The library comes from the `kernel_emu_build` fixture (tests/conftest.py), built once per test run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vim_ds.bench import scan_counts, scan_model
+
+SHAPE = (1, 128, 64, 16)  # one segment (2 chunks), 16 blocks of 8 channels
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def build(request):
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    return request.getfixturevalue("kernel_emu_build")
+
+
+def counted(build, dtype, shape=SHAPE):
+    return scan_counts.compare(*shape, dtype, lib_path=os.path.join(build, scan_counts.LIB_NAME))
+
+
+def test_the_counting_build_computes_what_the_checking_build_does(build):
+    # 40 channels: a block of channels partly empty; L = 70: a chunk partly past the end, two segments
+    shape = (2, 40, 70, 16)
+    runs = [scan_counts.emulate(scan_counts.load(os.path.join(build, name)), *shape, "float32")
+            for name in ("libscan_emu.so", scan_counts.LIB_NAME)]
+    plain, counting = runs
+    assert torch.equal(plain["out"], counting["out"]) and torch.equal(plain["saved"], counting["saved"])
+    for a, b in zip(plain["grads"], counting["grads"]):
+        assert torch.equal(a, b)
+    assert torch.isfinite(counting["out"]).all()  # outputs start as NaN: every element was written
+    assert plain["fwd"] == [] and [n["pass"] for n in counting["fwd"]] == [0, 0, 1]  # pass 0, combine, pass 1
+    assert [n["kernel"].split("<")[0] for n in counting["bwd"]] == [
+        "void ssk::scan_bwd_kernel", "void ssk::scan_combine_kernel", "void ssk::scan_bwd_kernel",
+        "void ssk::scan_reduce_kernel"]
+
+
+def design_bytes(lib, shape, dtype, bwd_launches) -> dict:
+    """The bytes the kernels move beyond the model's minimum by design: the forward writes each chunk's start state
+    (N fp32 per (b, d, chunk)), the backward reads them back, writes dB and dC in fp32 (the model: the input
+    dtype), and writes and reads back per block of channels its dB/dC partial sums (scan_model's account of them,
+    whose block count must be the launch's) and per (b, d, segment) its dA, dD, ddelta_bias sums (one segment)."""
+    batch, dim, L, N = shape
+    e = scan_model.ELEM_BYTES[dtype]
+    chunk = lib.emu_chunk_length(N, scan_counts.DTYPE_CODE[dtype])
+    saved = batch * dim * -(-L // chunk) * N * 4
+    # the model's account of the partials, from the launcher's layout, and the launch's own block count
+    assert bwd_launches[0]["blocks"] == batch * scan_model.kernel_backward_blocks(batch, dim, N, dtype)
+    partials = scan_model.kernel_partials_bytes(batch, dim, L, N, dtype)  # written and read back
+    params = batch * dim * (N + 2) * 4
+    return {"fwd": saved, "bwd": saved + 2 * batch * N * L * (4 - e) + partials + 2 * params}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_distinct_bytes_are_the_minimum_plus_what_the_design_adds(build, dtype):
+    row = counted(build, dtype)
+    assert [len(row[k]["launches"]) for k in ("fwd", "bwd")] == [1, 2]  # one segment: no pass 0, no combine
+    lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
+    extra = design_bytes(lib, SHAPE, dtype, row["bwd"]["launches"])
+    for kind in ("fwd", "bwd"):
+        k = row[kind]
+        assert k["unique_bytes"] == k["minimum"]["bytes"] + extra[kind], kind
+        # a warp access moves whole sectors, and blocks re-read what others read (B, C, the parameters)
+        assert k["bytes"] > k["unique_bytes"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_counts_against_the_models_minimum(build, dtype):
+    """The issue's goal is 1.3x for the bytes. The forward meets it (distinct sectors: 1.11x fp32, 1.21x bf16 here,
+    the stored states being the excess). The backward does not yet: its blocks walk 4 tiles of 8 channels, so its
+    dB/dC partials (fp32, written and read back) are 2 x 2 x N / 32 x 4 bytes per (b, d, t), 8 for N = 16, against
+    a minimum of 7 x e (1.38x fp32, 1.74x bf16 here; with one tile of 8 channels a block, before, 32 bytes: 2.12x,
+    3.13x). Held at what the kernel does now, so that a change shows."""
+    row = counted(build, dtype)
+    f, b = row["fwd"]["ratio"], row["bwd"]["ratio"]
+    assert f["unique_bytes"] <= 1.3
+    assert b["unique_bytes"] == pytest.approx({"float32": 1.38, "bfloat16": 1.74}[dtype], abs=0.01)
+    # per warp access the forward re-reads B and C in each of the 16 blocks of 8 channels, the backward in each of
+    # its 4 blocks of 32
+    assert f["bytes"] == pytest.approx({"float32": 2.00, "bfloat16": 2.10}[dtype], abs=0.01)
+    assert b["bytes"] == pytest.approx({"float32": 1.52, "bfloat16": 1.91}[dtype], abs=0.01)
+    # one exp(dl*A) per (b, d, t, n) and the model's per-row ones: the forward's exactly; the backward computes
+    # exp(dl*A) twice (its state recompute and its reverse step) and softplus' apart from softplus
+    assert row["fwd"]["exp"] == row["fwd"]["minimum"]["exp"]
+    assert b["exp"] == pytest.approx(1.76, abs=0.01)
+    # FMA: the sums over the states are butterflies (every lane adds log2(16) times), about twice the model's
+    assert f["fma"] == pytest.approx(2.14, abs=0.01) and b["fma"] == pytest.approx(2.37, abs=0.01)
+    # chains: each thread walks the sequence, one fused multiply-add per step forward, a multiply and a fused
+    # multiply-add backward (the carry crosses the loop's back edge as a product); then the reduce kernel's
+    L = SHAPE[2]
+    assert L < row["fwd"]["chain"] <= L + 20 and 2 * L < row["bwd"]["launches"][0]["chain"] <= 2 * L + 20
+    assert row["fwd"]["minimum"]["chain"] == scan_model.forward_chain(*SHAPE) < L / 3
+
+
+def test_predict_prints_the_counts_beside_the_minimum(build, monkeypatch, capsys, tmp_path):
+    from vim_ds import bench
+
+    monkeypatch.setenv(scan_counts.ENV_BUILD, build)
+    monkeypatch.setattr(scan_counts, "COUNT_SHAPES", ((SHAPE, "float32", "a small shape"),))
+    out = tmp_path / "scan.json"
+    assert bench.main(["scan", "--predict-only", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    row = counted(build, "float32")
+    f = row["fwd"]
+    assert (f"| B=1 D=128 L=64 N=16 | float32 | fwd | {f['bytes'] / 1e3:.1f} kB ({f['ratio']['bytes']:.2f}x) | "
+            f"{f['unique_bytes'] / 1e3:.1f} kB ({f['ratio']['unique_bytes']:.2f}x) | {f['exp']} (1.00x) |") in text
+    counts = json.loads(out.read_text())["counts"]
+    assert counts[0]["bwd"]["unique_bytes"] == row["bwd"]["unique_bytes"]
+    assert counts[0]["bwd"]["launches"][1]["kernel"].startswith("void ssk::scan_reduce_kernel")
+
+
+def test_counts_that_cannot_be_made_say_why(monkeypatch, capsys, tmp_path):
+    from vim_ds import bench
+
+    monkeypatch.setenv(scan_counts.ENV_BUILD, str(tmp_path))  # no library there
+    out = tmp_path / "scan.json"
+    assert bench.main(["scan", "--predict-only", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"counts: n/a ({scan_counts.ENV_BUILD}={tmp_path} has no {scan_counts.LIB_NAME}" in text
+    assert "has no libscan_emu_count.so" in json.loads(out.read_text())["counts"]["unavailable"]
+    assert "Performance model: lower bounds" in text  # the model's part is all there
+    # no compiler to build the library with (nothing prebuilt named)
+    monkeypatch.delenv(scan_counts.ENV_BUILD)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert bench.main(["scan", "--predict-only"]) == 0
+    assert "counts: n/a (no C++ compiler (no-such-compiler) for the kernel emulator)" in capsys.readouterr().out
+    # and --no-counts leaves them out
+    assert bench.main(["scan", "--predict-only", "--no-counts"]) == 0
+    assert "counts" not in capsys.readouterr().out.split("no GPU: measured n/a")[1]
