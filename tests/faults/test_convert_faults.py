@@ -117,8 +117,6 @@ def own_copy(ckpt, tmp_path):
     return copy
 
 
-
-
 def test_convert_refuses_to_write_over_a_file_of_the_checkpoint_it_converts(own_copy):
     """The issue's case: OUT named the checkpoint's own model states, and eval then refused it as damaged."""
     before = folder_bytes(own_copy)

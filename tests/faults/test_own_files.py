@@ -48,8 +48,6 @@ def lay_out(save_dir, step: int, run_id: str = "run1", complete: bool = True, na
     return tag_dir
 
 
-
-
 def entries(folder) -> list[str]:
     return sorted(os.listdir(folder))
 
