@@ -6,7 +6,14 @@
 // casts before calling; the checks here are a cheap second line of defence so that a wrong call fails with a
 // message instead of reading out of bounds.
 
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters and the ATen headers of what is used, not torch/extension.h (all of
+// torch's C++ API), as in bindings_cpu.cpp: a third of the compile time.
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 // Only the light c10 headers (they need just the CUDA runtime headers; ATen/cuda/CUDAContext.h would also need
 // the cuBLAS/cuSPARSE headers, which a minimal toolkit lacks). hipify maps them to c10/hip/*.

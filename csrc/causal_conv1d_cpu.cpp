@@ -19,6 +19,8 @@
 #include "causal_conv1d_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Depthwise causal conv1d on the CPU; see causal_conv1d_cpu.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

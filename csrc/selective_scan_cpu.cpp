@@ -39,6 +39,10 @@
 #include "cpu_rows.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // arguments and forwards them. Inputs must already be validated (contiguous, CPU, consistent shapes/dtypes).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>
