@@ -144,7 +144,7 @@ def test_readme_main_job_learns_digits_to_95_percent_with_zero2_on_two_ranks(dig
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     final = evals(out)[-1]
-    assert final["eval_images"] == 360 and final["step"] == 20 * 11
+    assert final["eval_images"] == 360 and final["step"] == 12 * 11
     assert final["eval_acc1"] >= 95.0, final
     assert f"validation top-1 {final['eval_acc1']:.2f}%" in proc.stdout
 
