@@ -99,3 +99,67 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
 def test_report_generator_rejects_a_missing_folder(tmp_path, capsys):
     assert gpu_report.main([str(tmp_path / "nope")]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def _mamba_script(args, env_extra, cwd=ROOT):
+    env = dict(os.environ, PYTHON=sys.executable, **env_extra)
+    return subprocess.run(["bash", os.path.join(ROOT, "tools", "build_mamba_ssm.sh"), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _fake_sdist(path, kernel_files):
+    """A source package shaped like mamba-ssm's (top folder, csrc/selective_scan, LICENSE, a tests/ folder that
+    must not be kept), with empty files: enough for fetch's unpacking and build's checks, nothing to compile."""
+    import tarfile
+
+    top = path.parent / "mamba_ssm-9.9.9"
+    (top / "csrc" / "selective_scan").mkdir(parents=True)
+    (top / "tests").mkdir()
+    (top / "tests" / "test_big.py").write_text("x = 1\n")
+    (top / "LICENSE").write_text("license\n")
+    for name in kernel_files:
+        (top / "csrc" / "selective_scan" / name).write_text("// empty\n")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(top, arcname=top.name)
+
+
+def test_build_mamba_ssm_keeps_only_the_kernel_and_refuses_in_one_line(tmp_path):
+    """tools/build_mamba_ssm.sh (issue 51's mamba_ssm on the lent GPU) without a network or a GPU: `fetch` of a
+    source package on disk keeps csrc/selective_scan and LICENSE only, with where it came from; `build` refuses in
+    one line, exit 2, where it cannot build (no source fetched, no GPU and no TORCH_CUDA_ARCH_LIST, a kernel file
+    missing). The build itself needs nvcc and minutes of compiling: run by hand and on a GPU (docs/performance.md)."""
+    kernels = ["selective_scan.cpp"] + [f"selective_scan_fwd_{t}.cu" for t in ("fp32", "fp16", "bf16")] + [
+        f"selective_scan_bwd_{t}_{k}.cu" for t in ("fp32", "fp16", "bf16") for k in ("real", "complex")]
+    sdist = tmp_path / "pkg" / "mamba_ssm-9.9.9.tar.gz"
+    sdist.parent.mkdir()
+    _fake_sdist(sdist, kernels)
+    where = tmp_path / "m"
+    env = {"MAMBA_SSM_DIR": str(where)}
+
+    none = _mamba_script(["build"], env)
+    assert none.returncode == 2 and none.stderr.strip().startswith(
+        "build_mamba_ssm.sh: error: ") and "holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch'" \
+        in none.stderr, none.stderr
+
+    fetched = _mamba_script(["fetch", str(sdist)], env)
+    assert fetched.returncode == 0, fetched.stderr
+    kept = sorted(str(p.relative_to(where / "src")) for p in (where / "src").rglob("*") if p.is_file())
+    assert kept == sorted(["LICENSE", "VIM_DS_SOURCE"] + [f"csrc/selective_scan/{k}" for k in kernels])
+    assert (where / "src" / "VIM_DS_SOURCE").read_text().startswith(f"9.9.9 {sdist} sha256:")
+
+    no_gpu = _mamba_script(["build"], {**env, "TORCH_CUDA_ARCH_LIST": ""})
+    if not torch.cuda.is_available():
+        assert no_gpu.returncode == 2, no_gpu.stderr
+        assert no_gpu.stderr.strip().splitlines()[-1] == ("build_mamba_ssm.sh: error: no GPU to build for: set "
+                                                          "TORCH_CUDA_ARCH_LIST (e.g. 9.0) to build anyway")
+    (where / "src" / "csrc" / "selective_scan" / "selective_scan_bwd_bf16_real.cu").unlink()
+    missing = _mamba_script(["build"], {**env, "TORCH_CUDA_ARCH_LIST": "9.0", "CUDA_HOME": "/usr/local/cuda"})
+    if torch.version.cuda and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        assert missing.returncode == 2, missing.stderr
+        assert "expected mamba_ssm's 9 kernel files and its binding" in missing.stderr.strip().splitlines()[-1]
+
+    bad = tmp_path / "mamba_ssm-1.0.tar.gz"
+    bad.write_bytes(b"not a tarball")
+    refused = _mamba_script(["fetch", str(bad)], env)
+    assert refused.returncode == 2 and "source package does not unpack" in refused.stderr, refused.stderr
+    assert (where / "src" / "VIM_DS_SOURCE").exists()  # what was fetched before is kept

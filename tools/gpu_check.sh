@@ -14,6 +14,11 @@
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
 # the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
 #
+# mamba_ssm's kernel is timed beside ours when it imports, or when its source is in .mamba_ssm/src (`bash
+# tools/build_mamba_ssm.sh fetch` where there is network, and `.mamba_ssm` in the device call's carry): it is then
+# built for this GPU in the background while our kernel builds (mamba_build.log), and put on PYTHONPATH before the
+# tests.
+#
 #   bash tools/gpu_check.sh                 # everything
 #   STEPS="tests scan" bash tools/gpu_check.sh
 #   OUT=/tmp/gpu PYTHON=/path/to/python bash tools/gpu_check.sh
@@ -66,6 +71,29 @@ HAVE_GPU=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))" 2>
     "$PYTHON" -c "import torch; print('torch', torch.__version__, torch.version.cuda or torch.version.hip or 'cpu-only')"
 } 2>&1 | tee "$OUT/device.txt"
 
+# mamba_ssm's extension, built beside our kernel's build (which leaves most cores idle), joined before the tests
+mamba_pid=""
+if [ "$HAVE_GPU" = 1 ] && [ -f .mamba_ssm/src/VIM_DS_SOURCE ] && ! "$PYTHON" -c "import selective_scan_cuda" 2>/dev/null
+then
+    echo "== mamba: building mamba_ssm's selective_scan_cuda in the background ($OUT/mamba_build.log)"
+    mamba_start=$SECONDS
+    MAX_JOBS=${MAMBA_MAX_JOBS:-12} PYTHON=$PYTHON timeout 480 bash tools/build_mamba_ssm.sh build > "$OUT/mamba_build.log" 2>&1 &
+    mamba_pid=$!
+fi
+join_mamba() {
+    [ -n "$mamba_pid" ] || return 0
+    local rc status=ok
+    wait "$mamba_pid"
+    rc=$?
+    mamba_pid=""
+    echo "== mamba"
+    tail -5 "$OUT/mamba_build.log"
+    if [ "$rc" -eq 124 ]; then status="timed out after 480 s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
+    record mamba "$status" "$((SECONDS - mamba_start))" mamba_build.log
+    [ "$rc" -eq 0 ] && export PYTHONPATH=$PWD/.mamba_ssm/build${PYTHONPATH:+:$PYTHONPATH}
+    return 0
+}
+
 if step build; then
     if [ "$HAVE_GPU" = 1 ]; then
         run_step build 420 build.log bash -c "VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} '$PYTHON' -m pip install -q \
@@ -75,6 +103,7 @@ if step build; then
         no_gpu build
     fi
 fi
+join_mamba
 if step tests; then
     if [ "$HAVE_GPU" = 1 ]; then
         run_step tests 420 gpu_tests.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py \
