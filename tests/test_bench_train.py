@@ -1,4 +1,6 @@
-"""`vim-ds bench train`: real launches of the trainer (torchrun, 2 CPU ranks) with a tiny Vim, read back as JSON.
+"""`vim-ds bench train`: real launches of the trainer (torchrun, 2 CPU ranks) with a tiny Vim, read back as JSON. The
+command's torchrun jobs are forked from the suite's preloaded server (`preloaded.nested_env`); `launched_runs`'s
+real torchrun keeps its test (tests/test_zero_compare_baselines.py's lr control).
 
 A config that cannot be run is a row with a one-line "error" (the other configs still run) and makes the exit
 status 1; a successful benchmark exits 0.
@@ -23,7 +25,7 @@ def bench_train(tmp_path, *args, timeout=240):
     out = tmp_path / "out.json"
     proc = preloaded.run([sys.executable, "-m", "vim_ds.bench", "train", *TINY, *args, "--json", str(out)],
                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         env=preloaded.nested_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 

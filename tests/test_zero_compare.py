@@ -1,7 +1,7 @@
 """`vim-ds zero-compare`: the ZeRO paper's arithmetic, report writing, and (slow) real 2-rank comparisons of the four
 stages. The comparisons run the real command; its 2-rank torchrun jobs are forked from the suite's preloaded server
-(`preloaded.nested_env`: the same trainer code, without four new interpreters a stage); zero-compare with the real
-torchrun is run by tests/test_zero_compare_baselines.py.
+(`preloaded.nested_env`: the same trainer code, without four new interpreters a stage); `launched_runs` with the
+real torchrun is run by tests/test_zero_compare_baselines.py's lr control.
 
 Known departure checked here: DeepSpeed 0.19.8 keeps an fp32 master partition (a clone) under ZeRO 1-3 even in
 fp32, which the paper's fp32 arithmetic (4+4+8 bytes, no master) has not; the partitioning checks below compare

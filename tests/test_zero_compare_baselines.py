@@ -12,12 +12,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import preloaded
 from vim_ds import zero_compare as zc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,15 +98,18 @@ def _ints(cell):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """One real zero-compare: ZeRO-0, DDP and FSDP2, 2 ranks via torchrun, fp32, 4 steps at a real lr."""
+    """One real zero-compare: ZeRO-0, DDP and FSDP2, 2 ranks, fp32, 4 steps at a real lr; its torchrun jobs are
+    forked from the suite's preloaded server (`preloaded.nested_env`). The real torchrun under zero-compare's
+    launcher (`launched_runs`) is the lr control's run below, started from this process."""
     out = tmp_path_factory.mktemp("baselines") / "cmp"
-    proc = subprocess.run(
+    proc = preloaded.run(
         [sys.executable, "-m", "vim_ds.zero_compare", "--model", "vim_tiny", "--model-kwargs",
          *[f"{k}={v}" for k, v in MODEL_KWARGS.items()], "--input-size", "32", "--batch-size", "4", "--steps", "4",
          "--ranks", "2", "--stages", "0", "--baselines", "ddp", "fsdp", "--precision", "fp32", "--nb-classes", "10",
          "--lr", str(LR), "--warmup-epochs", "0", "--out", str(out)],
         # a hang guard: 3 two-rank jobs, ~3 min on a busy 2-core box
-        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        env=preloaded.nested_env({**os.environ, "PYTHONUNBUFFERED": "1"}))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "report.csv") as f:
         rows = {r["config"]: r for r in csv.DictReader(f)}
@@ -156,7 +159,8 @@ def test_ddp_and_fsdp_rows_hold_the_expected_bytes_and_agree_with_zero0(report):
 @pytest.mark.slow
 def test_a_baseline_with_another_lr_is_flagged(report, tmp_path):
     """Negative control: the DDP baseline with the lr doubled, else the same launch, disagrees with ZeRO-0 by more
-    than the tolerance."""
+    than the tolerance. Its job is the suite's real torchrun under `launched_runs` (this process sends nothing to
+    the preloaded server)."""
     from vim_ds.engine.launched_runs import run_train_config
 
     out, _ = report

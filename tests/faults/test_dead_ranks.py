@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 
 def resume_and_compare(digits, out, reference, resumed_at: int, *extra) -> str:
     """Resume the interrupted run to the reference's length; its losses after `resumed_at` equal the reference's.
-    The interrupted run was the deepspeed launcher's; the resumed one, like the reference, is torchrun's with ranks
-    forked from the preloaded server (a checkpoint does not depend on the launcher that wrote it)."""
+    The interrupted run was the deepspeed launcher's or torchrun's; the resumed one, like the reference, is
+    torchrun's with ranks forked from the preloaded server (a checkpoint does not depend on the launcher that wrote
+    it)."""
     proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--resume", "auto", *extra), nproc=2)
     assert f"global_step{resumed_at} at epoch 0, step {resumed_at}" in proc.stdout
     expected = {k: v for k, v in step_losses(reference).items() if k > resumed_at}
@@ -78,10 +79,12 @@ def test_sigterm_to_a_single_process_exits_143_after_saving(digits, tmp_path):
 def test_a_job_killed_while_saving_resumes_the_previous_complete_checkpoint(digits, tmp_path, reference):
     """Rank 0 SIGKILLs itself in the middle of writing the step-8 checkpoint (after DeepSpeed's files, before the
     RNG/EMA files and the marker). With --keep-checkpoints 1 the step-4 one must still be there: older checkpoints
-    are deleted only once a newer one is complete."""
+    are deleted only once a newer one is complete. What is checked is the checkpoint folder, whatever launcher ends
+    the job: torchrun's, with ranks forked from the preloaded server (the deepspeed launcher's end of a job whose rank
+    was killed is the test above)."""
     out = tmp_path / "run"
-    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--keep-checkpoints", 1), nproc=2,
-                     launcher="deepspeed", check=False, env={"VIM_DS_INJECT": "kill_in_save@8:0"})
+    proc = run_train(fault_args(digits, out, "--max-steps", STEPS, "--keep-checkpoints", 1), nproc=2, check=False,
+                     env={"VIM_DS_INJECT": "kill_in_save@8:0"})
     assert proc.returncode != 0
     save_dir = os.path.join(out, "checkpoints")
     assert complete_tags(out) == ["global_step4"]

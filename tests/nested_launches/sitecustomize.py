@@ -3,8 +3,8 @@ the vim_ds commands it starts itself are forked from the test's preloaded server
 started as new interpreters, with the same command and environment and the same result (exit code, stdout,
 stderr): the training runs that `vim_ds.engine.launched_runs` starts with torchrun (`vim-ds zero-compare`), and the
 `ds_to_universal` conversion a resumed run starts (`vim_ds.engine.checkpointing`). Every other command is started as
-before; the real paths keep tests of their own (zero-compare with torchrun: tests/test_zero_compare_baselines.py and
-test_bench_train.py; the conversion as a real process: `vim-ds convert --universal` in
+before; the real paths keep tests of their own (`launched_runs` with the real torchrun: the lr control of
+tests/test_zero_compare_baselines.py; the conversion as a real process: `vim-ds convert --universal` in
 tests/faults/test_convert_faults.py and test_untrusted_files.py, and the control of tests/test_resume_exact.py)."""
 import os
 import subprocess
