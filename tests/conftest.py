@@ -15,6 +15,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from vim_ds.engine.build_tools import extensions_dir_per_install  # noqa: E402
+
+# DeepSpeed's JIT ops (the CPU shm all-reduce, cpu_adam) go where a vim_ds run puts them (its cache folder per torch
+# and DeepSpeed installation), also for the suite's scripts that start DeepSpeed without vim_ds
+# (tests/test_ds_config.py's engine script, the control of tests/faults/test_shared_memory.py): each op is built
+# once per run of the suite. test_shared_memory.py's vim_ds run checks that vim_ds chooses that folder itself.
+extensions_dir_per_install(os.environ)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process or long-running tests (deselect with -m 'not slow')")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vim_ds.engine.build_tools import interpreter_ninja_first
+from vim_ds.engine.build_tools import extensions_dir_per_install, interpreter_ninja_first
 
 OURS = os.path.dirname(os.path.abspath(sys.executable))
 
@@ -48,3 +48,22 @@ def test_an_interpreter_without_a_ninja_beside_it_changes_nothing(tmp_path):
     environ = {"PATH": "/usr/bin:/bin"}
     assert interpreter_ninja_first(environ, executable=str(tmp_path / "python3")) is None
     assert environ == {"PATH": "/usr/bin:/bin"}
+
+
+def test_each_torch_and_deepspeed_installation_gets_its_own_extension_folder():
+    """TORCH_EXTENSIONS_DIR unset: a folder under torch's root named by torch's version and a hash of the install
+    folders, the same for the same installation and another for another (two venvs no longer rebuild each other's
+    ops); set by the user: left alone. (The ranks' own choice is checked in tests/faults/test_shared_memory.py.)"""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    a = ("/envs/a/site-packages/torch", "/envs/a/site-packages/deepspeed")
+    b = ("/envs/b/site-packages/torch", "/envs/a/site-packages/deepspeed")
+    env_a, env_a2, env_b = {}, {"PATH": "/bin"}, {}
+    folder = extensions_dir_per_install(env_a, a)
+    assert folder == env_a["TORCH_EXTENSIONS_DIR"] and os.path.dirname(folder) == get_default_build_root()
+    assert os.path.basename(folder).startswith(f"torch{torch.__version__.replace('+', '_')}-")
+    assert extensions_dir_per_install(env_a2, a) == folder  # the same installation shares its builds
+    assert extensions_dir_per_install(env_b, b) != folder  # another torch: its own folder (the control)
+    mine = {"TORCH_EXTENSIONS_DIR": "/scratch/ops"}
+    assert extensions_dir_per_install(mine) is None and mine == {"TORCH_EXTENSIONS_DIR": "/scratch/ops"}

@@ -17,6 +17,7 @@ import subprocess
 import pytest
 
 from train_utils import ROOT, _free_port, train_env
+from vim_ds.engine.build_tools import extensions_dir_per_install
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,11 @@ RANK_SCRIPT = """\
 import os, sys, torch
 if sys.argv[-1] == "vim_ds":  # the deepspeed launcher puts --local_rank=N first
     from vim_ds.engine.distributed import setup
+    unset = "TORCH_EXTENSIONS_DIR" not in os.environ
     rank = setup().rank
+    ops = os.environ.get("TORCH_EXTENSIONS_DIR")
+    built = bool(ops) and os.path.exists(os.path.join(ops, "deepspeed_shm_comm", "deepspeed_shm_comm.so"))
+    print(f"rank {rank} ops in {ops} (unset before: {unset}, shm op built there: {built})", flush=True)
 else:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
@@ -37,18 +42,23 @@ print(f"rank {rank} shm_op={comm.cdb.shm_comm_op is not None} sum={t.sum().item(
 """
 
 
-def _run(tmp_path, mode: str, ranks: int = 2) -> list[str]:
+def _run(tmp_path, mode: str, ranks: int = 2, env=None) -> list[str]:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     port = _free_port()
     pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
     try:
         proc = subprocess.run(["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), str(script), mode],
-                              capture_output=True, text=True, timeout=300, env=train_env(), cwd=ROOT)
+                              capture_output=True, text=True, timeout=300, env=env or train_env(), cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         total = float(sum(range(1, ranks + 1)) * 1000)
         for rank in range(ranks):
             assert f"rank {rank} shm_op=True sum={total}" in proc.stdout, proc.stdout[-2000:]
+        if mode == "vim_ds" and env is not None and "TORCH_EXTENSIONS_DIR" not in env:
+            folder = extensions_dir_per_install({})  # where tests/conftest.py sent the suite's own builds
+            for rank in range(ranks):
+                assert f"rank {rank} ops in {folder} (unset before: True, shm op built there: True)" in proc.stdout, \
+                    proc.stdout[-2000:]
         return sorted(os.path.basename(f) for f in glob.glob(pattern))
     finally:
         for leftover in glob.glob(pattern):
@@ -57,7 +67,10 @@ def _run(tmp_path, mode: str, ranks: int = 2) -> list[str]:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_cpu_run_leaves_no_deepspeed_buffer_in_dev_shm(tmp_path, ranks):
-    assert _run(tmp_path, "vim_ds", ranks) == []
+    """And, with TORCH_EXTENSIONS_DIR unset, vim_ds's ranks build DeepSpeed's ops in the folder of this torch and
+    DeepSpeed installation (vim_ds.engine.build_tools.extensions_dir_per_install), the one the suite uses."""
+    env = {k: v for k, v in train_env().items() if k != "TORCH_EXTENSIONS_DIR"}
+    assert _run(tmp_path, "vim_ds", ranks, env) == []
 
 
 def test_control_deepspeed_alone_leaves_one_buffer_per_rank(tmp_path):

@@ -1,4 +1,5 @@
-"""The ninja that DeepSpeed's JIT op builds run: the one installed beside this Python.
+"""What DeepSpeed's JIT op builds run with: the ninja installed beside this Python, and a cache folder of this
+torch and DeepSpeed installation (`extensions_dir_per_install`, below).
 
 DeepSpeed builds its CPU ops (the shared-memory all-reduce at every CPU run's start, cpu_adam for offload) with
 torch.utils.cpp_extension, which runs the first `ninja` on PATH in the extension's cache folder
@@ -33,3 +34,33 @@ def interpreter_ninja_first(environ, executable: str | None = None) -> str | Non
     environ["PATH"] = folder + (os.pathsep + path if path else "")
     return (f"note: ninja on PATH is {found or 'none'}, not this Python's {ours}: {folder} put first on PATH (with "
             f"another ninja DeepSpeed compiles its ops again in the shared extension cache)")
+
+
+def extensions_dir_per_install(environ, installs: tuple[str, ...] | None = None) -> str | None:
+    """Give the JIT op builds a cache folder of this torch and DeepSpeed installation's own when TORCH_EXTENSIONS_DIR
+    is unset: set it in `environ` and return it (None when it was set already).
+
+    torch's default folder (~/.cache/torch_extensions/py311_cpu, or py311_cu130) is one per Python version and CUDA
+    version, shared by every environment of that pair: two virtual environments, or two torch releases in turn. Each
+    builds an op with its own include paths, so each reads the other's build as a changed command and compiles the
+    op again (the shm op about 40 CPU-seconds, cpu_adam 100, a GPU's FusedAdam more), at every switch, and a job of
+    one waits on the build lock the other holds; on a cluster whose home folder every node shares, that is every
+    job of a second environment. The folder here keeps torch's root and adds torch's version and a hash of where
+    torch and DeepSpeed are installed (`installs`: their package folders), which is what the build commands
+    depend on: the same environment, or another one that runs the same installation (a venv reading these
+    site-packages), shares its builds; another installation builds its own once."""
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return None
+    import hashlib
+    import importlib.util
+
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if installs is None:  # found, not imported
+        installs = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))
+                         for name in ("torch", "deepspeed"))
+    tag = hashlib.sha256("\n".join(installs).encode()).hexdigest()[:12]
+    folder = os.path.join(get_default_build_root(), f"torch{torch.__version__.replace('+', '_')}-{tag}")
+    environ["TORCH_EXTENSIONS_DIR"] = folder
+    return folder

@@ -17,6 +17,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from . import build_tools
 from .ports import free_port  # noqa: F401  (setup() below; bench/split.py imports it from here)
 
 
@@ -67,6 +68,8 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
         accelerator.set_device(local_rank)
     _default_group_timeout(timedelta(seconds=timeout_s))
     _choose_gloo_interface()
+    # before DeepSpeed builds its first op (the CPU shm all-reduce, in init_distributed)
+    build_tools.extensions_dir_per_install(os.environ)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
