@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+
 def precision_label(precision: str) -> str:
     """How a baseline runs a `--precision`: 'fp32', or fp32 parameters with bf16 autocast (named 'autocast-bf16'
     when that is what was asked for, since DeepSpeed then runs the same recipe)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TrainingEngine:
+    """A training engine, by what the package asks of it; this class builds DeepSpeed's."""
     name: str
     # saves DeepSpeed checkpoints (universal ones included) under OUTPUT_DIR/checkpoints: --resume and
     # --save-interval need it, and the output folder's checkpoints/ is checked writable only for it
