@@ -166,7 +166,7 @@ def test_a_cpu_rank_takes_its_share_of_the_cores_it_may_run_on(monkeypatch):
 DYNAMO_OFF = r'''
 import os, sys
 import torch
-from vim_ds.engine.parts import _dynamo_off
+from vim_ds.engine.deepspeed_engine import _dynamo_off
 
 with _dynamo_off(True):
     import deepspeed.runtime.zero.muon.muon_optimizer  # what deepspeed.initialize imports for ZeRO 1-3
@@ -184,7 +184,7 @@ def test_deepspeed_builds_a_run_without_compile_with_dynamo_off_and_puts_it_back
     import subprocess
     import sys
 
-    from vim_ds.engine.parts import _dynamo_off
+    from vim_ds.engine.deepspeed_engine import _dynamo_off
 
     proc = subprocess.run([sys.executable, "-c", DYNAMO_OFF], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

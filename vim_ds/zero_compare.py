@@ -29,6 +29,8 @@ import sys
 
 from .engine import env_vars
 from .engine.run_options import key_value
+from .engine.training_engines import DEFAULT as DEFAULT_ENGINE
+from .engine.training_engines import ENGINES, baseline_names, training_engine
 
 KINDS = ("param", "grad", "optim")
 CSV_COLUMNS = ("config", "engine", "stage", "offload", "precision", "ranks", "param_bytes_per_rank",
@@ -132,12 +134,10 @@ def expected_baseline_bytes(engine: str, shapes, ranks: int) -> dict:
     gradients (4) and Adam's two fp32 moments (8) per element, of the whole model under DDP, of rank 0's dim-0
     shard of every tensor under FSDP full sharding (about 1/N, rounded up per tensor). Adam's 4-byte step counter
     per tensor is not included (the measurement has it: at most 4 bytes x tensors more)."""
-    if engine == "ddp":
-        n = sum(fsdp_shard_numel(s, 0, 1) for s in shapes)
-    elif engine == "fsdp":
-        n = sum(fsdp_shard_numel(s, 0, ranks) for s in shapes)
-    else:
+    kind = ENGINES.get(engine)
+    if kind is None or not kind.baseline:
         raise ValueError(f"unknown baseline {engine!r}")
+    n = sum(fsdp_shard_numel(s, 0, ranks if kind.shards_states else 1) for s in shapes)
     return {"param": 4 * n, "grad": 4 * n, "optim": 8 * n, "total": 16 * n}
 
 
@@ -178,11 +178,16 @@ def max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float | None:
     return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in common)
 
 
+def _is_baseline(row: dict) -> bool:
+    """A row of a PyTorch baseline (a row that names no engine is DeepSpeed's)."""
+    return training_engine(row.get("engine", DEFAULT_ENGINE)).baseline
+
+
 def finish_rows(rows: list[dict], losses: dict[str, dict[int, float]], psi: int | None, shapes=None) -> None:
     """Fill the derived columns: totals, expectations, loss agreement with stage 0 (same precision)."""
     base = next((r for r in rows if r.get("stage") == 0 and r.get("offload") == "-" and not r.get("error")), None)
     for r in rows:
-        if r.get("engine", "deepspeed") != "deepspeed":
+        if _is_baseline(r):
             if shapes:
                 r["expected_model_state_bytes_per_rank"] = expected_baseline_bytes(r["engine"], shapes,
                                                                                    r["ranks"])["total"]
@@ -288,16 +293,11 @@ def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> s
                 e = estimates[name]
                 lines += [f"`{name}` (per GPU, no offload: {_mib(e['gpu_bytes_no_offload'])} MiB):", "", "```",
                           e["printed"], "```", ""]
-    baselines = [r for r in rows if r.get("engine", "deepspeed") != "deepspeed"]
+    baselines = [r for r in rows if _is_baseline(r)]
     if baselines:
         lines += ["", "## Baselines (PyTorch, same model, AdamW groups, lr schedule, data, batch and steps)", ""]
-        what = {"ddp": "DistributedDataParallel (gradients as bucket views): whole fp32 parameters, gradients and "
-                       "Adam moments on every rank, expected 16Ψ",
-                "fsdp": "FSDP2 `fully_shard` per block + root, full sharding (reshard_after_forward=True): each "
-                        "rank holds dim-0 shards (DTensor local tensors) of parameters, gradients and Adam moments, "
-                        "expected 16 bytes x rank 0's shard of every tensor (≈ 16Ψ/N, rounded up per tensor)"}
         for r in baselines:
-            lines.append(f"- {r['config']}: {what.get(r['engine'], r['engine'])}; precision "
+            lines.append(f"- {r['config']}: {training_engine(r['engine']).states_held}; precision "
                          f"{r.get('precision')}.")
         if any(r.get("precision") != settings["precision"] for r in baselines):
             lines.append(f"- The baselines keep fp32 parameters and run the forward under bf16 autocast, while "
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nb-classes", type=int, default=1000)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
-    p.add_argument("--baselines", nargs="+", choices=["ddp", "fsdp"], default=[],
+    p.add_argument("--baselines", nargs="+", choices=baseline_names(), default=[],
                    help="also train with PyTorch DDP and/or FSDP2 (full sharding) under the same launcher, model, "
                         "optimizer, data and steps; all runs then train without EMA")
     p.add_argument("--lr", type=float, default=None, help="the trainer's --lr for every run [its default]")
@@ -408,11 +408,11 @@ def parse_args(argv=None):
     return args
 
 
-def _baseline_precision(precision: str) -> str:
-    from .engine.baselines import precision_label
-
+def _row_precision(engine, precision: str) -> str:
+    """The precision a run's row names: the one its engine runs `precision` in, or `precision` where the engine
+    refuses it (the run's error then says why)."""
     try:
-        return precision_label(precision)
+        return engine.runs_precision(precision)
     except ValueError:
         return precision
 
@@ -439,7 +439,7 @@ def main(argv=None) -> int:
     # the baselines keep no EMA: time the same loop
     extra += ["--no-model-ema"] if args.baselines else []
     extra += ["--sequence-parallel", args.sequence_parallel] if args.sequence_parallel > 1 else []
-    runs = [(name, stage, offload, "deepspeed", name) for name, stage, offload in configurations(args.stages,
+    runs = [(name, stage, offload, DEFAULT_ENGINE, name) for name, stage, offload in configurations(args.stages,
                                                                                                args.offload)]
     # zero0.json: batch, AdamW, lr
     runs += [(engine, None, "-", engine, "zero0") for engine in args.baselines]
@@ -453,6 +453,7 @@ def main(argv=None) -> int:
     for run_dir in run_dirs:
         clear_run_folder(run_dir)
     for name, stage, offload, engine, config in runs:
+        kind = training_engine(engine)
         run_dir = os.path.join(args.out, "runs", name)
         print(f"[{name}] training ...", flush=True)
         res = run_train_config(config, nproc=args.ranks, launcher=args.launcher, model=args.model,
@@ -460,9 +461,9 @@ def main(argv=None) -> int:
                                steps=args.steps - warmup, warmup=warmup, precision=args.precision,
                                workers=args.num_workers, out_dir=run_dir, nb_classes=args.nb_classes,
                                timeout=args.timeout,
-                               extra_args=extra + ([] if engine == "deepspeed" else ["--engine", engine]))
+                               extra_args=extra + (["--engine", engine] if kind.baseline else []))
         row = {"config": name, "engine": engine, "stage": stage, "offload": offload, "ranks": args.ranks,
-               "precision": args.precision if engine == "deepspeed" else _baseline_precision(args.precision),
+               "precision": _row_precision(kind, args.precision),
                "error": res.get("error")}
         summary, step_losses = read_run(run_dir)
         if not row["error"]:

@@ -1,6 +1,7 @@
 """PyTorch DDP and FSDP2 in place of the DeepSpeed engine: the baselines of `vim-ds zero-compare`.
 
-`TorchEngine` answers the calls the trainer makes on a DeepSpeed engine (forward, `backward`, `step`, `get_lr`,
+`TorchEngine` (`DDPEngine`, `FSDPEngine`; engine/training_engines.py registers them as --engine ddp and fsdp)
+answers the calls the trainer makes on a DeepSpeed engine (forward, `backward`, `step`, `get_lr`,
 `was_step_applied`, `get_global_grad_norm`, `train`/`eval`), so the trainer's data order, loss, metrics, evaluation
 and memory accounting are the ones the ZeRO runs use; only the wrapping, backward and step differ:
 
@@ -28,8 +29,6 @@ import math
 import torch
 import torch.distributed as dist
 
-ENGINES = ("deepspeed", "ddp", "fsdp")
-
 
 def precision_label(precision: str) -> str:
     """How a baseline runs a `--precision`: 'fp32', or fp32 parameters with bf16 autocast (named 'autocast-bf16'
@@ -47,13 +46,11 @@ def _world() -> int:
 
 
 class TorchEngine:
+    """What the two baselines share; `DDPEngine` and `FSDPEngine` wrap the model and switch gradient sync."""
     is_torch_baseline = True  # what vim_ds.engine.memory.state_bytes dispatches on
 
-    def __init__(self, kind: str, model: torch.nn.Module, groups: list[dict], ds, device: torch.device,
-                 scheduler_factory):
-        if kind not in ("ddp", "fsdp"):
-            raise ValueError(f"unknown baseline engine {kind!r}: choose ddp or fsdp")
-        self.kind, self.precision = kind, precision_label(ds.precision)
+    def __init__(self, model: torch.nn.Module, groups: list[dict], ds, device: torch.device, scheduler_factory):
+        self.precision = precision_label(ds.precision)
         self.device, self.accum = device, ds.batch.accum
         params = ds.config.get("optimizer", {}).get("params", {})
         self.clip = float(ds.config.get("gradient_clipping") or 0.0)
@@ -61,21 +58,7 @@ class TorchEngine:
         names = {id(p): n for n, p in model.named_parameters()}
         # FSDP replaces the Parameters
         group_names = [[names[id(p)] for p in g["params"]] for g in groups]
-        if kind == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.module = model
-            self.wrapped = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
-                                                   gradient_as_bucket_view=True) if _world() > 1 else model
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(device.type, (_world(),))
-            for block in getattr(model, "layers", ()):
-                fully_shard(block, mesh=mesh, reshard_after_forward=True)
-            fully_shard(model, mesh=mesh, reshard_after_forward=True)
-            self.module = self.wrapped = model
+        self.module, self.wrapped = model, self._wrap(model, device)
         by_name = dict(self.module.named_parameters())
         self.params = list(by_name.values())
         self.optimizer = torch.optim.AdamW(
@@ -88,6 +71,14 @@ class TorchEngine:
         self.applied = True
         self.grad_norm = None
 
+    def _wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """What the forward calls."""
+        raise NotImplementedError
+
+    def _sync(self, on: bool):
+        """Reduce the gradients in the next backward, or not."""
+        raise NotImplementedError
+
     # -- what the trainer calls ---------------------------------------------------------------------------------
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
@@ -96,12 +87,6 @@ class TorchEngine:
             return self.wrapped(images)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             return self.wrapped(images)
-
-    def _sync(self, on: bool):
-        if self.kind == "fsdp":
-            self.module.set_requires_gradient_sync(on)
-        elif self.wrapped is not self.module:
-            self.wrapped.require_backward_grad_sync = on
 
     def backward(self, loss: torch.Tensor):
         # reduce only on the accumulation boundary's backward
@@ -142,3 +127,35 @@ class TorchEngine:
 
     def eval(self):
         self.module.eval()
+
+
+class DDPEngine(TorchEngine):
+    """`DistributedDataParallel` (gradients as views of its buckets); the bare model in a world of one."""
+
+    def _wrap(self, model, device):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
+                                       gradient_as_bucket_view=True) if _world() > 1 else model
+
+    def _sync(self, on: bool):
+        if self.wrapped is not self.module:
+            self.wrapped.require_backward_grad_sync = on
+
+
+class FSDPEngine(TorchEngine):
+    """FSDP2 `fully_shard` on every block, then on the root, full sharding: the model itself, its Parameters
+    replaced by DTensors of dim-0 shards."""
+
+    def _wrap(self, model, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (_world(),))
+        for block in getattr(model, "layers", ()):
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        return model
+
+    def _sync(self, on: bool):
+        self.module.set_requires_gradient_sync(on)

@@ -25,6 +25,7 @@ import argparse
 import difflib
 
 from .run_config import OPTIONS, Option, RunConfig
+from .training_engines import training_engine
 
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
 META_KEY = "recipe"
@@ -55,7 +56,8 @@ def _derived_data_timeout(values: dict) -> float:
 # options that run_options.parse_args derives from others when not given: recorded as null (not given) when they hold
 # the derived value, so that a run started from the record with, say, another --dist-timeout or --engine derives
 # them again instead of being refused for a value nobody gave; each is a function of the options' values (by dest)
-DERIVED = {"data_timeout": _derived_data_timeout, "model_ema": lambda values: values["engine"] == "deepspeed"}
+DERIVED = {"data_timeout": _derived_data_timeout,
+           "model_ema": lambda values: training_engine(values["engine"]).keeps_ema}
 
 
 def option_name(dest: str) -> str:

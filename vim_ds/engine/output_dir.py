@@ -30,6 +30,7 @@ import time
 
 from . import distributed, write_journal
 from .run_config import RunConfig, RunOptions
+from .training_engines import training_engine
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process
@@ -242,7 +243,7 @@ def check(config: RunConfig) -> str | None:
     problem = _in_use(run.output_dir) or _earlier_run(run) or (latest_gone(run.output_dir) if run.resume == "auto"
                                                                  else None)
     # the baselines save nothing
-    if problem or run.engine != "deepspeed":
+    if problem or not training_engine(run.engine).saves_checkpoints:
         return problem
     return _unwritable(os.path.join(run.output_dir, "checkpoints"), create=False)
 
@@ -263,7 +264,7 @@ def claim(config: RunConfig, dist_info) -> None:
             error, note = f"cannot write to {output_dir}: {exc.strerror or exc}; give a writable --output_dir", None
         error = error or _earlier_run(run)
         # the baselines save nothing
-        if not error and run.engine == "deepspeed":
+        if not error and training_engine(run.engine).saves_checkpoints:
             error = _unwritable(os.path.join(output_dir, "checkpoints"))
         if note and not error:
             print(note, flush=True)

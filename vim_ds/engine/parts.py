@@ -10,7 +10,6 @@ every rank.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -20,11 +19,11 @@ import torch
 
 from . import distributed, faults, sequence_groups, write_journal
 from .components import dataset_config, loader_config, mixup_config, model_config
-from .ds_config import PRECISION_DTYPES, autocast_dtype
-from .errors import first_line
+from .ds_config import autocast_dtype
 from .run_config import RunConfig
 from .sequence_groups import SequenceGroups
 from .trainer import Trainer, seed_everything
+from .training_engines import TrainingEngine, training_engine
 
 
 @dataclass
@@ -68,7 +67,7 @@ class Engine:
     schedule, and the dtypes of the parameters and of autocast."""
     engine: object
     scheduler: object
-    kind: str                 # "deepspeed", "ddp" or "fsdp"
+    kind: TrainingEngine      # what it can do (training_engines.ENGINES)
     dtype: torch.dtype        # parameters and inputs (fp32 under autocast-bf16)
     autocast_dtype: torch.dtype | None  # the DeepSpeed engine enters it itself
     # with --compile: what was compiled ("ZeRO-2", ...), for its error messages
@@ -287,76 +286,16 @@ def build_scheduler(config: RunConfig, steps_per_epoch: int):
 
 def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torch.nn.Module, ds,
                  steps_per_epoch: int) -> Engine:
-    """The DeepSpeed engine (compiled with --compile), or with --engine ddp/fsdp the PyTorch baseline of
-    `vim-ds zero-compare`: the same model, parameter groups, data, loss and schedule."""
+    """The engine --engine names (`training_engines`: DeepSpeed's, compiled with --compile, or a PyTorch baseline
+    of `vim-ds zero-compare`), on the same model, parameter groups, data, loss and schedule."""
     from ..models import param_groups
 
     scheduler = build_scheduler(config, steps_per_epoch)
-    kind, weight_decay = config.run.engine, config.optim.weight_decay
-    dtype = PRECISION_DTYPES[ds.precision]
-    if kind == "deepspeed":
-        import deepspeed
-
-        compiled = config.model.compile
-        with _dynamo_off(not compiled):
-            engine, _, _, lr_scheduler = deepspeed.initialize(
-                model=model, model_parameters=param_groups(model, weight_decay), config=ds.config,
-                lr_scheduler=scheduler)
-        what = compile_engine(engine, ds, config.model.compile_backend) if compiled else None
-        return Engine(engine, lr_scheduler, kind, dtype, autocast_dtype(ds.precision), what)
-    from .baselines import TorchEngine
-
-    engine = TorchEngine(kind, model, param_groups(model, weight_decay), ds, dist_info.device, scheduler)
-    # fp32 parameters (bf16: under autocast)
-    return Engine(engine, engine.scheduler, kind, torch.float32, autocast_dtype(ds.precision), None)
-
-
-@contextlib.contextmanager
-def _dynamo_off(off: bool):
-    """TorchDynamo off (TORCHDYNAMO_DISABLE=1, which `torch.compile` reads when it is called) while DeepSpeed builds
-    the engine of a run without --compile. For ZeRO 1-3 `deepspeed.initialize` imports DeepSpeed's Muon optimizer,
-    whose module wraps its functions in `torch.compile` at import, and that imports most of torch._inductor,
-    torch._functorch and networkx: about a CPU-second of every rank's start-up (2026-11-27, 2-core EPYC), for
-    functions only the Muon optimizer calls, which vim_ds's configs cannot name (AdamW or Adam only). A
-    TORCHDYNAMO_DISABLE the user set is left as it is."""
-    if not off or "TORCHDYNAMO_DISABLE" in os.environ:
-        yield
-        return
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
-
-
-def _declare_direct_weight_reads(model: torch.nn.Module):
-    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
-    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
-    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    from ..models.vim import BiMambaMixer
-
-    for module in model.modules():
-        if isinstance(module, BiMambaMixer):
-            for child in module.children():
-                for param in child.parameters():
-                    register_external_parameter(module, param)
-
-
-def compile_engine(engine, ds, backend: str) -> str:
-    """torch.compile through DeepSpeed (its hooks stay in place); what DeepSpeed refuses becomes one line. Returns
-    what was compiled, for the messages of a compilation that fails later (it compiles lazily)."""
-    deepcompile = bool(getattr(engine, "is_deepcompile_enabled", lambda: False)())
-    what = f"ZeRO-{ds.zero_stage}" + (" with DeepCompile" if deepcompile else "")
-    if ds.zero_stage == 3:
-        _declare_direct_weight_reads(engine.module)
-    try:
-        engine.compile(backend=backend)
-    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
-        raise ValueError(f"--compile: DeepSpeed cannot compile the model under {what} "
-                         f"({first_line(exc)}); train without --compile") from exc
-    return what
+    kind = training_engine(config.run.engine)
+    compile_backend = config.model.compile_backend if config.model.compile else None
+    engine, lr_scheduler, what = kind.build(model, param_groups(model, config.optim.weight_decay), ds,
+                                            dist_info.device, scheduler, compile_backend)
+    return Engine(engine, lr_scheduler, kind, kind.param_dtype(ds.precision), autocast_dtype(ds.precision), what)
 
 
 def build_criterion(smoothing: float, mixup):
@@ -384,7 +323,7 @@ def build_checkpointer(config: RunConfig, dist_info: distributed.DistInfo, engin
     from .checkpointing import Checkpointer
 
     run = config.run
-    if not (run.output_dir and engine.kind == "deepspeed"):
+    if not (run.output_dir and engine.kind.saves_checkpoints):
         return None
     return Checkpointer(engine.engine, os.path.join(run.output_dir, "checkpoints"), dist_info.rank,
                         run.keep_checkpoints, fault_hook)

@@ -19,6 +19,8 @@ from typing import Any, Callable, ClassVar
 
 from .distributed import DATA_TIMEOUT
 from .shipped_configs import DEFAULT as DEFAULT_DEEPSPEED_CONFIG
+from .training_engines import DEFAULT as DEFAULT_ENGINE
+from .training_engines import ENGINES
 
 
 def key_value(text: str):
@@ -243,7 +245,7 @@ class RunOptions:
     tensorboard: bool = option("--tensorboard", action="store_true", default=False,
                                help="write TensorBoard scalars to OUTPUT_DIR/tensorboard")
     engine: str = option(
-        "--engine", choices=("deepspeed", "ddp", "fsdp"), default="deepspeed",
+        "--engine", choices=tuple(ENGINES), default=DEFAULT_ENGINE,
         help="ddp / fsdp: PyTorch DistributedDataParallel / FSDP2 fully_shard (per block + root, full sharding) "
              "instead of DeepSpeed, with the same model, AdamW groups, lr schedule, data and metrics (the "
              "--deepspeed_config still gives batch, optimizer settings and precision; bf16 and autocast-bf16 run "

@@ -11,6 +11,7 @@ import sys
 from .distributed import default_data_timeout
 from .run_config import GROUPS, OPTIONS, RULES, DeepSpeedOptions, group_options
 from .run_config import key_value  # noqa: F401  (every command's --model-kwargs parser, imported from here)
+from .training_engines import training_engine
 
 DESCRIPTION = "`vim-ds train` = `python -m vim_ds.train`: train (or, with --eval, evaluate) Vim with DeepSpeed."
 
@@ -138,24 +139,25 @@ def parse_args(argv=None, prog: str = "vim-ds train") -> argparse.Namespace:
                      f"{args.data_timeout:g}")
     if sum(map(bool, (args.finetune, args.init_weights, args.save_init_weights))) > 1:
         parser.error("--finetune, --init-weights and --save-init-weights each set the initial weights: pass one")
-    if args.engine != "deepspeed":
-        refused = [name for name, on in (("--resume", args.resume), ("--save-interval", args.save_interval),
-                                         ("--model-ema", args.model_ema)) if on]
-        if refused:
-            parser.error(f"--engine {args.engine} is a measurement baseline: it saves no checkpoints and keeps no "
-                         f"EMA; drop {', '.join(refused)}")
+    engine = training_engine(args.engine)  # what it can do
+    refused = [name for name, on, can in (("--resume", args.resume, engine.saves_checkpoints),
+                                          ("--save-interval", args.save_interval, engine.saves_checkpoints),
+                                          ("--model-ema", args.model_ema, engine.keeps_ema)) if on and not can]
+    if refused:
+        parser.error(f"--engine {args.engine} is a measurement baseline: it saves no checkpoints and keeps no "
+                     f"EMA; drop {', '.join(refused)}")
     if args.sequence_parallel > 1:
         # the split's collectives run inside the forward: a recomputation would repeat them
-        refused = [name for name, on in (("--engine " + args.engine, args.engine != "deepspeed"),
+        refused = [name for name, on in (("--engine " + args.engine, not engine.splits_sequence),
                                          ("--compile", args.compile),
                                          ("--grad-checkpointing", args.grad_checkpointing)) if on]
         if refused:
             parser.error(f"--sequence-parallel {args.sequence_parallel} runs through DeepSpeed's engine, eagerly, "
                          f"without recomputing blocks: drop {', '.join(refused)}")
-    if args.compile and args.engine != "deepspeed":
+    if args.compile and not engine.compiles:
         parser.error(f"--compile goes through DeepSpeed's engine.compile(); --engine {args.engine} does not have it")
     if args.model_ema is None:
-        args.model_ema = args.engine == "deepspeed"
+        args.model_ema = engine.keeps_ema
     args.model_kwargs = dict(args.model_kwargs)
     problem = patch_grid_error(args.model, args.model_kwargs, args.input_size)
     if problem:

@@ -110,7 +110,7 @@ class Trainer:
         # --sequence-parallel: this rank's group (sequence_groups.py); one group per rank without it
         self.groups = groups or sequence_groups.build(1, dist_info.rank, dist_info.world_size)
         # DeepSpeed reports no norm without ZeRO; the baselines report theirs
-        self._own_grad_norm = ds.zero_stage == 0 and self.engine_kind == "deepspeed"
+        self._own_grad_norm = ds.zero_stage == 0 and not self.engine_kind.reports_grad_norm_without_zero
         self._grad_norm = None
         # the last optimizer step was made a no-op here (fp32 without ZeRO)
         self._skipped_by_us = False
@@ -446,7 +446,7 @@ class Trainer:
         state = {f"{kind}_per_rank": [int(v) for v in values] for kind, values in zip(kinds, per_rank[1:])}
         return {"summary": True, "step": self.progress.step, "steps_timed": t["steps"],
                 "world_size": self.dist.world_size,
-                "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "engine": self.engine_kind,
+                "zero_stage": self.ds.zero_stage, "precision": self.ds.precision, "engine": self.engine_kind.name,
                 "engine_precision": getattr(self.engine, "precision", self.ds.precision),
                 "global_batch": self.batch.global_,
                 "data_time": t["data"], "compute_time": t["compute"], "other_time": t["other"],

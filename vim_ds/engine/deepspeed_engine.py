@@ -1,0 +1,72 @@
+"""DeepSpeed's engine, as `training_engines` builds it for `--engine deepspeed`: `deepspeed.initialize` on the
+model's parameter groups and the DeepSpeed config, and with --compile torch.compile through DeepSpeed's
+`engine.compile()` (what DeepSpeed refuses becomes one line)."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .errors import first_line
+
+
+def build(model: torch.nn.Module, groups: list[dict], ds, scheduler_factory, compile_backend: str | None):
+    """The DeepSpeed engine of `model` (compiled with `compile_backend` where given): (the engine, its lr scheduler,
+    what was compiled or None)."""
+    import deepspeed
+
+    compiled = compile_backend is not None
+    with _dynamo_off(not compiled):
+        engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds.config,
+                                                          lr_scheduler=scheduler_factory)
+    what = compile_engine(engine, ds, compile_backend) if compiled else None
+    return engine, lr_scheduler, what
+
+
+@contextlib.contextmanager
+def _dynamo_off(off: bool):
+    """TorchDynamo off (TORCHDYNAMO_DISABLE=1, which `torch.compile` reads when it is called) while DeepSpeed builds
+    the engine of a run without --compile. For ZeRO 1-3 `deepspeed.initialize` imports DeepSpeed's Muon optimizer,
+    whose module wraps its functions in `torch.compile` at import, and that imports most of torch._inductor,
+    torch._functorch and networkx: about a CPU-second of every rank's start-up (2026-11-27, 2-core EPYC), for
+    functions only the Muon optimizer calls, which vim_ds's configs cannot name (AdamW or Adam only). A
+    TORCHDYNAMO_DISABLE the user set is left as it is."""
+    if not off or "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
+def _declare_direct_weight_reads(model: torch.nn.Module):
+    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
+    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
+    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from ..models.vim import BiMambaMixer
+
+    for module in model.modules():
+        if isinstance(module, BiMambaMixer):
+            for child in module.children():
+                for param in child.parameters():
+                    register_external_parameter(module, param)
+
+
+def compile_engine(engine, ds, backend: str) -> str:
+    """torch.compile through DeepSpeed (its hooks stay in place); what DeepSpeed refuses becomes one line. Returns
+    what was compiled, for the messages of a compilation that fails later (it compiles lazily)."""
+    deepcompile = bool(getattr(engine, "is_deepcompile_enabled", lambda: False)())
+    what = f"ZeRO-{ds.zero_stage}" + (" with DeepCompile" if deepcompile else "")
+    if ds.zero_stage == 3:
+        _declare_direct_weight_reads(engine.module)
+    try:
+        engine.compile(backend=backend)
+    except Exception as exc:  # noqa: BLE001 - DeepSpeed raises many types; the user needs the reason
+        raise ValueError(f"--compile: DeepSpeed cannot compile the model under {what} "
+                         f"({first_line(exc)}); train without --compile") from exc
+    return what
