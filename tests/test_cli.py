@@ -1,16 +1,24 @@
-"""The console entry points, run as a user runs them: in a fresh process."""
+"""The console entry points, run as a user runs them: the dispatcher and the demo in a fresh process, the others
+forked from the suite's preloaded server (tests/preloaded.py: the same `python -m` entry, without re-importing the
+libraries; tests/test_imports.py starts every subcommand's --help fresh)."""
 import json
 import subprocess
 import sys
 
+import preloaded
 
 
 def run(*args, timeout=300):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def forked(*args, timeout=300):
+    return preloaded.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
 def test_env_reports_versions_and_backends():
-    out = run("-m", "vim_ds.env", "--json")
+    """Through the dispatcher (`vim-ds env --json`), in a fresh process."""
+    out = run("-m", "vim_ds.cli", "env", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     import deepspeed
@@ -26,10 +34,10 @@ def test_env_reports_versions_and_backends():
 
 
 def test_console_script_dispatches_and_rejects_unknown_commands():
-    out = run("-m", "vim_ds.cli", "env")
+    out = forked("-m", "vim_ds.cli", "env")
     assert out.returncode == 0 and "selective-scan backends:" in out.stdout
     assert "in use on cpu: cpu" in out.stdout or "in use on cuda" in out.stdout
-    bad = run("-m", "vim_ds.cli", "frobnicate")
+    bad = forked("-m", "vim_ds.cli", "frobnicate")
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
 
 
@@ -41,7 +49,7 @@ def test_demo_runs_a_published_model():
 
 
 def test_bench_scan_prints_kernel_and_reference_side_by_side(tmp_path):
-    out = run("-m", "vim_ds.bench", "scan", "--batch", "1", "--dim", "8", "--seqlen", "33", "--repeat", "1",
+    out = forked("-m", "vim_ds.bench", "scan", "--batch", "1", "--dim", "8", "--seqlen", "33", "--repeat", "1",
               "--json", str(tmp_path / "scan.json"))
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "scan.json").read_text())
