@@ -1,0 +1,56 @@
+"""The supported torch and DeepSpeed versions (vim_ds/engine/versions.py): a version too old is refused in one line
+before anything starts, and setup.py's install bounds are the same minimums.
+
+An older torch or DeepSpeed cannot be installed beside this venv's, so the run's refusal is exercised with
+torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
+strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from vim_ds import cli
+from vim_ds.engine import run_options, versions
+from vim_ds.engine.run import run
+
+ROOT = Path(__file__).resolve().parents[1]
+TOO_OLD_TORCH = ("torch 2.3.1+cu121 is installed, and vim_ds supports torch >= 2.4 (tested: "
+                 f"{versions.TESTED['torch']}, docs/versions.md); install a torch in that range")
+
+
+def test_a_version_below_the_range_is_named_with_the_range():
+    assert versions.problem({"torch": "2.3.1+cu121", "deepspeed": "0.19.8"}) == TOO_OLD_TORCH
+    assert versions.problem({"torch": "2.14.1", "deepspeed": "0.15.4"}) == (
+        f"deepspeed 0.15.4 is installed, and vim_ds supports deepspeed >= 0.16 (tested: "
+        f"{versions.TESTED['deepspeed']}, docs/versions.md); install a deepspeed in that range")
+    # a minor release's first patch, a newer major, a local build, DeepSpeed absent (its import says so later)
+    for found in ({"torch": "2.4.0", "deepspeed": "0.16.0"}, {"torch": "3.0.0a0+git1234", "deepspeed": "1.0.0"},
+                  {"torch": "2.10.0+rocm7.1", "deepspeed": None}):
+        assert versions.problem(found) is None, found
+
+
+def test_the_installed_versions_pass():
+    assert versions.unsupported() is None, versions.installed()
+
+
+def test_a_run_with_a_torch_too_old_stops_before_deepspeed_in_one_line(monkeypatch, capsys, tmp_path):
+    """engine/run.py (each rank of a launcher) and `vim-ds` (every command): exit 2, the one line, nothing started.
+    The negative control: the same run with the real version gets past the check, to the next refusal (its data)."""
+    args = ["--data-path", str(tmp_path / "no_such_data"), "--output_dir", str(tmp_path / "out")]
+    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert "no_such_data" in capsys.readouterr().err
+
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cu121")
+    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert capsys.readouterr().err == f"vim-ds train: error (rank 0): {TOO_OLD_TORCH}\n"
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == f"vim-ds demo: error: {TOO_OLD_TORCH}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", sorted(versions.MINIMUM))
+def test_setup_py_requires_the_same_minimum(name):
+    minimum = ".".join(map(str, versions.MINIMUM[name]))
+    assert re.search(rf'"{name}>={re.escape(minimum)}"', (ROOT / "setup.py").read_text()), name
