@@ -5,6 +5,7 @@
 # in the combination's folder.
 #
 #   bash tools/version_matrix.sh 2.4.1:0.19.8 2.14.1:0.16.9    # TORCH:DEEPSPEED ... (default: COMBINATIONS)
+#   bash tools/version_matrix.sh 2.4.1:0.19.8:/opt/py3.10/bin/python3   # TORCH:DEEPSPEED:PYTHON (default python3)
 #   MATRIX_STEPS=tests bash tools/version_matrix.sh 2.6.0:0.17.6
 #
 # Environment (all optional):
@@ -13,7 +14,7 @@
 #   MATRIX_STEPS   which steps, comma-separated: main,demo,tests (default all three)
 #   MATRIX_KEEP=1  keep each combination's venv (default: removed after its row; the logs stay)
 #   MATRIX_PIP     extra pins for the venv, e.g. "timm==1.0.15" (default none)
-# Python is the python3 on PATH (the row says which). The newest torch is capped by pip's own configuration where
+# Python is the python3 on PATH unless a combination names one (the row says which). The newest torch is capped by pip's own configuration where
 # it has one (PIP_CONSTRAINT, /etc/xdg/pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,11 +59,11 @@ step() {
 # the venv and a fresh copy of this tree (tracked and new files, as a clone with the work in progress) installed as
 # the README says, with the combination's torch, torchvision and DeepSpeed
 install() {
-    local dir=$1 torch=$2 deepspeed=$3
+    local dir=$1 torch=$2 deepspeed=$3 python=$4
     local extra=()
     read -ra extra <<<"${MATRIX_PIP:-}"
     # (chained: `set -e` does not hold in a function that step's `if` calls)
-    rm -rf "$dir/venv" "$dir/src" && python3 -m venv "$dir/venv" && mkdir -p "$dir/src" &&
+    rm -rf "$dir/venv" "$dir/src" && "$python" -m venv "$dir/venv" && mkdir -p "$dir/src" &&
         git ls-files -co --exclude-standard | grep -v '\.so$' | tar -cf - -T - | tar -xf - -C "$dir/src" &&
         "$dir/venv/bin/pip" install -q "torch==$torch" "torchvision==$(torchvision_for "$torch")" \
             "deepspeed==$deepspeed" "setuptools>=64" wheel "${extra[@]}" &&
@@ -89,13 +90,15 @@ core_tests() {
         "$dir/venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 "${CORE_TESTS[@]}")
 }
 
+echo "tools/version_matrix.sh, $(date -u +%F), $(nproc) CPU cores ($(uname -m))"
 echo "| torch | torchvision | DeepSpeed | timm | Python | install | main job (top-1) | vim-ds demo | core tests |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for combination in "${COMBINATIONS[@]}"; do
-    torch=${combination%%:*} deepspeed=${combination#*:}
-    dir="$MATRIX_DIR/torch$torch-ds$deepspeed"
+    IFS=: read -r torch deepspeed python <<<"$combination"
+    python=${python:-python3}
+    dir="$MATRIX_DIR/torch$torch-ds$deepspeed-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     mkdir -p "$dir"
-    installed=$(step "$dir/install.log" install "$dir" "$torch" "$deepspeed")
+    installed=$(step "$dir/install.log" install "$dir" "$torch" "$deepspeed" "$python")
     main="-" demo="-" tests="-" versions="? | ? | ?"
     if [[ $installed == ok* ]]; then
         versions=$("$dir/venv/bin/python" -c 'import sys, timm, torchvision; print(torchvision.__version__.split("+")[0],
