@@ -54,3 +54,16 @@ def test_a_run_with_a_torch_too_old_stops_before_deepspeed_in_one_line(monkeypat
 def test_setup_py_requires_the_same_minimum(name):
     minimum = ".".join(map(str, versions.MINIMUM[name]))
     assert re.search(rf'"{name}>={re.escape(minimum)}"', (ROOT / "setup.py").read_text()), name
+
+
+def test_a_torch_without_custom_op_gets_the_one_line_not_a_traceback():
+    """torch 2.3 has no torch.library.custom_op, with which the ops are registered at `import vim_ds`: the package
+    imports without them, and `vim-ds` refuses that torch in one line. A torch 2.3 is made in a fresh process by
+    taking custom_op away and setting its version (torch 2.3 itself cannot be installed beside this venv's)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; del torch.library.custom_op; torch.__version__ = '2.3.1+cu121'\n"
+            "from vim_ds import cli; sys.exit(cli.main(['train', '--data-path', 'x']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (proc.returncode, proc.stderr) == (2, f"vim-ds train: error: {TOO_OLD_TORCH}\n"), proc.stderr[-2000:]
