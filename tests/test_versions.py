@@ -67,3 +67,43 @@ def test_a_torch_without_custom_op_gets_the_one_line_not_a_traceback():
             "from vim_ds import cli; sys.exit(cli.main(['train', '--data-path', 'x']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert (proc.returncode, proc.stderr) == (2, f"vim-ds train: error: {TOO_OLD_TORCH}\n"), proc.stderr[-2000:]
+
+
+def test_a_zero3_universal_copy_is_refused_where_deepspeed_converts_one_parameter_group(monkeypatch, tmp_path):
+    """DeepSpeed before 0.18 re-partitions the first parameter group of a ZeRO-3 checkpoint only (vim_ds's optimizer
+    has two): a resume on another rank count, or `vim-ds convert --universal`, is refused before the conversion
+    starts, naming the way out; nothing is written. DeepSpeed's version is patched here (versions.installed: this
+    venv has the newest); tools/version_matrix.sh meets the real 0.16.9, which failed half-way."""
+    import json
+    import os
+
+    from vim_ds.checkpoint import deepspeed_dir as layout
+    from vim_ds.checkpoint.files import CheckpointError
+    from vim_ds.engine import checkpointing
+
+    tag = tmp_path / "checkpoints" / "global_step5"
+    tag.mkdir(parents=True)
+
+    def saved_by(stage):
+        (tag / layout.MARKER).write_text(json.dumps({"step": 5, "zero_stage": stage, "world_size": 2}))
+
+    def with_deepspeed(version):
+        monkeypatch.setattr(versions, "installed", lambda: {"torch": str(torch.__version__), "deepspeed": version})
+
+    saved_by(3)
+    with_deepspeed("0.16.9")
+    with pytest.raises(CheckpointError) as info:
+        checkpointing.universal_copy(str(tag.parent), "global_step5")
+    assert str(info.value) == (
+        f"cannot convert {tag} to a universal checkpoint: it was saved by ZeRO-3, and DeepSpeed 0.16.9's "
+        f"ds_to_universal re-partitions only one parameter group of a ZeRO-3 checkpoint (DeepSpeed >= 0.18 all of "
+        f"them); resume it on the 2 ranks that saved it, or install deepspeed>=0.18")
+    assert os.listdir(tag.parent) == ["global_step5"]
+    with_deepspeed("0.17.6")
+    assert checkpointing.universal_refusal(str(tag)) is not None
+    # what DeepSpeed converts: ZeRO-1/2 with any version, ZeRO-3 from 0.18 on
+    with_deepspeed("0.18.9")
+    assert checkpointing.universal_refusal(str(tag)) is None
+    saved_by(2)
+    with_deepspeed("0.16.9")
+    assert checkpointing.universal_refusal(str(tag)) is None

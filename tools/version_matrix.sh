@@ -13,6 +13,7 @@
 #                  about 5 GB (torch's CUDA wheels from PyPI, which run on the CPU too)
 #   MATRIX_STEPS   which steps, comma-separated: main,demo,tests (default all three)
 #   MATRIX_KEEP=1  keep each combination's venv (default: removed after its row; the logs stay)
+#   MATRIX_REUSE=1 reuse a combination's venv kept earlier (MATRIX_KEEP=1): only the tree's files are copied again
 #   MATRIX_PIP     extra pins for the venv, e.g. "timm==1.0.15" (default none)
 # Python is the python3 on PATH unless a combination names one (the row says which). The newest torch is capped by pip's own configuration where
 # it has one (PIP_CONSTRAINT, /etc/xdg/pip).
@@ -84,9 +85,12 @@ accuracy() {
     grep -o 'validation top-1 [0-9.]*%' "$1" 2>/dev/null | tail -1 | awk '{print $3}'
 }
 
+# Every command of the tests as a real process (VIM_DS_TEST_FORK_SERVER=0, tests/preloaded.py): with torch 2.4
+# DeepSpeed's imports start a thread (inductor's compile workers' reader), and the suite's fork server refuses to
+# fork from a process with threads.
 core_tests() {
     local dir=$1
-    (cd "$dir/src" && PATH="$dir/venv/bin:$PATH" CUDA_VISIBLE_DEVICES="" \
+    (cd "$dir/src" && PATH="$dir/venv/bin:$PATH" CUDA_VISIBLE_DEVICES="" VIM_DS_TEST_FORK_SERVER=0 \
         "$dir/venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 "${CORE_TESTS[@]}")
 }
 
@@ -98,9 +102,14 @@ for combination in "${COMBINATIONS[@]}"; do
     python=${python:-python3}
     dir="$MATRIX_DIR/torch$torch-ds$deepspeed-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     mkdir -p "$dir"
-    installed=$(step "$dir/install.log" install "$dir" "$torch" "$deepspeed" "$python")
+    if [ "${MATRIX_REUSE:-0}" = 1 ] && [ -x "$dir/venv/bin/vim-ds" ]; then
+        git ls-files -co --exclude-standard | grep -v '\.so$' | tar -cf - -T - | tar -xf - -C "$dir/src"
+        installed="reused"
+    else
+        installed=$(step "$dir/install.log" install "$dir" "$torch" "$deepspeed" "$python")
+    fi
     main="-" demo="-" tests="-" versions="? | ? | ?"
-    if [[ $installed == ok* ]]; then
+    if [[ $installed == ok* || $installed == reused ]]; then
         versions=$("$dir/venv/bin/python" -c 'import sys, timm, torchvision; print(torchvision.__version__.split("+")[0],
                    "|", timm.__version__, "|", ".".join(map(str, sys.version_info[:3])))' 2>/dev/null || echo "? | ? | ?")
         if [[ $STEPS == *,main,* ]]; then
