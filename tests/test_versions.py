@@ -107,3 +107,23 @@ def test_a_zero3_universal_copy_is_refused_where_deepspeed_converts_one_paramete
     saved_by(2)
     with_deepspeed("0.16.9")
     assert checkpointing.universal_refusal(str(tag)) is None
+
+
+def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_safe_globals(monkeypatch, tmp_path):
+    """torch 2.4 has no torch.serialization.safe_globals (every resume, convert and universal copy stopped on it),
+    only the process-wide allow-list: checkpoint.files.safe_globals adds the types for the block and puts the list
+    back after it. torch 2.4 is made here by taking safe_globals away (the matrix runs the real one)."""
+    import argparse
+
+    from vim_ds.checkpoint import files
+
+    path = tmp_path / "args.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1)}, path)
+    before = set(map(repr, torch.serialization.get_safe_globals()))
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    with pytest.raises(Exception, match="Unsupported global"):  # refused outside the block
+        torch.load(path, weights_only=True)
+    with files.safe_globals([argparse.Namespace]):
+        assert torch.load(path, weights_only=True)["args"].lr == 0.1
+    assert set(map(repr, torch.serialization.get_safe_globals())) == before  # (their order aside)
+    assert files.load_weights_file(path)["args"].lr == 0.1  # through a loader of vim_ds's
