@@ -156,8 +156,10 @@ setup(
     python_requires=">=3.9",
     # Every package vim_ds imports at run time (tests/test_imports.py imports every module in a subprocess).
     # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
-    install_requires=["torch", "torchvision", "timm>=1.0", "deepspeed", "numpy", "pillow", "pydantic>=2", "psutil",
-                      "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],
+    # The lower bounds are the oldest releases tested (docs/versions.md; vim_ds/engine/versions.py refuses an older
+    # one already installed, at run time; tests/test_versions.py keeps the two in line).
+    install_requires=["torch>=2.4", "torchvision>=0.19", "timm>=1.0", "deepspeed>=0.16", "numpy", "pillow",
+                      "pydantic>=2", "psutil", "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],
     extras_require={"test": ["pytest", "pytest-xdist", "filelock", "webdataset", "ruff"],
                     "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["vim-ds=vim_ds.cli:main"]},

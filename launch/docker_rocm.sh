@@ -4,7 +4,7 @@
 # so the same training arguments work inside and out.
 #
 #   DATA=/data/imagenet OUT=$PWD/runs bash launch/docker_rocm.sh \
-#       bash -c 'pip install --no-build-isolation --use-pep517 -e . && bash launch/single_node.sh --data-path /data/imagenet ...'
+#       bash -c 'pip install "setuptools>=64" wheel && pip install --no-build-isolation --use-pep517 -e . && bash launch/single_node.sh --data-path /data/imagenet ...'
 #   bash launch/docker_rocm.sh                 # an interactive shell in the container
 #   bash launch/docker_rocm.sh --dry-run CMD   # print the docker command (quoted, ready to paste) and exit
 #

@@ -159,6 +159,38 @@ def test_unknown_precision_section_keys():
         minimal(fp16={"enabled": False, "loss_scale_windo": 10}))
 
 
+def _deepspeed_without(monkeypatch, missing: str):
+    """DeepSpeed as an older one is, without the module `missing` (vim_ds finds features by module,
+    ds_config.deepspeed_has): simulated, since this venv has the newest DeepSpeed; tools/version_matrix.sh meets the
+    real DeepSpeed 0.16."""
+    from vim_ds.engine import ds_config
+
+    real = ds_config.deepspeed_has
+    monkeypatch.setattr(ds_config, "deepspeed_has", lambda module: module != missing and real(module))
+
+
+def test_precision_sections_go_unchecked_where_deepspeed_has_no_schema_for_them(monkeypatch):
+    """DeepSpeed 0.16 has no deepspeed.runtime.precision_config (importing it stopped every run): it reads bf16 and
+    fp16 key by key, so they are left unchecked, as it leaves them."""
+    _deepspeed_without(monkeypatch, "deepspeed.runtime.precision_config")
+    assert prepare(minimal(bf16={"enabled": True, "check_overflow": True})).precision == "bf16"
+    assert prepare(minimal(fp16={"enabled": True, "loss_scale_windo": 10}), device_type="cuda").precision == "fp16"
+
+
+def test_autocast_is_refused_where_deepspeed_has_no_torch_autocast_section(monkeypatch):
+    """Before 0.17 DeepSpeed ignores torch_autocast, so the run would train in fp32 without a word: refused in one
+    line, whether --precision or the file chose it; the other precisions go on."""
+    import deepspeed
+
+    _deepspeed_without(monkeypatch, "deepspeed.runtime.torch_autocast")
+    needs = (f"autocast-bf16 needs DeepSpeed's torch_autocast section (DeepSpeed >= 0.17), and this is DeepSpeed "
+             f"{deepspeed.__version__}; use --precision bf16 or fp32")
+    assert error(precision="autocast-bf16") == f"--precision autocast-bf16: {needs}"
+    source = CONFIG_DIR / "zero2_autocast.json"
+    assert error(source) == f"{source} (torch_autocast.enabled): {needs}"
+    assert prepare(source, precision="bf16").precision == "bf16"
+
+
 def test_optimizer_section_and_adam_params_are_checked():
     assert "unknown key in optimizer: 'parms' (did you mean 'params'?)" in error(
         minimal(optimizer={"type": "AdamW", "parms": {}}))

@@ -8,7 +8,7 @@
 # CPU time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.14.1 torchvision==0.29.1
+python3 -m pip install -q torch==2.14.1 torchvision==0.29.1 "setuptools>=64" wheel
 python3 -m pip install -q --no-build-isolation --use-pep517 -e ".[test]"
 workers=${VIM_DS_TEST_WORKERS:-2}
 parallel=()

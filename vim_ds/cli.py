@@ -48,7 +48,14 @@ def dispatch(prog: str, table: dict, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    return dispatch("vim-ds", SUBCOMMANDS, sys.argv[1:] if argv is None else list(argv))
+    from .engine.errors import report_error
+    from .engine.versions import unsupported
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    refused = unsupported()  # a torch or DeepSpeed too old: said before any command imports them
+    if refused:
+        return report_error("vim-ds" if not argv or argv[0] not in SUBCOMMANDS else f"vim-ds {argv[0]}", refused)
+    return dispatch("vim-ds", SUBCOMMANDS, argv)
 
 
 if __name__ == "__main__":

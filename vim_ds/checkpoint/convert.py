@@ -20,7 +20,7 @@ from . import deepspeed_dir, safe_load
 from .atomic_write import write_atomically
 from .consolidate import fp32_state_dict
 from ..models.factory import DESCRIPTION_KEYS
-from .files import SAFE_GLOBALS, SAFETENSORS, TORCH, CheckpointError, is_safetensors, sniff
+from .files import SAFE_GLOBALS, SAFETENSORS, TORCH, CheckpointError, is_safetensors, safe_globals, sniff
 
 _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
 # the model's description (models.ModelConfig), where the run was, and "classes": the class names the run was
@@ -169,7 +169,7 @@ def written_by_vim_ds(path: str) -> bool:
             with safe_open(path, framework="pt") as f:
                 return (f.metadata() or {}).get("format") == "vim_ds"
         if kind == TORCH:
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
+            with safe_globals(SAFE_GLOBALS):
                 obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return isinstance(obj, dict) and isinstance(obj.get("vim_ds"), dict)
     except Exception:  # noqa: BLE001 - unreadable, a legacy pickle (no mmap), not a dict: not one of ours

@@ -12,6 +12,7 @@ HTML page saved as a download, a Git LFS pointer, an archive) is refused with on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 from typing import Any
@@ -29,6 +30,28 @@ class CheckpointError(ValueError):
 
 _BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the documentation", "Re-running", "(1)",
                 "(2)", "In PyTorch")
+
+
+def safe_globals(allowed: list):
+    """``torch.serialization.safe_globals(allowed)``: the types a weights-only ``torch.load`` may build, for the
+    loads inside the ``with``. torch 2.4 has no such context manager, only the process-wide allow-list
+    (``add_safe_globals``): there the list is added for the block and put back as it was after it."""
+    if hasattr(torch.serialization, "safe_globals"):
+        return torch.serialization.safe_globals(allowed)
+    return _scoped_safe_globals(allowed)
+
+
+@contextlib.contextmanager
+def _scoped_safe_globals(allowed: list):
+    before = torch.serialization.get_safe_globals()
+    # torch 2.4 takes no (object, "module.name") pairs (safe_load's getattr of an enum member, which some Pythons'
+    # pickles call): such a file is refused there, as any global the list does not hold
+    torch.serialization.add_safe_globals([entry for entry in allowed if not isinstance(entry, tuple)])
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 def _unpickler_reason(text: str) -> str:
@@ -128,7 +151,7 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
         except Exception as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
     try:  # an open file, not the path: torch.load would take a path named .safetensors to be one
-        with open(path, "rb") as f, torch.serialization.safe_globals(SAFE_GLOBALS):
+        with open(path, "rb") as f, safe_globals(SAFE_GLOBALS):
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as exc:
         # torch.load's complaint (`Unsupported operand 60`, `invalid load key`) would not say it

@@ -19,7 +19,7 @@ import pickle
 import torch
 
 from .deepspeed_dir import EMA_FILE
-from .files import SAFE_GLOBALS, CheckpointError, refusal
+from .files import SAFE_GLOBALS, CheckpointError, refusal, safe_globals
 
 FORCE, FORCE_NO = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
@@ -61,7 +61,7 @@ def load(path: str, extra_globals=(), mmap: bool = False):
     """torch.load(path, weights_only=True) on CPU, allowing vim_ds's and DeepSpeed's types (and `extra_globals`);
     with `mmap` the tensors are mapped, not read."""
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS + deepspeed_globals() + list(extra_globals)):
+        with safe_globals(SAFE_GLOBALS + deepspeed_globals() + list(extra_globals)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file not found: {path}") from None
@@ -76,7 +76,7 @@ def first_unsafe_file(directory: str) -> tuple[str, Exception] | None:
         if os.path.basename(path) == EMA_FILE or os.path.basename(path).startswith("rng_rank"):
             continue
         try:
-            with torch.serialization.safe_globals(SAFE_GLOBALS + deepspeed_globals()):
+            with safe_globals(SAFE_GLOBALS + deepspeed_globals()):
                 torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # noqa: BLE001 - any refusal is reported by the caller
             return path, exc
@@ -90,7 +90,7 @@ def deepspeed_loads(directory: str):
     saved = {name: os.environ.pop(name, None) for name in (FORCE, FORCE_NO)}
     os.environ[FORCE] = "1"
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS + deepspeed_globals()):
+        with safe_globals(SAFE_GLOBALS + deepspeed_globals()):
             yield
     except pickle.UnpicklingError as exc:
         found = first_unsafe_file(directory)

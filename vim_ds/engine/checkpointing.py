@@ -255,6 +255,24 @@ def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
     return repaired
 
 
+def universal_refusal(src: str) -> str | None:
+    """Why the installed DeepSpeed cannot make a universal copy of the checkpoint `src`, or None. Before 0.18 its
+    ds_to_universal re-partitions the first parameter group of a ZeRO-3 checkpoint only (fp32_flat_groups[0]), and
+    vim_ds's optimizer has two (with and without weight decay): the conversion failed half-way with "start (12192)
+    + length (16) exceeds dimension size (12192)". A fixed bug has no module to find it by: the version says it."""
+    from . import versions
+
+    marker = layout.read_marker(src)
+    deepspeed = versions.installed()["deepspeed"]
+    numbers = versions.release(deepspeed) if deepspeed else None
+    if marker.get("zero_stage") != 3 or numbers is None or numbers >= (0, 18):
+        return None
+    return (f"cannot convert {src} to a universal checkpoint: it was saved by ZeRO-3, and DeepSpeed {deepspeed}'s "
+            f"ds_to_universal re-partitions only one parameter group of a ZeRO-3 checkpoint (DeepSpeed >= 0.18 all "
+            f"of them); resume it on the {marker.get('world_size', '?')} ranks that saved it, or install "
+            f"deepspeed>=0.18")
+
+
 def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     """Re-partition a ZeRO-1/2/3 checkpoint for any rank count with DeepSpeed's `ds_to_universal` (once; run on one
     rank), next to the original as `<tag>_universal`; returns the new tag. The EMA and the completion marker are
@@ -267,6 +285,9 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     src, dst = os.path.join(save_dir, tag), os.path.join(save_dir, universal)
     if layout.is_complete(dst):
         return universal
+    refused = universal_refusal(src)
+    if refused:
+        raise CheckpointError(refused)
     # an interrupted conversion's files (by their names: a user's file in the folder stays, out of the marker)
     _remove_quietly(dst)
     foreign = layout.foreign_files(dst)

@@ -403,9 +403,25 @@ def _file_precision(config: dict) -> str | None:
     return {"bf16": "bf16", "fp16": "fp16", "torch_autocast": "autocast-bf16"}[on[0]] if on else "fp32"
 
 
-def _resolve_precision(config: dict, src: str, precision: str | None, device_type: str) -> str:
+def deepspeed_has(module: str) -> bool:
+    """Whether the installed DeepSpeed has `module` (a feature found by its module, not by a version number)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _precision_models() -> dict:
+    """DeepSpeed's schemas of the bf16 and fp16 sections, by section name: none before DeepSpeed 0.17, which reads
+    those sections key by key (an unknown key there is ignored by it, and not caught here either)."""
+    if not deepspeed_has("deepspeed.runtime.precision_config"):
+        return {}
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
+    return {"bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
+
+
+def _resolve_precision(config: dict, src: str, precision: str | None, device_type: str) -> str:
+    chosen_by = "--precision autocast-bf16" if precision is not None else f"{src} (torch_autocast.enabled)"
     if precision is not None:
         if precision not in PRECISIONS:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
@@ -439,9 +455,15 @@ def _resolve_precision(config: dict, src: str, precision: str | None, device_typ
     if precision == "fp16" and device_type == "cpu":
         raise ConfigError(f"{where}: fp16 is not supported by DeepSpeed on CPU; use --precision bf16, "
                           f"autocast-bf16 or fp32 (e.g. ds_configs/zero2.json)")
+    if precision == "autocast-bf16" and not deepspeed_has("deepspeed.runtime.torch_autocast"):
+        # an older DeepSpeed ignores the section: the run would train in fp32 without a word
+        import deepspeed
+
+        raise ConfigError(f"{chosen_by}: autocast-bf16 needs DeepSpeed's torch_autocast section (DeepSpeed >= 0.17), "
+                          f"and this is DeepSpeed {deepspeed.__version__}; use --precision bf16 or fp32")
     if "torch_autocast" in config:
         _check_torch_autocast(config, src)
-    for section, model in (("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
+    for section, model in _precision_models().items():
         if section in config:
             _validate_model(model, config[section], section, src)
     return precision

@@ -12,7 +12,7 @@ def run(args, prog: str = "vim-ds train") -> int:
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
     from . import (build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals,
-                   write_journal)
+                   versions, write_journal)
     from .checkpointing import SaveError
     from .env_vars import refusal
     from .errors import first_line, report_error
@@ -23,6 +23,10 @@ def run(args, prog: str = "vim-ds train") -> int:
 
     config = RunConfig.from_namespace(args)
     rank = os.environ.get("RANK", "0")
+    # a torch or DeepSpeed too old (each rank of a launcher, `python -m vim_ds.train`): before DeepSpeed starts
+    unsupported = versions.unsupported()
+    if unsupported:
+        return report_error(prog, unsupported, rank=rank)
     # a VIM_DS_* variable it cannot read: said before anything starts, on every rank (however it was launched)
     refused = refusal(prog, rank=rank)
     if refused:

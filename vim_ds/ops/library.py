@@ -23,6 +23,7 @@ explicitly (weights to the activations' dtype), so eager, compiled and exported 
 """
 from __future__ import annotations
 
+import typing
 from typing import Optional
 
 import torch
@@ -32,6 +33,18 @@ from torch import Tensor
 from . import backends
 
 NAMESPACE = "vim_ds"
+
+
+def custom_op(name: str, mutates_args=()):
+    """``torch.library.custom_op`` for a function whose annotations may be strings (this package's modules use
+    ``from __future__ import annotations``): they are evaluated first, in the function's module. torch 2.4's
+    ``infer_schema`` reads the raw annotations and refuses strings (``Parameter u has unsupported type Tensor``);
+    newer torch evaluates them itself, to the same objects, so the schema is the same there."""
+    def register(fn):
+        fn.__annotations__ = typing.get_type_hints(fn)
+        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+    return register
 
 
 def resolve(backend: str, device: torch.device):
@@ -93,7 +106,7 @@ def _last_state_like(u: Tensor, A: Tensor, return_last_state: bool) -> Tensor:
     return u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=A.dtype) if return_last_state else _absent(u)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::selective_scan_fwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::selective_scan_fwd", mutates_args=())
 def selective_scan_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                        z: Optional[Tensor], delta_bias: Optional[Tensor], delta_softplus: bool, reverse: bool,
                        backend: str, return_last_state: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,7 +125,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse, backend, ret
             _last_state_like(u, A, return_last_state))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::selective_scan_bwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::selective_scan_bwd", mutates_args=())
 def selective_scan_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                        z: Optional[Tensor], delta_bias: Optional[Tensor], dout: Tensor, saved: Tensor,
                        delta_softplus: bool, reverse: bool,
@@ -199,7 +212,7 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tenso
     return dx.contiguous(), dw.contiguous(), db
 
 
-@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+@custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend: str) -> Tensor:
     """x (batch, d, L), weight (d, 1, K), bias (d,) or None -> (batch, d, L) in x's dtype."""
     with _no_autocast(x.device):
@@ -211,7 +224,7 @@ def _(x, weight, bias, reverse, backend):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d_bwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::causal_conv1d_bwd", mutates_args=())
 def causal_conv1d_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool,
                       backend: str) -> tuple[Tensor, Tensor, Tensor]:
     with _no_autocast(x.device):
@@ -306,7 +319,7 @@ def branch_inputs_bwd(x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias
     return dx, dhalo, dconv_w, dconv_b, dx_proj_w.to(x_proj_weight.dtype), ddt_proj_w.to(dt_proj_weight.dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::ssm_branch_fwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::ssm_branch_fwd", mutates_args=())
 def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], x_proj_weight: Tensor,
                    dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor, reverse: bool,
                    backend: str) -> tuple[Tensor, Tensor]:
@@ -323,7 +336,7 @@ def _(x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_b
     return x.new_empty(x.shape), _saved_like(resolve(backend, x.device), x, A)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::ssm_branch_bwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::ssm_branch_bwd", mutates_args=())
 def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
                    x_proj_weight: Tensor, dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor,
                    saved: Tensor, reverse: bool, backend: str

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .library import NAMESPACE, _absent, _no_autocast, _saved_like, resolve
+from .library import NAMESPACE, _absent, _no_autocast, _saved_like, custom_op, resolve
 from .selective_scan import _param_dtype, validate
 
 
@@ -34,7 +34,7 @@ def _state_backend(backend: str, device: torch.device):
     return impl
 
 
-@torch.library.custom_op(f"{NAMESPACE}::selective_scan_state_fwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::selective_scan_state_fwd", mutates_args=())
 def selective_scan_state_fwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                              z: Optional[Tensor], delta_bias: Optional[Tensor], h0: Optional[Tensor],
                              delta_softplus: bool, reverse: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,7 +52,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, h0, delta_softplus, reverse, backend)
             u.new_empty((u.shape[0], u.shape[1], A.shape[1]), dtype=A.dtype))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::selective_scan_state_bwd", mutates_args=())
+@custom_op(f"{NAMESPACE}::selective_scan_state_bwd", mutates_args=())
 def selective_scan_state_bwd(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                              z: Optional[Tensor], delta_bias: Optional[Tensor], h0: Optional[Tensor], dout: Tensor,
                              saved: Tensor, dlast: Optional[Tensor], delta_softplus: bool, reverse: bool,

@@ -1,0 +1,129 @@
+"""The supported torch and DeepSpeed versions (vim_ds/engine/versions.py): a version too old is refused in one line
+before anything starts, and setup.py's install bounds are the same minimums.
+
+An older torch or DeepSpeed cannot be installed beside this venv's, so the run's refusal is exercised with
+torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
+strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from vim_ds import cli
+from vim_ds.engine import run_options, versions
+from vim_ds.engine.run import run
+
+ROOT = Path(__file__).resolve().parents[1]
+TOO_OLD_TORCH = ("torch 2.3.1+cu121 is installed, and vim_ds supports torch >= 2.4 (tested: "
+                 f"{versions.TESTED['torch']}, docs/versions.md); install a torch in that range")
+
+
+def test_a_version_below_the_range_is_named_with_the_range():
+    assert versions.problem({"torch": "2.3.1+cu121", "deepspeed": "0.19.8"}) == TOO_OLD_TORCH
+    assert versions.problem({"torch": "2.14.1", "deepspeed": "0.15.4"}) == (
+        f"deepspeed 0.15.4 is installed, and vim_ds supports deepspeed >= 0.16 (tested: "
+        f"{versions.TESTED['deepspeed']}, docs/versions.md); install a deepspeed in that range")
+    # a minor release's first patch, a newer major, a local build, DeepSpeed absent (its import says so later)
+    for found in ({"torch": "2.4.0", "deepspeed": "0.16.0"}, {"torch": "3.0.0a0+git1234", "deepspeed": "1.0.0"},
+                  {"torch": "2.10.0+rocm7.1", "deepspeed": None}):
+        assert versions.problem(found) is None, found
+
+
+def test_the_installed_versions_pass():
+    assert versions.unsupported() is None, versions.installed()
+
+
+def test_a_run_with_a_torch_too_old_stops_before_deepspeed_in_one_line(monkeypatch, capsys, tmp_path):
+    """engine/run.py (each rank of a launcher) and `vim-ds` (every command): exit 2, the one line, nothing started.
+    The negative control: the same run with the real version gets past the check, to the next refusal (its data)."""
+    args = ["--data-path", str(tmp_path / "no_such_data"), "--output_dir", str(tmp_path / "out")]
+    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert "no_such_data" in capsys.readouterr().err
+
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cu121")
+    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert capsys.readouterr().err == f"vim-ds train: error (rank 0): {TOO_OLD_TORCH}\n"
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err == f"vim-ds demo: error: {TOO_OLD_TORCH}\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", sorted(versions.MINIMUM))
+def test_setup_py_requires_the_same_minimum(name):
+    minimum = ".".join(map(str, versions.MINIMUM[name]))
+    assert re.search(rf'"{name}>={re.escape(minimum)}"', (ROOT / "setup.py").read_text()), name
+
+
+def test_a_torch_without_custom_op_gets_the_one_line_not_a_traceback():
+    """torch 2.3 has no torch.library.custom_op, with which the ops are registered at `import vim_ds`: the package
+    imports without them, and `vim-ds` refuses that torch in one line. A torch 2.3 is made in a fresh process by
+    taking custom_op away and setting its version (torch 2.3 itself cannot be installed beside this venv's)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; del torch.library.custom_op; torch.__version__ = '2.3.1+cu121'\n"
+            "from vim_ds import cli; sys.exit(cli.main(['train', '--data-path', 'x']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert (proc.returncode, proc.stderr) == (2, f"vim-ds train: error: {TOO_OLD_TORCH}\n"), proc.stderr[-2000:]
+
+
+def test_a_zero3_universal_copy_is_refused_where_deepspeed_converts_one_parameter_group(monkeypatch, tmp_path):
+    """DeepSpeed before 0.18 re-partitions the first parameter group of a ZeRO-3 checkpoint only (vim_ds's optimizer
+    has two): a resume on another rank count, or `vim-ds convert --universal`, is refused before the conversion
+    starts, naming the way out; nothing is written. DeepSpeed's version is patched here (versions.installed: this
+    venv has the newest); tools/version_matrix.sh meets the real 0.16.9, which failed half-way."""
+    import json
+    import os
+
+    from vim_ds.checkpoint import deepspeed_dir as layout
+    from vim_ds.checkpoint.files import CheckpointError
+    from vim_ds.engine import checkpointing
+
+    tag = tmp_path / "checkpoints" / "global_step5"
+    tag.mkdir(parents=True)
+
+    def saved_by(stage):
+        (tag / layout.MARKER).write_text(json.dumps({"step": 5, "zero_stage": stage, "world_size": 2}))
+
+    def with_deepspeed(version):
+        monkeypatch.setattr(versions, "installed", lambda: {"torch": str(torch.__version__), "deepspeed": version})
+
+    saved_by(3)
+    with_deepspeed("0.16.9")
+    with pytest.raises(CheckpointError) as info:
+        checkpointing.universal_copy(str(tag.parent), "global_step5")
+    assert str(info.value) == (
+        f"cannot convert {tag} to a universal checkpoint: it was saved by ZeRO-3, and DeepSpeed 0.16.9's "
+        f"ds_to_universal re-partitions only one parameter group of a ZeRO-3 checkpoint (DeepSpeed >= 0.18 all of "
+        f"them); resume it on the 2 ranks that saved it, or install deepspeed>=0.18")
+    assert os.listdir(tag.parent) == ["global_step5"]
+    with_deepspeed("0.17.6")
+    assert checkpointing.universal_refusal(str(tag)) is not None
+    # what DeepSpeed converts: ZeRO-1/2 with any version, ZeRO-3 from 0.18 on
+    with_deepspeed("0.18.9")
+    assert checkpointing.universal_refusal(str(tag)) is None
+    saved_by(2)
+    with_deepspeed("0.16.9")
+    assert checkpointing.universal_refusal(str(tag)) is None
+
+
+def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_safe_globals(monkeypatch, tmp_path):
+    """torch 2.4 has no torch.serialization.safe_globals (every resume, convert and universal copy stopped on it),
+    only the process-wide allow-list: checkpoint.files.safe_globals adds the types for the block and puts the list
+    back after it. torch 2.4 is made here by taking safe_globals away (the matrix runs the real one)."""
+    import argparse
+
+    from vim_ds.checkpoint import files
+
+    path = tmp_path / "args.pt"
+    torch.save({"args": argparse.Namespace(lr=0.1)}, path)
+    before = set(map(repr, torch.serialization.get_safe_globals()))
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    with pytest.raises(Exception, match="Unsupported global"):  # refused outside the block
+        torch.load(path, weights_only=True)
+    with files.safe_globals([argparse.Namespace]):
+        assert torch.load(path, weights_only=True)["args"].lr == 0.1
+    assert set(map(repr, torch.serialization.get_safe_globals())) == before  # (their order aside)
+    assert files.load_weights_file(path)["args"].lr == 0.1  # through a loader of vim_ds's
