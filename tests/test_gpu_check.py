@@ -127,7 +127,8 @@ def test_build_mamba_ssm_keeps_only_the_kernel_and_refuses_in_one_line(tmp_path)
     """tools/build_mamba_ssm.sh (issue 51's mamba_ssm on the lent GPU) without a network or a GPU: `fetch` of a
     source package on disk keeps csrc/selective_scan and LICENSE only, with where it came from; `build` refuses in
     one line, exit 2, where it cannot build (no source fetched, no GPU and no TORCH_CUDA_ARCH_LIST, a kernel file
-    missing). The build itself needs nvcc and minutes of compiling: run by hand and on a GPU (docs/performance.md)."""
+    missing), and neither replaces a folder of the user's where it would write. The build itself needs nvcc and
+    minutes of compiling: run by hand and on a GPU (docs/performance.md)."""
     kernels = ["selective_scan.cpp"] + [f"selective_scan_fwd_{t}.cu" for t in ("fp32", "fp16", "bf16")] + [
         f"selective_scan_bwd_{t}_{k}.cu" for t in ("fp32", "fp16", "bf16") for k in ("real", "complex")]
     sdist = tmp_path / "pkg" / "mamba_ssm-9.9.9.tar.gz"
@@ -157,6 +158,19 @@ def test_build_mamba_ssm_keeps_only_the_kernel_and_refuses_in_one_line(tmp_path)
     if torch.version.cuda and os.path.exists("/usr/local/cuda/bin/nvcc"):
         assert missing.returncode == 2, missing.stderr
         assert "expected mamba_ssm's 9 kernel files and its binding" in missing.stderr.strip().splitlines()[-1]
+
+    # a folder of the user's where the script would write is never replaced: src/ by fetch, build/ by build
+    theirs = tmp_path / "theirs"
+    (theirs / "src").mkdir(parents=True)
+    (theirs / "src" / "notes.txt").write_text("mine\n")
+    kept = _mamba_script(["fetch", str(sdist)], {"MAMBA_SSM_DIR": str(theirs)})
+    assert kept.returncode == 2 and "is not a source this script fetched" in kept.stderr, kept.stderr
+    assert sorted(os.listdir(theirs / "src")) == ["notes.txt"]
+    (where / "build").mkdir()
+    (where / "build" / "model.pt").write_text("mine\n")
+    kept = _mamba_script(["build"], {**env, "TORCH_CUDA_ARCH_LIST": "9.0"})
+    assert kept.returncode == 2 and "is not a build of this script" in kept.stderr, kept.stderr
+    assert sorted(os.listdir(where / "build")) == ["model.pt"]
 
     bad = tmp_path / "mamba_ssm-1.0.tar.gz"
     bad.write_bytes(b"not a tarball")

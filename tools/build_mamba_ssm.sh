@@ -67,8 +67,11 @@ def from_file(path):
 
 
 folder, wanted = sys.argv[1], sys.argv[2]
-version, data, origin = from_file(wanted) if wanted.endswith(".tar.gz") else from_index(wanted)
 src = os.path.join(folder, "src")
+if os.path.exists(src) and not os.path.exists(os.path.join(src, "VIM_DS_SOURCE")):
+    die(f"{src} exists and is not a source this script fetched (no VIM_DS_SOURCE in it): it is not replaced; move "
+        f"it, or set MAMBA_SSM_DIR to another folder")
+version, data, origin = from_file(wanted) if wanted.endswith(".tar.gz") else from_index(wanted)
 with tempfile.TemporaryDirectory(dir=folder) as unpacked:  # what an earlier fetch kept stays until this one worked
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
@@ -103,8 +106,11 @@ def die(message):
 
 
 folder = sys.argv[1]
-src = os.path.join(folder, "src")
+src, out = os.path.join(folder, "src"), os.path.join(folder, "build")
 version = open(os.path.join(src, "VIM_DS_SOURCE")).read().split()[0]
+if os.path.exists(out) and not os.path.exists(os.path.join(out, "VIM_DS_BUILD")):
+    die(f"{out} exists and is not a build of this script (no VIM_DS_BUILD in it): it is not replaced; move it, or "
+        f"set MAMBA_SSM_DIR to another folder")
 import torch
 from torch.utils import cpp_extension
 
@@ -122,9 +128,9 @@ csrc = os.path.join(src, "csrc", "selective_scan")
 sources = [os.path.join(csrc, "selective_scan.cpp")] + sorted(glob.glob(os.path.join(csrc, "selective_scan_*.cu")))
 if len(sources) != 10:
     die(f"expected mamba_ssm's 9 kernel files and its binding in {csrc}, found {len(sources)} files")
-out = os.path.join(folder, "build")
-shutil.rmtree(out, ignore_errors=True)
+shutil.rmtree(out, ignore_errors=True)  # an earlier build of this script (checked above)
 os.makedirs(out)
+open(os.path.join(out, "VIM_DS_BUILD"), "w").close()
 # mamba_ssm's own nvcc flags (its setup.py), less the -gencode list that TORCH_CUDA_ARCH_LIST replaces here
 nvcc = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT162_OPERATORS__",

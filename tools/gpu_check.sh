@@ -73,8 +73,8 @@ HAVE_GPU=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))" 2>
 
 # mamba_ssm's extension, built beside our kernel's build (which leaves most cores idle), joined before the tests
 mamba_pid=""
-if [ "$HAVE_GPU" = 1 ] && [ -f .mamba_ssm/src/VIM_DS_SOURCE ] && ! "$PYTHON" -c "import selective_scan_cuda" 2>/dev/null
-then
+if { step tests || step scan; } && [ "$HAVE_GPU" = 1 ] && [ -f .mamba_ssm/src/VIM_DS_SOURCE ] \
+    && ! "$PYTHON" -c "import selective_scan_cuda" 2>/dev/null; then
     echo "== mamba: building mamba_ssm's selective_scan_cuda in the background ($OUT/mamba_build.log)"
     mamba_start=$SECONDS
     MAX_JOBS=${MAMBA_MAX_JOBS:-12} PYTHON=$PYTHON timeout 480 bash tools/build_mamba_ssm.sh build > "$OUT/mamba_build.log" 2>&1 &
