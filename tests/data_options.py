@@ -20,7 +20,7 @@ def train_options(**changes) -> argparse.Namespace:
 
 def run_config(**changes) -> RunConfig:
     """The same options as the typed config the engine reads."""
-    return RunConfig.from_namespace(train_options(**changes))
+    return RunConfig.from_dict(vars(train_options(**changes)))
 
 
 def dataset_config(**changes):

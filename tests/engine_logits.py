@@ -17,7 +17,7 @@ def main(argv):
     from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    config = RunConfig.from_namespace(parse_args(argv))
+    config = RunConfig.from_dict(vars(parse_args(argv)))
     dist_info = distributed.setup(config.run.local_rank)
     trainer = build_trainer(config, dist_info)
     trainer.resume(config.run.resume)

@@ -18,7 +18,7 @@ def main(argv):
     from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    config = RunConfig.from_namespace(parse_args(argv))
+    config = RunConfig.from_dict(vars(parse_args(argv)))
     trainer = build_trainer(config, distributed.setup(config.run.local_rank))
     engine = trainer.engine
     images, targets, _ = next(iter(trainer.train_loader))

@@ -276,10 +276,10 @@ def test_save_init_weights_never_replaces_a_file_and_a_replay_of_options_yaml_is
             str(init)]
     out.mkdir()
     options_file.write_run(str(out / options_file.OPTIONS_FILE),
-                           options_file.record(RunConfig.from_namespace(parse_args(argv))))
+                           options_file.record(RunConfig.from_dict(vars(parse_args(argv)))))
     for replay in (argv, ["--config", str(out / options_file.OPTIONS_FILE)]):
         with pytest.raises(ValueError) as refused:
-            preflight.check(RunConfig.from_namespace(parse_args(replay)), is_main=True)
+            preflight.check(RunConfig.from_dict(vars(parse_args(replay))), is_main=True)
         assert str(refused.value) == (f"--save-init-weights {init} exists and is never replaced (runs that started "
                                       f"from it record its sha256): start from it with --init-weights {init}, or give "
                                       f"a new file name")

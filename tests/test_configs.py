@@ -119,14 +119,14 @@ def recording(real):
     return init_process_group
 dist.init_process_group = c10d.init_process_group = recording(c10d.init_process_group)
 from vim_ds.engine.run import run
-from vim_ds.engine.run_options import parse_args
+from vim_ds.engine.run_options import parse_config
 if os.environ.get("VIM_DS_NO_PREFLIGHT"):
     import vim_ds.engine.preflight as preflight
     preflight.check = lambda config, is_main: config
 for argv in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = run(parse_args(argv))
+        rc = run(parse_config(argv))
     engines = [o for o in gc.get_objects() if type(o).__name__ in ("DeepSpeedEngine", "Trainer")]
     print("RESULT " + json.dumps({"rc": rc, "deepspeed_imported": "deepspeed" in sys.modules, "stderr": err.getvalue(),
                                   "stdout": out.getvalue(), "process_group": bool(started), "engines": len(engines)}))
@@ -266,7 +266,7 @@ def test_a_run_that_keeps_nothing_says_so_at_its_start(tmp_path, capsys):
             "--deepspeed_config", "zero0", "--precision", "fp32"]
     said = "note: no --output_dir: nothing of this run is kept"
     for extra, expected in (([], True), (["--output_dir", str(tmp_path / "run")], False), (["--eval"], False)):
-        preflight.check(RunConfig.from_namespace(parse_args(argv + extra)), is_main=True)
+        preflight.check(RunConfig.from_dict(vars(parse_args(argv + extra))), is_main=True)
         assert (said in capsys.readouterr().out) == expected, extra
 
 

@@ -364,7 +364,7 @@ def settled(tmp_path, json_top: dict, argv: list, params: dict | None = None):
     from vim_ds.engine.run_options import parse_args
 
     path = write(tmp_path, {**minimal(**json_top), "optimizer": {"type": "AdamW", "params": params or {}}})
-    optim = RunConfig.from_namespace(parse_args(["--batch-size", "4", *argv])).optim
+    optim = RunConfig.from_dict(vars(parse_args(["--batch-size", "4", *argv]))).optim
     prepared = prepare(path, auto_values=lambda batch: ds_auto_values(optim, batch))
     return settle_shared(optim, prepared)
 
@@ -411,7 +411,7 @@ def test_a_value_the_json_leaves_out_is_the_command_lines_when_given(tmp_path):
 
     def settle(top: dict, argv: list):
         path = write(tmp_path, {**minimal(**top), "optimizer": {"type": "AdamW", "params": {}}})
-        optim = RunConfig.from_namespace(parse_args(["--batch-size", "4", *argv])).optim
+        optim = RunConfig.from_dict(vars(parse_args(["--batch-size", "4", *argv]))).optim
         prepared = prepare(path, auto_values=lambda batch: ds_auto_values(optim, batch))
         return prepared, *settle_shared(optim, prepared)
 
@@ -436,7 +436,7 @@ def test_a_json_number_the_command_line_did_not_give_runs_and_is_what_the_run_re
     assert (optim.clip_grad, optim.weight_decay, optim.lr, optim.unscale_lr) == (0.01, 0.1, 1e-3, True)
     assert note == (f"note: {tmp_path / 'my.json'} sets --lr 0.001, --weight-decay 0.1, --clip-grad 0.01 (not given "
                     f"on the command line): the file's values run, and options.yaml records them")
-    config = RunConfig.from_namespace(parse_args(["--batch-size", "4"]))
+    config = RunConfig.from_dict(vars(parse_args(["--batch-size", "4"])))
     record = options_file.with_settled(options_file.record(config), config.replace(**{
         k: getattr(optim, k) for k in options_file.SETTLED}))
     assert (record["clip_grad"], record["weight_decay"], record["lr"], record["unscale_lr"]) == (0.01, 0.1, 1e-3, True)

@@ -209,7 +209,7 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
         assert proc.returncode == 0, proc.stderr[-3000:]
         records.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]))
 
-    config = RunConfig.from_namespace(parse_args(argv + ["--eval"], prog="vim-ds eval"))
+    config = RunConfig.from_dict(vars(parse_args(argv + ["--eval"], prog="vim-ds eval")))
     val, _ = build_dataset(dataset_config(config), is_train=False)
     images = torch.stack([val[i][0] for i in range(len(val))])
     targets = torch.tensor([val[i][1] for i in range(len(val))])

@@ -81,10 +81,10 @@ def test_the_record_and_the_output_folder_follow_the_capabilities(name, tmp_path
 
     engine = ENGINES[name]
     (tmp_path / "checkpoints").write_text("not a folder")
-    config = RunConfig.from_namespace(_parse("--engine", name, "--output_dir", str(tmp_path)))
+    config = RunConfig.from_dict(vars(_parse("--engine", name, "--output_dir", str(tmp_path))))
     assert options_file.record(config)["model_ema"] is None
     if engine.keeps_ema:
-        off = RunConfig.from_namespace(_parse("--engine", name, "--no-model-ema"))
+        off = RunConfig.from_dict(vars(_parse("--engine", name, "--no-model-ema")))
         assert options_file.record(off)["model_ema"] is False
     problem = output_dir.check(config)
     assert (problem == f"{tmp_path / 'checkpoints'} is a file, not a folder; move it away or give another "

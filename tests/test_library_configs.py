@@ -1,11 +1,13 @@
 """No library module reads the command line's namespace (issue 37, item 1): no function in vim_ds/data/,
 vim_ds/checkpoint/, vim_ds/models/ or vim_ds/ops/ has a parameter named `args`, and no code there reads `args.NAME` or
-`getattr(args, ...)`; the same holds in vim_ds/engine/, but for its parser (run_options.py) and the commands' one call
-into it (run.run, which makes the typed RunConfig of the namespace first), and no engine object keeps a namespace
-(`self.args`). `args` is the name of a parsed argparse namespace; only the commands hold one. The engine reads the
-RunConfig (engine/run_config.py) and turns it into the configs of the layers below (vim_ds/engine/components.py), so
-an option's default lives in its definition alone. Checked on the source (AST), like tests/test_layering.py checks
-the imports.
+`getattr(args, ...)`; the same holds in vim_ds/engine/, but for its parser (run_options.py), and no engine object keeps
+a namespace (`self.args`). Since issue 53 the engine's entry takes the RunConfig too (`run.run(config)`: the command
+line makes it, run_options.parse_config), and argparse itself is imported only by the command line's modules: the
+commands, engine/run_options.py, and checkpoint/files.py, whose allow-list for unpickling published checkpoints
+names argparse.Namespace. `args` is the name of a parsed argparse namespace; only the commands hold one. The engine
+reads the RunConfig (engine/run_config.py) and turns it into the configs of the layers below
+(vim_ds/engine/components.py), so an option's default lives in its definition alone. Checked on the source (AST),
+like tests/test_layering.py checks the imports.
 """
 from __future__ import annotations
 
@@ -89,27 +91,13 @@ def test_the_layers_below_the_engine_never_take_the_namespace():
                           "the options) or plain values, never the namespace:\n" + "\n".join(problems))
 
 
-# the commands' one call into the engine: its first statement turns the namespace into the RunConfig
-ENGINE_ENTRY = ("engine/run.py", "run")
-# the parser: the command side, which builds and checks the namespace
+# the parser: the command side, which builds the RunConfig from argv
 ENGINE_PARSER = "engine/run_options.py"
 
 
 def engine_files():
     return sorted(p for p in (PACKAGE_DIR / "engine").rglob("*.py")
                   if p.relative_to(PACKAGE_DIR).as_posix() != ENGINE_PARSER)
-
-
-def _entry_uses_args_once_for_the_config(tree: ast.Module) -> bool:
-    """Whether the entry's body names `args` exactly once, as the argument of RunConfig.from_namespace."""
-    entry = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == ENGINE_ENTRY[1])
-    names = [node for statement in entry.body for node in ast.walk(statement)
-             if isinstance(node, ast.Name) and node.id == "args"]
-    calls = [node for statement in entry.body for node in ast.walk(statement)
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-             and node.func.attr == "from_namespace" and [type(a) for a in node.args] == [ast.Name]
-             and node.args[0].id == "args"]
-    return len(names) == 1 and len(calls) == 1
 
 
 def held_namespaces(source: str) -> list[tuple[int, str]]:
@@ -119,38 +107,60 @@ def held_namespaces(source: str) -> list[tuple[int, str]]:
             and node.value.id in ("self", "trainer")]
 
 
-def test_the_engine_check_sees_a_held_namespace_and_a_second_use_in_the_entry():
-    """Negative control of the engine's two extra checks on small synthetic sources: a namespace kept on an object
-    (`self.args`, `trainer.args`) is reported and an exception's `.args` is not; the entry passes when its one use
-    of `args` makes the config, and fails when it reads the namespace again."""
+def test_the_engine_check_sees_a_held_namespace():
+    """Negative control of the engine's extra check on a small synthetic source: a namespace kept on an object
+    (`self.args`, `trainer.args`) is reported and an exception's `.args` is not."""
     held = '''
 class Trainer:
     def fit(self): return self.args.epochs + trainer.args.seed
 def error(exc): return exc.args[0]
 '''
     assert held_namespaces(held) == [(3, "self.args"), (3, "trainer.args")]
-    entry = "def run(args, prog):\n    config = RunConfig.from_namespace(args)\n    return config.run.eval\n"
-    assert _entry_uses_args_once_for_the_config(ast.parse(entry))
-    assert not _entry_uses_args_once_for_the_config(ast.parse(entry + "    return args.eval\n"))
-    assert not _entry_uses_args_once_for_the_config(ast.parse(entry.replace("from_namespace(args)", "vars(args)")))
 
 
 def test_the_engine_takes_the_run_config_not_the_namespace():
-    """The engine's modules (the parser aside) take the typed RunConfig (engine/run_config.py) or plain values: the
-    namespace reaches the engine at one call, engine/run.py's `run`, which makes the config of it first."""
+    """The engine's modules (the parser aside) take the typed RunConfig (engine/run_config.py) or plain values, its
+    entry (engine/run.py's `run`) included: the command line hands it the RunConfig it made."""
     assert engine_files(), f"no modules under {PACKAGE_DIR / 'engine'}"
     problems = []
     for path in engine_files():
         name = path.relative_to(PACKAGE_DIR).as_posix()
         source = path.read_text()
-        found = namespace_uses(source)
-        if name == ENGINE_ENTRY[0]:
-            entry = (ENGINE_ENTRY[1], f"def {ENGINE_ENTRY[1]}(... args ...)")
-            found = [use for use in found if (use[0], use[2]) != entry]
-            if not _entry_uses_args_once_for_the_config(ast.parse(source)):
-                problems.append(f"vim_ds/{name}: {ENGINE_ENTRY[1]} uses `args` other than once, in "
-                                f"RunConfig.from_namespace(args)")
-        problems += [f"vim_ds/{name}:{line}: {what} (in {function})" for function, line, what in found]
+        problems += [f"vim_ds/{name}:{line}: {what} (in {function})" for function, line, what in namespace_uses(source)]
         problems += [f"vim_ds/{name}:{line}: {what}" for line, what in held_namespaces(source)]
     assert not problems, ("the engine reads its options from the RunConfig (config.optim.lr, config.run.output_dir), "
                           "never from the namespace:\n" + "\n".join(problems))
+
+
+# below the commands, the modules that may import argparse: the command line's parser, and the allow-list of the
+# types a published checkpoint's pickle may hold (its `args` is an argparse.Namespace)
+ARGPARSE_BELOW_COMMANDS = {"engine/run_options.py", "checkpoint/files.py"}
+
+
+def argparse_imports(source: str) -> list[int]:
+    """The lines of `source` that import argparse (`import argparse`, `from argparse import ...`)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names))
+            or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse")]
+
+
+def test_the_argparse_check_sees_each_way_of_importing_it():
+    """Negative control on a small synthetic source: both forms are found, anywhere in the module; a name that only
+    contains the word is not."""
+    source = "import os, argparse\ndef f():\n    from argparse import Namespace\nimport argparse_like\n"
+    assert argparse_imports(source) == [1, 3]
+    assert argparse_imports("x = 'argparse'\n") == []
+
+
+def test_only_the_command_line_imports_argparse():
+    """argparse lives in the command line: every command module, and below them only run_options (the run's
+    parser) and checkpoint/files.py's unpickling allow-list. The configuration (run_config, run_rules,
+    options_file), the engine and the libraries below take and make the RunConfig or plain values (issue 53)."""
+    below = sorted(p for unit in ("engine", *LIBRARY) for p in (PACKAGE_DIR / unit).rglob("*.py"))
+    assert below
+    problems = [f"vim_ds/{name}:{line}: imports argparse" for path in below
+                if (name := path.relative_to(PACKAGE_DIR).as_posix()) not in ARGPARSE_BELOW_COMMANDS
+                for line in argparse_imports(path.read_text())]
+    assert not problems, "only the command line parses argv:\n" + "\n".join(problems)
+    # the exceptions are real (a stale entry would let a new one in unseen)
+    assert all(argparse_imports((PACKAGE_DIR / name).read_text()) for name in ARGPARSE_BELOW_COMMANDS)

@@ -124,7 +124,7 @@ from vim_ds.engine.run_options import build_parser
 
 args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "8", "--input-size", "16",
                                   "--nb-classes", "10", "--seed", "3"])
-dataset, _ = build_dataset(dataset_config(RunConfig.from_namespace(args)), is_train=False)
+dataset, _ = build_dataset(dataset_config(RunConfig.from_dict(vars(args))), is_train=False)
 # control: the worker watches a living process (the test) instead of this one, as torch's own check watches the server
 owner = int(sys.argv[2]) if sys.argv[1] == "control" else None
 loader = build_loader(dataset, [[0], [1], [2], [3]], LoaderConfig(num_workers=1, data_timeout=60), "val",

@@ -82,7 +82,7 @@ def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one
     args = parse_args(["--config", recipe, "--data-path", "/nonexistent", *needs, *extra])
     # what parts.build_trainer calls (--finetune weights: loaded after)
-    return model_config(RunConfig.from_namespace(args), classes).build()
+    return model_config(RunConfig.from_dict(vars(args)), classes).build()
 
 
 def published_args(recipe: str, classes: int, size: dict | None = None, **options) -> dict:

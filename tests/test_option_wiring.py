@@ -166,8 +166,8 @@ def test_synthetic_data_set_options_build_that_data_set():
     from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    config = RunConfig.from_namespace(parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size",
-                                                  "30", "--input-size", "32"]))
+    config = RunConfig.from_dict(vars(parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size",
+                                                  "30", "--input-size", "32"])))
     train, classes = build_dataset(dataset_config(config), is_train=True)
     val, _ = build_dataset(dataset_config(config), is_train=False)
     assert classes == 7 and len(train) == 30 and len(val) == 3
@@ -181,7 +181,7 @@ def test_model_option_builds_that_variant():
     from vim_ds.engine.run_options import parse_args
 
     def build(argv):
-        return model_config(RunConfig.from_namespace(parse_args(argv)), 10).build()
+        return model_config(RunConfig.from_dict(vars(parse_args(argv))), 10).build()
 
     small = build(["--model", "vim_small", "--input-size", "32", "--model-kwargs", "depth=1", "patch_size=8",
                    "stride=8"])

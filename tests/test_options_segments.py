@@ -81,7 +81,7 @@ def _record(argv) -> dict:
     from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    return options_file.record(RunConfig.from_namespace(parse_args([str(a) for a in argv])))
+    return options_file.record(RunConfig.from_dict(vars(parse_args([str(a) for a in argv]))))
 
 
 def test_the_record_names_the_same_files_from_another_working_directory(tmp_path, monkeypatch):

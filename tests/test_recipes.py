@@ -281,9 +281,9 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     assert (saved["lr"], saved["seed"], saved["deepspeed_config"], saved["model_kwargs"]) == \
         (2e-3, 5, "zero0", {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4})
 
-    original = options_file.record(RunConfig.from_namespace(parse_args(_tiny(first))))
+    original = options_file.record(RunConfig.from_dict(vars(parse_args(_tiny(first)))))
     restart = ["--config", str(recorded), "--output_dir", str(again)]
-    restarted = options_file.record(RunConfig.from_namespace(parse_args(restart)))
+    restarted = options_file.record(RunConfig.from_dict(vars(parse_args(restart))))
     assert {**restarted, "output_dir": None} == {**original, "output_dir": None}
 
     # side by side, one OpenMP thread each (two processes spinning two threads each on 2 cores waste much of them)

@@ -1,7 +1,7 @@
 """`vim-ds train`'s options are engine/run_config.py's typed fields (issue 37, item 1): the parser is generated from
 them, so every option of `build_parser()` is one field's metadata and every field with an option is on the
 parser (both ways, with a negative control: a hand-added option or a changed default is found); the range rules
-that `range_error` applies are the fields'; and RunConfig.from_namespace holds what parse_args returns."""
+that `range_error` applies are the fields'; and RunConfig.from_dict holds what parse_args returns."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from vim_ds.engine.run_config import GROUPS, OPTIONS, RULES, RunConfig
-from vim_ds.engine.run_options import build_parser, parse_args, range_error
+from vim_ds.engine.run_options import argument_type, build_parser, parse_args, range_error
 
 KIND = {"store": argparse._StoreAction, "store_true": argparse._StoreTrueAction}
 
@@ -35,7 +35,8 @@ def mismatches(parser: argparse.ArgumentParser) -> list[str]:
         got = (tuple(action.option_strings), type(action), action.default, action.type, action.nargs,
                action.choices and tuple(action.choices), action.metavar, action.help)
         nargs = option.nargs if option.action == "store" else 0  # a flag takes no value
-        want = (option.flags, KIND[option.action], option.default, option.type, nargs, option.choices,
+        # the type is the option's, as argparse reports its errors (run_options.argument_type: --model-kwargs')
+        want = (option.flags, KIND[option.action], option.default, argument_type(option), nargs, option.choices,
                 option.metavar, option.help)
         if got != want:
             problems.append(f"{option.flag}: the parser has {got}, the field {want}")
@@ -92,7 +93,7 @@ def test_an_option_without_a_rule_is_not_checked():
 def test_the_typed_config_holds_what_parse_args_returns():
     args = parse_args(["--model-kwargs", "depth=2", "embed_dim=32", "--opt-betas", "0.8", "0.9", "--no-pin-mem",
                        "--cutmix-minmax", "0.2", "0.8", "--lr", "0.01", "--num-workers", "3"])
-    config = RunConfig.from_namespace(args)
+    config = RunConfig.from_dict(vars(args))
     assert config.model.model_kwargs == {"depth": 2, "embed_dim": 32} and config.optim.lr == 0.01
     assert config.optim.opt_betas == (0.8, 0.9) and config.augment.cutmix_minmax == (0.2, 0.8)
     assert config.data.pin_mem is False and config.data.num_workers == 3
@@ -100,17 +101,20 @@ def test_the_typed_config_holds_what_parse_args_returns():
     # every value is the namespace's (lists as tuples), and the dict round trip gives the same config
     plain = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()}
     assert config.to_dict() == plain
-    assert RunConfig.from_namespace(argparse.Namespace(**config.to_dict())) == config
+    assert RunConfig.from_dict(config.to_dict()) == config
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.optim.lr = 1.0
-    # the defaults of the fields are the parser's
-    assert RunConfig().to_dict() == {**vars(build_parser().parse_args([])), "lr_defaults": (), "given": ()}
+    # the defaults of the fields are the parser's, resolved as the command line resolves them (issue 53: RunConfig()
+    # is a run, its --model-ema on, not None)
+    assert RunConfig().to_dict() == vars(parse_args([]))
+    assert {**vars(build_parser().parse_args([])), "model_ema": True, "data_timeout": 120, "model_kwargs": {},
+            "lr_defaults": ("min_lr", "warmup_lr"), "given": ()} == RunConfig().to_dict()
 
 
 def test_replace_changes_the_named_fields_in_their_groups_and_nothing_else():
     """What preflight resolves (the DeepSpeed config file, an lr default lowered to the peak) comes back as a copy;
     the config it was made from is unchanged, and a name that is no field is refused."""
-    config = RunConfig.from_namespace(parse_args(["--data-path", "d", "--min-lr", "1e-5"]))
+    config = RunConfig.from_dict(vars(parse_args(["--data-path", "d", "--min-lr", "1e-5"])))
     changed = config.replace(deepspeed_config="/shipped/zero2.json", min_lr=0.0)
     assert changed.deepspeed.deepspeed_config == "/shipped/zero2.json" and changed.optim.min_lr == 0.0
     assert config.deepspeed.deepspeed_config is None and config.optim.min_lr == 1e-5

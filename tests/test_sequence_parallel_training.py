@@ -229,7 +229,7 @@ def test_a_model_the_split_cannot_take_is_refused_before_anything_starts(case, d
     ranks per image passes (both Vims split over 2 ranks)."""
     from vim_ds import bench
     from vim_ds.engine.run import run
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.engine.run_options import parse_config
 
     def vim(patch: int) -> list[str]:
         return ["--model", "vim_tiny", "--model-kwargs", "depth=2", "embed_dim=32", f"patch_size={patch}",
@@ -249,7 +249,7 @@ def test_a_model_the_split_cannot_take_is_refused_before_anything_starts(case, d
     monkeypatch.setenv("RANK", "0")
     args = ["--data-set", "folder", "--data-path", data, "--output_dir", str(out), *model, "--input-size", size,
             "--deepspeed_config", config("zero2"), "--sequence-parallel", str(ranks), "--batch-size", "4"]
-    assert run(parse_args(args)) == 2
+    assert run(parse_config(args)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--sequence-parallel {ranks} with --model " in err[0] and expected in err[0], err
     assert not out.exists()  # refused before anything was written
@@ -260,11 +260,10 @@ def test_a_model_the_split_cannot_take_is_refused_before_anything_starts(case, d
     assert f"--ranks {ranks} with --model " in err[-1] and expected in err[-1], err
     if case != "a DeiT":  # control: two ranks per image take the same model
         from vim_ds.engine import preflight
-        from vim_ds.engine.run_config import RunConfig
 
         monkeypatch.setenv("WORLD_SIZE", "2")
         args[args.index("--sequence-parallel") + 1] = "2"
-        preflight.check(RunConfig.from_namespace(parse_args(args)), True)
+        preflight.check(parse_config(args), True)
 
 
 def test_the_preflight_scales_the_lr_by_the_groups_not_by_the_ranks(data, tmp_path, monkeypatch):
@@ -282,7 +281,7 @@ def test_the_preflight_scales_the_lr_by_the_groups_not_by_the_ranks(data, tmp_pa
         args = ["--data-set", "folder", "--data-path", data, "--output_dir", str(tmp_path / f"sp{n}"), *TINY,
                 "--deepspeed_config", config("zero2"), "--sequence-parallel", str(n), "--batch-size", "4",
                 "--lr", "1e-3", "--min-lr", "1e-5"]
-        return preflight.check(RunConfig.from_namespace(parse_args(args)), True)
+        return preflight.check(RunConfig.from_dict(vars(parse_args(args))), True)
 
     with pytest.raises(ValueError, match=r"--min-lr 1e-05 is above the peak lr 7\.8125e-06 \(--lr 0\.001 x global "
                                          r"batch 4 / 512\)"):

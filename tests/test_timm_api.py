@@ -366,7 +366,7 @@ def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypat
     from vim_ds.engine.run_options import parse_args
 
     def build(argv):
-        return model_config(RunConfig.from_namespace(parse_args(argv)), 10).build()
+        return model_config(RunConfig.from_dict(vars(parse_args(argv))), 10).build()
 
     tiny = ["--model-kwargs", "depth=2", "embed_dim=32", "patch_size=8", "stride=8", "--input-size", "32"]
     assert build(tiny + ["--grad-checkpointing"]).grad_checkpointing is True

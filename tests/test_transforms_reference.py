@@ -90,7 +90,7 @@ def _args(folder: str, *argv: str):
 
 def _config(folder: str, *argv: str) -> RunConfig:
     """The same options as the typed config the engine reads."""
-    return RunConfig.from_namespace(_args(folder, *argv))
+    return RunConfig.from_dict(vars(_args(folder, *argv)))
 
 
 def _decode(path: str) -> Image.Image:
@@ -270,7 +270,7 @@ def _same_mixing(a: Mixup, b: Mixup) -> bool:
 def test_mixup_equals_published_construction(case):
     argv, published, controls = MIXUP_CASES[case]
     args = _args("unused", *argv)
-    ours = build_mixup(mixup_config(RunConfig.from_namespace(args)), micro_batch=8, num_classes=7)
+    ours = build_mixup(mixup_config(RunConfig.from_dict(vars(args))), micro_batch=8, num_classes=7)
     reference = Mixup(**published)
     assert isinstance(ours, Mixup) and vars(ours) == vars(reference)
     assert _same_mixing(ours, reference)
@@ -285,7 +285,7 @@ def test_no_mixup_when_published_recipe_has_none():
     """mixup_active = mixup > 0 or cutmix > 0 or cutmix_minmax is not None; without it, label smoothing (or plain
     cross entropy at 0) as the published main.py chooses."""
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0.2")
-    assert build_mixup(mixup_config(RunConfig.from_namespace(args)), micro_batch=8, num_classes=7) is None
+    assert build_mixup(mixup_config(RunConfig.from_dict(vars(args))), micro_batch=8, num_classes=7) is None
     criterion = build_criterion(args.smoothing, None)
     assert type(criterion) is LabelSmoothingCrossEntropy and criterion.smoothing == 0.2
     args = _args("unused", "--mixup", "0", "--cutmix", "0", "--smoothing", "0")

@@ -39,11 +39,11 @@ def test_a_run_with_a_torch_too_old_stops_before_deepspeed_in_one_line(monkeypat
     """engine/run.py (each rank of a launcher) and `vim-ds` (every command): exit 2, the one line, nothing started.
     The negative control: the same run with the real version gets past the check, to the next refusal (its data)."""
     args = ["--data-path", str(tmp_path / "no_such_data"), "--output_dir", str(tmp_path / "out")]
-    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert run(run_options.parse_config(args), "vim-ds train") == 2
     assert "no_such_data" in capsys.readouterr().err
 
     monkeypatch.setattr(torch, "__version__", "2.3.1+cu121")
-    assert run(run_options.parse_args(args), "vim-ds train") == 2
+    assert run(run_options.parse_config(args), "vim-ds train") == 2
     assert capsys.readouterr().err == f"vim-ds train: error (rank 0): {TOO_OLD_TORCH}\n"
     assert cli.main(["demo"]) == 2
     assert capsys.readouterr().err == f"vim-ds demo: error: {TOO_OLD_TORCH}\n"

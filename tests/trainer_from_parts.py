@@ -17,7 +17,7 @@ def main(argv) -> int:
     from vim_ds.engine.run_options import parse_args
     from vim_ds.engine.trainer import Trainer
 
-    config = RunConfig.from_namespace(parse_args(argv))
+    config = RunConfig.from_dict(vars(parse_args(argv)))
     dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
     hook = faults.for_rank(dist_info.rank)
     # the order of parts.build_trainer: data, config, resume plan, mixup, loaders, weights (seeded), engine, ...

@@ -22,11 +22,11 @@ def build_parser():
 def main(argv=None) -> NoReturn:
     from .engine import distributed
     from .engine.run import run
-    from .engine.run_options import parse_args
+    from .engine.run_options import parse_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # ends the process itself, as `vim-ds train` does (distributed.end_rank_process)
-    distributed.end_rank_process(run(parse_args(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval"))
+    distributed.end_rank_process(run(parse_config(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval"))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def main(argv=None, prog: str = "vim-ds train") -> NoReturn:
     from .engine import distributed
     from .engine.run import run
 
-    distributed.end_rank_process(run(run_options.parse_args(argv, prog), prog))
+    distributed.end_rank_process(run(run_options.parse_config(argv, prog), prog))
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def test_every_command_takes_a_runs_output_dir(config_run, digits, tmp_path):
     loaded = []
     for source in (run, os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", "global_step3")):
         argv = config_run_args(digits, tmp_path, "zero0", "--resume", source, "--eval")
-        config = RunConfig.from_namespace(parse_args([str(a) for a in argv]))
+        config = RunConfig.from_dict(vars(parse_args([str(a) for a in argv])))
         model = model_config(config, 10).build()
         ema = load_eval_weights(config, model)
         loaded.append((model.state_dict(), ema))

@@ -142,10 +142,10 @@ def train_config(*argv):
     from vim_ds.engine.run_config import RunConfig
     from vim_ds.engine.run_options import parse_args
 
-    return RunConfig.from_namespace(parse_args(["--data-set", "synthetic", "--synthetic-size", "32", "--nb-classes",
+    return RunConfig.from_dict(vars(parse_args(["--data-set", "synthetic", "--synthetic-size", "32", "--nb-classes",
                                                 "4", "--model", "vim_tiny", "--input-size", "32", "--model-kwargs",
                                                 "depth=2", "embed_dim=32", "patch_size=4", "stride=4",
-                                                *map(str, argv)]))
+                                                *map(str, argv)])))
 
 
 def run_folder(tmp_path, steps=(1, 2, 3, 4)):

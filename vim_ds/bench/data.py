@@ -115,7 +115,7 @@ class VimDsPipeline:
         from ..engine.run_config import RunConfig
 
         self.args, self.is_train = train_args, is_train
-        config = RunConfig.from_namespace(train_args)
+        config = RunConfig.from_dict(vars(train_args))
         self.dataset, num_classes = build_dataset(dataset_config(config), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
         # the trainer's eval batch

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..engine.distributed import free_port
-from ..engine.run_config import key_value
+from ..engine.run_options import key_value
 from ..engine.trainer import peak_memory_mb
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

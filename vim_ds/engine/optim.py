@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from .run_config import DEEPSPEED_SETS_TOO
+
 if TYPE_CHECKING:
     from .run_config import OptimOptions
 
@@ -62,10 +64,9 @@ def ds_auto_values(optim: OptimOptions, batch) -> dict:
             "optimizer.params.eps": optim.opt_eps, "gradient_clipping": optim.clip_grad or 0.0}
 
 
-# What a DeepSpeed config and the command line can both set (besides the batch sizes, ds_config._resolve_batch, and
-# the precision, which --precision overrides with a note): the JSON's dotted path -> the option (dest).
-SHARED = {"optimizer.params.lr": "lr", "optimizer.params.weight_decay": "weight_decay",
-          "optimizer.params.betas": "opt_betas", "optimizer.params.eps": "opt_eps", "gradient_clipping": "clip_grad"}
+# What a DeepSpeed config and the command line can both set: the JSON's dotted path -> the option (dest); defined
+# with the options, whose `given` (which of them were given) the config resolves
+SHARED = DEEPSPEED_SETS_TOO
 
 
 def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | None]:

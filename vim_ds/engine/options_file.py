@@ -14,18 +14,16 @@ file written before they existed) is one segment.
 The record names files absolute (PATH_OPTIONS: it replays from any working directory), holds the values a DeepSpeed
 config set as they ran (SETTLED), and is compared by what paths resolve to (`same_value`). A key given twice in one
 mapping of a file is refused (YAML would keep the last).
-The command line wins over the file: run_options.parse_args makes the file's values the parser's defaults, then parses
-the command line. Every value goes through its option's own type and choices (engine/run_config.py defines the
-options), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error naming the
-file and the key.
+The command line wins over the file: run_options.parse_config builds the run's RunConfig from the file's values,
+then what was typed. Every value is made its option's by the option itself (run_config.Option.coerce: its type,
+count and choices), so `lr: 1e-3` (a string to YAML 1.1) is the float 0.001, and a wrong value is a one-line error
+naming the file and the key. What the options derive from each other is run_config's (`derived`), read here too.
 """
 from __future__ import annotations
 
-import argparse
 import difflib
 
-from .run_config import OPTIONS, Option, RunConfig
-from .training_engines import training_engine
+from .run_config import OPTIONS, RunConfig, derived
 
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
 META_KEY = "recipe"
@@ -47,59 +45,18 @@ PATH_OPTIONS = ("data_path", "finetune", "init_weights", "save_init_weights", "r
                 "deepspeed_config")
 
 
-def _derived_data_timeout(values: dict) -> float:
-    from .distributed import default_data_timeout
-
-    return default_data_timeout(values["dist_timeout"])
-
-
-# options that run_options.parse_args derives from others when not given: recorded as null (not given) when they hold
-# the derived value, so that a run started from the record with, say, another --dist-timeout or --engine derives
-# them again instead of being refused for a value nobody gave; each is a function of the options' values (by dest)
-DERIVED = {"data_timeout": _derived_data_timeout,
-           "model_ema": lambda values: training_engine(values["engine"]).keeps_ema}
-
-
 def option_name(dest: str) -> str:
     """The option as one types it: `--lr`, `--num_workers`, `--drop-path` (the dest itself if no option has it)."""
     return OPTIONS[dest].flag if dest in OPTIONS else dest
 
 
-def _convert(option: Option, value, where: str):
-    if value is None:
-        return None
-    if option.action == "store_true":  # a flag, or a flag pair such as --model-ema/--no-model-ema
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
-        return value
-    nargs = option.nargs
-    if nargs in ("*", "+") or isinstance(nargs, int):
-        if option.dest == "model_kwargs" and isinstance(value, dict):
-            return {str(k): v for k, v in value.items()}
-        items = list(value) if isinstance(value, (list, tuple)) else [value]
-        if isinstance(nargs, int) and len(items) != nargs:
-            raise ValueError(f"{where}: expected {nargs} values, got {len(items)}")
-        return [_one(option, item, where) for item in items]
-    return _one(option, value, where)
-
-
-def _one(option: Option, value, where: str):
-    if isinstance(value, (dict, list)):
-        raise ValueError(f"{where}: expected one value, got {value!r}")
+def _convert(dest: str, value, where: str):
+    """A file's value of option `dest`, as the option holds it (run_config.Option.coerce); a ValueError names
+    `where` (the file and the key)."""
     try:
-        if option.type in (int, float):
-            if isinstance(value, bool) or (option.type is int and isinstance(value, float)):
-                raise ValueError(f"expected {'a whole number' if option.type is int else 'a number'}")
-            value = option.type(value)
-        elif option.type is not None:
-            value = option.type(str(value))
-        else:
-            value = str(value)
-    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"{where}: {value!r} is not a valid value ({exc})") from None
-    if option.choices is not None and value not in option.choices:
-        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, option.choices))}")
-    return value
+        return OPTIONS[dest].coerce(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 class _KeyGivenTwice(Exception):
@@ -175,7 +132,7 @@ def load(path: str) -> tuple[dict, dict]:
             raise ValueError(f"--config {path}: unknown option {key!r}{hint}")
         if dest in options:
             raise ValueError(f"--config {path}: {key!r} is given twice")
-        options[dest] = _convert(OPTIONS[dest], value, f"--config {path}: {key}")
+        options[dest] = _convert(dest, value, f"--config {path}: {key}")
     if segments:
         meta = {**meta, SEGMENTS_KEY: segments}
     return options, meta
@@ -199,7 +156,7 @@ def _segments(value, where: str) -> list[dict]:
             dest = str(key).lstrip("-").replace("-", "_")
             if dest not in SETTABLE:
                 raise ValueError(f"{here}: unknown option {key!r}")
-            options[dest] = _convert(OPTIONS[dest], item, f"{here}: {key}")
+            options[dest] = _convert(dest, item, f"{here}: {key}")
         out.append({"from_step": step, "options": options})
     return out
 
@@ -343,7 +300,7 @@ def record(config: RunConfig) -> dict:
     --help (the options are engine/run_config.py's); paths absolute (PATH_OPTIONS)."""
     from . import shipped_configs
 
-    values = config.to_dict()
+    values, derived_values = config.to_dict(), derived(config)
     out = {}
     for dest in OPTIONS:
         if dest in NOT_RECORDED:
@@ -351,8 +308,8 @@ def record(config: RunConfig) -> dict:
         value = values[dest]
         if dest == "deepspeed_config" and not value:
             value = shipped_configs.DEFAULT  # what the run used, said as the trainer says it
-        elif dest in DERIVED and value == DERIVED[dest](values):
-            # derived from other options by run_options.parse_args: derived again from the file's other values
+        elif dest in derived_values and value == derived_values[dest]:
+            # derived from the other options (run_config.derived): derived again from the file's other values
             value = None
         elif dest in PATH_OPTIONS:
             value = _absolute(dest, value)

@@ -1,14 +1,20 @@
-"""A training (or, with --eval, evaluation) run from parsed options to an exit code: the one library call of
-`vim-ds train` and `vim-ds eval`, with one-line errors and non-zero exit codes (2: bad input; 1: the run failed;
-128 + N: stopped by signal N, state saved)."""
+"""A training (or, with --eval, evaluation) run from its RunConfig to an exit code: the one library call of
+`vim-ds train` and `vim-ds eval` (which parse argv into the config: engine/run_options.parse_config), and of a
+program that makes the config in code (docs/python_api.md); one-line errors and non-zero exit codes (2: bad input;
+1: the run failed; 128 + N: stopped by signal N, state saved)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .run_config import RunConfig
 
 
-def run(args, prog: str = "vim-ds train") -> int:
-    """Train, or with --eval evaluate (`args` as run_options.parse_args returns them); `prog` names the command in
-    its messages. The namespace ends here: the engine below reads the run's typed RunConfig."""
+def run(config: RunConfig, prog: str = "vim-ds train") -> int:
+    """Train, or with `config.run.eval` evaluate, the run `config` describes; `prog` names the command in its
+    messages. A config that breaks a rule between options (run_rules.validate; the command line refuses such a
+    config before) ends here in the same one line, exit 2."""
     from ..checkpoint.files import CheckpointError
     from ..data.loader import DataStall
     from . import (build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals,
@@ -17,11 +23,10 @@ def run(args, prog: str = "vim-ds train") -> int:
     from .env_vars import refusal
     from .errors import first_line, report_error
     from .parts import build_trainer
-    from .run_config import RunConfig
+    from .run_rules import validate
     from .signals import StopRequested
     from .trainer import TrainingError
 
-    config = RunConfig.from_namespace(args)
     rank = os.environ.get("RANK", "0")
     # a torch or DeepSpeed too old (each rank of a launcher, `python -m vim_ds.train`): before DeepSpeed starts
     unsupported = versions.unsupported()
@@ -31,6 +36,9 @@ def run(args, prog: str = "vim-ds train") -> int:
     refused = refusal(prog, rank=rank)
     if refused:
         return refused
+    problem = validate(config)
+    if problem:
+        return report_error(prog, problem, rank=rank)
     # found first: see its start below
     launchers = None if config.run.eval else launcher_watch.LauncherWatch()
     # as parsed, before the checks resolve any name

@@ -2,32 +2,38 @@
 augmentation and regularisation; data; run; DeepSpeed), composed by `RunConfig`. Each field is one option: its
 name is the option's dest, its default the parser's, and its metadata (`Option`) what the command line needs (the
 flags as typed, help, type, choices, nargs, metavar, a store_true flag and its `--no-X` partner) and what a value
-must be (`rule`, one of RULES, with a hint for the error). The command line's parser is generated from these fields
-(run_options.build_parser), and option files (engine/options_file.py) read the option definitions from them.
+must be (`rule`, one of RULES, with a hint for the error; `Option.coerce`, for a value a file gives). The command
+line's parser is generated from these fields (run_options.build_parser), and option files
+(engine/options_file.py) read the option definitions from them.
 
-A field's default is what the parser gives an option that is not on the command line; run_options.parse_args then
-derives a few (--model-ema, --data-timeout) and gives --model-kwargs as a dict, so `RunConfig()` is the parser's
-defaults and `RunConfig.from_namespace(parse_args(argv))` the run's effective options.
+A RunConfig is built from its sources in order: the fields' defaults, a recipe or config file, what was typed
+(run_options.parse_config), or in code (`RunConfig(model=ModelOptions(...), ...)`, `RunConfig.from_dict`). It is
+resolved as it is made (`RunConfig.__post_init__`): an option whose default depends on others and that was not
+given (None) takes its value (`derived`: --model-ema from the engine, --data-timeout from --dist-timeout), DeepSpeed's
+deprecated --deepscale_config names the DeepSpeed config, and what was given is recorded (`lr_defaults`, `given`).
+So `RunConfig()` is a run (the command line's defaults), and engine/run_rules.validate says which rule between
+options a config breaks. No argparse here: the command line (engine/run_options.py) is the one module that parses
+argv.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from .distributed import DATA_TIMEOUT
+from .distributed import DATA_TIMEOUT, default_data_timeout
 from .shipped_configs import DEFAULT as DEFAULT_DEEPSPEED_CONFIG
 from .training_engines import DEFAULT as DEFAULT_ENGINE
 from .training_engines import ENGINES
 
 
 def key_value(text: str):
-    """A `K=V` entry of --model-kwargs (every command's): (K, the Python literal V, or V as a string); argparse
-    reports a malformed one under the command's own name."""
+    """A `K=V` entry of --model-kwargs: (K, the Python literal V, or V as a string); a ValueError saying what a
+    malformed one should be (run_options.key_value, every command's argparse type, reports it under the command's
+    name)."""
     if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        raise ValueError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
     try:
         value = ast.literal_eval(value)
@@ -36,11 +42,20 @@ def key_value(text: str):
     return key, value
 
 
+# What a DeepSpeed config and the command line can both set (besides the batch sizes, ds_config._resolve_batch, and
+# the precision, which --precision overrides with a note): the JSON's dotted path -> the option (dest)
+DEEPSPEED_SETS_TOO = {"optimizer.params.lr": "lr", "optimizer.params.weight_decay": "weight_decay",
+                      "optimizer.params.betas": "opt_betas", "optimizer.params.eps": "opt_eps",
+                      "gradient_clipping": "clip_grad"}
+
 # What a numeric option's value must be, as the error says it, and the test of it.
 RULES = {"> 0": lambda v: v > 0, "0 or more": lambda v: v >= 0, "at least 1": lambda v: v >= 1,
          "between 0 and 1": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1,
          "in (0, 1]": lambda v: 0 < v <= 1}
 ACTIONS = ("store", "store_true")
+# the help of an option that --help does not list: the value of argparse's SUPPRESS, for which run_options gives
+# argparse that very object (tests/test_run_config.py holds the parser's help against the fields')
+HIDDEN = "==SUPPRESS=="
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,45 @@ class Option:
     def flag(self) -> str:
         """The option as one types it: `--lr`, `--num_workers`, `--drop-path`."""
         return self.flags[0]
+
+    def coerce(self, value):
+        """`value` as a file gives it (YAML's bool, int, float, str, list, mapping) made this option's value by its
+        type, count and choices, or a ValueError saying in a few words why it is none. argparse reads typed text by
+        the same `type` and `choices`; a file's values are typed already, so what text cannot say is refused here:
+        a bool for a number, 1.5 for a whole number, a list for one value."""
+        if value is None:
+            return None
+        if self.action == "store_true":  # a flag, or a flag pair such as --model-ema/--no-model-ema
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return value
+        nargs = self.nargs
+        if nargs in ("*", "+") or isinstance(nargs, int):
+            if self.type is key_value and isinstance(value, dict):
+                return {str(k): v for k, v in value.items()}
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            if isinstance(nargs, int) and len(items) != nargs:
+                raise ValueError(f"expected {nargs} values, got {len(items)}")
+            return [self._coerce_one(item) for item in items]
+        return self._coerce_one(value)
+
+    def _coerce_one(self, value):
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"expected one value, got {value!r}")
+        try:
+            if self.type in (int, float):
+                if isinstance(value, bool) or (self.type is int and isinstance(value, float)):
+                    raise ValueError(f"expected {'a whole number' if self.type is int else 'a number'}")
+                value = self.type(value)
+            elif self.type is not None:
+                value = self.type(str(value))
+            else:
+                value = str(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{value!r} is not a valid value ({exc})") from None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(map(str, self.choices))}")
+        return value
 
 
 def option(*flags: str, default=None, factory: Callable | None = None, **meta):
@@ -144,12 +198,14 @@ class OptimOptions:
         "--precision", choices=("bf16", "fp16", "fp32", "autocast-bf16"), default=None,
         help="overrides the precision sections of the DeepSpeed config; autocast-bf16: fp32 parameters, forward "
              "under torch.autocast(bf16) (DeepSpeed's torch_autocast section)")
-    # not an option: which of --min-lr and --warmup-lr hold the built-in default (run_options._lr_defaults)
-    lr_defaults: tuple[str, ...] = ()
-    # not an option: which of the values a DeepSpeed config can set too (optim.SHARED) were given, on the command
-    # line or in a --config file (run_options._given): a number in the JSON must agree with these, and wins over
-    # the others
-    given: tuple[str, ...] = ()
+    # not an option: which of --min-lr and --warmup-lr hold the built-in default, not given (`given_options`): a
+    # default above a small batch's scaled lr is lowered with a note, a given value refused
+    # (engine/optim.check_lr_settings); None until the RunConfig resolves it
+    lr_defaults: tuple[str, ...] | None = None
+    # not an option: which of the values a DeepSpeed config can set too (DEEPSPEED_SETS_TOO) were given
+    # (`given_options`): a number in the JSON must agree with these, and wins over the others
+    # (engine/optim.settle_shared); None until the RunConfig resolves it
+    given: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -273,62 +329,132 @@ class DeepSpeedOptions:
         "--deepspeed_config", type=str, default=None, metavar="NAME|FILE",
         help=f"a DeepSpeed JSON config file, or the name of one shipped with vim_ds (`vim-ds configs` lists them) "
              f"[{DEFAULT_DEEPSPEED_CONFIG}, said at the start of the run]")
-    deepscale: bool = option("--deepscale", action="store_true", default=False, help=argparse.SUPPRESS)
-    deepscale_config: str | None = option("--deepscale_config", type=str, default=None, help=argparse.SUPPRESS)
+    deepscale: bool = option("--deepscale", action="store_true", default=False, help=HIDDEN)
+    deepscale_config: str | None = option("--deepscale_config", type=str, default=None, help=HIDDEN)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """A run's options, by group, in the order of `vim-ds train --help`."""
+    """A run's options, by group, in the order of `vim-ds train --help`; resolved as it is made (see the module's
+    docstring), so that every RunConfig is a run's effective options."""
     model: ModelOptions = field(default_factory=ModelOptions)
     optim: OptimOptions = field(default_factory=OptimOptions)
     augment: AugmentOptions = field(default_factory=AugmentOptions)
     data: DataOptions = field(default_factory=DataOptions)
     run: RunOptions = field(default_factory=RunOptions)
     deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
+    # the options given whatever their value, by dest: those typed on the command line (run_options records them as
+    # it parses argv). A value other than the default counts as given anyway (from a file, or set in code); read
+    # when the config is made (`given_options`), not part of what the config is
+    explicit: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "explicit", frozenset(self.explicit))
+        for name, group in _regrouped(self, resolution(self)).items():
+            object.__setattr__(self, name, group)
 
     @classmethod
-    def from_namespace(cls, namespace) -> RunConfig:
-        """The typed config of parse_args' result: each option's value (lists of values as tuples, --model-kwargs
-        as a dict), and `lr_defaults` where parse_args set it. An option missing from `namespace` is a KeyError.
-        The one place the command line's namespace becomes the config the engine reads (engine/run.py calls it)."""
-        values = vars(namespace)
-        groups = {}
-        for part in dataclasses.fields(cls):
-            group = part.default_factory  # the group's class
-            groups[part.name] = group(**{f.name: _typed(f, values[f.name]) for f in dataclasses.fields(group)
-                                         if "option" in f.metadata or f.name in values})
-        return cls(**groups)
+    def from_dict(cls, values: dict, explicit=frozenset()) -> RunConfig:
+        """The config of `values` (dest -> value; an option it leaves out keeps its default), resolved: the sources
+        merged in order (`{**from_file, **typed}`), or what a checkpoint or `to_dict` recorded. A key that is no
+        field is a TypeError."""
+        unknown = sorted(set(values) - {f.name for group in GROUPS for f in dataclasses.fields(group)})
+        if unknown:
+            raise TypeError(f"not fields of a RunConfig: {unknown}")
+        groups = {part.name: part.default_factory(**{f.name: values[f.name] for f in dataclasses.fields(
+            part.default_factory) if f.name in values}) for part in _parts()}
+        return cls(**groups, explicit=frozenset(explicit))
 
     def to_dict(self) -> dict:
-        """dest -> value of every field, in --help order: what `vars()` of the namespace holds."""
+        """dest -> value of every field, in --help order (what a checkpoint records as its `args`)."""
         return {f.name: getattr(group, f.name) for group in self.groups() for f in dataclasses.fields(group)}
 
     def groups(self) -> tuple:
-        return tuple(getattr(self, part.name) for part in dataclasses.fields(self))
+        return tuple(getattr(self, part.name) for part in _parts())
 
     def replace(self, **changes) -> RunConfig:
         """A copy with the fields `changes` names (by dest, in whichever group holds it) set to new values: what a
         check resolves (the DeepSpeed config's file, an lr default lowered to the peak) without changing `self`."""
-        groups = {}
-        for part in dataclasses.fields(self):
-            group = getattr(self, part.name)
-            mine = {f.name: changes.pop(f.name) for f in dataclasses.fields(group) if f.name in changes}
-            if mine:
-                groups[part.name] = dataclasses.replace(group, **mine)
-        if changes:
-            raise TypeError(f"not fields of a RunConfig: {sorted(changes)}")
-        return dataclasses.replace(self, **groups)
+        return dataclasses.replace(self, **_regrouped(self, changes))
 
 
-def _typed(f: dataclasses.Field, value):
-    meta = f.metadata.get("option")
-    if meta is None or meta.nargs is None or value is None:
+def _parts() -> list[dataclasses.Field]:
+    """RunConfig's fields that are groups of options."""
+    return [part for part in dataclasses.fields(RunConfig) if part.name != "explicit"]
+
+
+def _regrouped(config: RunConfig, changes: dict) -> dict:
+    """name -> `config`'s group with the fields `changes` names set, for each group that holds one of them."""
+    changes, groups = dict(changes), {}
+    for part in _parts():
+        group = getattr(config, part.name)
+        mine = {f.name: changes.pop(f.name) for f in dataclasses.fields(group) if f.name in changes}
+        if mine:
+            groups[part.name] = dataclasses.replace(group, **mine)
+    if changes:
+        raise TypeError(f"not fields of a RunConfig: {sorted(changes)}")
+    return groups
+
+
+def derived(config: RunConfig) -> dict:
+    """The options whose default is derived from other options, each with the value `config`'s others give it:
+    --model-ema is on where the engine keeps an EMA, --data-timeout at most half --dist-timeout. Such an option
+    not given (None) takes this value when the config is made; a run's options.yaml records it as null when it
+    holds it (options_file.record), so that a run started from the record with another --engine or --dist-timeout
+    derives it again."""
+    engine = ENGINES.get(config.run.engine) if isinstance(config.run.engine, str) else None
+    dist_timeout = config.run.dist_timeout
+    numeric = isinstance(dist_timeout, (int, float)) and not isinstance(dist_timeout, bool)
+    # an unknown engine (run_rules.validate names it) or a timeout that is no number derives nothing
+    return {"model_ema": None if engine is None else engine.keeps_ema,
+            "data_timeout": default_data_timeout(dist_timeout) if numeric else None}
+
+
+def given_options(config: RunConfig) -> set[str]:
+    """The options given: named in `config.explicit` (typed, whatever the value), or holding another value than
+    their default (from a --config file or set in code: a run's options.yaml records every option, so a value
+    equal to the default counts as the default)."""
+    values = config.to_dict()
+    return {dest for dest, option in OPTIONS.items()
+            if dest in config.explicit or _typed(option, values[dest]) != _typed(option, option.default)}
+
+
+def resolution(config: RunConfig) -> dict:
+    """dest -> value for each field of `config` that its sources left to resolve: values as the config holds them
+    (lists of values as tuples, --model-kwargs as a dict); a derived option not given, its derived value
+    (`derived`); --deepscale_config, DeepSpeed's deprecated spelling, as the DeepSpeed config when
+    --deepspeed_config is not given (engine/run_rules.validate refuses two that disagree); which of --min-lr and
+    --warmup-lr hold the default, and which of DEEPSPEED_SETS_TOO were given (`given_options`). {} for a resolved
+    config: a copy (`replace`) resolves only what the change left to resolve."""
+    values = config.to_dict()
+    changes = {dest: typed for dest, option in OPTIONS.items()
+               if (typed := _typed(option, values[dest])) is not values[dest]}
+    changes.update({dest: tuple(values[dest]) for dest in ("lr_defaults", "given")
+                    if isinstance(values[dest], list)})
+    changes.update({dest: value for dest, value in derived(config).items() if values[dest] is None})
+    alias = config.deepspeed.deepscale_config
+    if alias and not config.deepspeed.deepspeed_config:
+        changes["deepspeed_config"] = alias
+    if config.optim.lr_defaults is None or config.optim.given is None:
+        given = given_options(config)
+        if config.optim.lr_defaults is None:
+            changes["lr_defaults"] = tuple(dest for dest in ("min_lr", "warmup_lr") if dest not in given)
+        if config.optim.given is None:
+            changes["given"] = tuple(dest for dest in DEEPSPEED_SETS_TOO.values() if dest in given)
+    return changes
+
+
+def _typed(option: Option, value):
+    """`value` as a config holds it: a list of values as a tuple, --model-kwargs (a list of K=V pairs) as a dict;
+    anything else as it is (the very object)."""
+    if option.nargs is None or value is None:
         return tuple(value) if isinstance(value, list) else value
-    return dict(value) if meta.type is key_value else tuple(value)
+    if option.type is key_value:
+        return value if isinstance(value, dict) else dict(value)
+    return value if isinstance(value, tuple) else tuple(value)
 
 
-GROUPS = tuple(part.default_factory for part in dataclasses.fields(RunConfig))
+GROUPS = tuple(part.default_factory for part in _parts())
 
 
 def _default(f: dataclasses.Field):
