@@ -151,6 +151,10 @@ def _handle(conn: socket.socket, request: dict, fds: list[int], base_path: list[
     """In a forked handler: start the command's process(es), report their pids, wait, report their exit codes."""
     nproc = request["nproc"]
     port = free_port() if nproc > 1 else None
+    # free_port imported vim_ds here, from the server's sys.path and environment: the ranks import it under their
+    # own (a worktree's PYTHONPATH, VIM_DS_* read at import), as a single process does
+    for name in [name for name in sys.modules if name == "vim_ds" or name.startswith("vim_ds.")]:
+        del sys.modules[name]
     pids = []
     for rank in range(nproc):
         env = dict(request["env"])

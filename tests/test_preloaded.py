@@ -1,5 +1,6 @@
 """The suite's fork server (tests/preloaded.py) runs a command as a new process would: the same training state, bit
 for bit, as `python -m vim_ds.train` started for real, and the command's own environment and exit code."""
+import os
 import sys
 
 import pytest
@@ -37,3 +38,21 @@ def test_a_forked_run_has_the_state_of_a_real_process_and_its_own_environment(di
     proc = preloaded.run(cmd(tmp_path / "nan"), capture_output=True, text=True, cwd=ROOT, timeout=600,
                          env=train_env({"VIM_DS_INJECT": "nan_loss@1"}))
     assert proc.returncode != 0 and "nan" in proc.stderr.lower(), (proc.returncode, proc.stderr[-2000:])
+
+
+def test_every_rank_of_a_forked_launch_imports_vim_ds_from_its_own_path(tmp_path):
+    """The ranks of a torchrun-like launch import vim_ds from the command's PYTHONPATH, as one process does (a
+    worktree's vim_ds, its VIM_DS_* variables read at import): the server's handler, which imports vim_ds to pick
+    the master port, leaves none of it to them (before: the 2 ranks ran the vim_ds the server's own sys.path found,
+    the installed one). Here a vim_ds of this test's own, found first on PYTHONPATH; control: one process."""
+    fake = tmp_path / "vim_ds"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "env.py").write_text("print('from', __file__)\n")
+    for nproc, launch in ((1, []), (2, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        cmd = [sys.executable, *launch, "-m", "vim_ds.env"]
+        assert preloaded.parse_command(cmd) == ("vim_ds.env", [], nproc)  # forked, not started for real
+        proc = preloaded.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split("\n").count(f"from {fake / 'env.py'}") == nproc, proc.stdout[-2000:]
