@@ -93,14 +93,17 @@ def test_a_rule_is_said_in_the_same_line_for_the_command_line_and_for_code(argv,
     assert said == [f"vim-ds train: error: {validate(RunConfig.from_dict(values))}"]
 
 
-def test_a_config_made_in_code_is_refused_by_run_in_one_line(capsys):
-    """engine/run.run checks a config made in code as the command line would have, before anything starts; a
-    choice the parser would have refused is said too. Control: the valid neighbour passes the same check."""
+def test_a_config_made_in_code_is_refused_by_run_in_one_line(capsys, tmp_path):
+    """engine/run.run checks a config made in code as the command line would have, before anything starts (no
+    output folder); a choice the parser would have refused is said too. Control: the valid neighbour passes the
+    same check."""
     from vim_ds.engine.run import run
 
-    assert run(RunConfig(run=RunOptions(engine="ddp", save_interval=5))) == 2
+    out = tmp_path / "out"
+    assert run(RunConfig(run=RunOptions(engine="ddp", save_interval=5, output_dir=str(out)))) == 2
     assert capsys.readouterr().err == ("vim-ds train: error (rank 0): --engine ddp is a measurement baseline: it "
                                        "saves no checkpoints and keeps no EMA; drop --save-interval\n")
+    assert not out.exists()
     assert validate(RunConfig(run=RunOptions(engine="dp"))) == "--engine 'dp' is not one of deepspeed, ddp, fsdp"
     assert validate(RunConfig(run=RunOptions(engine="ddp", save_interval=0))) is None
 

@@ -166,9 +166,9 @@ def check_lr_settings(optim: OptimOptions, peak: float, peak_from: str,
     scaling, or the DeepSpeed config's own number): a --min-lr, or with a warmup a --warmup-lr, above the peak.
 
     A value given (on the command line or in a --config file) is refused with a ValueError naming the values and
-    the fix. The built-in default (optim.lr_defaults, set by parse_args: the recipe's 1e-5 / 1e-6, meant for a
-    global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, and a note says
-    so: a user who never chose the floor is not refused for a small batch, and the lr never rises. Returns the
+    the fix. The built-in default (optim.lr_defaults, resolved with the RunConfig: the recipe's 1e-5 / 1e-6, meant
+    for a global batch of 512, which a small batch scales the lr below) is lowered to the peak instead, and a note
+    says so: a user who never chose the floor is not refused for a small batch, and the lr never rises. Returns the
     options with any default lowered (`optim` itself is frozen) and the notes. `peak_from` says where the peak
     comes from; `fix` how to raise it."""
     notes = []

@@ -72,7 +72,7 @@ def range_error(args) -> str | None:
     return _range_error(vars(args))
 
 
-def _apply_config(parser: argparse.ArgumentParser, argv) -> tuple[dict, dict]:
+def _read_config_file(parser: argparse.ArgumentParser, argv) -> tuple[dict, dict]:
     """With --config: the file's `recipe:` description ({} without one) and its options, which --help then shows as
     the defaults; ({}, {}) without. A bad file is a parser error (one line, exit 2), said before anything else in
     argv is read."""
@@ -119,9 +119,9 @@ def _parse(argv, prog: str) -> tuple[RunConfig, dict]:
     """(parse_config's RunConfig, the options typed: dest -> value as argparse read it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
-    meta, from_file = _apply_config(parser, argv)
+    meta, from_file = _read_config_file(parser, argv)
     typed = _typed(parser, argv)
-    config = RunConfig.from_dict({**from_file, **typed}, explicit=typed)
+    config = RunConfig.from_dict({**from_file, **typed}, explicit=set(typed))
     values = config.to_dict()
     missing = [name for name in meta.get("requires") or () if not values.get(name)]
     if missing and not config.run.eval:
