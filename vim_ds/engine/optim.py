@@ -64,8 +64,8 @@ def ds_auto_values(optim: OptimOptions, batch) -> dict:
             "optimizer.params.eps": optim.opt_eps, "gradient_clipping": optim.clip_grad or 0.0}
 
 
-# What a DeepSpeed config and the command line can both set: the JSON's dotted path -> the option (dest); defined
-# with the options, whose `given` (which of them were given) the config resolves
+# What a DeepSpeed config and the command line can both set: the JSON's dotted path -> the option (dest). Defined with
+# the options (run_config.DEEPSPEED_SETS_TOO), since a RunConfig records which of them were given (`optim.given`)
 SHARED = DEEPSPEED_SETS_TOO
 
 
