@@ -26,11 +26,11 @@ def main(argv=None) -> int:
     if refused:
         return refused
 
-    import timm
     import torch
 
     import vim_ds
     from vim_ds.engine.run_info import accelerator
+    from vim_ds.models import ModelConfig
     from vim_ds.ops import backends
     from vim_ds.ops.selective_scan import scan_with_backend
 
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
         return 1
 
     # 2. the published model, forward and backward
-    model = timm.create_model(args.model, img_size=args.input_size).to(device)
+    # as published: ImageNet's 1000 classes, the architecture's own dropout and stochastic depth
+    model = ModelConfig(args.model, 1000, args.input_size, drop=None, drop_path=None).build().to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{model.pretrained_cfg['architecture']}: {n_params / 1e6:.1f}M parameters, "
           f"{len(model.layers)} blocks, class token at position {model.token_position}")

@@ -19,7 +19,7 @@ import sys
 
 from .engine import env_vars
 from .engine.errors import report_error
-from .engine.run_options import key_value
+from .engine.run_config import add_model_kwargs
 
 PROG = "vim-ds predict"
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
+    add_model_kwargs(p, default=None, help=None)  # None: the file's
     p.add_argument("--input-size", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None)
     p.add_argument("--eval-crop-ratio", type=float, default=0.875)

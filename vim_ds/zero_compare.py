@@ -28,7 +28,7 @@ import os
 import sys
 
 from .engine import env_vars
-from .engine.run_options import key_value
+from .engine.run_config import add_model_kwargs
 from .engine.training_engines import DEFAULT as DEFAULT_ENGINE
 from .engine.training_engines import ENGINES, baseline_names, training_engine
 
@@ -99,19 +99,12 @@ def deepspeed_estimates(psi: int, largest_layer: int, ranks: int) -> dict:
     return out
 
 
-def model_size(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int]:
-    """(parameters, largest layer's own parameters) of the model as the trainer builds it."""
-    return model_params(model, model_kwargs, input_size, nb_classes)[:2]
-
-
 def model_params(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int, list]:
     """(parameters, largest layer's own parameters, every parameter's shape) of the model as the trainer builds
     it."""
-    import timm
+    from .models import ModelConfig
 
-    from . import models  # noqa: F401  (registers the Vim variants)
-
-    net = timm.create_model(model, pretrained=False, num_classes=nb_classes, img_size=input_size, **model_kwargs)
+    net = ModelConfig(model, nb_classes, input_size, model_kwargs, drop=None, drop_path=None).build()
     total = sum(p.numel() for p in net.parameters())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()), default=0)
     return total, largest, [tuple(p.shape) for p in net.parameters()]
@@ -372,7 +365,7 @@ def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dic
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds zero-compare", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="KEY=VALUE")
+    add_model_kwargs(p, default=[], help=None, metavar="KEY=VALUE")
     p.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--offload", action="store_true", help="also zero2_offload and zero3_offload")
     p.add_argument("--precision", choices=["bf16", "fp32", "autocast-bf16"], default="bf16")

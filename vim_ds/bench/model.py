@@ -14,16 +14,16 @@ def child(spec: dict) -> dict:
     """One measurement, in the fresh process that `measure` starts (`python -m vim_ds.bench _child SPEC`)."""
     import resource
 
-    import timm
     import torch
 
-    import vim_ds  # noqa: F401
+    from ..models import ModelConfig
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
-    model = timm.create_model(spec["model"], img_size=spec["img_size"], num_classes=1000,
-                              **spec.get("model_kwargs", {})).to(device)
+    # each architecture's own dropout and stochastic depth (Vim's 0.1, DeiT's none), as published
+    model = ModelConfig(spec["model"], 1000, spec["img_size"], spec.get("model_kwargs", {}), drop=None,
+                        drop_path=None).build().to(device)
     if spec.get("compiled"):
         model = torch.compile(model)  # inductor; the warmup steps pay for the compilation
     x = torch.randn(spec["batch"], 3, spec["img_size"], spec["img_size"], device=device)

@@ -10,7 +10,6 @@ import sys
 
 from .distributed import default_data_timeout
 from .run_config import GROUPS, OPTIONS, RULES, DeepSpeedOptions, group_options
-from .run_config import key_value  # noqa: F401  (every command's --model-kwargs parser, imported from here)
 from .training_engines import training_engine
 
 DESCRIPTION = "`vim-ds train` = `python -m vim_ds.train`: train (or, with --eval, evaluate) Vim with DeepSpeed."

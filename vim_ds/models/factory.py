@@ -20,14 +20,16 @@ DESCRIPTION_KEYS = ("model", "model_kwargs", "num_classes", "input_size")
 class ModelConfig:
     """A model as a run names it: a registered Vim name or alias, its constructor overrides (`--model-kwargs`), the
     head's classes and the image side. Dropout, stochastic depth and gradient checkpointing change how it trains,
-    not its weights, so checkpoints record only the description (`description()`)."""
+    not its weights, so checkpoints record only the description (`description()`). `drop`/`drop_path` None: the
+    architecture's own rate (a Vim's published stochastic depth 0.1, timm's DeiT none), as the benchmarks and the
+    demo build their models; a run gives its --drop/--drop-path."""
 
     name: str
     num_classes: int
     input_size: int = 224
     kwargs: Mapping = dataclasses.field(default_factory=dict)
-    drop: float = 0.0
-    drop_path: float = 0.0
+    drop: float | None = 0.0
+    drop_path: float | None = 0.0
     grad_checkpointing: bool = False
 
     @classmethod
@@ -61,10 +63,11 @@ class ModelConfig:
 
         from . import vim  # noqa: F401  (registers the Vim variants)
 
+        rates = {key: rate for key, rate in (("drop_rate", self.drop), ("drop_path_rate", self.drop_path))
+                 if rate is not None}
         try:
             model = timm.create_model(self.name, pretrained=False, num_classes=self.num_classes,
-                                      img_size=self.input_size, drop_rate=self.drop, drop_path_rate=self.drop_path,
-                                      **self.kwargs)
+                                      img_size=self.input_size, **rates, **self.kwargs)
         except RuntimeError as exc:
             if "Unknown model" in str(exc):
                 raise ValueError(f"unknown model {self.name!r} (try vim_tiny, vim_small, vim_base, "
