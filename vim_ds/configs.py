@@ -25,6 +25,7 @@ def describe_recipe(path: str) -> str:
     """One line from a recipe: model, stage, global batch at its documented GPU count, effective lr, epochs,
     DeepSpeed config and precision, and where it comes from."""
     from .engine import options_file
+    from .engine.ds_config import DEFAULT_ACCUM_STEPS, DEFAULT_MICRO_BATCH
     from .engine.optim import scaled_lr
     from .engine.run_config import OPTIONS
     from .engine.shipped_configs import DEFAULT
@@ -33,7 +34,8 @@ def describe_recipe(path: str) -> str:
     value = {dest: option.default for dest, option in OPTIONS.items()}
     value.update(options)
     gpus = int(meta.get("gpus") or 1)
-    micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1
+    micro = value.get("batch_size") or DEFAULT_MICRO_BATCH
+    accum = value.get("accum_steps") or DEFAULT_ACCUM_STEPS
     split = value.get("sequence_parallel") or 1  # groups of `split` GPUs share each image (micro: per group)
     batch = gpus // split * micro * accum
     lr = scaled_lr(value["lr"], batch, value["unscale_lr"])

@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+from ..engine.ds_config import DEFAULT_MICRO_BATCH, BatchSizes, eval_batch_size
+
 PROG = "vim-ds bench data"
 STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",
           "mixup")
@@ -104,30 +106,33 @@ def cpu_seconds(pids) -> tuple[float, float | None]:
 # -- the two pipelines -------------------------------------------------------------------------------------------
 
 class VimDsPipeline:
-    """The trainer's pipeline (vim_ds.engine.trainer.Trainer builds the same pieces from the same options)."""
+    """The trainer's pipeline: its dataset, sampler and Mixup from the builders of a training run (engine/parts.py),
+    one rank, no gradient accumulation."""
 
     name = "vim_ds"
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
-        from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
-        from ..data.mixup import build_mixup
-        from ..engine.components import dataset_config, mixup_config
+        from ..data import build_dataset
+        from ..engine import sequence_groups
+        from ..engine.components import dataset_config
+        from ..engine.evaluate import eval_sampler
+        from ..engine.parts import build_mixup, train_sampler
         from ..engine.run_config import RunConfig
 
         self.args, self.is_train = train_args, is_train
         config = RunConfig.from_namespace(train_args)
+        # the one split measured (a run's parts.build_datasets reads both)
         self.dataset, num_classes = build_dataset(dataset_config(config), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
-        # the trainer's eval batch
-        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
+        batch, one_rank = BatchSizes(batch_size, 1, 1), sequence_groups.build(1, 0, 1)
         if is_train:
-            self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
-                                              world_size=1, seed=train_args.seed,
-                                              repeats=3 if train_args.repeated_aug else 1)
-            self.mixup = build_mixup(mixup_config(config), batch_size, num_classes)
+            self.sampler = train_sampler(config, len(self.dataset), batch, one_rank)
+            self.mixup = build_mixup(config, batch, num_classes)
+            self.batch_size = batch_size
         else:
-            self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
+            self.sampler = eval_sampler(self.dataset, batch_size, one_rank)
             self.mixup = None
+            self.batch_size = self.sampler.batch_size  # the trainer's eval batch
         self.steps = transform_steps(self.dataset.transform)
         # normalise + erase after the uint8 hand-over
         self.finish = getattr(self.dataset, "finish", None)
@@ -262,7 +267,7 @@ class TimmPipeline:
 
         a = train_args
         self.is_train = is_train
-        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
+        self.batch_size = batch_size if is_train else eval_batch_size(batch_size)  # the trainer's batches
         self.root = os.path.join(a.data_path, "train" if is_train else "val")
         self.dataset = ImageDataset(self.root)
         mixup = is_train and (a.mixup > 0 or a.cutmix > 0 or a.cutmix_minmax is not None)
@@ -724,7 +729,8 @@ def add_parser(sub) -> None:
         "the training pipelines per core.")
     d.add_argument("--data-path", required=True, metavar="DIR", help="ImageNet-style root with train/ and val/")
     d.add_argument("--workers", type=int, nargs="+", default=[1, 2], metavar="N", help="worker counts [1 2]")
-    d.add_argument("--batch-size", type=int, default=64, help="training batch (evaluation: 1.5x, as the trainer's)")
+    d.add_argument("--batch-size", type=int, default=DEFAULT_MICRO_BATCH,
+                   help="training batch (evaluation: 1.5x, as the trainer's)")
     d.add_argument("--batches", type=int, default=10, help="timed batches per loader measurement")
     d.add_argument("--warmup-batches", type=int, default=2, help="batches before the timed ones (worker start-up)")
     d.add_argument("--rounds", type=int, default=2, help="alternating measurements per loader and worker count")

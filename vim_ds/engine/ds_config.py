@@ -32,7 +32,7 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch
 AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # the dtype torch.autocast runs the forward in
 # what DeepSpeed 0.19.8 reads
 TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})
-DEFAULT_MICRO_BATCH = 64
+DEFAULT_MICRO_BATCH = 64  # --batch-size when neither it nor the JSON gives one
 DEFAULT_ACCUM_STEPS = 1
 # what DeepSpeed 0.19.8 clips at when a config has no gradient_clipping (runtime/constants.py): written down, so that
 # a run without --clip-grad says it clips there and the --engine ddp/fsdp baselines clip as DeepSpeed does (a given
@@ -93,6 +93,13 @@ _TORCH_ADAM_EQUIVALENT = {"bias_correction": True, "set_grad_none": None}
 
 class ConfigError(ValueError):
     """A DeepSpeed config that cannot be used; the message is one line naming the file and the key."""
+
+
+def eval_batch_size(micro_batch: int | None) -> int:
+    """The images per rank in one evaluation batch: 1.5 x the training micro batch (DEFAULT_MICRO_BATCH's when
+    None), as the published main.py: a forward without gradients or activations kept for backward has room for
+    more. The trainer's evaluation, `vim-ds eval` and `vim-ds bench data` all batch by it."""
+    return max(1, int(1.5 * (micro_batch or DEFAULT_MICRO_BATCH)))
 
 
 @dataclass(frozen=True)

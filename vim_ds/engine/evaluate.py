@@ -4,7 +4,8 @@ Each rank scores a disjoint shard (no padding, no duplicates) and the sums are a
 failed to decode (ok == 0) are left out of every sum and counted. Under ZeRO-3 every forward pass is a
 collective, so ranks whose shard has fewer batches run blank batches until all ranks have run as many.
 
-`evaluate` scores a model during training; `evaluate_weights` scores saved weights (`vim-ds eval`).
+`evaluate` scores a model during training; `evaluate_weights` scores saved weights (`vim-ds eval`); both read the
+validation set in `eval_sampler`'s batches.
 """
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
+from .ds_config import eval_batch_size
 from .run_config import RunConfig
+
+
+def eval_sampler(dataset, micro_batch: int | None, groups):
+    """This rank's batches of the validation set `dataset`: ds_config.eval_batch_size(micro_batch) images each, the
+    set split over the data-parallel ranks of `groups` (sequence_groups.SequenceGroups: the ranks of a sequence
+    group score the same images)."""
+    from ..data import ShardedEvalSampler
+
+    return ShardedEvalSampler(len(dataset), batch_size=eval_batch_size(micro_batch), rank=groups.data_rank,
+                              world_size=groups.data_world)
 
 
 def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
@@ -103,23 +115,21 @@ def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> 
     return ema
 
 
-def evaluate_weights(config: RunConfig, dist_info) -> dict:
+def evaluate_weights(config: RunConfig, dist_info, datasets) -> dict:
     """`vim-ds eval`: score the weights of `--resume`/`--finetune` (and their EMA weights, when saved) on the
-    validation set, the model replicated on every rank and the set sharded over the data-parallel ranks (under
-    --sequence-parallel N each group of N ranks splits its images' tokens); rank 0 logs the record."""
-    from ..data import ShardedEvalSampler, build_dataset
+    validation set of `datasets` (parts.build_datasets(config, train=False)), the model replicated on every rank
+    and the set sharded over the data-parallel ranks (under --sequence-parallel N each group of N ranks splits its
+    images' tokens); rank 0 logs the record."""
     from ..data.loader import build_loader
     from ..models import load_state_dict_into
     from . import faults, sequence_groups
-    from .components import dataset_config, loader_config
+    from .components import loader_config, model_config
     from .ds_config import PRECISION_DTYPES, autocast_dtype
     from .metrics import MetricsLog
-    from .components import model_config
 
-    data = dataset_config(config)
-    val_set, num_classes = build_dataset(data, is_train=False)
-    model = model_config(config, num_classes).build()
-    ema_state = load_eval_weights(config, model, [str(c) for c in getattr(val_set, "classes", None) or []])
+    val_set = datasets.val_set
+    model = model_config(config, datasets.num_classes).build()
+    ema_state = load_eval_weights(config, model, datasets.classes)
     precision = config.optim.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":
         raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")
@@ -127,10 +137,9 @@ def evaluate_weights(config: RunConfig, dist_info) -> dict:
     model = model.to(dist_info.device, dtype).eval()
     groups = sequence_groups.build(config.run.sequence_parallel, dist_info.rank, dist_info.world_size)
     groups.split(model)
-    batch = max(1, int(1.5 * (config.optim.batch_size or 64)))
-    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=groups.data_rank,
-                                                      world_size=groups.data_world),
-                          loader_config(config), "val", local_world_size=dist_info.local_world_size,
+    # this command's own workers (not a trainer's: see data.loader's _worker_init), started afresh per evaluation
+    loader = build_loader(val_set, eval_sampler(val_set, config.optim.batch_size, groups), loader_config(config),
+                          "val", local_world_size=dist_info.local_world_size,
                           stall_at=faults.for_rank(dist_info.rank).loader("val")["stall_at"])
     size = config.model.input_size
     shape = (3, size, size)
