@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import build_tools
-from .ports import free_port  # noqa: F401  (setup() below; bench/split.py imports it from here)
+from .ports import free_port  # setup() below; bench/split.py imports it from here too
 
 
 # --data-timeout's default: far above a healthy batch (even the first, which starts the workers), far below 600 s; and

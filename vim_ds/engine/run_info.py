@@ -12,11 +12,6 @@ import sys
 
 import torch
 
-# what compare-runs reports when it differs between two runs; global_batch must be equal
-COMPARED_KEYS = ("global_batch", "world_size", "micro_batch", "accum_steps", "zero_stage", "precision", "seed", "lr",
-                 "model", "model_kwargs", "input_size", "num_classes", "train_images", "device_name", "device_type",
-                 "init_weights_sha256", "vim_ds", "torch", "deepspeed", "timm", "accelerator_runtime")
-
 
 def _version(module: str) -> str | None:
     try:
