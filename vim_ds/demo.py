@@ -9,6 +9,15 @@ import argparse
 import sys
 import time
 
+import torch
+
+import vim_ds
+from vim_ds.engine import env_vars
+from vim_ds.engine.run_info import accelerator
+from vim_ds.models import ModelConfig
+from vim_ds.ops import backends
+from vim_ds.ops.selective_scan import scan_with_backend
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vim-ds demo", description=__doc__)
@@ -20,19 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from vim_ds.engine import env_vars
 
     refused = env_vars.refusal("vim-ds demo")  # a VIM_DS_* variable it cannot read: one line, before anything starts
     if refused:
         return refused
-
-    import torch
-
-    import vim_ds
-    from vim_ds.engine.run_info import accelerator
-    from vim_ds.models import ModelConfig
-    from vim_ds.ops import backends
-    from vim_ds.ops.selective_scan import scan_with_backend
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = backends.get_backend(device)

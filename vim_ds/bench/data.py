@@ -29,11 +29,34 @@ import copy
 import math
 import os
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
+import PIL
+import timm
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMixup, ImageDataset, create_loader
+from timm.data.loader import fast_collate
+from torch.utils.data import default_collate
+
+from ..data import build_dataset
+from ..data.datasets import _checked_split, derive_seed, erase_seed, seeded_rngs
+from ..data.images import open_rgb
+from ..data.loader import LoaderConfig, build_loader, stop_workers
+from ..data.shards import check_shards, write_shards
+from ..data.transforms import _auto_augment
+from ..engine import sequence_groups
+from ..engine.components import dataset_config
 from ..engine.ds_config import DEFAULT_MICRO_BATCH, BatchSizes, eval_batch_size
+from ..engine.evaluate import eval_sampler
+from ..engine.parts import build_mixup, train_sampler
+from ..engine.run_config import RunConfig
+from ..engine.run_info import cpu_name
+from ..engine.run_options import parse_args
+from ..engine.trainer import seed_everything
 
 PROG = "vim-ds bench data"
 STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",
@@ -112,13 +135,6 @@ class VimDsPipeline:
     name = "vim_ds"
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
-        from ..data import build_dataset
-        from ..engine import sequence_groups
-        from ..engine.components import dataset_config
-        from ..engine.evaluate import eval_sampler
-        from ..engine.parts import build_mixup, train_sampler
-        from ..engine.run_config import RunConfig
-
         self.args, self.is_train = train_args, is_train
         config = RunConfig.from_namespace(train_args)
         # the one split measured (a run's parts.build_datasets reads both)
@@ -143,8 +159,6 @@ class VimDsPipeline:
 
     # loader
     def make_loader(self, workers: int):
-        from ..data.loader import LoaderConfig, build_loader
-
         return build_loader(self.dataset, self.sampler, LoaderConfig(num_workers=workers, data_timeout=0),
                             "train" if self.is_train else "val", persistent=True)
 
@@ -181,8 +195,6 @@ class VimDsPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from ..data.datasets import erase_seed, seeded_rngs
-
         index, seed = key if isinstance(key, tuple) else (key, None)
         # as in a worker: seeded without saving and restoring the generators (see SeededDataset._load_seeded)
         seeding = seeded_rngs(seed, restore=False) if seed is not None else None
@@ -217,8 +229,6 @@ class VimDsPipeline:
         return self.dataset.handover_item(key) if self.finish is not None else self.dataset[key]
 
     def collate(self, samples):
-        from torch.utils.data import default_collate
-
         return default_collate(samples)
 
     def post_split(self, batch, step: int, times: dict):
@@ -245,9 +255,6 @@ class VimDsPipeline:
     def mix(self, images, targets, step: int):
         # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
         if self.mixup is not None:
-            from ..data.datasets import derive_seed
-            from ..engine.trainer import seed_everything
-
             seed_everything(derive_seed(self.args.seed, step, 0, 0))
             images, targets = self.mixup(images, targets)
         return images
@@ -260,11 +267,6 @@ class TimmPipeline:
     name = "timm"
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
-        import torch
-        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMixup, ImageDataset
-
-        from ..data.transforms import _auto_augment
-
         a = train_args
         self.is_train = is_train
         self.batch_size = batch_size if is_train else eval_batch_size(batch_size)  # the trainer's batches
@@ -293,8 +295,6 @@ class TimmPipeline:
                       "random_erasing": "training process", "mixup": "worker (in the collate)"}
 
     def make_loader(self, workers: int):
-        from timm.data import create_loader
-
         return create_loader(self.dataset, num_workers=workers, **self.kwargs)
 
     @staticmethod
@@ -312,8 +312,6 @@ class TimmPipeline:
         return ["Normalize"] + (["RandomErasing"] if getattr(pf, "random_erasing", None) is not None else [])
 
     def close(self, loader):
-        from ..data.loader import stop_workers
-
         stop_workers(self.iterator(loader))
         loader.loader._iterator = None
 
@@ -321,8 +319,6 @@ class TimmPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from ..data.images import open_rgb
-
         path, target = self.dataset.reader[key][:2]
         t0 = time.process_time()
         image = open_rgb(path)
@@ -358,8 +354,6 @@ def spread(size: int, n: int) -> list:
 
 
 def _fast_collate(samples):
-    from timm.data.loader import fast_collate
-
     return fast_collate(samples)
 
 
@@ -442,8 +436,6 @@ def _seed_like(pipe, position: int) -> None:
     """timm's samples draw their augmentation from the global RNGs: seed them per sample (untimed), so that the
     timed and the untimed pass do the same work. Ours seed themselves (that cost is the "seeding" stage)."""
     if pipe.name == "timm":
-        from ..engine.trainer import seed_everything
-
         seed_everything(position)
 
 
@@ -452,8 +444,6 @@ def _seed_like(pipe, position: int) -> None:
 def train_namespace(args):
     """`vim-ds train`'s parsed options for --data-path and --train-args: the transform and Mixup come from the
     same options, with the same defaults, as in training."""
-    from ..engine.run_options import parse_args
-
     try:
         extra = shlex.split(args.train_args)
     except ValueError as exc:
@@ -496,8 +486,6 @@ def _median(values):
 
 
 def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
-    import torch
-
     pipes = [VimDsPipeline(train_args, is_train, args.batch_size), TimmPipeline(train_args, is_train,
                                                                                 args.batch_size)]
     for pipe in pipes:
@@ -560,8 +548,6 @@ def run_shards(args, train_args, shards: str, log) -> dict:
     """The trainer's training loader on the folder and on its shards (`--data-set shards`), alternating per round
     and worker count as the folder/timm pair; and the time to read one image's bytes from each (a file open and
     read vs one positioned read in a shard)."""
-    import torch
-
     shard_args = copy.copy(train_args)
     shard_args.data_set, shard_args.data_path = "shards", shards
     pipes = {"folder": VimDsPipeline(train_args, True, args.batch_size),
@@ -630,16 +616,8 @@ def _table(kind: str, res: dict, workers: list) -> str:
 
 
 def run_data(args) -> dict:
-    import PIL
-
-    from ..engine.run_info import cpu_name
-    import timm
-    import torch
-
     def log(text):
         print(text, file=sys.stderr, flush=True)
-
-    from ..data.datasets import _checked_split
 
     for split in ("train", "val") if args.eval else ("train",):
         try:
@@ -647,8 +625,6 @@ def run_data(args) -> dict:
         except ValueError as exc:
             raise BenchError(str(exc)) from None
     if getattr(args, "shards", None):
-        from ..data.shards import check_shards
-
         try:
             check_shards(args.shards, need_train=True)
         except ValueError as exc:
@@ -694,12 +670,8 @@ def run_data(args) -> dict:
 
 def _with_shards(args, train_args, log) -> dict:
     """run_shards on --shards DIR, or on shards of --data-path written into a temporary folder first."""
-    import shutil
-    import tempfile
-
     if args.shards:
         return run_shards(args, train_args, args.shards, log)
-    from ..data.shards import write_shards
 
     folder = tempfile.mkdtemp(prefix="vim-ds-bench-shards-")
     try:

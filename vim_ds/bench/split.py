@@ -22,10 +22,15 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..engine.distributed import free_port
 from ..engine.run_config import add_model_kwargs
 from ..engine.trainer import peak_memory_mb
+from ..models.factory import ModelConfig
+from ..models.sequence_parallel import split_error, split_over
+from .data import BenchError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -64,9 +69,6 @@ def check_args(parser, args) -> None:
 def _split_problem(args) -> str | None:
     """Why the model cannot be built (an unknown name, a bad --model-kwargs) or split over the largest N asked (not
     a Vim; fewer tokens than ranks), found on the meta device before any rank process starts, else None."""
-    from ..models.factory import ModelConfig
-    from ..models.sequence_parallel import split_error
-
     try:
         with torch.device("meta"):
             model = ModelConfig(args.model, args.nb_classes, args.input_size, args.model_kwargs).build()
@@ -90,8 +92,6 @@ def communication_per_block(model, batch: int, dtype: torch.dtype) -> dict:
 
 
 def run_split(args) -> dict:
-    from .data import BenchError
-
     cuda = torch.cuda.is_available()
     if args.share_gpu and not cuda:
         raise BenchError("--share-gpu needs a GPU; this machine has none")
@@ -155,12 +155,6 @@ def _line(row: dict, rows: list, cores: int) -> str:
 
 
 def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from ..models.factory import ModelConfig
-    from ..models.sequence_parallel import split_over
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = settings["device"] == "cuda"
     device = torch.device("cuda", 0 if settings["share_gpu"] else rank) if cuda else torch.device("cpu")

@@ -15,9 +15,14 @@ interpreter's folder first on PATH when that folder has a ninja the PATH does no
 environment would have done."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import shutil
 import sys
+
+import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 
 def interpreter_ninja_first(environ, executable: str | None = None) -> str | None:
@@ -51,11 +56,6 @@ def extensions_dir_per_install(environ, installs: tuple[str, ...] | None = None)
     site-packages), shares its builds; another installation builds its own once."""
     if environ.get("TORCH_EXTENSIONS_DIR"):
         return None
-    import hashlib
-    import importlib.util
-
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
 
     if installs is None:  # found, not imported
         installs = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))

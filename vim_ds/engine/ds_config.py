@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import inspect
 import json
 import os
@@ -303,12 +304,14 @@ def _left_out_params_as_auto(config: dict, values: Mapping[str, Any]) -> None:
 
 def _check_zero(config: dict, src: str):
     """Validate zero_optimization with DeepSpeed's own model (it forbids unknown keys); return the model."""
+    # DeepSpeed here, not at the top: seconds of start-up for every command that reads ds_config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return _validate_model(DeepSpeedZeroConfig, config.get("zero_optimization", {}), "zero_optimization", src)
 
 
 def _validate_model(model_cls, data: dict, section: str, src: str):
+    # pydantic here, not at the top: start-up; only DeepSpeed's config models need it
     from pydantic import ValidationError
 
     try:
@@ -412,8 +415,6 @@ def _file_precision(config: dict) -> str | None:
 
 def deepspeed_has(module: str) -> bool:
     """Whether the installed DeepSpeed has `module` (a feature found by its module, not by a version number)."""
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -422,6 +423,7 @@ def _precision_models() -> dict:
     those sections key by key (an unknown key there is ignored by it, and not caught here either)."""
     if not deepspeed_has("deepspeed.runtime.precision_config"):
         return {}
+    # DeepSpeed here, not at the top: start-up, and only a DeepSpeed that has the module
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
     return {"bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
@@ -464,6 +466,7 @@ def _resolve_precision(config: dict, src: str, precision: str | None, device_typ
                           f"autocast-bf16 or fp32 (e.g. ds_configs/zero2.json)")
     if precision == "autocast-bf16" and not deepspeed_has("deepspeed.runtime.torch_autocast"):
         # an older DeepSpeed ignores the section: the run would train in fp32 without a word
+        # DeepSpeed here, not at the top (start-up)
         import deepspeed
 
         raise ConfigError(f"{chosen_by}: autocast-bf16 needs DeepSpeed's torch_autocast section (DeepSpeed >= 0.17), "
@@ -597,6 +600,7 @@ def _choose_cpu_adam(config: dict, device_type: str, offload_optimizer: bool) ->
     params = optimizer.setdefault("params", {})
     if "torch_adam" in params:
         return
+    # DeepSpeed here, not at the top (start-up)
     from deepspeed.ops.adam import FusedAdam
 
     torch_keys = _signature_keys(_torch_adam_class(_adam_kind(optimizer)))
@@ -611,8 +615,6 @@ def _choose_cpu_adam(config: dict, device_type: str, offload_optimizer: bool) ->
 
 
 def _torch_adam_class(kind: str):
-    import torch
-
     return torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
 
 
@@ -645,6 +647,7 @@ def _check_optimizer(config: dict, src: str, offload_optimizer: bool) -> None:
     if params.get("torch_adam"):
         cls, passed_by_deepspeed = _torch_adam_class(kind), set()
     elif offload_optimizer:
+        # DeepSpeed here, not at the top (start-up)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         cls, passed_by_deepspeed = DeepSpeedCPUAdam, {"adamw_mode", "fp32_optimizer_states"}

@@ -15,8 +15,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import distributed
-from .ds_config import eval_batch_size
+from ..checkpoint import class_names, deepspeed_dir, safe_load
+from ..checkpoint.consolidate import fp32_state_dict
+from ..checkpoint.convert import client_state
+from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
+from ..data import ShardedEvalSampler
+from ..data.loader import build_loader
+from ..models import load_state_dict_into
+from . import distributed, faults, sequence_groups
+from .components import dataset_config, loader_config, model_config
+from .ds_config import PRECISION_DTYPES, autocast_dtype, eval_batch_size
+from .metrics import MetricsLog
 from .run_config import RunConfig
 
 
@@ -24,8 +33,6 @@ def eval_sampler(dataset, micro_batch: int | None, groups):
     """This rank's batches of the validation set `dataset`: ds_config.eval_batch_size(micro_batch) images each, the
     set split over the data-parallel ranks of `groups` (sequence_groups.SequenceGroups: the ranks of a sequence
     group score the same images)."""
-    from ..data import ShardedEvalSampler
-
     return ShardedEvalSampler(len(dataset), batch_size=eval_batch_size(micro_batch), rank=groups.data_rank,
                               world_size=groups.data_world)
 
@@ -85,12 +92,6 @@ def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> 
     """Put the weights to evaluate into `model`; return the EMA state dict when the source has one. `classes`: the
     validation set's class names, refused when the weights record other ones (their labels would mean other
     classes: a score of other classes' images)."""
-    from ..checkpoint import class_names, deepspeed_dir, safe_load
-    from ..checkpoint.consolidate import fp32_state_dict
-    from ..checkpoint.convert import client_state
-    from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
-    from .components import dataset_config
-
     source = config.run.resume or config.model.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
@@ -120,13 +121,6 @@ def evaluate_weights(config: RunConfig, dist_info, datasets) -> dict:
     validation set of `datasets` (parts.build_datasets(config, train=False)), the model replicated on every rank
     and the set sharded over the data-parallel ranks (under --sequence-parallel N each group of N ranks splits its
     images' tokens); rank 0 logs the record."""
-    from ..data.loader import build_loader
-    from ..models import load_state_dict_into
-    from . import faults, sequence_groups
-    from .components import loader_config, model_config
-    from .ds_config import PRECISION_DTYPES, autocast_dtype
-    from .metrics import MetricsLog
-
     val_set = datasets.val_set
     model = model_config(config, datasets.num_classes).build()
     ema_state = load_eval_weights(config, model, datasets.classes)

@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from .. import __version__
+
 
 def _version(module: str) -> str | None:
     try:
@@ -50,8 +52,6 @@ def device_name(device: torch.device) -> str:
 
 
 def header(trainer) -> dict:
-    from .. import __version__
-
     config, batch = trainer.config, trainer.batch
     runtime = f"hip {torch.version.hip}" if torch.version.hip else \
         f"cuda {torch.version.cuda}" if torch.version.cuda and trainer.device.type == "cuda" else None

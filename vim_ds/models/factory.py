@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import timm
 import torch
+
+from . import vim  # noqa: F401  (registers the Vim variants)
+from .vim import ALIASES
 
 # The keys under which a checkpoint's client state and a converted file's metadata describe the model.
 DESCRIPTION_KEYS = ("model", "model_kwargs", "num_classes", "input_size")
@@ -47,8 +51,6 @@ class ModelConfig:
 
     def same_description(self, other: "ModelConfig") -> bool:
         """The same description, an alias (vim_t) counting as its name (vim_tiny)."""
-        from .vim import ALIASES
-
         canonical = lambda c: (ALIASES.get(c.name, c.name), dict(c.kwargs), c.num_classes, c.input_size)  # noqa: E731
         return canonical(self) == canonical(other)
 
@@ -59,10 +61,6 @@ class ModelConfig:
 
     def build(self) -> torch.nn.Module:
         """The model, randomly initialised (the caller loads weights); a bad name or keyword is a ValueError."""
-        import timm
-
-        from . import vim  # noqa: F401  (registers the Vim variants)
-
         rates = {key: rate for key, rate in (("drop_rate", self.drop), ("drop_path_rate", self.drop_path))
                  if rate is not None}
         try:

@@ -27,6 +27,7 @@ says so once, with the reason.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 import threading
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.utils import cpp_extension
 
 from . import build_config
 from .scan_chunks import decay_product
@@ -239,9 +241,7 @@ class MambaBackend:
 
 def _mamba_version():
     try:
-        from importlib.metadata import version
-
-        return version("mamba_ssm")
+        return importlib.metadata.version("mamba_ssm")
     except Exception:  # not installed as a distribution (a source tree on the path)
         return "version unknown"
 
@@ -273,8 +273,6 @@ def _source_root():
 
 
 def _jit_build(kind):
-    from torch.utils import cpp_extension
-
     root = _source_root()
     if root is None:
         raise RuntimeError("the kernel sources (csrc/) are not installed")
