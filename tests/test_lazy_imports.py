@@ -12,14 +12,17 @@ it."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 # Issue 53's item 1 rewrites these (the option pipeline); their function-level imports are left to that change.
 PENDING = {"engine/run_options.py", "engine/run_config.py", "engine/options_file.py", "engine/run.py",
            "engine/parts.py", "engine/trainer.py"}
-# worth deferring: packages `import vim_ds` does not load; no module may import one at its top
-DEFERRED = {"deepspeed", "matplotlib", "sklearn", "pydantic", "psutil", "tensorboard", "mamba_ssm"}
+# worth deferring: what `import vim_ds` does not load (packages, and modules of those it loads: cpp_extension imports
+# setuptools and warns where there is no CUDA); no module may import one at its top
+DEFERRED = {"deepspeed", "matplotlib", "sklearn", "pydantic", "psutil", "tensorboard", "mamba_ssm",
+            "torch.utils.cpp_extension", "PIL.ImageCms"}
 REASON = "not at the top"
 # loaded alone, by path, without the package (so without what `import vim_ds` imports)
 STANDALONE = {"ops/build_config.py"}  # by setup.py
@@ -90,6 +93,21 @@ def function_imports(tree: ast.Module):
                     yield function, node
 
 
+def _modules_named(node, named: list[str]) -> list[str]:
+    """The modules a (third-party) import statement imports: `from X import y` imports X, and X.y where y is a
+    module (`from torch.utils import cpp_extension`) rather than a name in X."""
+    if isinstance(node, ast.Import):
+        return named
+    return [named[0]] + [m for m in named[1:] if _is_module(m)]
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) -> list[str]:
     """One line per function-level import that saves nothing or says nothing, and per module that imports a
     DEFERRED package at its top (directly or through the modules it imports)."""
@@ -100,7 +118,7 @@ def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) 
     always = loaded_by(package, graph)  # what `import vim_ds` imports (statically)
     out = []
     for name, (path, tree, lines) in found.items():
-        deferred = {t.split(".")[0] for t in loaded_by(name, graph)} & DEFERRED
+        deferred = {d for t in loaded_by(name, graph) for d in DEFERRED if t == d or t.startswith(d + ".")}
         if deferred:
             out.append(f"{path}: imports {', '.join(sorted(deferred))} at its top")
         if path in pending:
@@ -110,7 +128,7 @@ def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) 
             where = f"{path}:{node.lineno} ({function.name})"
             if any(t.split(".")[0] == package for t in named):
                 out.append(f"{where}: imports a {package} module inside a function (milliseconds: at the top)")
-            elif named[0] in always and path not in STANDALONE:
+            elif path not in STANDALONE and all(m in always for m in _modules_named(node, named)):
                 out.append(f"{where}: imports {named[0]}, which `import {package}` imports already")
             elif not any(REASON in line for line in lines[function.lineno - 1:node.end_lineno]):
                 out.append(f"{where}: imports {named[0]} inside a function without saying why")
@@ -139,7 +157,9 @@ def test_the_checker_reports_each_kind(tmp_path):
         "def main():\n    import torch\n    from .engine import cheap\n    import deepspeed\n\n\n"
         "def fine():\n    # DeepSpeed here, not at the top: seconds of start-up\n    import deepspeed\n")
     (root / "cli.py").write_text("from .engine import slow\n")
+    (root / "build.py").write_text("from torch.utils import cpp_extension\n")
     assert problems(root) == [
+        "build.py: imports torch.utils.cpp_extension at its top",
         "cli.py: imports deepspeed at its top",
         "demo.py:2 (main): imports torch, which `import pkg` imports already",
         "demo.py:3 (main): imports a pkg module inside a function (milliseconds: at the top)",

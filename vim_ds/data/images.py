@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from PIL import Image, ImageCms
+from PIL import Image
 
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 _WHITE_IS_ZERO = 0  # TIFF PhotometricInterpretation
@@ -95,6 +95,8 @@ def _white_is_zero(image: Image.Image) -> bool:
 def _lab_to_srgb():
     """LittleCMS's transform from PIL's LAB (D50, as TIFF and ICC define it) to sRGB, without the 8-bit
     precalculation that makes it coarse. Built once per process (it cannot be pickled to data-loader workers)."""
+    from PIL import ImageCms  # here, not at the top: as in to_rgb
+
     return ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB",
                                    renderingIntent=ImageCms.Intent.RELATIVE_COLORIMETRIC,
                                    flags=ImageCms.Flags.NOOPTIMIZE)

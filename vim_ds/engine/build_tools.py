@@ -22,7 +22,6 @@ import shutil
 import sys
 
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
 
 def interpreter_ninja_first(environ, executable: str | None = None) -> str | None:
@@ -56,6 +55,8 @@ def extensions_dir_per_install(environ, installs: tuple[str, ...] | None = None)
     site-packages), shares its builds; another installation builds its own once."""
     if environ.get("TORCH_EXTENSIONS_DIR"):
         return None
+    # here, not at the top: torch.utils.cpp_extension imports setuptools (start-up) and warns where CUDA is missing
+    from torch.utils.cpp_extension import get_default_build_root
 
     if installs is None:  # found, not imported
         installs = tuple(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))

@@ -7,21 +7,18 @@ deepspeed  DeepSpeed's engine (engine/deepspeed_engine.py): ZeRO 0-3, checkpoint
            parallelism
 ddp, fsdp  PyTorch DDP and FSDP2 (engine/baselines.py), the measurement baselines of `vim-ds zero-compare`
 
-This module imports neither torch nor DeepSpeed: the command line reads the registry for --engine's choices and its
-rules, and only a run's build imports the engine it builds.
+The command line reads the registry for --engine's choices and its rules; DeepSpeed itself is imported only where a
+run builds its engine (engine/deepspeed_engine.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch  # only where a run builds its engine
+import torch
 
-from . import (
-    baselines,  # torch: only where a run builds its engine
-    deepspeed_engine,  # DeepSpeed: only where a run builds its engine
-)
-from .baselines import precision_label  # torch: only where a run or zero-compare's report asks
-from .ds_config import PRECISION_DTYPES  # torch: only where a run builds its engine
+from . import baselines, deepspeed_engine
+from .baselines import precision_label
+from .ds_config import PRECISION_DTYPES
 
 
 @dataclass(frozen=True)

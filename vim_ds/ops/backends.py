@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from torch.utils import cpp_extension
 
 from . import build_config
 from .scan_chunks import decay_product
@@ -273,6 +272,9 @@ def _source_root():
 
 
 def _jit_build(kind):
+    # here, not at the top: torch.utils.cpp_extension imports setuptools (start-up) and warns where CUDA is missing
+    from torch.utils import cpp_extension
+
     root = _source_root()
     if root is None:
         raise RuntimeError("the kernel sources (csrc/) are not installed")
