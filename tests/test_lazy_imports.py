@@ -12,6 +12,7 @@ it."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import pathlib
 
@@ -28,6 +29,7 @@ REASON = "not at the top"
 STANDALONE = {"ops/build_config.py"}  # by setup.py
 
 
+@functools.lru_cache(maxsize=None)
 def modules(root: pathlib.Path) -> dict[str, tuple[str, ast.Module, list[str]]]:
     """module name -> (path relative to root, parsed source, its lines)."""
     found = {}
@@ -83,22 +85,27 @@ def loaded_by(module: str, graph: dict[str, set[str]]) -> set[str]:
 
 def function_imports(tree: ast.Module):
     """(function, import statement) for every import inside a function (the innermost one)."""
-    for function in ast.walk(tree):
-        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            inner = [f for f in ast.walk(function) if f is not function and isinstance(f, (ast.FunctionDef,
-                                                                                          ast.AsyncFunctionDef))]
-            nested = {id(n) for f in inner for n in ast.walk(f)}
-            for node in ast.walk(function):
-                if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in nested:
-                    yield function, node
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from visit(child, child)
+                continue
+            if function is not None and isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield function, child
+            yield from visit(child, function)
+
+    yield from visit(tree, None)
 
 
-def _modules_named(node, named: list[str]) -> list[str]:
-    """The modules a (third-party) import statement imports: `from X import y` imports X, and X.y where y is a
-    module (`from torch.utils import cpp_extension`) rather than a name in X."""
+def _already_loaded(node, named: list[str], always: set[str]) -> bool:
+    """Whether everything the (third-party) import statement imports is in `always`: `from X import y` imports X,
+    and X.y where y is a module (`from torch.utils import cpp_extension`) rather than a name in X. Asked only of an X
+    that is loaded (looking a name up imports its parents)."""
+    if named[0] not in always:
+        return False
     if isinstance(node, ast.Import):
-        return named
-    return [named[0]] + [m for m in named[1:] if _is_module(m)]
+        return all(m in always for m in named)
+    return all(m in always for m in named[1:] if _is_module(m))
 
 
 def _is_module(name: str) -> bool:
@@ -128,7 +135,7 @@ def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) 
             where = f"{path}:{node.lineno} ({function.name})"
             if any(t.split(".")[0] == package for t in named):
                 out.append(f"{where}: imports a {package} module inside a function (milliseconds: at the top)")
-            elif path not in STANDALONE and all(m in always for m in _modules_named(node, named)):
+            elif path not in STANDALONE and _already_loaded(node, named, always):
                 out.append(f"{where}: imports {named[0]}, which `import {package}` imports already")
             elif not any(REASON in line for line in lines[function.lineno - 1:node.end_lineno]):
                 out.append(f"{where}: imports {named[0]} inside a function without saying why")
