@@ -46,6 +46,7 @@ def _scan_backend(name: str, value: str) -> None:
 
 
 def _cpu_isa(name: str, value: str) -> None:
+    # the variants are the CPU kernel's (this CPU's widest and narrower ones): it says which it has
     backends.check_cpu_isa(value)
 
 
