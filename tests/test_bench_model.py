@@ -26,4 +26,5 @@ def test_eager_and_compiled_rows_from_fresh_processes():
 
 def test_a_failing_measurement_is_a_row_with_its_cause():
     r = bench_model.measure(dict(TINY, model="no_such_model", compiled=False))
-    assert "Unknown model" in r["error"] and "FAILED" in bench_model._model_row(r)
+    # the model description's message (models.ModelConfig.build), as `vim-ds train --model` says it
+    assert "unknown model 'no_such_model'" in r["error"] and "FAILED" in bench_model._model_row(r)

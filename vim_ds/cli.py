@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .engine.errors import report_error
+from .engine.versions import unsupported
+
 SUBCOMMANDS = {
     "train": ("vim_ds.train", "train Vim with DeepSpeed (ZeRO 0-3, bf16/fp16/fp32, offload)"),
     "eval": ("vim_ds.eval", "evaluate a checkpoint directory or weights file on a validation set"),
@@ -48,9 +51,6 @@ def dispatch(prog: str, table: dict, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    from .engine.errors import report_error
-    from .engine.versions import unsupported
-
     argv = sys.argv[1:] if argv is None else list(argv)
     refused = unsupported()  # a torch or DeepSpeed too old: said before any command imports them
     if refused:

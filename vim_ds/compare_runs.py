@@ -31,6 +31,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .engine.errors import first_line, report_error
+from .engine.options_file import (
+    NOT_PART_OF_THE_RUN,
+    SEGMENTS_KEY,
+    describe_segments,
+    option_name,
+    read,
+    read_segments,
+    same_value,
+    shown,
+)
+
 PROG = "vim-ds compare-runs"
 DEFAULT_TOLERANCE = 0.01
 # settings shown when they differ from the reference's (global_batch must be equal)
@@ -129,8 +141,6 @@ def read_run(path: str, label: str) -> Run:
     run.global_batch = (run.header or {}).get("global_batch", summary_batch)
     run.options = read_options(os.path.join(os.path.dirname(file), OPTIONS_FILE))
     if run.options is not None:
-        from .engine.options_file import SEGMENTS_KEY, read_segments
-
         where = os.path.join(os.path.dirname(file), OPTIONS_FILE)
         try:
             run.segments = read_segments(run.options, where)
@@ -144,7 +154,6 @@ def read_options(path: str) -> dict | None:
     """A run's recorded `vim-ds train` options, or None when it has none (a run from before vim_ds wrote them)."""
     if not os.path.isfile(path):
         return None
-    from .engine.options_file import read
 
     try:
         return read(path)
@@ -160,7 +169,6 @@ def option_differences(ref: Run, run: Run) -> list[str]:
     config's name and its path) are the same value."""
     if ref.options is None or run.options is None:
         return []
-    from .engine.options_file import NOT_PART_OF_THE_RUN, option_name, same_value, shown
 
     keys = list(ref.options) + [k for k in run.options if k not in ref.options]
     return [f"{option_name(k)} {shown(ref.options.get(k))} (reference) vs {shown(run.options.get(k))} "
@@ -221,8 +229,6 @@ def compare(ref: Run, run: Run, tolerance: float) -> dict:
                      f"options): the options are not compared")
     for r in (ref, run):
         if r.segments:
-            from .engine.options_file import describe_segments
-
             notes.append(f"{r.label} was resumed with other options ("
                          f"{'; '.join(describe_segments(r.options or {}, r.segments))}); "
                          f"`options that differ` compares the options each run started with")
@@ -299,6 +305,7 @@ def write_csv(path: str, ref: Run, runs: list[Run], results: list[dict]):
 
 
 def plot(path: str, ref: Run, runs: list[Run], results: list[dict], tolerance: float):
+    # matplotlib here, not at the top: its start-up, and without it only the plot is missing
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,8 +369,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from .engine.errors import first_line, report_error
-
     args = parse_args(argv)
     try:
         runs = [read_run(path, label) for path, label in zip(args.runs, labels_for(args.runs))]

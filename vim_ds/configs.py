@@ -13,6 +13,13 @@ import os
 import shutil
 import sys
 
+from .engine import options_file
+from .engine.ds_config import DEFAULT_ACCUM_STEPS, DEFAULT_MICRO_BATCH
+from .engine.errors import first_line, report_error
+from .engine.optim import scaled_lr
+from .engine.run_config import OPTIONS
+from .engine.shipped_configs import DEFAULT, RECIPES, describe, recipes, shipped, shipped_dir
+
 
 def build_parser(prog: str = "vim-ds configs") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -24,16 +31,12 @@ def build_parser(prog: str = "vim-ds configs") -> argparse.ArgumentParser:
 def describe_recipe(path: str) -> str:
     """One line from a recipe: model, stage, global batch at its documented GPU count, effective lr, epochs,
     DeepSpeed config and precision, and where it comes from."""
-    from .engine import options_file
-    from .engine.optim import scaled_lr
-    from .engine.run_config import OPTIONS
-    from .engine.shipped_configs import DEFAULT
-
     options, meta = options_file.load(path)
     value = {dest: option.default for dest, option in OPTIONS.items()}
     value.update(options)
     gpus = int(meta.get("gpus") or 1)
-    micro, accum = value.get("batch_size") or 64, value.get("accum_steps") or 1
+    micro = value.get("batch_size") or DEFAULT_MICRO_BATCH
+    accum = value.get("accum_steps") or DEFAULT_ACCUM_STEPS
     split = value.get("sequence_parallel") or 1  # groups of `split` GPUs share each image (micro: per group)
     batch = gpus // split * micro * accum
     lr = scaled_lr(value["lr"], batch, value["unscale_lr"])
@@ -46,9 +49,6 @@ def describe_recipe(path: str) -> str:
 
 
 def main(argv=None, prog: str = "vim-ds configs") -> int:
-    from .engine.errors import first_line, report_error
-    from .engine.shipped_configs import DEFAULT, RECIPES, describe, recipes, shipped, shipped_dir
-
     args = build_parser(prog).parse_args(argv)
     configs = shipped()
     if not configs:

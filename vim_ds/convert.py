@@ -8,6 +8,14 @@ import contextlib
 import os
 import signal
 import sys
+import threading
+
+from .checkpoint import convert as checkpoint_convert
+from .checkpoint import deepspeed_dir
+from .checkpoint.files import CheckpointError
+from .engine import env_vars, faults
+from .engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
+from .engine.errors import report_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +63,6 @@ def _stop_on_signals() -> dict:
             signal.signal(other, signal.SIG_IGN)
         raise Stopped(signum)
 
-    import threading
-
     # main() called from a thread: Python's own
     if threading.current_thread() is not threading.main_thread():
         return {}
@@ -69,7 +75,6 @@ def _stop_on_signals() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
-    from .engine import env_vars
 
     refused = env_vars.refusal("vim-ds convert")  # a VIM_DS_* variable it cannot read: one line
     if refused:
@@ -92,13 +97,10 @@ def main(argv=None) -> int:
 
 
 def _main(args, target: list) -> int:
-    # DeepSpeed's logger (bound to stdout at import) -> stderr,
+    # DeepSpeed's logger (bound to stdout at import) -> stderr, so that stdout is the one-line summary; imported
+    # here, not at the top: seconds of start-up that `vim-ds convert --help` and a bad argument need not pay
     with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed.utils.zero_to_fp32  # noqa: F401  so that stdout is the one-line summary
-    from .checkpoint.convert import convert
-    from .checkpoint.files import CheckpointError
-    from .engine import faults
-    from .engine.errors import report_error
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
 
     try:
         # fault injection (VIM_DS_INJECT=stall_convert_write@1): stop mid-write for a signal test
@@ -107,9 +109,9 @@ def _main(args, target: list) -> int:
             stall = lambda: faults.stall(f"writing {target[0]}")  # noqa: E731
         if args.universal:
             return _universal(args, target, stall)
-        s = convert(args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
-                    progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True),
-                    stall=stall)
+        s = checkpoint_convert.convert(
+            args.checkpoint, args.out, tag=args.tag, ema=args.ema, safetensors=args.safetensors,
+            progress=lambda message: print(f"vim-ds convert: {message}", file=sys.stderr, flush=True), stall=stall)
     except (CheckpointError, OSError) as exc:
         return report_error("vim-ds convert", exc)
     ema = "" if args.ema or not s["has_ema"] else " + EMA"
@@ -120,9 +122,6 @@ def _main(args, target: list) -> int:
 
 
 def _universal(args, target: list, stall=None) -> int:
-    from .checkpoint import deepspeed_dir
-    from .engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
-
     save_dir, tag = deepspeed_dir.resolve(os.path.join(deepspeed_dir.save_dir_of(args.checkpoint), args.tag)
                                           if args.tag else args.checkpoint)
     target[0] = os.path.join(save_dir, tag + UNIVERSAL_SUFFIX)

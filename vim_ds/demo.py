@@ -9,6 +9,15 @@ import argparse
 import sys
 import time
 
+import torch
+
+import vim_ds
+from vim_ds.engine import env_vars
+from vim_ds.engine.run_info import accelerator
+from vim_ds.models import ModelConfig
+from vim_ds.ops import backends
+from vim_ds.ops.selective_scan import scan_with_backend
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vim-ds demo", description=__doc__)
@@ -20,19 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from vim_ds.engine import env_vars
 
     refused = env_vars.refusal("vim-ds demo")  # a VIM_DS_* variable it cannot read: one line, before anything starts
     if refused:
         return refused
-
-    import timm
-    import torch
-
-    import vim_ds
-    from vim_ds.engine.run_info import accelerator
-    from vim_ds.ops import backends
-    from vim_ds.ops.selective_scan import scan_with_backend
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = backends.get_backend(device)
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
         return 1
 
     # 2. the published model, forward and backward
-    model = timm.create_model(args.model, img_size=args.input_size).to(device)
+    # as published: ImageNet's 1000 classes, the architecture's own dropout and stochastic depth
+    model = ModelConfig(args.model, 1000, args.input_size, drop=None, drop_path=None).build().to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{model.pretrained_cfg['architecture']}: {n_params / 1e6:.1f}M parameters, "
           f"{len(model.layers)} blocks, class token at position {model.token_position}")

@@ -6,14 +6,20 @@ import json
 import platform
 import sys
 
+# From package metadata: importing deepspeed just for its version would print its accelerator banner.
+from importlib.metadata import PackageNotFoundError, version
+
+import timm
+import torch
+
+import vim_ds
+from vim_ds.ops import backends
+
 from .engine import env_vars
 from .engine.run_info import accelerator
 
 
 def _version(dist: str) -> str:
-    # From package metadata: importing deepspeed just for its version would print its accelerator banner.
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -21,12 +27,6 @@ def _version(dist: str) -> str:
 
 
 def collect() -> dict:
-    import timm
-    import torch
-
-    import vim_ds
-    from vim_ds.ops import backends
-
     scan = backends.report()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

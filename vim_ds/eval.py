@@ -11,19 +11,18 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
+from .engine import distributed
+from .engine.run import run
+from .engine.run_options import build_parser as train_parser
+from .engine.run_options import parse_config
+
 
 def build_parser():
     """`vim-ds train`'s parser under this command's name (main adds `--eval`)."""
-    from .engine.run_options import build_parser
-
-    return build_parser(prog="vim-ds eval")
+    return train_parser(prog="vim-ds eval")
 
 
 def main(argv=None) -> NoReturn:
-    from .engine import distributed
-    from .engine.run import run
-    from .engine.run_options import parse_config
-
     argv = list(sys.argv[1:] if argv is None else argv)
     # ends the process itself, as `vim-ds train` does (distributed.end_rank_process)
     distributed.end_rank_process(run(parse_config(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval"))

@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zipfile
 
+import torch
+
+from .checkpoint.atomic_write import same_file, write_atomically
+from .checkpoint.weights_model import load_model
 from .engine import env_vars
 from .engine.errors import report_error
-from .engine.run_options import key_value
+from .engine.run_options import add_model_kwargs
 
 PROG = "vim-ds export"
 
@@ -28,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--out", required=True, help="the program file to write (.pt2)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
+    add_model_kwargs(p, default=None, help=None)  # None: the file's
     p.add_argument("--input-size", type=int, default=None, help="image side (default: the file's, else 224)")
     p.add_argument("--num-classes", type=int, default=None,
                    help="the head's classes (default: the file's); 0 with a backbone's weights (no head): the "
@@ -44,12 +49,6 @@ def parse_args(argv):
 
 def export(args) -> tuple[str, int, int]:
     """Write the program; return (path, input size, classes: 0 for a backbone's features)."""
-    import torch
-
-    from .checkpoint.weights_model import load_model
-
-    from .checkpoint.atomic_write import write_atomically
-
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory):  # before the (slow) export, not after it
         raise ValueError(f"--out: no such directory: {directory}")
@@ -76,10 +75,6 @@ def export(args) -> tuple[str, int, int]:
 def out_problem(out: str, weights: str) -> str | None:
     """Why --out must not be written, or None: a folder, the --weights file itself (also through a link), or an
     existing file that is not a torch.export program (a program exported earlier is replaced)."""
-    import zipfile
-
-    from .checkpoint.atomic_write import same_file
-
     if os.path.isdir(out):
         return f"--out {out} is a folder: give the program file to write, e.g. {os.path.join(out, 'model.pt2')}"
     if same_file(out, [weights]):

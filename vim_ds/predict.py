@@ -17,9 +17,18 @@ import codecs
 import os
 import sys
 
+import torch
+from timm.data import ImageNetInfo
+
+from .checkpoint.class_names import listing, refusal
+from .checkpoint.weights_model import load_model
+from .data.datasets import class_folders, decode_failure
+from .data.images import open_rgb
+from .data.names import alike, look_alike_key, quoted
+from .data.transforms import eval_transform
 from .engine import env_vars
 from .engine.errors import report_error
-from .engine.run_options import key_value
+from .engine.run_options import add_model_kwargs
 
 PROG = "vim-ds predict"
 
@@ -30,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", required=True,
                    help="a .pth/.safetensors file (vim-ds convert output, published, or timm train.py's)")
     p.add_argument("--model", default=None, help="model name (default: from the converted file)")
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=None, metavar="K=V")
+    add_model_kwargs(p, default=None, help=None)  # None: the file's
     p.add_argument("--input-size", type=int, default=None)
     p.add_argument("--num-classes", type=int, default=None)
     p.add_argument("--eval-crop-ratio", type=float, default=0.875)
@@ -53,16 +62,12 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
         folder = os.path.isdir(spec)
         if folder:
             # as training numbered them: hidden folders are no classes
-            from .data.datasets import class_folders
-
             names = class_folders(spec)
         elif os.path.isfile(spec):
             names = names_file(spec)
         else:
             raise ValueError(f"--classes: not found: {spec}")
         if recorded and names != recorded and (folder or set(names) & set(recorded)):
-            from .checkpoint.class_names import refusal
-
             raise ValueError(refusal(weights, recorded, f"--classes {spec}", names,
                                      "give --classes the classes it was trained on, or leave --classes out (the "
                                      "file records their names)"))
@@ -70,15 +75,11 @@ def class_names(spec: str | None, num_classes: int, recorded: list[str] | None =
             raise ValueError(f"--classes: {len(names)} names in {spec}, the model has {num_classes} classes")
         # a file of other names (descriptions, another language): in label order
         if recorded and names != recorded:
-            from .checkpoint.class_names import listing
-
             print(f"note: --classes {spec} names none of the classes {weights} records ({listing(recorded)}); "
                   f"its names are shown for them in label order ({names[0]} for {recorded[0]}, ...)",
                   file=sys.stderr, flush=True)
         return names
     if num_classes == 1000:
-        from timm.data import ImageNetInfo
-
         info = ImageNetInfo()
         # ImageNet's synsets in their order: described
         if not recorded or recorded == list(info.label_names()):
@@ -113,8 +114,6 @@ def names_file(path: str) -> list[str]:
 
 
 def _refuse_repeats(path: str, numbered: list[tuple[int, str]]) -> None:
-    from .data.names import alike, look_alike_key, quoted
-
     first = {}
     for number, name in numbered:
         earlier, earlier_name = first.setdefault(look_alike_key(name), (number, name))
@@ -129,13 +128,6 @@ def _refuse_repeats(path: str, numbered: list[tuple[int, str]]) -> None:
 def predict(args) -> list[tuple[str, list[tuple[str, float]] | str]]:
     """(image path, its top classes with probabilities) per image, or (path, why it cannot be read): an image that
     does not decode, like one PIL refuses as a decompression bomb, does not stop the others."""
-    import torch
-
-    from .checkpoint.weights_model import load_model
-    from .data.datasets import decode_failure
-    from .data.images import open_rgb
-    from .data.transforms import eval_transform
-
     model, input_size, num_classes, recorded = load_model(args.weights, model=args.model, kwargs=args.model_kwargs,
                                                           input_size=args.input_size,
                                                           num_classes=args.num_classes, ema=args.ema)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from .engine import run_options
+from .engine import distributed, run_options
+from .engine.run import run
 
 
 def build_parser():
@@ -23,9 +24,6 @@ def build_parser():
 def main(argv=None, prog: str = "vim-ds train") -> NoReturn:
     """The rank process's entry (`python -m vim_ds.train`, `vim-ds train`): it ends the process itself (see
     distributed.end_rank_process), so its exit code is the run's, whatever the interpreter's teardown would do."""
-    from .engine import distributed
-    from .engine.run import run
-
     distributed.end_rank_process(run(run_options.parse_config(argv, prog), prog))
 
 

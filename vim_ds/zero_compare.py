@@ -27,10 +27,12 @@ import json
 import os
 import sys
 
-from .engine import env_vars
-from .engine.run_options import key_value
+from .engine import env_vars, launched_runs
+from .engine.errors import first_line, report_error
+from .engine.run_options import add_model_kwargs
 from .engine.training_engines import DEFAULT as DEFAULT_ENGINE
 from .engine.training_engines import ENGINES, baseline_names, training_engine
+from .models import ModelConfig
 
 KINDS = ("param", "grad", "optim")
 CSV_COLUMNS = ("config", "engine", "stage", "offload", "precision", "ranks", "param_bytes_per_rank",
@@ -72,11 +74,15 @@ def deepspeed_estimates(psi: int, largest_layer: int, ranks: int) -> dict:
     """DeepSpeed's own "all cold" estimators (printed tables) and the per-GPU bytes they compute without offload
     (these include DeepSpeed's additional_buffer_factor 1.5 on the CPU side only)."""
     out = {}
-    try:
-        from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                                   estimate_zero3_model_states_mem_needs_all_cold)
-        from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
-                                                          estimate_zero2_model_states_mem_needs_all_cold)
+    try:  # DeepSpeed here, not at the top: seconds of start-up that the rest of the command does not need
+        from deepspeed.runtime.zero.stage3 import (
+            estimate_zero3_model_states_mem_needs,
+            estimate_zero3_model_states_mem_needs_all_cold,
+        )
+        from deepspeed.runtime.zero.stage_1_and_2 import (
+            estimate_zero2_model_states_mem_needs,
+            estimate_zero2_model_states_mem_needs_all_cold,
+        )
     except Exception as exc:  # noqa: BLE001 (an estimator is an extra, not the report)
         return {"error": f"DeepSpeed estimators unavailable: {exc}"}
     for name, cold, call in (
@@ -99,19 +105,10 @@ def deepspeed_estimates(psi: int, largest_layer: int, ranks: int) -> dict:
     return out
 
 
-def model_size(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int]:
-    """(parameters, largest layer's own parameters) of the model as the trainer builds it."""
-    return model_params(model, model_kwargs, input_size, nb_classes)[:2]
-
-
 def model_params(model: str, model_kwargs: dict, input_size: int, nb_classes: int) -> tuple[int, int, list]:
     """(parameters, largest layer's own parameters, every parameter's shape) of the model as the trainer builds
     it."""
-    import timm
-
-    from . import models  # noqa: F401  (registers the Vim variants)
-
-    net = timm.create_model(model, pretrained=False, num_classes=nb_classes, img_size=input_size, **model_kwargs)
+    net = ModelConfig(model, nb_classes, input_size, model_kwargs, drop=None, drop_path=None).build()
     total = sum(p.numel() for p in net.parameters())
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()), default=0)
     return total, largest, [tuple(p.shape) for p in net.parameters()]
@@ -319,6 +316,7 @@ def markdown(rows, settings: dict, psi: int | None, estimates: dict | None) -> s
 
 
 def plot(rows, path):
+    # matplotlib here, not at the top: its start-up, and without it only the plot is missing
     import matplotlib
 
     matplotlib.use("Agg")
@@ -372,7 +370,7 @@ def write_report(rows, out: str, settings: dict, psi: int | None, estimates: dic
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vim-ds zero-compare", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="KEY=VALUE")
+    add_model_kwargs(p, default=[], help=None, metavar="KEY=VALUE")
     p.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--offload", action="store_true", help="also zero2_offload and zero3_offload")
     p.add_argument("--precision", choices=["bf16", "fp32", "autocast-bf16"], default="bf16")
@@ -418,9 +416,6 @@ def _row_precision(engine, precision: str) -> str:
 
 
 def main(argv=None) -> int:
-    from .engine.errors import first_line, report_error
-    from .engine.launched_runs import clear_run_folder, foreign_run_folder, run_train_config
-
     args = parse_args(argv)
     refused = env_vars.refusal("vim-ds zero-compare")  # a VIM_DS_* variable it cannot read: one line
     if refused:
@@ -447,16 +442,16 @@ def main(argv=None) -> int:
     # an earlier comparison's runs (metrics.jsonl is appended to), all checked before the first is removed: a folder
     # that is not one of them stops the comparison before anything is removed or trained
     run_dirs = [os.path.join(args.out, "runs", name) for name, *_ in runs]
-    problem = next(filter(None, map(foreign_run_folder, run_dirs)), None)
+    problem = next(filter(None, map(launched_runs.foreign_run_folder, run_dirs)), None)
     if problem:
         return report_error("vim-ds zero-compare", problem)
     for run_dir in run_dirs:
-        clear_run_folder(run_dir)
+        launched_runs.clear_run_folder(run_dir)
     for name, stage, offload, engine, config in runs:
         kind = training_engine(engine)
         run_dir = os.path.join(args.out, "runs", name)
         print(f"[{name}] training ...", flush=True)
-        res = run_train_config(config, nproc=args.ranks, launcher=args.launcher, model=args.model,
+        res = launched_runs.run_train_config(config, nproc=args.ranks, launcher=args.launcher, model=args.model,
                                model_kwargs=model_kwargs, input_size=args.input_size, batch_size=args.batch_size,
                                steps=args.steps - warmup, warmup=warmup, precision=args.precision,
                                workers=args.num_workers, out_dir=run_dir, nb_classes=args.nb_classes,

@@ -25,7 +25,7 @@ import sys
 
 from ..engine import env_vars
 from ..engine.errors import report_error
-from ..engine.run_options import key_value
+from ..engine.run_options import add_model_kwargs
 from . import convert, data, model, scan, split, train
 from ..engine.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
@@ -101,8 +101,7 @@ def _add_train(sub) -> None:
     t.add_argument("--nproc", type=int, default=None, help="ranks [the number of GPUs, or 2 on a CPU]")
     t.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
     t.add_argument("--model", default="vim_tiny")
-    t.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="K=V",
-                   help="model constructor overrides, e.g. depth=2 embed_dim=32 patch_size=4 stride=4")
+    add_model_kwargs(t, default=[], help="model constructor overrides, e.g. depth=2 embed_dim=32 patch_size=4 stride=4")
     t.add_argument("--input-size", type=int, default=224)
     t.add_argument("--batch-size", type=int, default=None, help="micro batch per rank [64 on GPUs, 8 on a CPU]")
     t.add_argument("--steps", type=int, default=20, help="timed optimizer steps")

@@ -2,6 +2,7 @@
 size."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,21 +11,20 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from ..checkpoint import deepspeed_dir
+from ..checkpoint.convert import convert
+from ..checkpoint.files import CheckpointError
 from ..engine.errors import report_error
+from ..engine.trainer import peak_memory_mb
 
 
 def child(ckpt: str, out: str) -> dict:
     """Run in a fresh process: peak RSS after the imports (the floor), then after `vim-ds convert`."""
-    import contextlib
-
+    # DeepSpeed here, not at the top: seconds of start-up for the parent; its logger binds stdout at import
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed.utils.zero_to_fp32  # noqa: F401
-    import torch
-
-    from ..checkpoint import deepspeed_dir
-    from ..checkpoint.convert import convert
-    from ..checkpoint.files import CheckpointError
-    from ..engine.trainer import peak_memory_mb
 
     # this process's peak resident set so far, as the trainer's run summary reports it
     def peak_bytes() -> int:

@@ -29,9 +29,34 @@ import copy
 import math
 import os
 import shlex
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+
+import PIL
+import timm
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMixup, ImageDataset, create_loader
+from timm.data.loader import fast_collate
+from torch.utils.data import default_collate
+
+from ..data import build_dataset
+from ..data.datasets import _checked_split, derive_seed, erase_seed, seeded_rngs
+from ..data.images import open_rgb
+from ..data.loader import LoaderConfig, build_loader, stop_workers
+from ..data.shards import check_shards, write_shards
+from ..data.transforms import _auto_augment
+from ..engine import sequence_groups
+from ..engine.components import dataset_config
+from ..engine.ds_config import DEFAULT_MICRO_BATCH, BatchSizes, eval_batch_size
+from ..engine.evaluate import eval_sampler
+from ..engine.parts import build_mixup, train_sampler
+from ..engine.run_config import RunConfig
+from ..engine.run_info import cpu_name
+from ..engine.run_options import parse_args
+from ..engine.trainer import seed_everything
 
 PROG = "vim-ds bench data"
 STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",
@@ -104,30 +129,26 @@ def cpu_seconds(pids) -> tuple[float, float | None]:
 # -- the two pipelines -------------------------------------------------------------------------------------------
 
 class VimDsPipeline:
-    """The trainer's pipeline (vim_ds.engine.trainer.Trainer builds the same pieces from the same options)."""
+    """The trainer's pipeline: its dataset, sampler and Mixup from the builders of a training run (engine/parts.py),
+    one rank, no gradient accumulation."""
 
     name = "vim_ds"
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
-        from ..data import GlobalBatchSampler, ShardedEvalSampler, build_dataset
-        from ..data.mixup import build_mixup
-        from ..engine.components import dataset_config, mixup_config
-        from ..engine.run_config import RunConfig
-
         self.args, self.is_train = train_args, is_train
         config = RunConfig.from_dict(vars(train_args))
+        # the one split measured (a run's parts.build_datasets reads both)
         self.dataset, num_classes = build_dataset(dataset_config(config), is_train=is_train)
         self.dataset.restore_rngs = False  # the in-process passes seed samples as a worker does
-        # the trainer's eval batch
-        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
+        batch, one_rank = BatchSizes(batch_size, 1, 1), sequence_groups.build(1, 0, 1)
         if is_train:
-            self.sampler = GlobalBatchSampler(len(self.dataset), micro_batch=batch_size, accum_steps=1, rank=0,
-                                              world_size=1, seed=train_args.seed,
-                                              repeats=3 if train_args.repeated_aug else 1)
-            self.mixup = build_mixup(mixup_config(config), batch_size, num_classes)
+            self.sampler = train_sampler(config, len(self.dataset), batch, one_rank)
+            self.mixup = build_mixup(config, batch, num_classes)
+            self.batch_size = batch_size
         else:
-            self.sampler = ShardedEvalSampler(len(self.dataset), batch_size=self.batch_size, rank=0, world_size=1)
+            self.sampler = eval_sampler(self.dataset, batch_size, one_rank)
             self.mixup = None
+            self.batch_size = self.sampler.batch_size  # the trainer's eval batch
         self.steps = transform_steps(self.dataset.transform)
         # normalise + erase after the uint8 hand-over
         self.finish = getattr(self.dataset, "finish", None)
@@ -138,8 +159,6 @@ class VimDsPipeline:
 
     # loader
     def make_loader(self, workers: int):
-        from ..data.loader import LoaderConfig, build_loader
-
         return build_loader(self.dataset, self.sampler, LoaderConfig(num_workers=workers, data_timeout=0),
                             "train" if self.is_train else "val", persistent=True)
 
@@ -176,8 +195,6 @@ class VimDsPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from ..data.datasets import erase_seed, seeded_rngs
-
         index, seed = key if isinstance(key, tuple) else (key, None)
         # as in a worker: seeded without saving and restoring the generators (see SeededDataset._load_seeded)
         seeding = seeded_rngs(seed, restore=False) if seed is not None else None
@@ -212,8 +229,6 @@ class VimDsPipeline:
         return self.dataset.handover_item(key) if self.finish is not None else self.dataset[key]
 
     def collate(self, samples):
-        from torch.utils.data import default_collate
-
         return default_collate(samples)
 
     def post_split(self, batch, step: int, times: dict):
@@ -240,9 +255,6 @@ class VimDsPipeline:
     def mix(self, images, targets, step: int):
         # as Trainer._micro_step: seeded per (seed, step, micro step, rank)
         if self.mixup is not None:
-            from ..data.datasets import derive_seed
-            from ..engine.trainer import seed_everything
-
             seed_everything(derive_seed(self.args.seed, step, 0, 0))
             images, targets = self.mixup(images, targets)
         return images
@@ -255,14 +267,9 @@ class TimmPipeline:
     name = "timm"
 
     def __init__(self, train_args, is_train: bool, batch_size: int):
-        import torch
-        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMixup, ImageDataset
-
-        from ..data.transforms import _auto_augment
-
         a = train_args
         self.is_train = is_train
-        self.batch_size = batch_size if is_train else max(1, int(1.5 * batch_size))
+        self.batch_size = batch_size if is_train else eval_batch_size(batch_size)  # the trainer's batches
         self.root = os.path.join(a.data_path, "train" if is_train else "val")
         self.dataset = ImageDataset(self.root)
         mixup = is_train and (a.mixup > 0 or a.cutmix > 0 or a.cutmix_minmax is not None)
@@ -288,8 +295,6 @@ class TimmPipeline:
                       "random_erasing": "training process", "mixup": "worker (in the collate)"}
 
     def make_loader(self, workers: int):
-        from timm.data import create_loader
-
         return create_loader(self.dataset, num_workers=workers, **self.kwargs)
 
     @staticmethod
@@ -307,8 +312,6 @@ class TimmPipeline:
         return ["Normalize"] + (["RandomErasing"] if getattr(pf, "random_erasing", None) is not None else [])
 
     def close(self, loader):
-        from ..data.loader import stop_workers
-
         stop_workers(self.iterator(loader))
         loader.loader._iterator = None
 
@@ -316,8 +319,6 @@ class TimmPipeline:
         return spread(len(self.dataset), n)
 
     def fetch_split(self, key, times: dict):
-        from ..data.images import open_rgb
-
         path, target = self.dataset.reader[key][:2]
         t0 = time.process_time()
         image = open_rgb(path)
@@ -353,8 +354,6 @@ def spread(size: int, n: int) -> list:
 
 
 def _fast_collate(samples):
-    from timm.data.loader import fast_collate
-
     return fast_collate(samples)
 
 
@@ -437,8 +436,6 @@ def _seed_like(pipe, position: int) -> None:
     """timm's samples draw their augmentation from the global RNGs: seed them per sample (untimed), so that the
     timed and the untimed pass do the same work. Ours seed themselves (that cost is the "seeding" stage)."""
     if pipe.name == "timm":
-        from ..engine.trainer import seed_everything
-
         seed_everything(position)
 
 
@@ -447,8 +444,6 @@ def _seed_like(pipe, position: int) -> None:
 def train_namespace(args):
     """`vim-ds train`'s parsed options for --data-path and --train-args: the transform and Mixup come from the
     same options, with the same defaults, as in training."""
-    from ..engine.run_options import parse_args
-
     try:
         extra = shlex.split(args.train_args)
     except ValueError as exc:
@@ -491,8 +486,6 @@ def _median(values):
 
 
 def run_pipeline_pair(args, train_args, is_train: bool, log) -> dict:
-    import torch
-
     pipes = [VimDsPipeline(train_args, is_train, args.batch_size), TimmPipeline(train_args, is_train,
                                                                                 args.batch_size)]
     for pipe in pipes:
@@ -555,8 +548,6 @@ def run_shards(args, train_args, shards: str, log) -> dict:
     """The trainer's training loader on the folder and on its shards (`--data-set shards`), alternating per round
     and worker count as the folder/timm pair; and the time to read one image's bytes from each (a file open and
     read vs one positioned read in a shard)."""
-    import torch
-
     shard_args = copy.copy(train_args)
     shard_args.data_set, shard_args.data_path = "shards", shards
     pipes = {"folder": VimDsPipeline(train_args, True, args.batch_size),
@@ -625,16 +616,8 @@ def _table(kind: str, res: dict, workers: list) -> str:
 
 
 def run_data(args) -> dict:
-    import PIL
-
-    from ..engine.run_info import cpu_name
-    import timm
-    import torch
-
     def log(text):
         print(text, file=sys.stderr, flush=True)
-
-    from ..data.datasets import _checked_split
 
     for split in ("train", "val") if args.eval else ("train",):
         try:
@@ -642,8 +625,6 @@ def run_data(args) -> dict:
         except ValueError as exc:
             raise BenchError(str(exc)) from None
     if getattr(args, "shards", None):
-        from ..data.shards import check_shards
-
         try:
             check_shards(args.shards, need_train=True)
         except ValueError as exc:
@@ -689,12 +670,8 @@ def run_data(args) -> dict:
 
 def _with_shards(args, train_args, log) -> dict:
     """run_shards on --shards DIR, or on shards of --data-path written into a temporary folder first."""
-    import shutil
-    import tempfile
-
     if args.shards:
         return run_shards(args, train_args, args.shards, log)
-    from ..data.shards import write_shards
 
     folder = tempfile.mkdtemp(prefix="vim-ds-bench-shards-")
     try:
@@ -724,7 +701,8 @@ def add_parser(sub) -> None:
         "the training pipelines per core.")
     d.add_argument("--data-path", required=True, metavar="DIR", help="ImageNet-style root with train/ and val/")
     d.add_argument("--workers", type=int, nargs="+", default=[1, 2], metavar="N", help="worker counts [1 2]")
-    d.add_argument("--batch-size", type=int, default=64, help="training batch (evaluation: 1.5x, as the trainer's)")
+    d.add_argument("--batch-size", type=int, default=DEFAULT_MICRO_BATCH,
+                   help="training batch (evaluation: 1.5x, as the trainer's)")
     d.add_argument("--batches", type=int, default=10, help="timed batches per loader measurement")
     d.add_argument("--warmup-batches", type=int, default=2, help="batches before the timed ones (worker start-up)")
     d.add_argument("--rounds", type=int, default=2, help="alternating measurements per loader and worker count")

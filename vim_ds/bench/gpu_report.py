@@ -12,6 +12,11 @@ import json
 import os
 import platform
 import sys
+from importlib.metadata import version
+
+import torch
+
+import vim_ds
 
 from . import scan_model
 
@@ -36,18 +41,12 @@ def _json(path):
 
 def _version(dist):
     try:
-        from importlib.metadata import version
-
         return version(dist)
     except Exception:
         return "not installed"
 
 
 def versions() -> dict:
-    import torch
-
-    import vim_ds
-
     return {"python": platform.python_version(), "torch": torch.__version__,
             "CUDA (torch)": torch.version.cuda or "-", "ROCm (torch)": torch.version.hip or "-",
             "vim_ds": vim_ds.__version__, "deepspeed": _version("deepspeed"), "timm": _version("timm"),

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 
+import torch
+from torch._dynamo.utils import counters
+
+from ..models import ModelConfig
 from .timing import timeit
 
 
 def child(spec: dict) -> dict:
     """One measurement, in the fresh process that `measure` starts (`python -m vim_ds.bench _child SPEC`)."""
-    import resource
-
-    import timm
-    import torch
-
-    import vim_ds  # noqa: F401
-
     torch.manual_seed(0)
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
-    model = timm.create_model(spec["model"], img_size=spec["img_size"], num_classes=1000,
-                              **spec.get("model_kwargs", {})).to(device)
+    # each architecture's own dropout and stochastic depth (Vim's 0.1, DeiT's none), as published
+    model = ModelConfig(spec["model"], 1000, spec["img_size"], spec.get("model_kwargs", {}), drop=None,
+                        drop_path=None).build().to(device)
     if spec.get("compiled"):
         model = torch.compile(model)  # inductor; the warmup steps pay for the compilation
     x = torch.randn(spec["batch"], 3, spec["img_size"], spec["img_size"], device=device)
@@ -31,7 +30,7 @@ def child(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        import psutil
+        import psutil  # here, not at the top: a package `import vim_ds` does not load (start-up)
 
         base = psutil.Process().memory_info().rss
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -60,8 +59,6 @@ def child(spec: dict) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     result = {**spec, "seconds": seconds, "peak_mem_bytes": int(peak)}
     if spec.get("compiled"):
-        from torch._dynamo.utils import counters
-
         result["graphs"] = int(counters["stats"]["unique_graphs"])
         result["graph_breaks"] = int(sum(counters["graph_break"].values()))
     return result
@@ -96,8 +93,6 @@ def measure_pair(a: dict, b: dict, rounds: int):
 
 
 def run_model(args):
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     pairs = [("vim_tiny", "deit_tiny_patch16_224")]

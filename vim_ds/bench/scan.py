@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from vim_ds.ops import backends
+from vim_ds.ops.selective_scan import scan_with_backend
+
 from . import scan_counts, scan_model
 from .scan_model import scan_inputs
 from .timing import timeit
@@ -22,10 +27,6 @@ class ScanBenchError(ValueError):
 
 def bench_scan_backend(backend, inputs, repeat):
     """(forward seconds, forward+backward seconds) of one backend on one set of inputs."""
-    import torch
-
-    from vim_ds.ops.selective_scan import scan_with_backend
-
     device = inputs["u"].device
     leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
     dout = torch.randn_like(inputs["u"])
@@ -44,8 +45,6 @@ def bench_scan_backend(backend, inputs, repeat):
 def bench_conv(backend, x, weight, bias, repeat):
     """(forward seconds, forward+backward seconds) of the mixer's depthwise causal conv through its op, on one
     backend: "cpu" (our kernel) or "ref" (PyTorch's depthwise F.conv1d, what a user would otherwise run)."""
-    import torch
-
     leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
     dout = torch.randn_like(x)
 
@@ -62,8 +61,6 @@ def bench_conv(backend, x, weight, bias, repeat):
 def run_conv(args, module, isas, dtype):
     """Rows for the CPU conv kernel (each instruction-set variant) beside F.conv1d, at the scan's (batch, dim,
     seqlen) with Vim's 4 taps."""
-    import torch
-
     x = torch.randn(args.batch, args.dim, args.seqlen, dtype=dtype)
     weight, bias = 0.5 * torch.randn(args.dim, 1, 4), 0.1 * torch.randn(args.dim)
     ref_f, ref_fb = bench_conv("ref", x, weight, bias, args.repeat)
@@ -89,8 +86,6 @@ def run_conv(args, module, isas, dtype):
 def _mamba(args, have_gpu):
     """mamba_ssm's backend when asked for (--mamba or VIM_DS_SCAN=mamba: an error if it cannot run) or, on a GPU,
     when installed; else None."""
-    from vim_ds.ops import backends
-
     asked = getattr(args, "mamba", False) or os.environ.get(backends.ENV_BACKEND, "").strip().lower() == "mamba"
     loaded = backends.load("mamba")
     if asked and loaded.backend is None:
@@ -121,10 +116,6 @@ def annotate(row, gpu):
 def run_scan(args):
     """Time the kernels; returns the rows, or with --predict / --predict-only a dict with the rows, the model's
     predictions and the peak rates it used."""
-    import torch
-
-    from vim_ds.ops import backends
-
     predict = getattr(args, "predict", False) or getattr(args, "predict_only", False)
     have_gpu = torch.cuda.is_available()
     mamba = _mamba(args, have_gpu)

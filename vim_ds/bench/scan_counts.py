@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from . import scan_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,8 +117,6 @@ def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0) -> dict:
     inputs (`bench scan`'s, seeded) with D, z, delta_bias and softplus. -> {"out", "saved", "grads": (du, ddelta,
     dz, dA, dB, dC, dD, ddelta_bias), "fwd": launches, "bwd": launches} (launches: [] but from the counting
     library)."""
-    import torch
-
     lib.emu_config(0, seed, 0)
     lib.emu_set_reverse(0)
     with torch.random.fork_rng():

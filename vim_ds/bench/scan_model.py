@@ -40,6 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 # The shapes `vim-ds bench scan` times on a GPU, (batch, dim, seqlen, d_state), with what each stands for.
 BENCH_SHAPES = (
     ((64, 768, 197, 16), "Vim-small, batch 64, 224x224"),
@@ -216,8 +218,6 @@ def predict(batch, dim, seqlen, d_state, dtype) -> dict:
 
 def scan_inputs(batch, dim, seqlen, d_state, dtype, device):
     """Random inputs of Vim's call (D, z, delta_bias present), what `bench scan` times and the emulator counts."""
-    import torch
-
     g = dict(dtype=dtype, device=device)
     return dict(
         u=torch.randn(batch, dim, seqlen, **g), delta=0.5 * torch.randn(batch, dim, seqlen, **g),

@@ -22,10 +22,15 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..engine.distributed import free_port
-from ..engine.run_options import key_value
+from ..engine.run_options import add_model_kwargs
 from ..engine.trainer import peak_memory_mb
+from ..models.factory import ModelConfig
+from ..models.sequence_parallel import split_error, split_over
+from .data import BenchError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -33,8 +38,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def add_parser(sub) -> None:
     p = sub.add_parser("split", help="a training step with the tokens split over N ranks: memory and time per N")
     p.add_argument("--model", default="vim_tiny")
-    p.add_argument("--model-kwargs", nargs="*", type=key_value, default=[], metavar="KEY=VALUE",
-                   help="model constructor overrides, e.g. depth=2 embed_dim=32")
+    add_model_kwargs(p, default=[], help="model constructor overrides, e.g. depth=2 embed_dim=32",
+                     metavar="KEY=VALUE")
     p.add_argument("--input-size", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], metavar="N",
@@ -64,9 +69,6 @@ def check_args(parser, args) -> None:
 def _split_problem(args) -> str | None:
     """Why the model cannot be built (an unknown name, a bad --model-kwargs) or split over the largest N asked (not
     a Vim; fewer tokens than ranks), found on the meta device before any rank process starts, else None."""
-    from ..models.factory import ModelConfig
-    from ..models.sequence_parallel import split_error
-
     try:
         with torch.device("meta"):
             model = ModelConfig(args.model, args.nb_classes, args.input_size, args.model_kwargs).build()
@@ -90,8 +92,6 @@ def communication_per_block(model, batch: int, dtype: torch.dtype) -> dict:
 
 
 def run_split(args) -> dict:
-    from .data import BenchError
-
     cuda = torch.cuda.is_available()
     if args.share_gpu and not cuda:
         raise BenchError("--share-gpu needs a GPU; this machine has none")
@@ -155,13 +155,6 @@ def _line(row: dict, rows: list, cores: int) -> str:
 
 
 def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
-    import timm
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from .. import models  # noqa: F401 - registers the models with timm
-    from ..models.sequence_parallel import split_over
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = settings["device"] == "cuda"
     device = torch.device("cuda", 0 if settings["share_gpu"] else rank) if cuda else torch.device("cpu")
@@ -174,8 +167,9 @@ def _rank(rank: int, world: int, port: int, settings: dict, out: str) -> None:
     try:
         dtype = DTYPES[settings["precision"]]
         torch.manual_seed(0)
-        model = timm.create_model(settings["model"], img_size=settings["input_size"],
-                                  num_classes=settings["nb_classes"], **settings["model_kwargs"]).to(device, dtype)
+        # the published stochastic depth (Vim's own 0.1): the step a Vim trains with
+        model = ModelConfig(settings["model"], settings["nb_classes"], settings["input_size"],
+                            settings["model_kwargs"], drop=None, drop_path=None).build().to(device, dtype)
         generator = torch.Generator().manual_seed(1)
         size, batch = settings["input_size"], settings["batch_size"]
         images = torch.randn(batch, 3, size, size, generator=generator).to(device, dtype)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 
 def _sync(device):
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize()
 

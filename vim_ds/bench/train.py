@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 
-from ..engine.launched_runs import (clear_run_folder, describe_config, foreign_run_folder, resolve_config,
-                                     run_train_config)
+import torch
+
+from ..engine.launched_runs import (
+    clear_run_folder,
+    describe_config,
+    foreign_run_folder,
+    resolve_config,
+    run_train_config,
+)
 
 DEFAULT_TRAIN_CONFIGS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 # The published Vim fine-tuning speed we compare a GPU against: about 39 images/s per GPU, from the Vim
@@ -74,8 +82,6 @@ def reference_lines(rows, model: str) -> list[str]:
 
 
 def _gpu_count() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -97,8 +103,6 @@ def run_train(args) -> dict:
     """One run per config; returns what --json holds (settings, rows, loop-overhead verdict, the reference rate),
     also written to --json after each run (a stopped benchmark keeps the runs it finished). A ValueError: bad
     input."""
-    import shlex
-
     gpus = _gpu_count()
     device = "cuda" if gpus else "cpu"
     nproc = args.nproc or gpus or 2

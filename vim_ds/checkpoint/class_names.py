@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import torch
+
 from ..data.names import alike, look_alike_key, quoted, shown
-from .files import CheckpointError, is_safetensors
+from .convert import read_vim_ds_meta
+from .files import CheckpointError, is_safetensors, load_into, load_weights_file, select_weights
 
 
 def recorded(meta: dict | None, num_classes: int | None = None) -> list[str] | None:
@@ -151,8 +154,6 @@ def check(source: str, was: list[str] | None, where: str, now: list[str] | None,
 
 def of_file(path: str, obj: dict | None = None, num_classes: int | None = None) -> list[str] | None:
     """The names a weights file records (`obj`: the file as loaded, to avoid reading a .pth twice)."""
-    from .convert import read_vim_ds_meta
-
     path = os.fspath(path)
     # a loaded .pth carries its description; a safetensors file (whatever its name) keeps it in its metadata, which
     # a loaded state dict does not carry
@@ -169,10 +170,6 @@ def load_finetune_weights(model, path: str, classes: list[str] | None, where: st
     data's: the same names in another order, or some renamed, would start every row of the head on another class
     (refused). A file of wholly other names of the same count (another task) starts a fresh head, as another count
     does; returns the note that says so."""
-    import torch
-
-    from .files import load_into, load_weights_file, select_weights
-
     path = os.fspath(path)
     obj = load_weights_file(path)
     state = select_weights(obj, path)

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from ..models import ModelConfig, param_groups
 from . import safe_load
 from .files import CheckpointError
 
@@ -39,8 +40,6 @@ def named_param_groups(path: str, state: dict) -> list[list[tuple[str, torch.Siz
     """(name, shape) of each parameter in the optimizer's groups, in their order, for a checkpoint without ZeRO
     partitions (whose files number parameters instead of naming them): the model's `param_groups`, rebuilt from
     the model description the trainer saves in its client state."""
-    from ..models import ModelConfig, param_groups
-
     config = ModelConfig.from_description(state)
     if config is None:
         raise CheckpointError(f"{path} has optimizer state but no model description to name its parameters")
@@ -71,6 +70,7 @@ def _fp32_masters(path: str, state: dict, fp32_groups) -> dict[str, torch.Tensor
 
 
 def fp32_state_dict(save_dir: str, tag: str) -> dict[str, torch.Tensor]:
+    # DeepSpeed here, not at the top: seconds of start-up that reading a weights file never needs
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     tag_dir = os.path.join(save_dir, tag)

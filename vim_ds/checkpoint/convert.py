@@ -15,12 +15,23 @@ import os
 import re
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
 
-from . import deepspeed_dir, safe_load
-from .atomic_write import write_atomically
-from .consolidate import fp32_state_dict
 from ..models.factory import DESCRIPTION_KEYS
-from .files import SAFE_GLOBALS, SAFETENSORS, TORCH, CheckpointError, is_safetensors, safe_globals, sniff
+from . import deepspeed_dir, safe_load
+from .atomic_write import files_under, same_file, write_atomically
+from .consolidate import fp32_state_dict
+from .files import (
+    SAFE_GLOBALS,
+    SAFETENSORS,
+    TORCH,
+    CheckpointError,
+    is_safetensors,
+    load_weights_file,
+    safe_globals,
+    sniff,
+)
 
 _PARTITION = re.compile(r"^(.*zero_pp_rank_)(\d+)(_mp_rank_\d+_(?:optim|model)_states\.pt)$")
 # the model's description (models.ModelConfig), where the run was, and "classes": the class names the run was
@@ -133,8 +144,6 @@ def output_problem(out_path: str, tag_dir: str) -> str | None:
     (the checkpoint's own files, its save directory's `latest`; also through a link), or an existing file that is
     not a weights file vim_ds wrote (a published checkpoint, another checkpoint's DeepSpeed file, anything else a
     user keeps there). A converted file written earlier is replaced, as a conversion run again expects."""
-    from .atomic_write import files_under, same_file
-
     read = same_file(out_path, files_under(tag_dir) + [os.path.join(os.path.dirname(tag_dir), "latest")])
     if read:
         what = "a file" if os.path.abspath(read) == os.path.abspath(out_path) else f"{read}, a file"
@@ -164,7 +173,6 @@ def written_by_vim_ds(path: str) -> bool:
     try:
         kind, _ = sniff(path)
         if kind == SAFETENSORS:
-            from safetensors import safe_open
 
             with safe_open(path, framework="pt") as f:
                 return (f.metadata() or {}).get("format") == "vim_ds"
@@ -190,7 +198,6 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
     # into the unnamed (or hidden) temporary that becomes out_path: see atomic_write
     def write(path: str):
         if safetensors:
-            from safetensors.torch import save
 
             config = {"model_kwargs": meta["model_kwargs"], "num_classes": meta["num_classes"],
                       "input_size": meta["input_size"]}
@@ -199,8 +206,7 @@ def write_weights_file(out_path: str, weights: dict, meta: dict, which: str = "m
             if meta.get("classes"):  # str -> str only: the names as a JSON list
                 metadata["classes"] = json.dumps(list(meta["classes"]))
             # bytes: save_file renames on its own
-            data = save({k: v.contiguous() for k, v in weights.items()},
-                        metadata=metadata)
+            data = safetensors_bytes({k: v.contiguous() for k, v in weights.items()}, metadata=metadata)
             with open(path, "wb") as f:
                 f.write(data)
         else:
@@ -221,7 +227,6 @@ def read_vim_ds_meta(obj_or_path) -> dict | None:
     path = os.fspath(obj_or_path)
     # by its content: a safetensors file renamed .pth still describes its model
     if is_safetensors(path):
-        from safetensors import safe_open
 
         try:
             with safe_open(path, framework="pt") as f:
@@ -236,6 +241,5 @@ def read_vim_ds_meta(obj_or_path) -> dict | None:
             classes = None  # not our JSON: no recorded names (class_names.recorded checks the rest)
         return {"model": md.get("model"), **json.loads(md.get("config") or "{}"),
                 **({"classes": classes} if classes else {})}
-    from .files import load_weights_file
 
     return read_vim_ds_meta(load_weights_file(path))

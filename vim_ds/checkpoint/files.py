@@ -18,6 +18,9 @@ import pathlib
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+
+from ..models.vim import load_state_dict_into
 
 # Types found in DeiT/Vim training checkpoints besides tensors and containers: the argparse Namespace of the
 # command line, and paths in it.
@@ -144,8 +147,6 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if kind == SAFETENSORS:
-        from safetensors.torch import load_file
-
         try:
             return load_file(path, device="cpu")
         except Exception as exc:
@@ -203,8 +204,6 @@ def select_weights(obj: dict, source: str, ema: bool = False) -> dict:
 
 def load_into(model: torch.nn.Module, state_dict: dict, source: str, strict: bool = True):
     """load_state_dict_into (position embeddings and head adapted), its mismatch error naming `source`."""
-    from ..models.vim import load_state_dict_into
-
     try:
         return load_state_dict_into(model, state_dict, strict=strict)
     except ValueError as exc:

@@ -15,7 +15,10 @@ import contextlib
 import glob
 import os
 import pickle
+import runpy
+import sys
 
+import numpy as np
 import torch
 
 from .deepspeed_dir import EMA_FILE
@@ -29,6 +32,7 @@ def deepspeed_globals() -> list:
     0-3, bf16/fp16/fp32, with or without offload: the loss scaler objects of the ZeRO and bf16 optimizers, the
     ZeRO stage enum and the fragment addresses of `param_slice_mappings`. (torch.Size, OrderedDict and tensors
     are torch's own allow-list.)"""
+    # DeepSpeed here, not at the top: seconds of start-up; only a DeepSpeed checkpoint's files need these
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -41,6 +45,7 @@ def _enum_member(cls, name):
     """`getattr(cls, name)` for an allow-listed enum's member, and nothing else. Some Pythons (Debian 12's 3.11.2,
     not 3.11.7) pickle members of int-mixin enums such as DeepSpeed's ZeroStageEnum as `getattr(ZeroStageEnum,
     'gradients')`; allowing `getattr` itself would hand any attribute of any allowed class to the pickle."""
+    # DeepSpeed here, not at the top (start-up): as in deepspeed_globals
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     if cls is ZeroStageEnum and isinstance(name, str) and name in cls.__members__:
@@ -51,8 +56,6 @@ def _enum_member(cls, name):
 
 def numpy_rng_globals() -> list:
     """What a NumPy RNG state pickles to: only for `rng_rank{N}.pt` files written before they held tensors."""
-    import numpy as np
-
     core = getattr(np, "_core", None) or np.core  # NumPy 2 / 1
     return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
 
@@ -101,9 +104,6 @@ def deepspeed_loads(directory: str):
 
 
 def main(argv=None) -> int:
-    import runpy
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 2:
         print("usage: python -m vim_ds.checkpoint.safe_load CHECKPOINT_DIR MODULE [ARGS...]", file=sys.stderr)

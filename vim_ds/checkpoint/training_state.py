@@ -27,6 +27,7 @@ import torch
 
 from . import deepspeed_dir as layout
 from . import safe_load
+from .consolidate import fp32_state_dict, named_param_groups
 from .files import CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -67,8 +68,6 @@ def _groups(saved_groups: list[dict], names: list[list[str]]) -> list[dict]:
 
 
 def _unpartitioned_stage0(tag_dir: str, model_states: dict) -> tuple:
-    from .consolidate import named_param_groups
-
     optimizer = model_states.get("optimizer") or {}
     # FP16_Optimizer (bf16) wraps the torch one
     inner = optimizer.get("optimizer_state_dict", optimizer)
@@ -136,8 +135,6 @@ def read_training_state(tag_dir: str) -> TrainingState:
     optim_files = _rank_files(tag_dir, "*zero_pp_rank_*_optim_states.pt")
     files = model_files + optim_files
     if not optim_files:  # no ZeRO partitions: the module file holds everything
-        from .consolidate import fp32_state_dict
-
         weights = fp32_state_dict(os.path.dirname(tag_dir), os.path.basename(tag_dir))
         moments, steps, groups = _unpartitioned_stage0(tag_dir, model_states)
     else:

@@ -7,6 +7,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..models import ModelConfig
+from .class_names import recorded
+from .convert import read_vim_ds_meta
+from .files import is_safetensors, load_into, load_weights_file, select_weights
+
 
 class LoadedModel(NamedTuple):
     model: torch.nn.Module      # in eval mode
@@ -22,11 +27,6 @@ def load_model(weights: str, model: str | None = None, kwargs=None, input_size: 
     `backbone_ok` and `num_classes` 0 ask for the backbone alone (timm's convention: the model then returns its
     pooled features); `num_classes` other than the head's is refused (loading would re-initialise it). Bad input
     is a ValueError (a CheckpointError for a file that does not load) naming the option to change."""
-    from ..models import ModelConfig
-    from .class_names import recorded
-    from .convert import read_vim_ds_meta
-    from .files import is_safetensors, load_into, load_weights_file, select_weights
-
     obj = load_weights_file(weights)
     meta = read_vim_ds_meta(weights if is_safetensors(weights) else obj) or {}
     state = select_weights(obj, weights, ema=ema)

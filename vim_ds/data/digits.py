@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 
 def _val_counts(class_sizes: np.ndarray, val_fraction: float) -> np.ndarray:
@@ -29,7 +30,7 @@ def write_digits(out_dir, val_fraction: float = 0.2, seed: int = 0) -> dict:
     Pixel values 0..16 are scaled to 0..255. The split is stratified and deterministic: per class, a permutation
     seeded by (seed, class) picks the validation images.
     """
-    from PIL import Image
+    # scikit-learn here, not at the top: seconds of start-up, for writing the data set only
     from sklearn.datasets import load_digits
 
     if not 0 < val_fraction < 1:

@@ -57,6 +57,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
             grey = 255 - grey
         return Image.fromarray(grey).convert("RGB")
     if mode == "LAB":
+        # here, not at the top: PIL.ImageCms needs Pillow's optional littlecms, and only LAB images need it
         from PIL import ImageCms
 
         return ImageCms.applyTransform(image, _lab_to_srgb())
@@ -94,7 +95,7 @@ def _white_is_zero(image: Image.Image) -> bool:
 def _lab_to_srgb():
     """LittleCMS's transform from PIL's LAB (D50, as TIFF and ICC define it) to sRGB, without the 8-bit
     precalculation that makes it coarse. Built once per process (it cannot be pickled to data-loader workers)."""
-    from PIL import ImageCms
+    from PIL import ImageCms  # here, not at the top: as in to_rgb
 
     return ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB",
                                    renderingIntent=ImageCms.Intent.RELATIVE_COLORIMETRIC,

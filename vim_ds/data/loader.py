@@ -18,6 +18,7 @@ Workers receive the dataset by pickling (datasets and transforms must pickle) an
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -88,8 +90,6 @@ def _keep_freed_memory() -> bool:
     is memory a worker keeps: its peak heap, tens of MB at ImageNet's sizes. Done with mallopt through ctypes
     rather than MALLOC_*_ environment variables, which would reach every process the rank starts, not only the
     workers. No-op (False) where there is no glibc."""
-    import ctypes
-
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -126,8 +126,6 @@ def _worker_context():
     meanwhile pending for this process instead of losing it. SIGINT (Ctrl-C) the standard library's server ignores
     itself. The server exits when this process does.
     """
-    from multiprocessing import forkserver
-
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(_PRELOAD)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 # ImageNet-1k's most common training-image sizes (width x height); ~40% of its files are exactly 500x375 or 375x500
 DEFAULT_SIZES = ((500, 375), (500, 333), (375, 500), (500, 400), (333, 500))
@@ -23,6 +24,7 @@ SPLITS = ("train", "val")
 
 
 def _source_photos() -> list[np.ndarray]:
+    # scikit-learn here, not at the top: seconds of start-up, for writing the photos only
     from sklearn.datasets import load_sample_images
 
     return [np.asarray(image, dtype=np.uint8) for image in load_sample_images().images]
@@ -32,8 +34,6 @@ def make_photo(source: np.ndarray, size: tuple[int, int], rng: np.random.Generat
     """One PIL image of `size` (width, height) from `source` (H, W, 3 uint8): a random crop of the source's aspect
     -matched window (at least 40% of its largest area), mirrored half the time, per-channel gains (`tint` x a
     random jitter), a random gamma and mild Gaussian noise."""
-    from PIL import Image
-
     width, height = size
     src_h, src_w = source.shape[:2]
     aspect = width / height

@@ -28,6 +28,8 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 
 def precision_label(precision: str) -> str:
@@ -133,8 +135,6 @@ class DDPEngine(TorchEngine):
     """`DistributedDataParallel` (gradients as views of its buckets); the bare model in a world of one."""
 
     def _wrap(self, model, device):
-        from torch.nn.parallel import DistributedDataParallel
-
         return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device],
                                        gradient_as_bucket_view=True) if _world() > 1 else model
 
@@ -148,7 +148,8 @@ class FSDPEngine(TorchEngine):
     replaced by DTensors of dim-0 shards."""
 
     def _wrap(self, model, device):
-        from torch.distributed.device_mesh import init_device_mesh
+        # here, not at the top: torch.distributed.fsdp has fully_shard from torch 2.6 on (vim_ds supports 2.4), and
+        # only --engine fsdp needs it
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (_world(),))

@@ -15,9 +15,13 @@ interpreter's folder first on PATH when that folder has a ninja the PATH does no
 environment would have done."""
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import shutil
 import sys
+
+import torch
 
 
 def interpreter_ninja_first(environ, executable: str | None = None) -> str | None:
@@ -51,10 +55,7 @@ def extensions_dir_per_install(environ, installs: tuple[str, ...] | None = None)
     site-packages), shares its builds; another installation builds its own once."""
     if environ.get("TORCH_EXTENSIONS_DIR"):
         return None
-    import hashlib
-    import importlib.util
-
-    import torch
+    # here, not at the top: torch.utils.cpp_extension imports setuptools (start-up) and warns where CUDA is missing
     from torch.utils.cpp_extension import get_default_build_root
 
     if installs is None:  # found, not imported

@@ -6,19 +6,24 @@ RNG states, rank 0 the gathered EMA; after a barrier rank 0 writes the completio
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
 
 from ..checkpoint import deepspeed_dir as layout
+from ..checkpoint import safe_load
 from ..checkpoint.files import CheckpointError
-from . import distributed, faults
-
+from . import distributed, faults, versions
 
 # `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
 UNIVERSAL_SUFFIX = "_universal"
@@ -171,8 +176,6 @@ class Checkpointer:
 
     def load(self, path: str, ema=None) -> dict:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
-        from ..checkpoint import safe_load
-
         # the trainer chose (and verified) it: parts.plan_resume
         save_dir, tag = layout.resolve(path, verify=False)
         try:  # DeepSpeed unpickles with weights_only=False: forced to weights-only loads here
@@ -226,8 +229,6 @@ def repair_universal_load(optimizer, optimizer_state_path: str) -> list[str]:
       place once per group, so with two groups the step count ran twice as fast after the resume (wrong bias
       corrections from the first resumed step on).
     """
-    from ..checkpoint import safe_load
-
     saved = safe_load.load(optimizer_state_path).get("param_groups") or []
     # the torch optimizer inside DeepSpeed's ZeRO wrapper
     base = getattr(optimizer, "optimizer", optimizer)
@@ -260,8 +261,6 @@ def universal_refusal(src: str) -> str | None:
     ds_to_universal re-partitions the first parameter group of a ZeRO-3 checkpoint only (fp32_flat_groups[0]), and
     vim_ds's optimizer has two (with and without weight decay): the conversion failed half-way with "start (12192)
     + length (16) exceeds dimension size (12192)". A fixed bug has no module to find it by: the version says it."""
-    from . import versions
-
     marker = layout.read_marker(src)
     deepspeed = versions.installed()["deepspeed"]
     numbers = versions.release(deepspeed) if deepspeed else None
@@ -279,8 +278,6 @@ def universal_copy(save_dir: str, tag: str, stall=None) -> str:
     copied last, so a conversion that was interrupted is done again rather than resumed; one that fails or is
     stopped by an exception (vim-ds convert's signals) removes its folder. `stall()`, when given, runs before the
     marker is written (fault injection)."""
-    import sys
-
     universal = tag + UNIVERSAL_SUFFIX
     src, dst = os.path.join(save_dir, tag), os.path.join(save_dir, universal)
     if layout.is_complete(dst):
@@ -325,9 +322,6 @@ def _universal_failure(stderr: str, save_dir: str) -> str:
     """Why ds_to_universal failed, in a few words: a full or read-only disk as such, whichever words the failing
     writer used (an errno in its traceback, torch's zip writer's `unexpected pos`, the C++ stream's `basic_ios::clear:
     iostream error`, or none), else the last line it printed."""
-    import errno
-    import re
-
     lines = stderr.strip().splitlines() or ["no output"]
     for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
         if re.search(rf"\[Errno {code}\]|os error {code}\b|{re.escape(os.strerror(code))}", stderr):
@@ -346,17 +340,12 @@ def _universal_failure(stderr: str, save_dir: str) -> str:
 def _start_in_session(cmd: list[str]):
     """`cmd` as a child process in a session of its own (so that `_end_group` stops its workers with it), its output
     piped as text."""
-    import subprocess
-
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _end_group(proc) -> None:
     """Stop a child started in a session of its own and every process of its group (ds_to_universal's pool
     workers), and wait until none is left writing."""
-    import signal
-    import subprocess
-
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

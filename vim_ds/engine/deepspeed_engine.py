@@ -8,12 +8,14 @@ import os
 
 import torch
 
+from ..models.vim import BiMambaMixer
 from .errors import first_line
 
 
 def build(model: torch.nn.Module, groups: list[dict], ds, scheduler_factory, compile_backend: str | None):
     """The DeepSpeed engine of `model` (compiled with `compile_backend` where given): (the engine, its lr scheduler,
     what was compiled or None)."""
+    # DeepSpeed here, not at the top: seconds of start-up, which --engine ddp/fsdp runs never pay
     import deepspeed
 
     compiled = compile_backend is not None
@@ -46,9 +48,8 @@ def _declare_direct_weight_reads(model: torch.nn.Module):
     """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
     (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
     happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
+    # DeepSpeed here, not at the top (start-up): as in build
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    from ..models.vim import BiMambaMixer
 
     for module in model.modules():
         if isinstance(module, BiMambaMixer):

@@ -12,14 +12,15 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import util
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from . import build_tools
-from .ports import free_port  # noqa: F401  (setup() below; bench/split.py imports it from here)
-
+from .ports import free_port  # setup() below; bench/split.py imports it from here too
 
 # --data-timeout's default: far above a healthy batch (even the first, which starts the workers), far below 600 s; and
 # at most half of --dist-timeout, so that a stalled rank stops the job before its peers' collectives time out
@@ -51,6 +52,7 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
     sockets close and gloo fails at once, and the launcher stops the other local ranks. NCCL/RCCL enforce the
     timeout through their watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default in torch 2.x).
     """
+    # DeepSpeed here, not at the top: seconds of start-up, after every check a rank makes before the process group
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import logger as ds_logger
@@ -132,7 +134,7 @@ def _choose_gloo_interface():
     where /etc/hosts maps it to 127.0.1.1 (Debian's default), and every rank of another host then fails to connect
     ("Connection refused, remote=[127.0.0.1]..."). The launch/ scripts choose it in the shell for the per-node modes;
     this covers the rest (deepspeed over pdsh/ssh forwards no such variable, torchrun started by hand)."""
-    import psutil
+    import psutil  # here, not at the top: a package `import vim_ds` does not load (start-up)
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 0)) or 0)
@@ -165,8 +167,6 @@ def _default_group_timeout(timeout: timedelta):
     waiting 30 min whatever --dist-timeout said. torch reads that default from these module globals at each
     new_group call.
     """
-    from torch.distributed import distributed_c10d as c10d
-
     c10d.default_pg_timeout = timeout
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
         c10d.default_pg_nccl_timeout = timeout
@@ -240,8 +240,6 @@ def remove_multiprocessing_temp_dir() -> None:
     on anything; it runs only in the process that registered it (a folder inherited from a parent is left to that
     parent). Any failure is ignored: a leftover empty folder is not worth a failed run."""
     try:
-        from multiprocessing import util
-
         finalizers = [f for f in list(util._finalizer_registry.values())
                       if getattr(f, "_callback", None) is util._remove_temp_dir]
         for finalizer in finalizers:

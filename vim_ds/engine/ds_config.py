@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import inspect
 import json
 import os
@@ -32,7 +33,7 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch
 AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16}  # the dtype torch.autocast runs the forward in
 # what DeepSpeed 0.19.8 reads
 TORCH_AUTOCAST_KEYS = frozenset({"enabled", "dtype", "lower_precision_safe_modules"})
-DEFAULT_MICRO_BATCH = 64
+DEFAULT_MICRO_BATCH = 64  # --batch-size when neither it nor the JSON gives one
 DEFAULT_ACCUM_STEPS = 1
 # what DeepSpeed 0.19.8 clips at when a config has no gradient_clipping (runtime/constants.py): written down, so that
 # a run without --clip-grad says it clips there and the --engine ddp/fsdp baselines clip as DeepSpeed does (a given
@@ -93,6 +94,13 @@ _TORCH_ADAM_EQUIVALENT = {"bias_correction": True, "set_grad_none": None}
 
 class ConfigError(ValueError):
     """A DeepSpeed config that cannot be used; the message is one line naming the file and the key."""
+
+
+def eval_batch_size(micro_batch: int | None) -> int:
+    """The images per rank in one evaluation batch: 1.5 x the training micro batch (DEFAULT_MICRO_BATCH's when
+    None), as the published main.py: a forward without gradients or activations kept for backward has room for
+    more. The trainer's evaluation, `vim-ds eval` and `vim-ds bench data` all batch by it."""
+    return max(1, int(1.5 * (micro_batch or DEFAULT_MICRO_BATCH)))
 
 
 @dataclass(frozen=True)
@@ -296,12 +304,14 @@ def _left_out_params_as_auto(config: dict, values: Mapping[str, Any]) -> None:
 
 def _check_zero(config: dict, src: str):
     """Validate zero_optimization with DeepSpeed's own model (it forbids unknown keys); return the model."""
+    # DeepSpeed here, not at the top: seconds of start-up for every command that reads ds_config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return _validate_model(DeepSpeedZeroConfig, config.get("zero_optimization", {}), "zero_optimization", src)
 
 
 def _validate_model(model_cls, data: dict, section: str, src: str):
+    # pydantic here, not at the top: start-up; only DeepSpeed's config models need it
     from pydantic import ValidationError
 
     try:
@@ -405,8 +415,6 @@ def _file_precision(config: dict) -> str | None:
 
 def deepspeed_has(module: str) -> bool:
     """Whether the installed DeepSpeed has `module` (a feature found by its module, not by a version number)."""
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -415,6 +423,7 @@ def _precision_models() -> dict:
     those sections key by key (an unknown key there is ignored by it, and not caught here either)."""
     if not deepspeed_has("deepspeed.runtime.precision_config"):
         return {}
+    # DeepSpeed here, not at the top: start-up, and only a DeepSpeed that has the module
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 
     return {"bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
@@ -457,6 +466,7 @@ def _resolve_precision(config: dict, src: str, precision: str | None, device_typ
                           f"autocast-bf16 or fp32 (e.g. ds_configs/zero2.json)")
     if precision == "autocast-bf16" and not deepspeed_has("deepspeed.runtime.torch_autocast"):
         # an older DeepSpeed ignores the section: the run would train in fp32 without a word
+        # DeepSpeed here, not at the top (start-up)
         import deepspeed
 
         raise ConfigError(f"{chosen_by}: autocast-bf16 needs DeepSpeed's torch_autocast section (DeepSpeed >= 0.17), "
@@ -590,6 +600,7 @@ def _choose_cpu_adam(config: dict, device_type: str, offload_optimizer: bool) ->
     params = optimizer.setdefault("params", {})
     if "torch_adam" in params:
         return
+    # DeepSpeed here, not at the top (start-up)
     from deepspeed.ops.adam import FusedAdam
 
     torch_keys = _signature_keys(_torch_adam_class(_adam_kind(optimizer)))
@@ -604,8 +615,6 @@ def _choose_cpu_adam(config: dict, device_type: str, offload_optimizer: bool) ->
 
 
 def _torch_adam_class(kind: str):
-    import torch
-
     return torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
 
 
@@ -638,6 +647,7 @@ def _check_optimizer(config: dict, src: str, offload_optimizer: bool) -> None:
     if params.get("torch_adam"):
         cls, passed_by_deepspeed = _torch_adam_class(kind), set()
     elif offload_optimizer:
+        # DeepSpeed here, not at the top (start-up)
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         cls, passed_by_deepspeed = DeepSpeedCPUAdam, {"adamw_mode", "fp32_optimizer_states"}

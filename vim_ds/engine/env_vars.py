@@ -14,6 +14,10 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
+from ..ops import backends
+from . import faults
+from .errors import report_error
+
 
 def _switch(meaning: str) -> Callable[[str, str], None]:
     def check(name: str, value: str) -> None:
@@ -30,27 +34,19 @@ def _folder(what: str) -> Callable[[str, str], None]:
 
 
 def _injected(name: str, value: str) -> None:
-    from . import faults
-
     faults.check_injected(value)
 
 
 def _injected_signal(name: str, value: str) -> None:
-    from . import faults
-
     faults.check_signal(value)
 
 
 def _scan_backend(name: str, value: str) -> None:
-    from ..ops import backends
-
     backends.read_forced_backend(value)
 
 
 def _cpu_isa(name: str, value: str) -> None:
     # the variants are the CPU kernel's (this CPU's widest and narrower ones): it says which it has
-    from ..ops import backends
-
     backends.check_cpu_isa(value)
 
 
@@ -90,6 +86,5 @@ def refusal(prog: str, rank: int | str | None = None) -> int | None:
     unreadable = problem()
     if unreadable is None:
         return None
-    from .errors import report_error
 
     return report_error(prog, unreadable, rank=rank)

@@ -4,7 +4,8 @@ Each rank scores a disjoint shard (no padding, no duplicates) and the sums are a
 failed to decode (ok == 0) are left out of every sum and counted. Under ZeRO-3 every forward pass is a
 collective, so ranks whose shard has fewer batches run blank batches until all ranks have run as many.
 
-`evaluate` scores a model during training; `evaluate_weights` scores saved weights (`vim-ds eval`).
+`evaluate` scores a model during training; `evaluate_weights` scores saved weights (`vim-ds eval`); both read the
+validation set in `eval_sampler`'s batches.
 """
 from __future__ import annotations
 
@@ -14,8 +15,26 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import distributed
+from ..checkpoint import class_names, deepspeed_dir, safe_load
+from ..checkpoint.consolidate import fp32_state_dict
+from ..checkpoint.convert import client_state
+from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
+from ..data import ShardedEvalSampler
+from ..data.loader import build_loader
+from ..models import load_state_dict_into
+from . import distributed, faults, sequence_groups
+from .components import dataset_config, loader_config, model_config
+from .ds_config import PRECISION_DTYPES, autocast_dtype, eval_batch_size
+from .metrics import MetricsLog
 from .run_config import RunConfig
+
+
+def eval_sampler(dataset, micro_batch: int | None, groups):
+    """This rank's batches of the validation set `dataset`: ds_config.eval_batch_size(micro_batch) images each, the
+    set split over the data-parallel ranks of `groups` (sequence_groups.SequenceGroups: the ranks of a sequence
+    group score the same images)."""
+    return ShardedEvalSampler(len(dataset), batch_size=eval_batch_size(micro_batch), rank=groups.data_rank,
+                              world_size=groups.data_world)
 
 
 def autocast_context(device: torch.device, autocast_dtype: torch.dtype | None):
@@ -73,12 +92,6 @@ def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> 
     """Put the weights to evaluate into `model`; return the EMA state dict when the source has one. `classes`: the
     validation set's class names, refused when the weights record other ones (their labels would mean other
     classes: a score of other classes' images)."""
-    from ..checkpoint import class_names, deepspeed_dir, safe_load
-    from ..checkpoint.consolidate import fp32_state_dict
-    from ..checkpoint.convert import client_state
-    from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
-    from .components import dataset_config
-
     source = config.run.resume or config.model.finetune
     if not source:
         raise ValueError("--eval needs weights: --resume CHECKPOINT_DIR_OR_FILE (or --finetune FILE)")
@@ -103,23 +116,14 @@ def load_eval_weights(config: RunConfig, model, classes: list | None = None) -> 
     return ema
 
 
-def evaluate_weights(config: RunConfig, dist_info) -> dict:
+def evaluate_weights(config: RunConfig, dist_info, datasets) -> dict:
     """`vim-ds eval`: score the weights of `--resume`/`--finetune` (and their EMA weights, when saved) on the
-    validation set, the model replicated on every rank and the set sharded over the data-parallel ranks (under
-    --sequence-parallel N each group of N ranks splits its images' tokens); rank 0 logs the record."""
-    from ..data import ShardedEvalSampler, build_dataset
-    from ..data.loader import build_loader
-    from ..models import load_state_dict_into
-    from . import faults, sequence_groups
-    from .components import dataset_config, loader_config
-    from .ds_config import PRECISION_DTYPES, autocast_dtype
-    from .metrics import MetricsLog
-    from .components import model_config
-
-    data = dataset_config(config)
-    val_set, num_classes = build_dataset(data, is_train=False)
-    model = model_config(config, num_classes).build()
-    ema_state = load_eval_weights(config, model, [str(c) for c in getattr(val_set, "classes", None) or []])
+    validation set of `datasets` (parts.build_datasets(config, train=False)), the model replicated on every rank
+    and the set sharded over the data-parallel ranks (under --sequence-parallel N each group of N ranks splits its
+    images' tokens); rank 0 logs the record."""
+    val_set = datasets.val_set
+    model = model_config(config, datasets.num_classes).build()
+    ema_state = load_eval_weights(config, model, datasets.classes)
     precision = config.optim.precision or "fp32"
     if precision == "fp16" and dist_info.device.type == "cpu":
         raise ValueError("fp16 is not supported on CPU; use --precision bf16, autocast-bf16 or fp32")
@@ -127,10 +131,9 @@ def evaluate_weights(config: RunConfig, dist_info) -> dict:
     model = model.to(dist_info.device, dtype).eval()
     groups = sequence_groups.build(config.run.sequence_parallel, dist_info.rank, dist_info.world_size)
     groups.split(model)
-    batch = max(1, int(1.5 * (config.optim.batch_size or 64)))
-    loader = build_loader(val_set, ShardedEvalSampler(len(val_set), batch_size=batch, rank=groups.data_rank,
-                                                      world_size=groups.data_world),
-                          loader_config(config), "val", local_world_size=dist_info.local_world_size,
+    # this command's own workers (not a trainer's: see data.loader's _worker_init), started afresh per evaluation
+    loader = build_loader(val_set, eval_sampler(val_set, config.optim.batch_size, groups), loader_config(config),
+                          "val", local_world_size=dist_info.local_world_size,
                           stall_at=faults.for_rank(dist_info.rank).loader("val")["stall_at"])
     size = config.model.input_size
     shape = (3, size, size)

@@ -54,7 +54,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+
+import torch
+
+from . import signals
 
 KNOWN = ("nan_loss", "kill_in_save", "hang", "stall_train", "stall_val", "signal_in_step", "signal_in_eval",
          "signal_in_save", "signal_in_train", "wait_for_signal", "wait_for_signal_in_eval", "wait_for_signal_in_save",
@@ -118,16 +123,12 @@ def hang():
 
 def wait_for_signal():
     """Sleep until this process has received a stop signal (see `signals.STOP`)."""
-    from . import signals
-
     while signals.STOP.first is None:
         time.sleep(0.1)
 
 
 def stall(what: str):
     """Say on stderr that this process is stalled at `what` (a test waits for the line), then block for good."""
-    import sys
-
     print(f"VIM_DS_INJECT: stalled {what}", file=sys.stderr, flush=True)
     hang()
 
@@ -163,7 +164,6 @@ def record_batch(step: int, micro: int, rank: int, seed: int, images, targets) -
     """Under VIM_DS_RECORD_BATCHES=DIR, save one micro batch (see the module docstring); otherwise nothing."""
     if not _RECORD_DIR:
         return
-    import torch
 
     os.makedirs(_RECORD_DIR, exist_ok=True)
     torch.save({"images": images.detach().cpu().clone(), "targets": targets.detach().cpu().clone(), "seed": seed},

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..checkpoint.convert import write_weights_file
+from ..checkpoint.files import CheckpointError, load_weights_file, select_weights
 from . import distributed, write_journal
 from .errors import first_line
 
@@ -27,8 +29,6 @@ def sha256_file(path: str) -> str:
 
 def load_init_weights(model: torch.nn.Module, path: str) -> str:
     """Copy the weights of `path` into `model` (strict: same keys, same shapes); returns the file's sha256."""
-    from ..checkpoint.files import CheckpointError, load_weights_file, select_weights
-
     state = select_weights(load_weights_file(path), f"--init-weights {path}")
     expected = model.state_dict()
     wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
@@ -59,9 +59,6 @@ def existing_file_error(path: str) -> str | None:
 def save_init_weights(model: torch.nn.Module, path: str, meta: dict) -> str:
     """Write `model`'s weights as `vim-ds convert` would (fp32, CPU) to a new file; returns the file's sha256. An
     existing file is refused, also one that appears while the weights are written (the write never replaces)."""
-    from ..checkpoint.convert import write_weights_file
-    from ..checkpoint.files import CheckpointError
-
     problem = existing_file_error(path)
     if problem:
         raise CheckpointError(problem)
@@ -95,8 +92,6 @@ def apply(model: torch.nn.Module, meta: dict, dist_info: distributed.DistInfo, *
         error = first_line(exc)
     failed = distributed.all_reduce_max([float(bool(error)) * (dist_info.rank + 1)], dist_info.device)[0]
     if error:
-        from ..checkpoint.files import CheckpointError
-
         # a bad or missing file is bad input (exit 2), as for --finetune
         raise CheckpointError(error)
     if failed:

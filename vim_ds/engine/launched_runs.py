@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -92,8 +94,6 @@ def train_arguments(config_path: str, *, nproc: int, model: str, model_kwargs: d
 
 def _run_group(cmd: list[str], timeout: float | None, env: dict) -> tuple[int | None, str, str]:
     """Run a launcher in its own process group; on a timeout or Ctrl-C end that group (its ranks too)."""
-    import signal
-
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
 
@@ -209,8 +209,6 @@ def foreign_run_folder(out_dir: str) -> str | None:
 def clear_run_folder(out_dir: str) -> None:
     """Remove the folder of an earlier launched run (its metrics.jsonl would be appended to); `foreign_run_folder`
     must have said None."""
-    import shutil
-
     if os.path.lexists(out_dir):
         shutil.rmtree(out_dir)
 

@@ -70,6 +70,7 @@ def launcher_name(cmdline: list[str]) -> str | None:
 def launchers(pid: int | None = None) -> list[tuple[object, str]]:
     """The launcher processes above process `pid` (default: this one), nearest first: (psutil.Process, name) for
     its parent and each parent above, as long as they run a launcher. Empty when the parent runs none."""
+    # psutil here, not at the top: a package `import vim_ds` does not load (start-up)
     import psutil
 
     chain = []
@@ -88,6 +89,7 @@ def launchers(pid: int | None = None) -> list[tuple[object, str]]:
 
 
 def _alive(proc) -> bool:
+    # psutil here, not at the top (start-up)
     import psutil
 
     try:  # is_running() compares the start time (a reused pid is not the launcher)

@@ -8,6 +8,10 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
+from . import write_journal  # a run that ends in an error before its first step takes these back
+
 
 def _fmt_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
@@ -33,7 +37,6 @@ class MetricsLog:
         self._t0, self._s0 = time.time(), start_step
         if not enabled:
             return
-        from . import write_journal  # a run that ends in an error before its first step takes these back
 
         if output_dir:
             os.makedirs(output_dir, exist_ok=True)
@@ -41,7 +44,7 @@ class MetricsLog:
             write_journal.appending(path)
             self.file = open(path, "a", buffering=1)
         if tensorboard:
-            try:
+            try:  # here, not at the top: an optional package (the tensorboard extra), only for --tensorboard
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
@@ -49,8 +52,6 @@ class MetricsLog:
             write_journal.filling(folder)
             self.writer = SummaryWriter(folder)
         if sys.stderr.isatty():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def _write(self, record: dict):

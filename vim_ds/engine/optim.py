@@ -7,8 +7,14 @@ needed to read checkpoints) and a scheduler, which it steps once per optimizer s
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import TYPE_CHECKING
 
+from timm.scheduler import CosineLRScheduler
+
+from .ds_config import ConfigError
+from .options_file import option_name, shown
 from .run_config import DEEPSPEED_SETS_TOO
 
 if TYPE_CHECKING:
@@ -28,8 +34,6 @@ class PerStepScheduler:
     """
 
     def __init__(self, optimizer, *, total_steps: int, warmup_steps: int, warmup_lr: float, min_lr: float):
-        from timm.scheduler import CosineLRScheduler
-
         peak = min(group.get("initial_lr", group["lr"]) for group in optimizer.param_groups)
         problem = schedule_error(peak, min_lr, warmup_lr if warmup_steps > 0 else None)
         # the last line of defence (train.py's preflight and the Trainer say it first, in full)
@@ -77,8 +81,6 @@ def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | No
     wins, and the options take it, so that what runs is what the parameter groups' weight decay, the --engine
     baselines, options.yaml and the checkpoints use and say. Returns the options and a note naming the values the
     JSON set (None when it set none)."""
-    from .ds_config import ConfigError
-
     ours = ds_auto_values(optim, prepared.batch)
     taken = {}
     for path, dest in SHARED.items():
@@ -98,7 +100,6 @@ def settle_shared(optim: OptimOptions, prepared) -> tuple[OptimOptions, str | No
         taken["unscale_lr"] = True
     if "opt_betas" in taken:
         taken["opt_betas"] = tuple(taken["opt_betas"])
-    from .options_file import option_name, shown
 
     unset = {SHARED[path] for path in prepared.unset}
     said = ", ".join(f"{option_name(dest)} {shown(value)}" + (" (DeepSpeed's default: the file leaves it out)"
@@ -117,8 +118,6 @@ def _at(config: dict, path: str):
 
 
 def _same(a, b) -> bool:
-    import math
-
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(map(_same, a, b))
     return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=0)
@@ -126,10 +125,6 @@ def _same(a, b) -> bool:
 
 def _disagreement(optim: OptimOptions, prepared, path: str, value) -> str:
     """The refusal of a JSON number that contradicts the command line, in the batch sizes' words."""
-    import json
-
-    from .options_file import option_name, shown
-
     dest = SHARED[path]
     flag = option_name(dest)
     where = f"{prepared.source} sets {path}={json.dumps(value)}"

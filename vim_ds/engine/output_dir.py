@@ -28,6 +28,7 @@ import os
 import socket
 import time
 
+from ..checkpoint import deepspeed_dir
 from . import distributed, write_journal
 from .run_config import RunConfig, RunOptions
 from .training_engines import training_engine
@@ -130,8 +131,6 @@ def release() -> None:
 
 
 def _earlier_checkpoints(output_dir: str) -> str | None:
-    from ..checkpoint import deepspeed_dir
-
     save_dir = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(save_dir):
         return None
@@ -180,8 +179,6 @@ def latest_gone(output_dir: str) -> str | None:
     its `latest` names a checkpoint that is gone (deleted or moved) and no other complete one exists. The run saved
     that checkpoint (`latest` moves only once one is complete), so starting over would write a second history into
     its folder (metrics.jsonl's steps from 1 again)."""
-    from ..checkpoint import deepspeed_dir
-
     save_dir = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(save_dir) or deepspeed_dir.complete_tags(save_dir):
         return None
@@ -198,8 +195,6 @@ def overwritten_by_resume(output_dir: str, tag_dir: str) -> list[str]:
     saves are named after their step) and prune: every one of a later step than `tag_dir`'s, whatever run saved it.
     Damaged ones (which a resume has already skipped with a warning) do not count: nothing usable is lost with
     them."""
-    from ..checkpoint import deepspeed_dir
-
     save_dir = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(save_dir):
         return []
@@ -221,7 +216,6 @@ def resume_overwrite_error(config: RunConfig, tag_dir: str) -> str | None:
     newer = overwritten_by_resume(run.output_dir, tag_dir)
     if not newer:
         return None
-    from ..checkpoint import deepspeed_dir
 
     step = deepspeed_dir.checkpoint_step(tag_dir)
     how = "`latest` names" if run.resume == "auto" or not deepspeed_dir.is_tag_dir(run.resume) else "--resume"

@@ -20,6 +20,7 @@ import torch
 from . import distributed, faults, sequence_groups, write_journal
 from .components import dataset_config, loader_config, mixup_config, model_config
 from .ds_config import autocast_dtype
+from .evaluate import eval_sampler
 from .run_config import RunConfig
 from .sequence_groups import SequenceGroups
 from .trainer import Trainer, seed_everything
@@ -74,14 +75,17 @@ class Engine:
     compile_what: str | None
 
 
-def build_datasets(config: RunConfig) -> Datasets:
+def build_datasets(config: RunConfig, train: bool = True) -> Datasets:
+    """The training and validation sets; without `train` (`vim-ds eval`) the validation set alone, whose classes
+    are then the run's (its `train_set` is None)."""
     from ..data import build_dataset
 
     data = dataset_config(config)
-    train_set, num_classes = build_dataset(data, is_train=True)
-    val_set, _ = build_dataset(data, is_train=False)
-    return Datasets(data, train_set, val_set, num_classes,
-                    [str(name) for name in getattr(train_set, "classes", None) or []])
+    train_set, num_classes = build_dataset(data, is_train=True) if train else (None, None)
+    val_set, val_classes = build_dataset(data, is_train=False)
+    named = train_set if train else val_set
+    return Datasets(data, train_set, val_set, num_classes if train else val_classes,
+                    [str(name) for name in getattr(named, "classes", None) or []])
 
 
 def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_world: int | None = None):
@@ -222,25 +226,30 @@ def build_loader(config: RunConfig, dist_info: distributed.DistInfo, dataset, ba
                                leave_signals_to_owner=True, **fault_hook.loader(name))
 
 
+def train_sampler(config: RunConfig, size: int, batch, groups: SequenceGroups):
+    """Which of a training set's `size` images go into which optimizer step on this rank: the global batch `batch`
+    (ds_config.BatchSizes) over the data-parallel ranks of `groups`, shuffled per epoch from --seed, every image
+    three times with --repeated-aug."""
+    from ..data import GlobalBatchSampler
+
+    return GlobalBatchSampler(size, micro_batch=batch.micro, accum_steps=batch.accum, rank=groups.data_rank,
+                              world_size=groups.data_world, seed=config.run.seed,
+                              repeats=3 if config.augment.repeated_aug else 1)
+
+
 def build_data(config: RunConfig, dist_info: distributed.DistInfo, datasets: Datasets, batch,
                fault_hook: faults.FaultHook, groups: SequenceGroups | None = None) -> Data:
     """The sampler and loaders of `datasets` for the global batch `batch` (ds_config.BatchSizes), over the
     data-parallel ranks (`groups`: the ranks of a sequence group read the same images)."""
-    from ..data import GlobalBatchSampler, ShardedEvalSampler
-
     groups = groups or sequence_groups.build(1, dist_info.rank, dist_info.world_size)
-    sampler = GlobalBatchSampler(len(datasets.train_set), micro_batch=batch.micro, accum_steps=batch.accum,
-                                 rank=groups.data_rank, world_size=groups.data_world, seed=config.run.seed,
-                                 repeats=3 if config.augment.repeated_aug else 1)
+    sampler = train_sampler(config, len(datasets.train_set), batch, groups)
     steps_per_epoch = sampler.steps_per_epoch
     total_steps = config.optim.epochs * steps_per_epoch
     if config.optim.max_steps:
         total_steps = min(total_steps, config.optim.max_steps)
     train_loader = build_loader(config, dist_info, datasets.train_set, sampler, "train", fault_hook)
-    eval_batch = max(1, int(1.5 * batch.micro))
-    val_loader = build_loader(config, dist_info, datasets.val_set, ShardedEvalSampler(
-        len(datasets.val_set), batch_size=eval_batch, rank=groups.data_rank, world_size=groups.data_world), "val",
-        fault_hook)
+    val_loader = build_loader(config, dist_info, datasets.val_set, eval_sampler(datasets.val_set, batch.micro, groups),
+                              "val", fault_hook)
     return Data(datasets, sampler, train_loader, val_loader, steps_per_epoch, total_steps)
 
 

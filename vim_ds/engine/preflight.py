@@ -16,7 +16,16 @@ import os
 
 import torch
 
+from ..checkpoint import deepspeed_dir
+from ..checkpoint.files import CheckpointError
+from ..data.datasets import check_layout
+from ..data.shards import check_shards
+from ..models.sequence_parallel import split_error
 from . import output_dir, sequence_groups, shipped_configs
+from .components import model_config
+from .ds_config import prepare_ds_config
+from .init_weights import existing_file_error
+from .optim import check_lr_settings, ds_auto_values, peak_lr, settle_shared
 from .run_config import RunConfig
 
 
@@ -61,9 +70,6 @@ def check(config: RunConfig, is_main: bool) -> RunConfig:
 
 
 def _deepspeed_config(config: RunConfig, is_main: bool) -> RunConfig:
-    from .ds_config import prepare_ds_config
-    from .optim import ds_auto_values
-
     given = config.deepspeed.deepspeed_config
     path = shipped_configs.resolve(given or shipped_configs.DEFAULT)
     if is_main and not given:
@@ -86,8 +92,6 @@ def _settle_with_the_json(config: RunConfig, prepared, is_main: bool) -> RunConf
     """What the DeepSpeed config and the command line both set, settled (optim.settle_shared: a contradiction is
     refused, a number the command line did not give taken, so that the options say what runs and options.yaml
     records it); --precision wins over the file's sections, said once."""
-    from .optim import settle_shared
-
     optim, note = settle_shared(config.optim, prepared)
     notes = [note] if note else []
     if prepared.overridden_precision:
@@ -102,8 +106,6 @@ def _settle_with_the_json(config: RunConfig, prepared, is_main: bool) -> RunConf
 def _lr_settings(config: RunConfig, prepared, is_main: bool) -> RunConfig:
     """A floor or warmup start above the peak lr (after the batch scaling): refused when given, lowered with a note
     when the built-in default (optim.check_lr_settings); the trainer repeats it with the process group's world."""
-    from .optim import check_lr_settings, peak_lr
-
     optim, notes = check_lr_settings(config.optim, *peak_lr(config.optim, prepared))
     for note in notes:
         if is_main:
@@ -112,9 +114,6 @@ def _lr_settings(config: RunConfig, prepared, is_main: bool) -> RunConfig:
 
 
 def _data(config: RunConfig) -> None:
-    from ..data.datasets import check_layout
-    from ..data.shards import check_shards
-
     data, need_train = config.data, not config.run.eval
     if data.data_set in ("IMNET", "folder"):
         check_layout(data.data_path, need_train=need_train)
@@ -126,10 +125,6 @@ def _data(config: RunConfig) -> None:
 def _model(config: RunConfig) -> None:
     """The model, built on the meta device with the run's options (a placeholder head: the class count comes from
     the data), and whether --sequence-parallel can split its tokens."""
-    from .components import model_config
-
-    from ..models.sequence_parallel import split_error
-
     classes = config.data.nb_classes if config.data.data_set == "synthetic" else 1000
     with torch.device("meta"):
         model = model_config(config, classes).build()
@@ -151,8 +146,6 @@ def _files(config: RunConfig) -> None:
                              f"checkpoint directory")
     # a new run writes its initial weights to a new file (a resumed one writes none: init_weights.apply)
     if config.model.save_init_weights and not resume:
-        from .init_weights import existing_file_error
-
         problem = existing_file_error(config.model.save_init_weights)
         if problem:
             raise ValueError(problem)
@@ -161,9 +154,6 @@ def _files(config: RunConfig) -> None:
 def _resume_overwrite(config: RunConfig) -> str | None:
     """A resume of an older checkpoint into a folder holding newer ones (output_dir.resume_overwrite_error). A
     checkpoint that cannot be resolved here is left to the trainer, which says why in its own words."""
-    from ..checkpoint import deepspeed_dir
-    from ..checkpoint.files import CheckpointError
-
     path = config.run.resume
     if path == "auto" and config.run.output_dir:
         path = os.path.join(config.run.output_dir, "checkpoints")

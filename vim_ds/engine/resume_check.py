@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint import class_names
+from ..checkpoint.convert import client_state
 from ..checkpoint.files import CheckpointError
+from ..models import ModelConfig
 
 
 def _optimizer(stage: int, precision: str) -> str:
@@ -58,8 +61,6 @@ def _shapes(model) -> dict[str, tuple]:
 def _model_refusal(tag_dir: str, saved: dict, model) -> str | None:
     """Another model than the checkpoint's (`model`: this run's models.ModelConfig): named by its first parameter
     of another shape."""
-    from ..models import ModelConfig
-
     there = ModelConfig.from_description(saved)
     if there is None or saved.get("model_kwargs") is None:
         return None  # no description: DeepSpeed's strict load still refuses another model
@@ -82,8 +83,6 @@ def _model_refusal(tag_dir: str, saved: dict, model) -> str | None:
 def _classes_refusal(tag_dir: str, saved: dict, data_source: str, classes: list | None) -> str | None:
     """Other class names than the checkpoint's (a class folder renamed, added or removed; the same count would
     train on with labels that mean other classes)."""
-    from ..checkpoint import class_names
-
     return class_names.refusal(tag_dir, class_names.recorded(saved), data_source, classes,
                                "resume with the data it was trained on")
 
@@ -95,8 +94,6 @@ def check(tag_dir: str, model, data_source: str, ds, universal: bool, classes: l
     models.ModelConfig), or was trained on other class names than `classes` (this run's data, named in messages as
     `data_source`, in label order). Returns a note for rank 0 to print, or None: a checkpoint saved
     before the names were recorded cannot be compared (the run's next checkpoint records them)."""
-    from ..checkpoint.convert import client_state
-
     saved = client_state(tag_dir, mmap=True)
     problem = _optimizer_refusal(tag_dir, saved, ds.zero_stage, ds.precision, universal) or \
         _classes_refusal(tag_dir, saved, data_source, classes) or _model_refusal(tag_dir, saved, model)

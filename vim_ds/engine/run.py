@@ -22,7 +22,7 @@ def run(config: RunConfig, prog: str = "vim-ds train") -> int:
     from .checkpointing import SaveError
     from .env_vars import refusal
     from .errors import first_line, report_error
-    from .parts import build_trainer
+    from .parts import build_datasets, build_trainer
     from .run_rules import validate
     from .signals import StopRequested
     from .trainer import TrainingError
@@ -73,7 +73,7 @@ def run(config: RunConfig, prog: str = "vim-ds train") -> int:
         if config.run.eval:
             from .evaluate import evaluate_weights
 
-            evaluate_weights(config, dist_info)
+            evaluate_weights(config, dist_info, build_datasets(config, train=False))
             ended_well = True
             return 0
         # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)

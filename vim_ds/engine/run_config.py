@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from .distributed import DATA_TIMEOUT, default_data_timeout
+from .ds_config import DEFAULT_MICRO_BATCH
 from .shipped_configs import DEFAULT as DEFAULT_DEEPSPEED_CONFIG
 from .training_engines import DEFAULT as DEFAULT_ENGINE
 from .training_engines import ENGINES
@@ -132,6 +133,12 @@ def option(*flags: str, default=None, factory: Callable | None = None, **meta):
     return field(default=default, metadata={"option": Option(flags, **meta)})
 
 
+# --model-kwargs, declared once for every command: `vim-ds train` and `eval` take it as a field of ModelOptions,
+# the others through run_options.add_model_kwargs.
+MODEL_KWARGS = Option(("--model-kwargs",), nargs="*", type=key_value, metavar="K=V",
+                      help="extra model constructor arguments, e.g. depth=4 embed_dim=64 patch_size=4")
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     TITLE: ClassVar[str] = "model"
@@ -140,8 +147,7 @@ class ModelOptions:
     model: str = option("--model", default="vim_tiny",
                         help="a registered Vim name or alias (vim_tiny, vim_small_s8, ...)")
     input_size: int = option("--input-size", type=int, default=224)
-    model_kwargs: dict = option("--model-kwargs", nargs="*", type=key_value, factory=list, metavar="K=V",
-                                help="extra model constructor arguments, e.g. depth=4 embed_dim=64 patch_size=4")
+    model_kwargs: dict = field(default_factory=list, metadata={"option": MODEL_KWARGS})
     drop: float = option("--drop", type=float, default=0.0, help="dropout rate")
     drop_path: float = option("--drop-path", type=float, default=0.1, help="stochastic depth rate")
     grad_checkpointing: bool = option(
@@ -174,7 +180,7 @@ class OptimOptions:
     DESCRIPTION: ClassVar[str | None] = None
 
     batch_size: int | None = option("--batch-size", type=int, default=None, rule="at least 1",
-                                    help="per-rank micro batch [64, or the JSON's]")
+                                    help=f"per-rank micro batch [{DEFAULT_MICRO_BATCH}, or the JSON's]")
     accum_steps: int | None = option("--accum-steps", type=int, default=None, rule="at least 1",
                                      help="gradient accumulation steps [1, or the JSON's]")
     epochs: int = option("--epochs", type=int, default=300, rule="at least 1")

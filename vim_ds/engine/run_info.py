@@ -12,10 +12,7 @@ import sys
 
 import torch
 
-# what compare-runs reports when it differs between two runs; global_batch must be equal
-COMPARED_KEYS = ("global_batch", "world_size", "micro_batch", "accum_steps", "zero_stage", "precision", "seed", "lr",
-                 "model", "model_kwargs", "input_size", "num_classes", "train_images", "device_name", "device_type",
-                 "init_weights_sha256", "vim_ds", "torch", "deepspeed", "timm", "accelerator_runtime")
+from .. import __version__
 
 
 def _version(module: str) -> str | None:
@@ -55,8 +52,6 @@ def device_name(device: torch.device) -> str:
 
 
 def header(trainer) -> dict:
-    from .. import __version__
-
     config, batch = trainer.config, trainer.batch
     runtime = f"hip {torch.version.hip}" if torch.version.hip else \
         f"cuda {torch.version.cuda}" if torch.version.cuda and trainer.device.type == "cuda" else None

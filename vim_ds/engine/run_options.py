@@ -34,6 +34,16 @@ def argument_type(option):
     return key_value if option.type is run_config.key_value else option.type
 
 
+def add_model_kwargs(parser, default, help: str | None = run_config.MODEL_KWARGS.help,
+                     metavar: str = run_config.MODEL_KWARGS.metavar):
+    """run_config.MODEL_KWARGS as an argument of a command's `parser`, with that command's default (None: the
+    arguments a weights file records, unless given; [] none) and its own help and metavar, as its --help has shown
+    them."""
+    option = run_config.MODEL_KWARGS
+    parser.add_argument(*option.flags, nargs=option.nargs, type=argument_type(option), default=default,
+                        metavar=metavar, help=help)
+
+
 def build_parser(prog: str = "vim-ds train") -> argparse.ArgumentParser:
     """The parser of `vim-ds train`, generated from run_config's fields: one argument group per group of options."""
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,

@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from ..models.sequence_parallel import split_over
+
 
 @dataclass(frozen=True)
 class SequenceGroups:
@@ -44,8 +48,6 @@ class SequenceGroups:
         """`model` (a VisionMamba) made to run the split over this rank's group when N > 1 (its calls, not its
         weights, change: `models.sequence_parallel.split_over`); returns it."""
         if self.size > 1:
-            from ..models.sequence_parallel import split_over
-
             split_over(model, self.group)
         return model
 
@@ -71,7 +73,6 @@ def build(size: int, rank: int, world: int) -> SequenceGroups:
         raise ValueError(problem)
     if size == 1:
         return SequenceGroups(1, 0, rank, world)
-    import torch.distributed as dist
 
     mine = None
     for first in range(0, world, size):

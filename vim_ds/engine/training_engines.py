@@ -7,12 +7,18 @@ deepspeed  DeepSpeed's engine (engine/deepspeed_engine.py): ZeRO 0-3, checkpoint
            parallelism
 ddp, fsdp  PyTorch DDP and FSDP2 (engine/baselines.py), the measurement baselines of `vim-ds zero-compare`
 
-This module imports neither torch nor DeepSpeed: the command line reads the registry for --engine's choices and its
-rules, and only a run's build imports the engine it builds.
+The command line reads the registry for --engine's choices and its rules; DeepSpeed itself is imported only where a
+run builds its engine (engine/deepspeed_engine.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from . import baselines, deepspeed_engine
+from .baselines import precision_label
+from .ds_config import PRECISION_DTYPES
 
 
 @dataclass(frozen=True)
@@ -43,16 +49,12 @@ class TrainingEngine:
 
     def param_dtype(self, precision: str):
         """The dtype of the parameters and of the inputs the model is given."""
-        from .ds_config import PRECISION_DTYPES  # torch: only where a run builds its engine
-
         return PRECISION_DTYPES[precision]
 
     def build(self, model, groups: list[dict], ds, device, scheduler_factory, compile_backend: str | None):
         """The engine that trains `model` (parameter groups `groups`, the DeepSpeed config `ds`, the lr schedule
         `scheduler_factory(optimizer)` makes), compiled with `compile_backend` where given: (the engine, its lr
         scheduler, what was compiled or None)."""
-        from . import deepspeed_engine  # DeepSpeed: only where a run builds its engine
-
         return deepspeed_engine.build(model, groups, ds, scheduler_factory, compile_backend)
 
 
@@ -61,18 +63,12 @@ class TorchBaseline(TrainingEngine):
     """A PyTorch baseline (engine/baselines.py): fp32 parameters, bf16 as autocast, FSDP2 when it shards."""
 
     def runs_precision(self, precision: str) -> str:
-        from .baselines import precision_label  # torch: only where a run or zero-compare's report asks
-
         return precision_label(precision)
 
     def param_dtype(self, precision: str):
-        import torch  # only where a run builds its engine
-
         return torch.float32  # bf16: under autocast
 
     def build(self, model, groups: list[dict], ds, device, scheduler_factory, compile_backend: str | None):
-        from . import baselines  # torch: only where a run builds its engine
-
         wrapper = baselines.FSDPEngine if self.shards_states else baselines.DDPEngine
         engine = wrapper(model, groups, ds, device, scheduler_factory)
         return engine, engine.scheduler, None

@@ -9,6 +9,9 @@ The range tested, combination by combination, is docs/versions.md's table (tools
 from __future__ import annotations
 
 import re
+from importlib import metadata
+
+import torch
 
 MINIMUM = {"torch": (2, 4), "deepspeed": (0, 16)}
 TESTED = {"torch": "2.4.1 to 2.14.1", "deepspeed": "0.16.9 to 0.19.8"}  # docs/versions.md
@@ -35,10 +38,6 @@ def problem(found: dict[str, str | None]) -> str | None:
 def installed() -> dict[str, str | None]:
     """The versions installed: torch's as torch reports it (torch.__version__), DeepSpeed's from its package
     metadata (importing DeepSpeed takes seconds, and an old one may not import at all)."""
-    from importlib import metadata
-
-    import torch
-
     try:
         deepspeed = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:

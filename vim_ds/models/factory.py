@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import timm
 import torch
+
+from . import vim  # noqa: F401  (registers the Vim variants)
+from .vim import ALIASES
 
 # The keys under which a checkpoint's client state and a converted file's metadata describe the model.
 DESCRIPTION_KEYS = ("model", "model_kwargs", "num_classes", "input_size")
@@ -20,14 +24,16 @@ DESCRIPTION_KEYS = ("model", "model_kwargs", "num_classes", "input_size")
 class ModelConfig:
     """A model as a run names it: a registered Vim name or alias, its constructor overrides (`--model-kwargs`), the
     head's classes and the image side. Dropout, stochastic depth and gradient checkpointing change how it trains,
-    not its weights, so checkpoints record only the description (`description()`)."""
+    not its weights, so checkpoints record only the description (`description()`). `drop`/`drop_path` None: the
+    architecture's own rate (a Vim's published stochastic depth 0.1, timm's DeiT none), as the benchmarks and the
+    demo build their models; a run gives its --drop/--drop-path."""
 
     name: str
     num_classes: int
     input_size: int = 224
     kwargs: Mapping = dataclasses.field(default_factory=dict)
-    drop: float = 0.0
-    drop_path: float = 0.0
+    drop: float | None = 0.0
+    drop_path: float | None = 0.0
     grad_checkpointing: bool = False
 
     @classmethod
@@ -45,8 +51,6 @@ class ModelConfig:
 
     def same_description(self, other: "ModelConfig") -> bool:
         """The same description, an alias (vim_t) counting as its name (vim_tiny)."""
-        from .vim import ALIASES
-
         canonical = lambda c: (ALIASES.get(c.name, c.name), dict(c.kwargs), c.num_classes, c.input_size)  # noqa: E731
         return canonical(self) == canonical(other)
 
@@ -57,14 +61,11 @@ class ModelConfig:
 
     def build(self) -> torch.nn.Module:
         """The model, randomly initialised (the caller loads weights); a bad name or keyword is a ValueError."""
-        import timm
-
-        from . import vim  # noqa: F401  (registers the Vim variants)
-
+        rates = {key: rate for key, rate in (("drop_rate", self.drop), ("drop_path_rate", self.drop_path))
+                 if rate is not None}
         try:
             model = timm.create_model(self.name, pretrained=False, num_classes=self.num_classes,
-                                      img_size=self.input_size, drop_rate=self.drop, drop_path_rate=self.drop_path,
-                                      **self.kwargs)
+                                      img_size=self.input_size, **rates, **self.kwargs)
         except RuntimeError as exc:
             if "Unknown model" in str(exc):
                 raise ValueError(f"unknown model {self.name!r} (try vim_tiny, vim_small, vim_base, "

@@ -9,11 +9,13 @@ import math
 from typing import List, Optional, Tuple, Union
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.fx
 import torch.utils.checkpoint
 from timm.layers import DropPath, lecun_normal_, to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+
 # what timm's own models use (not re-exported)
 from timm.models._features import feature_take_indices
 
@@ -579,8 +581,6 @@ ALIASES = {alias: name for name, (_, alias, _) in VARIANTS.items()}
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs) -> VisionMamba:
-    from timm.models import build_model_with_cfg
-
     arch = dict(VARIANTS[ALIASES.get(variant, variant)][0])
     arch.update(kwargs)  # depth=, embed_dim=, img_size=, ... override the published defaults
     # features_only: the last 3 blocks unless told, as timm's ViT
@@ -595,8 +595,6 @@ def _create(variant: str, pretrained: bool = False, **kwargs) -> VisionMamba:
 
 
 def _default_cfgs():
-    from timm.models import generate_default_cfgs
-
     cfgs = {}
     for name, (_, alias, cfg) in VARIANTS.items():
         cfgs[name] = cfg
@@ -609,8 +607,6 @@ default_cfgs = _default_cfgs()
 
 
 def _register_all():
-    from timm.models import register_model
-
     for name in list(VARIANTS) + list(ALIASES):
         def factory(pretrained=False, _name=name, **kwargs):
             return _create(_name, pretrained=pretrained, **kwargs)

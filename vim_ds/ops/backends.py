@@ -27,6 +27,7 @@ says so once, with the reason.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 import threading
@@ -239,9 +240,7 @@ class MambaBackend:
 
 def _mamba_version():
     try:
-        from importlib.metadata import version
-
-        return version("mamba_ssm")
+        return importlib.metadata.version("mamba_ssm")
     except Exception:  # not installed as a distribution (a source tree on the path)
         return "version unknown"
 
@@ -273,6 +272,7 @@ def _source_root():
 
 
 def _jit_build(kind):
+    # here, not at the top: torch.utils.cpp_extension imports setuptools (start-up) and warns where CUDA is missing
     from torch.utils import cpp_extension
 
     root = _source_root()

@@ -34,6 +34,7 @@ HIPCC_FLAGS = ["-O3", "-ffast-math"]
 
 def gpu_extension_args(root, hip=None):
     if hip is None:
+        # torch here, not at the top: setup.py loads this file by path (module docstring)
         import torch
 
         hip = bool(torch.version.hip)
