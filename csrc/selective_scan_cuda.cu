@@ -12,7 +12,7 @@ using ssk::KernelParams;
 
 // Work layout for one d_state (see the comment at the top of selective_scan_kernel.cuh).
 struct Layout {
-  int group;  // lanes per channel: next power of two >= d_state, at most ssk::kSeg
+  int group;  // lanes per channel: next power of two >= d_state, at least ssk::kMinGroup, at most ssk::kSeg
   int npl;    // states per lane, rounded up to a power of two (the template parameter kNPL)
   int chunk;  // time steps per chunk
 };
@@ -26,7 +26,7 @@ constexpr int64_t kMinSegChunks = 2;
 
 Layout make_layout(int64_t dstate, ScanDType dtype) {
   Layout lay;
-  lay.group = 1;
+  lay.group = ssk::kMinGroup;
   while (lay.group < dstate && lay.group < ssk::kSeg) lay.group *= 2;
   const int64_t need = (dstate + lay.group - 1) / lay.group;  // 1 .. 8 for dstate <= 256
   lay.npl = 1;

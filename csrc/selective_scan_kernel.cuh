@@ -14,11 +14,12 @@
 //   * A block (kThreads threads) owns one batch element b, `cpb` consecutive channels d0 .. d0+cpb-1 (in the
 //     backward several such tiles, see "Channel tiles") and one segment of the sequence (see "Sequence
 //     parallelism"; one segment = the whole sequence).
-//   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, capped at
-//     kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL "states per lane", a
-//     template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
+//   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, at least
+//     kMinGroup = 8 and at most kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL
+//     "states per lane", a template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
 //   * Every thread runs the recurrence of its states sequentially over time. Sums over n (y, and in the
-//     backward the gradients of u and delta) are xor-shuffle reductions inside the group.
+//     backward the gradients of u and delta) are xor-shuffle reductions inside the group, several at once
+//     (scatter_sum: the forward's y of 8 steps, the backward's three sums of 2 steps).
 //   * All shuffles use xor offsets < 32, so they never leave an aligned 32-lane segment: the same code is
 //     correct for 32-wide NVIDIA warps and for 64-wide AMD wavefronts (a wavefront is simply two segments),
 //     and even for wave32 AMD GPUs. The block size is a multiple of 64 so every warp/wavefront is full.
@@ -32,7 +33,7 @@
 //   walks them in turn within each chunk: B and C are staged once per chunk, each tile's channels are staged,
 //   recomputed and stepped back through with the same threads, and the tiles' dB, dC add up in shared memory
 //   before one store per chunk. Its dB/dC partial sums (see Determinism) and its reads of B and C are per block,
-//   so tiles divide them by the number of tiles. Each tile's carry, running sums, A and D stay in registers
+//   so tiles divide them by the number of tiles. Each tile's carry, running sums and A stay in registers
 //   across chunks (BwdState: one set per tile, rotated so that the loops only touch set 0). The forward keeps one
 //   tile (its traffic is near the minimum, tests/test_kernel_counts.py). The launcher takes fewer tiles when
 //   that keeps the sequence in one segment (backward_tiles).
@@ -53,7 +54,8 @@
 //   3072 blocks and one segment (then pass 0 and the combine are skipped: the single-pass mapping of before).
 //
 // Determinism: no float atomics. Every output element is written by one thread, and every sum has a fixed
-//   order: over n by the xor-shuffle tree, dB/dC over the channels of a 32-lane segment by shuffles, then over
+//   order: over n by the xor-shuffle trees of scatter_sum (and of group_sum: ddelta_bias over the lanes that
+//   summed it), dB/dC over the channels of a 32-lane segment by shuffles, then over
 //   the block's channel tiles in order and its 32-lane segments in index order (shared memory), then over blocks
 //   of channels by scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one
 //   block holds all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
@@ -90,7 +92,10 @@
 //         dA[n]   += dh*dl*exp(dl*A)*h_{t-1}         dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
 //         dz_t     = y_t * dout*silu'(z)             (y_t recomputed from the history)
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
-//   4. writes the tile's du, ddelta, dz of the chunk;
+//      The three sums over n of two steps go in one scatter sum (scatter_sum), whose lanes leave the totals in
+//      shared memory; the lanes holding ddl's add ddelta_t to their part of ddelta_bias.
+//   4. finishes the tile's du, ddelta, dz of the chunk from those totals (the D, softplus' and gate terms) and
+//      writes them;
 //   then the chunk's dB, dC, sums over channels (see Determinism). dA, dD, ddelta_bias are summed over the
 //   segment's steps in registers and stored as per-segment partials.
 //
@@ -147,7 +152,12 @@
 //   Exempt from the floor: scan_bwd<fp64,npl8> on gfx90a gfx942. For d_state 256 its shared memory at the
 //   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
 //   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
-//   Spills: none on any target, to memory or (AMD) of SGPRs into VGPR lanes; the check fails on either.
+//   Spills: none on any target to memory; none of SGPRs into VGPR lanes (AMD) but in the instances named here,
+//   and the check fails on either. Exempt from the scalar-register check: scan_bwd<fp64,npl1>
+//   scan_bwd<fp64,npl2> scan_bwd<fp64,npl4> scan_bwd<fp64,npl8> scan_bwd<fp16,npl8> on gfx90a gfx942. The scatter
+//   sums' slots and the epilogue that finishes du, ddelta and dz (issue 51) cost them 2-14 SGPRs parked in VGPR
+//   lanes (v_writelane / v_readlane around the chunk loop, no memory traffic): the float64 backward used 105 of
+//   gfx942's 106 before, and it is the gradient-checking dtype; fp16 with d_state > 128 parks 2 on gfx942.
 //
 // Registers on AMD. A value the same for the whole wavefront (pointers, sizes, offsets, loop bounds, and the
 //   64-bit lane masks of per-lane conditions) lives in scalar registers, of which a wavefront addresses 102
@@ -220,6 +230,17 @@ static_assert(kWarpSize % kSeg == 0, "the kernels assume a warp/wavefront is a w
 // Threads per block: a multiple of 64 so that blocks are made of whole warps (32) and whole wavefronts (64).
 constexpr int kThreads = 128;
 static_assert(kThreads % 64 == 0, "block must be whole warps and whole wavefronts");
+
+// Sums over a channel's lanes taken together (scatter_sum): the forward's y for kFwdSums steps at once, the
+// backward's y, ddelta and du (kBwdSlots a step, one slot left empty) for kBwdSums / kBwdSlots steps. Each value
+// a lane holds costs a register while its steps run, so the backward, with more registers live, takes fewer.
+constexpr int kFwdSums = 8;
+constexpr int kBwdSlots = 4;
+constexpr int kBwdSums = 8;
+// The fewest lanes a channel gets (G >= kMinGroup, make_layout), so that every group can take these sums in one
+// scatter: d_state <= 4 leaves lanes of its group without a state (as d_state 17 does in a group of 32).
+constexpr int kMinGroup = 8;
+static_assert(kMinGroup >= kFwdSums && kMinGroup >= kBwdSums, "a group holds one value of each scatter sum");
 
 // Launch bounds of every kernel. CUDA: kThreads per block and at least kMinBlocksPerSM resident blocks per SM,
 // which caps ptxas at 65536 / (4 * 128) = 128 registers per thread, enough for every instance: with the block
@@ -501,7 +522,7 @@ __device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start,
 }
 
 // Channel tiles a backward block walks in turn (see "Channel tiles" at the top): kMaxTiles when a lane holds one
-// state (d_state <= 32) of a float accumulation, where each tile's A, D, carry and running sums cost the thread six
+// state (d_state <= 32) of a float accumulation, where each tile's A, carry and running sums cost the thread five
 // more registers; one when it holds several, and for float64 input (the gradient-checking dtype, whose registers
 // are the scarcest: with tiles its backward parked scalar registers in vector lanes on gfx90a). Fewer when the
 // block's rows would pass kMaxRows (d_state 1: 128 channels a tile, two tiles).
@@ -536,6 +557,44 @@ __device__ __forceinline__ void vary(int& v) {
 __device__ __forceinline__ int in_vgpr(int v) {
   vary(v);
   return v;
+}
+
+// Sums over the G lanes of a group of kV values at once (kV a power of two <= G): a reduce-scatter butterfly.
+// Each level halves the values a lane holds: the lanes with the level's offset bit set keep the upper half and
+// send the lower, the others the reverse, so the pair ends with one half each, summed. After log2(kV) levels a
+// lane holds one value, which the remaining levels sum over the rest of the group. The result on a lane is the
+// group's total of value `slot`; of the G / kV lanes that get the same total, one has slot >= 0 (the one whose
+// lane bits below G / kV are zero), the others -1, so that each total has one writer. It costs
+// kV - 1 + log2(G / kV) shuffles and as many adds for the kV sums, where group_sum takes log2(G) for each one
+// (16 x 4 = 64 against 15 at G = kV = 16). A fixed order: the same bits on every run. The slot is a per-lane value
+// made from the lane bits (no division by the runtime G).
+template <int kV, typename T>
+__device__ __forceinline__ T scatter_sum(T (&v)[kV], int G, int lane_g, int& slot) {
+  int off = G >> 1, j = 0;
+  // AMD: the offsets in vector registers, and the lane tests (`upper`) made here, not hoisted out of the time
+  // loops as lane masks in scalar registers (see vary)
+  vary(off);
+  vary(lane_g);
+#pragma unroll
+  for (int half = kV / 2; half >= 1; half /= 2) {
+    const bool upper = (lane_g & off) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const T keep = upper ? v[i + half] : v[i];
+      const T send = upper ? v[i] : v[i + half];
+      v[i] = keep + shfl_xor(send, off);
+    }
+    j += upper ? half : 0;
+    off >>= 1;
+  }
+  int rest = 0;
+  for (; off > 0; off >>= 1) {
+    v[0] += shfl_xor(v[0], off);
+    rest |= lane_g & off;
+  }
+  slot = rest == 0 ? j : -1;
+  vary(slot);
+  return v[0];
 }
 
 // Where this thread's slot 0 of segment summary row (b, d, seg) of the workspace lies, for the arrays at offset
@@ -711,12 +770,12 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     }
 
     // The recurrence. Every lane runs every step (the shuffles need all lanes); lanes without a valid state
-    // contribute 0.
-    for (int t = 0; t < len; ++t) {
+    // contribute 0. This lane's part of y at step t (its states' h * C):
+    const auto step = [&](int t) {
       vary(ok);
+      t = in_vgpr(t);  // AMD: the step's offsets per lane, not one set of scalar registers per unrolled step
       const acc_t dl = dl_s[t * cpb + m.c_local];
-      const acc_t uv = u_s[t * cpb + m.c_local];
-      const acc_t dlu = dl * uv;
+      const acc_t dlu = dl * u_s[t * cpb + m.c_local];
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
@@ -726,8 +785,16 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
           y += h[k] * C_s[t * N + n];
         }
       }
-      y = group_sum(y, G);
-      if (m.lane_g == 0) y_s[t * cpb + m.c_local] = y + D_d * uv;
+      return y;
+    };
+    // y of kFwdSums steps at once, in one scatter sum: step tb + j ends on the lane of slot j.
+    for (int tb = 0; tb < len; tb += kFwdSums) {
+      acc_t ys[kFwdSums];
+#pragma unroll
+      for (int j = 0; j < kFwdSums; ++j) ys[j] = tb + j < len ? step(tb + j) : acc_t(0);
+      int j;
+      const acc_t y = scatter_sum(ys, G, m.lane_g, j);
+      if (j >= 0 && tb + j < len) y_s[(tb + j) * cpb + m.c_local] = y + D_d * u_s[(tb + j) * cpb + m.c_local];
     }
 
     // Checkpoint: the state at the start of the next chunk, inside the segment only (the combine kernel has
@@ -777,7 +844,7 @@ struct BwdState {
   acc_t A[kTiles][kNPL];      // the channel's A[d, n] (kept: loading it per chunk held its pointer in SGPRs)
   acc_t carry[kTiles][kNPL];  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}
   acc_t sum[kTiles][kNPL];    // pass 1: dA summed over the segment's steps; pass 0: the product of the decays
-  acc_t D[kTiles], dD[kTiles], dbias[kTiles];  // pass 1; dD, dbias meaningful on lane_g == 0
+  acc_t dD[kTiles], dbias[kTiles];  // pass 1; dD on lane_g == 0, dbias on the lanes that finish ddl (finish)
   __device__ __forceinline__ void rotate() {
 #pragma unroll
     for (int g = 0; g + 1 < kTiles; ++g) {
@@ -787,7 +854,6 @@ struct BwdState {
         swap(carry[g][k], carry[g + 1][k]);
         swap(sum[g][k], sum[g + 1][k]);
       }
-      swap(D[g], D[g + 1]);
       swap(dD[g], dD[g + 1]);
       swap(dbias[g], dbias[g + 1]);
     }
@@ -803,6 +869,9 @@ template <typename input_t, int kNPL>
 __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   constexpr int kTiles = bwd_max_tiles(kNPL, sizeof(input_t) == 8 ? 8 : 4);
+  // The sums over n of kSteps steps in one scatter sum; one step for float64 on AMD, the gradient-checking dtype,
+  // whose backward used 105 of gfx942's 106 scalar registers before: two steps parked 8-21 in vector lanes.
+  constexpr int kSums = SS_HIP && sizeof(acc_t) == 8 ? kBwdSlots : kBwdSums;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
@@ -854,14 +923,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][cpb]  d dl / d(delta+bias)
   acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][cpb]  dL/dy = dout * silu(z)
   acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][cpb]  dout * silu'(z), so dz = y * gz
-  acc_t* du_o = smem + in_vgpr(o + 5 * TC);                  // [T][cpb]  outputs, stored after the tile
-  acc_t* ddl_o = smem + in_vgpr(o + 6 * TC);                 // [T][cpb]
-  acc_t* dz_o = smem + in_vgpr(o + 7 * TC);                  // [T][cpb]
+  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][T][cpb]  the sums over n of du, ddl, y, whose
+                                                             // outputs the tile's epilogue finishes
   acc_t* B_s = smem + in_vgpr(o + 8 * TC);                   // [T][N]
   acc_t* C_s = smem + in_vgpr(o + 8 * TC + TN);              // [T][N]
   acc_t* dB_s = smem + in_vgpr(o + 8 * TC + 2 * TN);         // [kSegs][T][N]  each 32-lane segment's sum over
   acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels of every tile
   const int wseg = tid / kSeg;
+  const acc_t* D_l = per_lane(Dg);  // AMD: in vector registers across the chunk loop (see "Registers on AMD")
 
   // Pass 0: the adjoint carry leaving the segment at its first step, from a zero carry-in (the last segment: from
   // dlast), and the product of its decays, into the workspace. With n_seg > 1 segment 0's are never needed; with
@@ -891,7 +960,6 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
       st.carry[g][k] = (k < ok && carry_in != nullptr) ? carry_in[g * carry_step + k * G] : acc_t(0);
       st.sum[g][k] = carries_only ? acc_t(1) : acc_t(0);
     }
-    st.D[g] = (Dg != nullptr && ok > 0) ? Dg[d] : acc_t(0);
     st.dD[g] = acc_t(0);
     st.dbias[g] = acc_t(0);
   }
@@ -1000,7 +1068,6 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
           }
         } else {
-          const acc_t D_d = st.D[0];
           // ---- 2. recompute the tile's states over the chunk from the stored start state, with the same
           // operations as the forward. Each thread only touches its own history slots, so no barrier is needed
           // before step 3.
@@ -1024,8 +1091,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
           }
 
-          // ---- 3. reverse recurrence over the chunk
-          for (int t = len - 1; t >= 0; --t) {
+          // ---- 3. reverse recurrence over the chunk. One step at scan step t, giving this lane's parts of the
+          // sums over n of y, ddl and du.
+          struct Parts {
+            acc_t y, ddl, du;
+          };
+          const auto step = [&](int t) {
             vary(ok);
             vary(lead);
             vary(lane_g);
@@ -1066,30 +1137,47 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 dC_s[e] = (kTiles == 1 || g == 0) ? dC_v : dC_s[e] + dC_v;
               }
             }
-            y_p = group_sum(y_p, G);
-            ddl_p = group_sum(ddl_p, G);
-            du_p = group_sum(du_p, G);
-            if (lane_g == 0) {  // zeros for channels past dim (all staged values are 0 there)
-              const acc_t y = y_p + D_d * uv;
-              const acc_t ddelta_t = ddl_p * dsp_s[s];
-              dz_o[s] = y * gz_s[s];
-              du_o[s] = du_p + D_d * dy;
-              ddl_o[s] = ddelta_t;
-              st.dD[0] += dy * uv;
-              st.dbias[0] += ddelta_t;
+            if (lane_g == 0) st.dD[0] += dy * uv;
+            return Parts{y_p, ddl_p, du_p};
+          };
+          // A step's sum over n, total `v` of sum `what` (0: du, 1: ddl, 2: y), into sums_o for the epilogue; the
+          // lane that holds ddl's also adds the step's ddelta to ddelta_bias.
+          const auto finish = [&](int t, int what, acc_t v) {
+            const int s = t * cpb + m.c_local;
+            sums_o[what * TC + s] = v;
+            if (what == 1) st.dbias[0] += v * dsp_s[s];
+          };
+          // The sums of kSteps steps at once, in one scatter sum: its lane of slot j finishes sum j % kBwdSlots of
+          // step j / kBwdSlots of the batch.
+          constexpr int kSteps = kSums / kBwdSlots;
+          for (int tb = len - 1; tb >= 0; tb -= kSteps) {
+            acc_t sums[kSums];
+#pragma unroll
+            for (int i = 0; i < kSteps; ++i) {
+              const Parts r = tb - i >= 0 ? step(tb - i) : Parts{acc_t(0), acc_t(0), acc_t(0)};
+              sums[i * kBwdSlots] = r.du;
+              sums[i * kBwdSlots + 1] = r.ddl;
+              sums[i * kBwdSlots + 2] = r.y;
+              sums[i * kBwdSlots + 3] = acc_t(0);
             }
+            int j;
+            const acc_t v = scatter_sum(sums, G, lane_g, j);
+            const int t = tb - j / kBwdSlots, what = j % kBwdSlots;
+            if (j >= 0 && what < 3 && t >= 0) finish(t, what, v);
           }
           __syncthreads();  // the tile's outputs complete (and dB_s / dC_s after the last tile)
 
-          // ---- 4. write the tile's gradients for the chunk, coalesced
+          // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
+          // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z)
           for (int i = tid; i < cpb * T; i += kThreads) {
             const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
             if (dd < p.dim && t < len) {
               const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
               const int s = t * cpb + cl;
-              store_from_acc(du + off, du_o[s]);
-              store_from_acc(ddelta + off, ddl_o[s]);
-              if (z != nullptr) store_from_acc(dz + off, dz_o[s]);  // dz is null iff z is
+              const acc_t D_d = D_l != nullptr ? D_l[dd] : acc_t(0);
+              store_from_acc(du + off, sums_o[s] + D_d * dy_s[s]);
+              store_from_acc(ddelta + off, sums_o[TC + s] * dsp_s[s]);
+              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TC + s] + D_d * u_s[s]) * gz_s[s]);  // dz: null iff z
             }
           }
         }
@@ -1114,6 +1202,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     }
   }
 
+  // ddelta_bias was summed on the lanes that finished ddl (see finish): add them up, every lane taking part.
+  if (!carries_only) {  // uniform over the block
+#pragma unroll
+    for (int g = 0; g < kTiles; ++g) st.dbias[g] = group_sum(st.dbias[g], G);
+  }
 #pragma unroll
   for (int g = 0; g < kTiles; ++g) {
     if (!kEarlyAddresses) tail[g] = out_addrs(g);
