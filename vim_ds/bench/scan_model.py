@@ -175,8 +175,8 @@ KERNEL_MAX_TILES = 4
 
 def kernel_backward_blocks(batch, dim, d_state, dtype="float32") -> int:
     """Blocks of channels per batch element in our GPU backward: each holds tiles x 128 / G channels, G = the next
-    power of two >= d_state (at least 8, at most 32); up to 4 tiles when d_state <= 32 (not for float64 input; at most 256
-    channels a block), as many as keep 1024 blocks in all when one tile a block gives that many."""
+    power of two >= d_state (at least 8, at most 32); up to 4 tiles when d_state <= 32 (not for float64 input; at
+    most 256 channels a block), as many as keep 1024 blocks in all when one tile a block gives that many."""
     group = min(32, max(8, 1 << max(0, math.ceil(math.log2(d_state)))))
     cpb = 128 // group
     most = KERNEL_MAX_TILES if d_state <= 32 and dtype != "float64" else 1
