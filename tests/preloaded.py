@@ -303,8 +303,8 @@ def _exit_code(value) -> int:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for MASTER_PORT and the like), below the ephemeral range (see
-    vim_ds/engine/ports.py: a port from that range can be taken by an outgoing connection before the master binds)."""
-    from vim_ds.engine.ports import free_port as below_ephemeral
+    vim_ds/runtime/ports.py: a port from that range can be taken by an outgoing connection before the master binds)."""
+    from vim_ds.runtime.ports import free_port as below_ephemeral
 
     return below_ephemeral()
 

@@ -11,10 +11,11 @@ import sys
 
 
 def main(argv) -> int:
-    from vim_ds.engine import distributed, faults, parts
-    from vim_ds.engine.components import model_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.engine import parts
+    from vim_ds.runtime import distributed, faults
+    from vim_ds.config.components import model_config
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
     from vim_ds.engine.trainer import Trainer
 
     config = RunConfig.from_dict(vars(parse_args(argv)))
@@ -46,6 +47,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    from vim_ds.engine import distributed
+    from vim_ds.runtime import distributed
 
     distributed.end_rank_process(main(sys.argv[1:]))

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed, faults, sequence_groups, write_journal
-from .components import dataset_config, loader_config, mixup_config, model_config
-from .ds_config import autocast_dtype
+from ..runtime import distributed, faults, sequence_groups, write_journal
+from ..config.components import dataset_config, loader_config, mixup_config, model_config
+from ..config.ds_config import autocast_dtype
 from .evaluate import eval_sampler
-from .run_config import RunConfig
-from .sequence_groups import SequenceGroups
+from ..config.run_config import RunConfig
+from ..runtime.sequence_groups import SequenceGroups
 from .trainer import Trainer, seed_everything
-from .training_engines import TrainingEngine, training_engine
+from ..config.training_engines import TrainingEngine, training_engine
 
 
 @dataclass
@@ -92,7 +92,7 @@ def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_wor
     """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
     from (a number written in the JSON wins over the command line). `data_world`: the data-parallel ranks, which the
     global batch counts (default the world size; under --sequence-parallel N the number of groups)."""
-    from .ds_config import prepare_ds_config
+    from ..config.ds_config import prepare_ds_config
     from .optim import ds_auto_values, peak_lr
 
     optim = config.optim

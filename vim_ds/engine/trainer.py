@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from ..data.datasets import derive_seed
-from . import distributed, faults, sequence_groups, signals, write_journal
-from .errors import first_line
-from .run_config import RunConfig
-from .sequence_groups import SequenceGroups
+from ..runtime import distributed, faults, sequence_groups, signals, write_journal
+from ..runtime.errors import first_line
+from ..config.run_config import RunConfig
+from ..runtime.sequence_groups import SequenceGroups
 
 
 class TrainingError(RuntimeError):
