@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from vim_ds.cli.run_options import build_parser
 from vim_ds.config import components
 from vim_ds.config.run_config import RunConfig
-from vim_ds.cli.run_options import build_parser
 
 
 def train_options(**changes) -> argparse.Namespace:

@@ -31,9 +31,9 @@ def _refusal(capsys, *argv) -> str:
 
 
 def test_the_engine_choices_are_the_registry(capsys):
-    from vim_ds.config.run_config import OPTIONS
     from vim_ds.cli.run_options import build_parser
     from vim_ds.cli.zero_compare import build_parser as zero_compare_parser
+    from vim_ds.config.run_config import OPTIONS
 
     (action,) = [a for a in build_parser("vim-ds train")._actions if "--engine" in a.option_strings]
     assert tuple(action.choices) == tuple(ENGINES) == OPTIONS["engine"].choices == ("deepspeed", "ddp", "fsdp")
@@ -77,8 +77,8 @@ def test_the_record_and_the_output_folder_follow_the_capabilities(name, tmp_path
     """options.yaml records --model-ema as derived (null) where it is the engine's default, and the output folder's
     checkpoints/ is checked only for an engine that saves checkpoints (here: a file in its place)."""
     from vim_ds.config import options_file
-    from vim_ds.engine import output_dir
     from vim_ds.config.run_config import RunConfig
+    from vim_ds.engine import output_dir
 
     engine = ENGINES[name]
     (tmp_path / "checkpoints").write_text("not a folder")
@@ -95,9 +95,9 @@ def test_the_record_and_the_output_folder_follow_the_capabilities(name, tmp_path
 def test_the_precision_rules_and_the_build():
     """DeepSpeed runs every --precision as asked, in its dtype; a baseline keeps fp32 parameters (bf16 as autocast)
     and refuses fp16. `build` gives the DDP baseline its engine: the bare model in a world of one."""
-    from vim_ds.runtime.baselines import DDPEngine
     from vim_ds.config.ds_config import prepare_ds_config
     from vim_ds.models import param_groups
+    from vim_ds.runtime.baselines import DDPEngine
 
     deepspeed, ddp, fsdp = (ENGINES[n] for n in ("deepspeed", "ddp", "fsdp"))
     assert deepspeed.runs_precision("fp16") == "fp16" and deepspeed.param_dtype("bf16") == torch.bfloat16

@@ -74,9 +74,9 @@ def recipe_source(recipe: str) -> str:
 
 def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     """The model `vim-ds train --config RECIPE EXTRA...` trains, built by the trainer's own call."""
+    from vim_ds.cli.run_options import parse_args
     from vim_ds.config.components import model_config
     from vim_ds.config.run_config import RunConfig
-    from vim_ds.cli.run_options import parse_args
 
     requires = recipe_file(recipe)["recipe"].get("requires") or ()
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one

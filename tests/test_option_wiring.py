@@ -81,8 +81,8 @@ def test_export_static_batch_fixes_the_batch_size(weights, tmp_path, capsys):
 def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys):
     """What `vim-ds convert` asks of vim_ds.checkpoint.convert.convert (whose own tests check that it honours each
     argument: tests/test_convert.py)."""
-    from vim_ds.cli import convert as cli
     from vim_ds.checkpoint import convert as library
+    from vim_ds.cli import convert as cli
 
     calls = []
 
@@ -161,10 +161,10 @@ def test_zero_compare_passes_sequence_parallel_to_its_runs_and_refuses_what_cann
 # -- train: what the parsed options build -----------------------------------------------------------------------
 
 def test_synthetic_data_set_options_build_that_data_set():
-    from vim_ds.data import build_dataset
+    from vim_ds.cli.run_options import parse_args
     from vim_ds.config.components import dataset_config
     from vim_ds.config.run_config import RunConfig
-    from vim_ds.cli.run_options import parse_args
+    from vim_ds.data import build_dataset
 
     config = RunConfig.from_dict(vars(parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size",
                                                   "30", "--input-size", "32"])))
@@ -176,9 +176,9 @@ def test_synthetic_data_set_options_build_that_data_set():
 
 
 def test_model_option_builds_that_variant():
+    from vim_ds.cli.run_options import parse_args
     from vim_ds.config.components import model_config
     from vim_ds.config.run_config import RunConfig
-    from vim_ds.cli.run_options import parse_args
 
     def build(argv):
         return model_config(RunConfig.from_dict(vars(parse_args(argv))), 10).build()

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from vim_ds.config.run_config import GROUPS, OPTIONS, RULES, RunConfig
 from vim_ds.cli.run_options import argument_type, build_parser, parse_args, range_error
+from vim_ds.config.run_config import GROUPS, OPTIONS, RULES, RunConfig
 
 KIND = {"store": argparse._StoreAction, "store_true": argparse._StoreTrueAction}
 

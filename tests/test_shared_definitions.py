@@ -12,9 +12,9 @@ import pathlib
 
 import pytest
 
+from vim_ds.cli.run_options import argument_type
 from vim_ds.config.ds_config import DEFAULT_MICRO_BATCH, eval_batch_size
 from vim_ds.config.run_config import MODEL_KWARGS
-from vim_ds.cli.run_options import argument_type
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 MODEL_DESCRIPTION = "models/factory.py"
@@ -92,8 +92,7 @@ def test_only_the_model_description_calls_timm_create_model(tmp_path):
 def test_model_kwargs_is_declared_once_and_every_command_parses_it_so(capsys):
     declarations = option_declarations("--model-kwargs")
     assert len(declarations) == 1 and declarations[0].startswith("config/run_config.py:"), declarations
-    from vim_ds.cli import bench, export, predict, zero_compare
-    from vim_ds.cli import run_options
+    from vim_ds.cli import bench, export, predict, run_options, zero_compare
 
     bench_parser = bench.build_parser()
     sub = next(a for a in bench_parser._actions if a.dest == "what").choices

@@ -13,8 +13,8 @@ import torch
 
 from vim_ds import cli
 from vim_ds.cli import run_options
-from vim_ds.runtime import versions
 from vim_ds.engine.run import run
+from vim_ds.runtime import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_OLD_TORCH = ("torch 2.3.1+cu121 is installed, and vim_ds supports torch >= 2.4 (tested: "

@@ -11,12 +11,12 @@ import sys
 
 
 def main(argv) -> int:
-    from vim_ds.engine import parts
-    from vim_ds.runtime import distributed, faults
+    from vim_ds.cli.run_options import parse_args
     from vim_ds.config.components import model_config
     from vim_ds.config.run_config import RunConfig
-    from vim_ds.cli.run_options import parse_args
+    from vim_ds.engine import parts
     from vim_ds.engine.trainer import Trainer
+    from vim_ds.runtime import distributed, faults
 
     config = RunConfig.from_dict(vars(parse_args(argv)))
     dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)

@@ -31,7 +31,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from ..runtime.errors import first_line, report_error
 from ..config.options_file import (
     NOT_PART_OF_THE_RUN,
     SEGMENTS_KEY,
@@ -42,6 +41,7 @@ from ..config.options_file import (
     same_value,
     shown,
 )
+from ..runtime.errors import first_line, report_error
 
 PROG = "vim-ds compare-runs"
 DEFAULT_TOLERANCE = 0.01

@@ -15,10 +15,10 @@ import sys
 
 from ..config import options_file
 from ..config.ds_config import DEFAULT_ACCUM_STEPS, DEFAULT_MICRO_BATCH
-from ..runtime.errors import first_line, report_error
-from ..engine.optim import scaled_lr
 from ..config.run_config import OPTIONS
 from ..config.shipped_configs import DEFAULT, RECIPES, describe, recipes, shipped, shipped_dir
+from ..engine.optim import scaled_lr
+from ..runtime.errors import first_line, report_error
 
 
 def build_parser(prog: str = "vim-ds configs") -> argparse.ArgumentParser:

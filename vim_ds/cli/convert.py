@@ -13,8 +13,8 @@ import threading
 from ..checkpoint import convert as checkpoint_convert
 from ..checkpoint import deepspeed_dir
 from ..checkpoint.files import CheckpointError
-from ..runtime import env_vars, faults
 from ..engine.checkpointing import UNIVERSAL_SUFFIX, universal_copy
+from ..runtime import env_vars, faults
 from ..runtime.errors import report_error
 
 

@@ -12,11 +12,11 @@ import time
 import torch
 
 import vim_ds
-from vim_ds.runtime import env_vars
 from vim_ds.engine.run_info import accelerator
 from vim_ds.models import ModelConfig
 from vim_ds.ops import backends
 from vim_ds.ops.selective_scan import scan_with_backend
+from vim_ds.runtime import env_vars
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ import torch
 import vim_ds
 from vim_ds.ops import backends
 
-from ..runtime import env_vars
 from ..engine.run_info import accelerator
+from ..runtime import env_vars
 
 
 def _version(dist: str) -> str:

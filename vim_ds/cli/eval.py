@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from ..runtime import distributed
 from ..engine.run import run
+from ..runtime import distributed
 from .run_options import build_parser as train_parser
 from .run_options import parse_config
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
+from ..engine.run import run
 from ..runtime import distributed
 from . import run_options
-from ..engine.run import run
 
 
 def build_parser():

@@ -27,12 +27,12 @@ import json
 import os
 import sys
 
-from ..runtime import env_vars, launched_runs
-from ..runtime.errors import first_line, report_error
-from .run_options import add_model_kwargs
 from ..config.training_engines import DEFAULT as DEFAULT_ENGINE
 from ..config.training_engines import ENGINES, baseline_names, training_engine
 from ..models import ModelConfig
+from ..runtime import env_vars, launched_runs
+from ..runtime.errors import first_line, report_error
+from .run_options import add_model_kwargs
 
 KINDS = ("param", "grad", "optim")
 CSV_COLUMNS = ("config", "engine", "stage", "offload", "precision", "ranks", "param_bytes_per_rank",

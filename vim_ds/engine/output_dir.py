@@ -29,9 +29,9 @@ import socket
 import time
 
 from ..checkpoint import deepspeed_dir
-from ..runtime import distributed, write_journal
 from ..config.run_config import RunConfig, RunOptions
 from ..config.training_engines import training_engine
+from ..runtime import distributed, write_journal
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process

@@ -16,8 +16,8 @@ import torch
 from ...checkpoint import deepspeed_dir
 from ...checkpoint.convert import convert
 from ...checkpoint.files import CheckpointError
-from ...runtime.errors import report_error
 from ...engine.trainer import peak_memory_mb
+from ...runtime.errors import report_error
 
 
 def child(ckpt: str, out: str) -> dict:
