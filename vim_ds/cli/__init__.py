@@ -1,4 +1,6 @@
-"""The `vim-ds` console script: one entry point, one subcommand per module (`vim-ds X` = `python -m vim_ds.X`).
+"""The command line (vim_ds/cli/): this dispatcher, the `vim-ds` console script, and one module or package per
+subcommand beside it (`vim-ds X` = `python -m vim_ds.X`, through the forwarder kept at that path), with the run's
+option parser (run_options.py). Nothing below imports the command line (tests/test_layering.py).
 
 One dispatcher serves every level: a subcommand whose module holds a `COMMANDS` table of its own (`vim-ds data`:
 vim_ds.cli.data_commands) is dispatched the same way one level down. Commands are imported by name, only the one run.
