@@ -102,7 +102,7 @@ def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys
 
 def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, capsys):
     """Each option of `vim-ds zero-compare` at a value other than its default reaches the training runs it launches
-    (engine.launched_runs.run_train_config, replaced here: no run starts) or the report it writes."""
+    (runtime.launched_runs.run_train_config, replaced here: no run starts) or the report it writes."""
     from vim_ds.cli import zero_compare
     from vim_ds.runtime import launched_runs as runner
 

@@ -1,7 +1,7 @@
 """What several commands share is defined once (issue 53, item 4): every model is built by the model description
 (`models.ModelConfig.build`, the one caller of `timm.create_model` in vim_ds), every command's `--model-kwargs` is
-the one declaration `engine.run_config.MODEL_KWARGS`, and the evaluation batch (1.5 x the micro batch) and the
-default micro batch (64) are `engine.ds_config.eval_batch_size` and `DEFAULT_MICRO_BATCH`.
+the one declaration `config.run_config.MODEL_KWARGS`, and the evaluation batch (1.5 x the micro batch) and the
+default micro batch (64) are `config.ds_config.eval_batch_size` and `DEFAULT_MICRO_BATCH`.
 
 The checks read vim_ds's source (every function's body included); each is also run on a small fabricated package
 that breaks it, so that a checker which finds nothing cannot pass."""
