@@ -8,7 +8,8 @@ deepspeed  DeepSpeed's engine (runtime/deepspeed_engine.py): ZeRO 0-3, checkpoin
 ddp, fsdp  PyTorch DDP and FSDP2 (runtime/baselines.py), the measurement baselines of `vim-ds zero-compare`
 
 The command line reads the registry for --engine's choices and its rules; DeepSpeed itself is imported only where a
-run builds its engine (runtime/deepspeed_engine.py).
+run builds its engine (runtime/deepspeed_engine.py). The registry is the configuration's: a RunConfig derives
+--model-ema from it and its rules (config/run_rules.py) ask it; the backends it builds are the runtime's, below it.
 """
 from __future__ import annotations
 
