@@ -117,7 +117,7 @@ def extensions():
 class BuildPyWithSources(build_py):
     """Ship csrc/ inside the package, so an installed vim_ds can JIT-build a kernel that failed to build here; and
     the DeepSpeed configs of ds_configs/ (their source) as vim_ds/ds_configs/, so `--deepspeed_config zero2` and
-    `vim-ds configs` work wherever the package is installed (vim_ds/engine/shipped_configs.py), with the recipes of
+    `vim-ds configs` work wherever the package is installed (vim_ds/config/shipped_configs.py), with the recipes of
     ds_configs/recipes/ (`--config NAME`) as vim_ds/ds_configs/recipes/."""
 
     def run(self):
@@ -129,7 +129,7 @@ class BuildPyWithSources(build_py):
         for name in sorted(os.listdir(os.path.join(ROOT, "ds_configs"))):
             if name.endswith(".json"):
                 shutil.copyfile(os.path.join(ROOT, "ds_configs", name), os.path.join(configs, name))
-        # the published runs as `vim-ds train --config NAME` option files (vim_ds/engine/shipped_configs.py)
+        # the published runs as `vim-ds train --config NAME` option files (vim_ds/config/shipped_configs.py)
         recipes = os.path.join(configs, "recipes")
         os.makedirs(recipes, exist_ok=True)
         for name in sorted(os.listdir(os.path.join(ROOT, "ds_configs", "recipes"))):
@@ -156,7 +156,7 @@ setup(
     python_requires=">=3.9",
     # Every package vim_ds imports at run time (tests/test_imports.py imports every module in a subprocess).
     # torch and torchvision are not pinned here: install them first (README), so the kernels build against them.
-    # The lower bounds are the oldest releases tested (docs/versions.md; vim_ds/engine/versions.py refuses an older
+    # The lower bounds are the oldest releases tested (docs/versions.md; vim_ds/runtime/versions.py refuses an older
     # one already installed, at run time; tests/test_versions.py keeps the two in line).
     install_requires=["torch>=2.4", "torchvision>=0.19", "timm>=1.0", "deepspeed>=0.16", "numpy", "pillow",
                       "pydantic>=2", "psutil", "tqdm", "safetensors", "scikit-learn", "matplotlib", "pyyaml"],

@@ -32,9 +32,9 @@ fi
 { is_uint "$NPROC" && [[ $NPROC -gt 0 ]]; } || die "NPROC must be a positive integer, not '$NPROC'"
 
 # A free port below the kernel's ephemeral range, where no outgoing connection can take it before the master binds
-# it (vim_ds/engine/ports.py says why); the file is run by path so that vim_ds's heavy imports stay out of it.
+# it (vim_ds/runtime/ports.py says why); the file is run by path so that vim_ds's heavy imports stay out of it.
 if [[ -z ${MASTER_PORT:-} ]]; then
-    MASTER_PORT=$("$PYTHON" -I "$(dirname "${BASH_SOURCE[0]}")/../vim_ds/engine/ports.py") \
+    MASTER_PORT=$("$PYTHON" -I "$(dirname "${BASH_SOURCE[0]}")/../vim_ds/runtime/ports.py") \
         || die "cannot choose a free MASTER_PORT with $PYTHON (set MASTER_PORT)"
 fi
 is_uint "$MASTER_PORT" || die "MASTER_PORT must be a port number, not '$MASTER_PORT'"

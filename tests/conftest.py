@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from vim_ds.engine.build_tools import extensions_dir_per_install  # noqa: E402
+from vim_ds.runtime.build_tools import extensions_dir_per_install  # noqa: E402
 
 # DeepSpeed's JIT ops (the CPU shm all-reduce, cpu_adam) go where a vim_ds run puts them (its cache folder per torch
 # and DeepSpeed installation), also for the suite's scripts that start DeepSpeed without vim_ds

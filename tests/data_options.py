@@ -1,13 +1,13 @@
-"""The data layer's configs as a run fills them (`vim_ds.engine.components`, from the run's RunConfig), for tests
+"""The data layer's configs as a run fills them (`vim_ds.config.components`, from the run's RunConfig), for tests
 that build datasets, transforms, loaders and Mixup without a run: `vim-ds train`'s defaults with some options changed
 (by dest)."""
 from __future__ import annotations
 
 import argparse
 
-from vim_ds.engine import components
-from vim_ds.engine.run_config import RunConfig
-from vim_ds.engine.run_options import build_parser
+from vim_ds.cli.run_options import build_parser
+from vim_ds.config import components
+from vim_ds.config.run_config import RunConfig
 
 
 def train_options(**changes) -> argparse.Namespace:

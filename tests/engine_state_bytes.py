@@ -12,11 +12,11 @@ import torch
 
 
 def main(argv):
-    from vim_ds.engine import distributed
+    from vim_ds.cli.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
     from vim_ds.engine.memory import state_bytes
     from vim_ds.engine.parts import build_trainer
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.runtime import distributed
 
     config = RunConfig.from_dict(vars(parse_args(argv)))
     trainer = build_trainer(config, distributed.setup(config.run.local_rank))

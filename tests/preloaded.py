@@ -32,6 +32,7 @@ What keeps it honest:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
@@ -151,8 +152,8 @@ def _handle(conn: socket.socket, request: dict, fds: list[int], base_path: list[
     """In a forked handler: start the command's process(es), report their pids, wait, report their exit codes."""
     nproc = request["nproc"]
     port = free_port() if nproc > 1 else None
-    # free_port imported vim_ds here, from the server's sys.path and environment: the ranks import it under their
-    # own (a worktree's PYTHONPATH, VIM_DS_* read at import), as a single process does
+    # the ranks import vim_ds under their own sys.path and environment (a worktree's PYTHONPATH, VIM_DS_* read at
+    # import), as a single process does: none of it may be left from an earlier request
     for name in [name for name in sys.modules if name == "vim_ds" or name.startswith("vim_ds.")]:
         del sys.modules[name]
     pids = []
@@ -303,10 +304,15 @@ def _exit_code(value) -> int:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for MASTER_PORT and the like), below the ephemeral range (see
-    vim_ds/engine/ports.py: a port from that range can be taken by an outgoing connection before the master binds)."""
-    from vim_ds.engine.ports import free_port as below_ephemeral
-
-    return below_ephemeral()
+    vim_ds/runtime/ports.py: a port from that range can be taken by an outgoing connection before the master binds).
+    ports.py is loaded by path from the tree these tests belong to, as launch/single_node.sh runs it: the server's
+    sys.path holds no PYTHONPATH (see `_server_path`), so `import vim_ds` there would find the installed package, which
+    can be another tree (the editable install of another checkout, with another layout)."""
+    path = os.path.join(os.path.dirname(_TESTS), "vim_ds", "runtime", "ports.py")
+    spec = importlib.util.spec_from_file_location("_vim_ds_ports", path)
+    ports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ports)
+    return ports.free_port()
 
 
 # -- the client (the test process) ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ CONFIG_DIR = Path(ROOT) / "ds_configs"
 
 
 def prepare(source, precision=None, device_type="cpu"):
-    from vim_ds.engine.ds_config import prepare_ds_config
+    from vim_ds.config.ds_config import prepare_ds_config
 
     def auto_values(batch):
         return {"optimizer.params.lr": 1e-3, "optimizer.params.weight_decay": 0.05,
@@ -74,7 +74,7 @@ def test_autocast_precision_resolves_from_the_command_line_and_from_the_file():
     ({"torch_autocast": True}, "torch_autocast must be an object"),
 ])
 def test_combinations_deepspeed_refuses_are_one_line_errors(sections, message):
-    from vim_ds.engine.ds_config import ConfigError
+    from vim_ds.config.ds_config import ConfigError
 
     with pytest.raises(ConfigError) as info:
         prepare(minimal(**sections))
@@ -85,10 +85,10 @@ def test_combinations_deepspeed_refuses_are_one_line_errors(sections, message):
 def test_the_precision_name_everywhere():
     """The baselines run autocast-bf16 as their bf16 (fp32 parameters + autocast), under its own name; it holds
     what fp32 holds (zero-compare's expectation); `vim-ds eval`, train and bench accept it."""
-    from vim_ds import zero_compare as zc
-    from vim_ds.engine.launched_runs import describe_config
-    from vim_ds.engine.baselines import precision_label
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli import zero_compare as zc
+    from vim_ds.runtime.launched_runs import describe_config
+    from vim_ds.runtime.baselines import precision_label
+    from vim_ds.cli.run_options import parse_args
 
     assert precision_label("autocast-bf16") == "autocast-bf16" and precision_label("bf16") == "fp32+autocast-bf16"
     for stage in range(4):
@@ -219,7 +219,7 @@ def header(out) -> dict:
 def test_zero_stages_agree_under_autocast(autocast_runs):
     """ZeRO 0/1/2/3 on 2 ranks give the same per-step losses to bf16 reduction rounding; a run with lr 4e-3 instead
     of 2e-3 does not. The run's header and summary name the precision, and the model states held are fp32's."""
-    from vim_ds import zero_compare as zc
+    from vim_ds.cli import zero_compare as zc
 
     reference = step_losses(autocast_runs("zero0"))
     assert sorted(reference) == list(range(1, STEPS + 1)) and all(math.isfinite(v) for v in reference.values())

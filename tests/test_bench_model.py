@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vim_ds.bench import model as bench_model
+from vim_ds.cli.bench import model as bench_model
 
 TINY = dict(mode="train", batch=2, img_size=32, device="cpu", dtype="float32", warmup=2, repeat=1,
             model_kwargs=dict(depth=2, embed_dim=32, patch_size=4, stride=4))

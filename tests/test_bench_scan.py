@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from vim_ds import bench
-from vim_ds.bench import scan, scan_model
+from vim_ds.cli import bench
+from vim_ds.cli.bench import scan, scan_model
 from vim_ds.ops import backends
 
 TINY = ["--batch", "1", "--dim", "8", "--seqlen", "8", "--repeat", "1", "--skip-ref"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vim_ds.bench.split import communication_per_block
+from vim_ds.cli.bench.split import communication_per_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def test_communication_per_block_follows_the_model():
 def test_share_gpu_without_a_gpu_is_refused_in_one_line(capsys):
     import torch
 
-    from vim_ds.bench import main
+    from vim_ds.cli.bench import main
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU --share-gpu runs (tools/gpu_check.sh's split step)")

@@ -63,7 +63,7 @@ def test_bench_train_zero0_zero3_and_a_bogus_config(tmp_path):
 def test_bench_train_refuses_fp16_on_cpu(capsys):
     import torch
 
-    from vim_ds import bench
+    from vim_ds.cli import bench
 
     if torch.cuda.is_available():
         pytest.skip("fp16 runs on a GPU")
@@ -74,7 +74,7 @@ def test_bench_train_refuses_fp16_on_cpu(capsys):
 
 def test_a_malformed_model_kwarg_is_a_usage_error_of_bench_train(capsys):
     """Refused by the parser, before any launch."""
-    from vim_ds import bench
+    from vim_ds.cli import bench
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["train", "--configs", "zero0", "--model-kwargs", "depth=2", "embed_dim"])
@@ -86,7 +86,7 @@ def test_a_malformed_model_kwarg_is_a_usage_error_of_bench_train(capsys):
 @pytest.mark.parametrize("option, value", [("--steps", "0"), ("--warmup-steps", "-1"), ("--nproc", "0"),
                                            ("--batch-size", "0"), ("--num-workers", "-1")])
 def test_out_of_range_counts_are_usage_errors(option, value, capsys):
-    from vim_ds import bench
+    from vim_ds.cli import bench
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["train", "--configs", "zero0", option, value])
@@ -98,7 +98,7 @@ def test_out_of_range_counts_are_usage_errors(option, value, capsys):
 # -- the pieces, without launching anything -----------------------------------------------------------------------
 
 def test_error_line_prefers_the_trainers_rank0_line():
-    from vim_ds.bench import error_line
+    from vim_ds.cli.bench import error_line
 
     stderr = """[WARNING] Setting accelerator to CPU.
 vim-ds train: error (rank 1): ds.json: unknown top-level key 'gradient_cliping'
@@ -114,7 +114,7 @@ torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 
 
 def test_summarise_metrics_skips_warmup(tmp_path):
-    from vim_ds.bench import summarise_metrics
+    from vim_ds.cli.bench import summarise_metrics
 
     lines = [{"step": s, "epoch": 0, "loss": 7.0 - s / 10, "lr": 1e-6, "grad_norm": 1.0,
               "samples_per_sec": 8 / t, "step_time": t, "bad_images": 0}
@@ -135,7 +135,7 @@ def test_summarise_metrics_skips_warmup(tmp_path):
 
 
 def test_gpu_rows_are_compared_with_the_published_mi210_rate():
-    from vim_ds.bench import MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU as REF, reference_lines
+    from vim_ds.cli.bench import MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU as REF, reference_lines
 
     row = {"config": "zero0", "device": "cuda", "precision": "bf16", "images_per_sec_per_rank": 4.5 * REF}
     lines = reference_lines([row], "vim_small_s8")

@@ -1,4 +1,4 @@
-"""The ninja that DeepSpeed's JIT op builds find (vim_ds/engine/build_tools.py): a rank started where its
+"""The ninja that DeepSpeed's JIT op builds find (vim_ds/runtime/build_tools.py): a rank started where its
 environment's bin folder is not on PATH (DeepSpeed's pdsh/ssh mode) must still run the ninja installed beside its
 Python, or two ninja versions take turns in the shared extension cache and each compiles DeepSpeed's ops again."""
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vim_ds.engine.build_tools import extensions_dir_per_install, interpreter_ninja_first
+from vim_ds.runtime.build_tools import extensions_dir_per_install, interpreter_ninja_first
 
 OURS = os.path.dirname(os.path.abspath(sys.executable))
 

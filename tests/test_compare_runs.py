@@ -12,7 +12,7 @@ import torch
 
 import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, config, error_line, records, run_train, train_command, train_env
-from vim_ds import compare_runs
+from vim_ds.cli import compare_runs
 from vim_ds.engine.init_weights import load_init_weights, save_init_weights
 
 HEADER = {"header": True, "start_step": 0, "global_batch": 16, "world_size": 2, "micro_batch": 8, "accum_steps": 1,
@@ -51,7 +51,7 @@ def run_cli(capsys, *argv):
 
 def with_options(directory, **options):
     """A run's options.yaml as `vim-ds train` writes it beside its metrics."""
-    from vim_ds.engine.options_file import write
+    from vim_ds.config.options_file import write
 
     write(os.path.join(directory, "options.yaml"), {"model": "vim_tiny", "lr": 2e-3, "resume": "",
                                                     "deepspeed_config": "zero0", "output_dir": directory, **options})
@@ -62,7 +62,7 @@ def test_options_that_do_not_change_what_a_run_computes_are_not_named(tmp_path, 
     """Issue 50, item 16b: compare-runs named `--resume` as an option that differs, though it does not count (a
     resumed run's record does not count it either). The options that change how or where a run runs are left out;
     the variant: a shipped config's name and its path are one value. The control: --lr is still named."""
-    from vim_ds.engine.shipped_configs import resolve
+    from vim_ds.config.shipped_configs import resolve
 
     ref = with_options(write_run(tmp_path / "ref", curve()), num_workers=8)
     resumed = with_options(write_run(tmp_path / "resumed", curve()), resume="auto", num_workers=2, save_interval=5,
@@ -265,9 +265,10 @@ def test_save_init_weights_never_replaces_a_file_and_a_replay_of_options_yaml_is
     """The issue's case: `--save-init-weights f.pth` wrote over an existing file, and `vim-ds train --config
     OUT/options.yaml` (the run replayed) did it again. Refused before anything runs (the preflight of every rank),
     pointing to --init-weights, which starts from the very same weights; the file keeps its bytes."""
-    from vim_ds.engine import options_file, preflight
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config import options_file
+    from vim_ds.engine import preflight
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     init, out = tmp_path / "init.pth", tmp_path / "run"
     save_init_weights(tiny_vim(seed=1), str(init), INIT_META)  # the first run's
@@ -292,7 +293,7 @@ def test_the_initial_weights_writer_never_replaces_a_file_that_appears_meanwhile
     and a resumed run, which writes nothing (its initial weights were its first segment's)."""
     from vim_ds.checkpoint.convert import write_weights_file
     from vim_ds.checkpoint.files import CheckpointError
-    from vim_ds.engine import distributed
+    from vim_ds.runtime import distributed
     from vim_ds.engine.init_weights import apply
 
     init = tmp_path / "init.pth"
@@ -314,7 +315,7 @@ def test_the_initial_weights_writer_never_replaces_a_file_that_appears_meanwhile
 
 
 def test_one_source_of_initial_weights_at_a_time():
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--init-weights", "a.pth", "--finetune", "b.pth"])

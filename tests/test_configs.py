@@ -61,7 +61,7 @@ def test_configs_write_copies_them_and_never_replaces_a_file(tmp_path):
 
 
 def test_a_name_resolves_to_the_shipped_file_and_a_path_wins(tmp_path, monkeypatch):
-    from vim_ds.engine.shipped_configs import resolve
+    from vim_ds.config.shipped_configs import resolve
 
     for given in ("zero3_offload", "zero3_offload.json", "ds_configs/zero3_offload.json"):
         monkeypatch.chdir(tmp_path)  # outside the repository: no ds_configs/ folder here
@@ -79,7 +79,7 @@ def test_our_deepspeed_options_are_deepspeeds():
     same option strings, defaults, types and actions as deepspeed.add_config_arguments."""
     import deepspeed
 
-    from vim_ds.engine.run_options import add_deepspeed_arguments
+    from vim_ds.cli.run_options import add_deepspeed_arguments
 
     def options(parser):
         return {a.dest: (tuple(a.option_strings), a.default, a.type, type(a).__name__) for a in parser._actions
@@ -92,7 +92,7 @@ def test_our_deepspeed_options_are_deepspeeds():
 
 
 def test_deepscale_config_is_read_as_deepspeeds_deprecated_spelling():
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     assert parse_args(["--deepscale_config", "zero3"]).deepspeed_config == "zero3"
     assert parse_args(["--deepscale_config", "zero3", "--deepspeed_config", "zero3"]).deepspeed_config == "zero3"
@@ -119,7 +119,7 @@ def recording(real):
     return init_process_group
 dist.init_process_group = c10d.init_process_group = recording(c10d.init_process_group)
 from vim_ds.engine.run import run
-from vim_ds.engine.run_options import parse_config
+from vim_ds.cli.run_options import parse_config
 if os.environ.get("VIM_DS_NO_PREFLIGHT"):
     import vim_ds.engine.preflight as preflight
     preflight.check = lambda config, is_main: config
@@ -259,8 +259,8 @@ def test_a_run_that_keeps_nothing_says_so_at_its_start(tmp_path, capsys):
     """The variant of the note above: --output_dir not given at all (a recipe's command line), said by the checks
     every run makes before its process group; not said with a folder, nor by an evaluation (which writes none)."""
     from vim_ds.engine import preflight
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     argv = ["--data-set", "synthetic", "--synthetic-size", "16", "--nb-classes", "4", *TINY, "--batch-size", "4",
             "--deepspeed_config", "zero0", "--precision", "fp32"]

@@ -1,11 +1,11 @@
 """TORCH_CUDA_ARCH_LIST with a family suffix (9.0a, 10.0f), as Hopper and Blackwell images set it, made readable for
-DeepSpeed's JIT builder (vim_ds/engine/cuda_arch.py). DeepSpeed's own CUDA builder parses the lists here: it runs
+DeepSpeed's JIT builder (vim_ds/runtime/cuda_arch.py). DeepSpeed's own CUDA builder parses the lists here: it runs
 without a GPU because an arch list is given, so the check is the real parser, not a copy of it."""
 import importlib
 
 import pytest
 
-from vim_ds.engine import cuda_arch
+from vim_ds.runtime import cuda_arch
 
 
 def deepspeed_parses(arch_list: str):

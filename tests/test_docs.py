@@ -23,6 +23,10 @@ from vim_ds.cli import SUBCOMMANDS
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MODULES = {module: name for name, (module, _) in SUBCOMMANDS.items()}  # vim_ds.train -> train
+# `python -m vim_ds.X` runs `vim-ds X`: a forwarder kept at the old path (vim_ds/train.py -> vim_ds.cli.train), for
+# `vim-ds data` the data library's __main__
+RUN_AS = {"vim_ds." + ("data" if name == "data" else module.rpartition(".")[2]): module
+          for name, (module, _) in SUBCOMMANDS.items()}
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}  # fenced blocks read as commands (not python, not output)
 SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
 COMMAND_SPAN = re.compile(r"^(\w+=\S*\s+)*(vim-ds\b|python3? -m vim_ds|bash launch/|(deepspeed|torchrun|sbatch|srun) )")
@@ -148,7 +152,7 @@ def check_launch(path: str, args: list[str]) -> list[str]:
     if args[:1] and args[0] in own:
         args = args[1:]
     if "vim_ds.train" in text:  # its arguments go to vim_ds.train
-        return check_options(importlib.import_module("vim_ds.train").build_parser(), args)
+        return check_options(importlib.import_module(RUN_AS["vim_ds.train"]).build_parser(), args)
     problems = [f"{path}: no {flag} in the script" for flag in args if flag.startswith("--")
                 and flag.split("=")[0] not in text]
     return problems + check_tokens(args)  # e.g. docker_rocm.sh's command
@@ -182,7 +186,7 @@ def check_tokens(tokens: list[str]) -> list[str]:
                 flags = ("-m",) if word.startswith("python") else ("-m", "--module")
                 at = next((j for j, w in enumerate(rest[:-1]) if w in flags), None)
                 if at is not None and rest[at + 1].split(".")[0] == "vim_ds":
-                    problems += check_module(rest[at + 1], rest[at + 2:])
+                    problems += check_module(RUN_AS.get(rest[at + 1], rest[at + 1]), rest[at + 2:])
                 break
             if word == "bash" and rest[:1] and rest[0].startswith("launch/"):
                 problems += check_launch(rest[0], rest[1:])

@@ -1,4 +1,4 @@
-"""DeepSpeed configs: the rules of vim_ds.engine.ds_config, and every shipped JSON training the tiny Vim through
+"""DeepSpeed configs: the rules of vim_ds.config.ds_config, and every shipped JSON training the tiny Vim through
 `vim_ds.train` (2 ranks, fp32: the shared runs of tests/conftest.py's `config_run`, which test_convert.py converts).
 
 The runs happen in fresh processes, so this pytest process never initialises torch.distributed. The first run on a
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vim_ds.engine.ds_config import (
+from vim_ds.config.ds_config import (
     DEEPSPEED_TOP_LEVEL_KEYS,
     BatchSizes,
     ConfigError,
@@ -163,7 +163,7 @@ def _deepspeed_without(monkeypatch, missing: str):
     """DeepSpeed as an older one is, without the module `missing` (vim_ds finds features by module,
     ds_config.deepspeed_has): simulated, since this venv has the newest DeepSpeed; tools/version_matrix.sh meets the
     real DeepSpeed 0.16."""
-    from vim_ds.engine import ds_config
+    from vim_ds.config import ds_config
 
     real = ds_config.deepspeed_has
     monkeypatch.setattr(ds_config, "deepspeed_has", lambda module: module != missing and real(module))
@@ -360,8 +360,8 @@ def settled(tmp_path, json_top: dict, argv: list, params: dict | None = None):
     """(the options after optim.settle_shared, its note) for a JSON written with `json_top` (and optimizer
     `params`) and the command line `argv`, as the preflight settles them."""
     from vim_ds.engine.optim import ds_auto_values, settle_shared
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     path = write(tmp_path, {**minimal(**json_top), "optimizer": {"type": "AdamW", "params": params or {}}})
     optim = RunConfig.from_dict(vars(parse_args(["--batch-size", "4", *argv]))).optim
@@ -406,8 +406,8 @@ def test_a_value_the_json_leaves_out_is_the_command_lines_when_given(tmp_path):
     5`: nothing contradicts what was typed, so it runs, as for "auto" (and for an optimizer param the file leaves
     out); without --clip-grad DeepSpeed's 1.0 runs and is said. Control: a JSON that does set 1.0 is refused."""
     from vim_ds.engine.optim import ds_auto_values, settle_shared
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     def settle(top: dict, argv: list):
         path = write(tmp_path, {**minimal(**top), "optimizer": {"type": "AdamW", "params": {}}})
@@ -428,9 +428,9 @@ def test_a_json_number_the_command_line_did_not_give_runs_and_is_what_the_run_re
     """The order when only the JSON sets a value: its number runs, the run's options take it (the parameter groups'
     weight decay, the baselines, options.yaml, the checkpoints), said once; `--config` of the record then agrees
     with the same JSON (the recorded values count as given) and repeats it with a JSON of "auto"."""
-    from vim_ds.engine import options_file
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config import options_file
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     optim, note = settled(tmp_path, {"gradient_clipping": 0.01}, [], {"weight_decay": 0.1, "lr": 1e-3})
     assert (optim.clip_grad, optim.weight_decay, optim.lr, optim.unscale_lr) == (0.01, 0.1, 1e-3, True)
@@ -511,7 +511,7 @@ def test_every_shipped_config_is_listed_and_resolves():
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
-    from vim_ds.engine.ds_config import ConfigError, prepare_ds_config
+    from vim_ds.config.ds_config import ConfigError, prepare_ds_config
 
     def auto_values(batch):
         return {"optimizer.params.lr": 1e-2, "optimizer.params.weight_decay": 0.05,

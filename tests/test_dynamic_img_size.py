@@ -185,9 +185,9 @@ def test_vim_ds_eval_scores_a_32px_checkpoint_at_48px(tmp_path, digits):
     import sys
 
     from vim_ds.data import build_dataset
-    from vim_ds.engine.components import dataset_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.components import dataset_config
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     arch = dict(depth=2, embed_dim=32, patch_size=4, stride=4)
     torch.manual_seed(0)

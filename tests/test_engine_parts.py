@@ -119,7 +119,7 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_command_line_follows_the_published_names():
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     args = parse_args(["--model", "vim_small", "--model-kwargs", "depth=4", "embed_dim=64", "name=x",
                        "--batch-size", "32", "--no-model-ema", "--no-repeated-aug", "--local_rank", "3",
@@ -142,7 +142,7 @@ def test_command_line_follows_the_published_names():
                                                 ("--data-timeout", "600", "below --dist-timeout"),
                                                 ("--num_workers", "-1", "0 or more")])
 def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args([option, value])
@@ -156,7 +156,7 @@ def test_fault_tolerance_options_are_checked(option, value, cause, capsys):
 def test_a_cpu_rank_takes_its_share_of_the_cores_it_may_run_on(monkeypatch):
     """Ranks on one host split the cores their affinity allows (taskset, cpuset, SLURM's binding), not os.cpu_count()
     (every core of the machine): oversubscribed OpenMP threads spin and waste CPU."""
-    from vim_ds.engine.distributed import cpu_threads
+    from vim_ds.runtime.distributed import cpu_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
@@ -166,7 +166,7 @@ def test_a_cpu_rank_takes_its_share_of_the_cores_it_may_run_on(monkeypatch):
 DYNAMO_OFF = r'''
 import os, sys
 import torch
-from vim_ds.engine.deepspeed_engine import _dynamo_off
+from vim_ds.runtime.deepspeed_engine import _dynamo_off
 
 with _dynamo_off(True):
     import deepspeed.runtime.zero.muon.muon_optimizer  # what deepspeed.initialize imports for ZeRO 1-3
@@ -184,7 +184,7 @@ def test_deepspeed_builds_a_run_without_compile_with_dynamo_off_and_puts_it_back
     import subprocess
     import sys
 
-    from vim_ds.engine.deepspeed_engine import _dynamo_off
+    from vim_ds.runtime.deepspeed_engine import _dynamo_off
 
     proc = subprocess.run([sys.executable, "-c", DYNAMO_OFF], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -208,7 +208,7 @@ def test_a_free_port_comes_from_below_the_ephemeral_range_and_binds():
     own choice (port 0), what every picker used before, lands inside that range."""
     import socket
 
-    from vim_ds.engine.ports import LOWEST, ephemeral_low, free_port
+    from vim_ds.runtime.ports import LOWEST, ephemeral_low, free_port
 
     ports = [free_port() for _ in range(20)]
     assert all(LOWEST <= p < ephemeral_low() for p in ports), ports

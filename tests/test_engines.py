@@ -1,4 +1,4 @@
-"""The training engines' registry (vim_ds/engine/training_engines.py, issue 53 item 3): --engine's choices are its
+"""The training engines' registry (vim_ds/config/training_engines.py, issue 53 item 3): --engine's choices are its
 names, each engine's capabilities are what a run does with it (the option rules, the recorded options, the output
 folder's checks, the precision and the build), and no module but the registry compares engine names (an AST walk,
 with a negative control on a source text that does). In-process, no training run."""
@@ -10,14 +10,14 @@ import pathlib
 import pytest
 import torch
 
-from vim_ds.engine.training_engines import DEFAULT, ENGINES, baseline_names, training_engine
+from vim_ds.config.training_engines import DEFAULT, ENGINES, baseline_names, training_engine
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
-REGISTRY = PACKAGE_DIR / "engine" / "training_engines.py"
+REGISTRY = PACKAGE_DIR / "config" / "training_engines.py"
 
 
 def _parse(*argv):
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     return parse_args(list(argv))
 
@@ -31,9 +31,9 @@ def _refusal(capsys, *argv) -> str:
 
 
 def test_the_engine_choices_are_the_registry(capsys):
-    from vim_ds.engine.run_config import OPTIONS
-    from vim_ds.engine.run_options import build_parser
-    from vim_ds.zero_compare import build_parser as zero_compare_parser
+    from vim_ds.cli.run_options import build_parser
+    from vim_ds.cli.zero_compare import build_parser as zero_compare_parser
+    from vim_ds.config.run_config import OPTIONS
 
     (action,) = [a for a in build_parser("vim-ds train")._actions if "--engine" in a.option_strings]
     assert tuple(action.choices) == tuple(ENGINES) == OPTIONS["engine"].choices == ("deepspeed", "ddp", "fsdp")
@@ -76,8 +76,9 @@ def test_the_option_rules_follow_the_capabilities(name, capsys):
 def test_the_record_and_the_output_folder_follow_the_capabilities(name, tmp_path):
     """options.yaml records --model-ema as derived (null) where it is the engine's default, and the output folder's
     checkpoints/ is checked only for an engine that saves checkpoints (here: a file in its place)."""
-    from vim_ds.engine import options_file, output_dir
-    from vim_ds.engine.run_config import RunConfig
+    from vim_ds.config import options_file
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.engine import output_dir
 
     engine = ENGINES[name]
     (tmp_path / "checkpoints").write_text("not a folder")
@@ -94,9 +95,9 @@ def test_the_record_and_the_output_folder_follow_the_capabilities(name, tmp_path
 def test_the_precision_rules_and_the_build():
     """DeepSpeed runs every --precision as asked, in its dtype; a baseline keeps fp32 parameters (bf16 as autocast)
     and refuses fp16. `build` gives the DDP baseline its engine: the bare model in a world of one."""
-    from vim_ds.engine.baselines import DDPEngine
-    from vim_ds.engine.ds_config import prepare_ds_config
+    from vim_ds.config.ds_config import prepare_ds_config
     from vim_ds.models import param_groups
+    from vim_ds.runtime.baselines import DDPEngine
 
     deepspeed, ddp, fsdp = (ENGINES[n] for n in ("deepspeed", "ddp", "fsdp"))
     assert deepspeed.runs_precision("fp16") == "fp16" and deepspeed.param_dtype("bf16") == torch.bfloat16
@@ -160,4 +161,4 @@ def test_the_check_finds_a_comparison_of_engine_names():
 def test_no_module_but_the_registry_compares_engine_names():
     found = {str(path.relative_to(PACKAGE_DIR.parent)): hits for path in sorted(PACKAGE_DIR.rglob("*.py"))
              if path != REGISTRY and (hits := engine_name_comparisons(path.read_text()))}
-    assert found == {}, "ask the engine (vim_ds/engine/training_engines.py) what it can do instead"
+    assert found == {}, "ask the engine (vim_ds/config/training_engines.py) what it can do instead"

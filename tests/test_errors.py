@@ -1,5 +1,5 @@
-"""One error, one line (vim_ds/engine/errors.py): `report_error` prints `PROG: error: MESSAGE` with the first line of an
-exception's message and returns the exit code, the traceback first only with VIM_DS_TRACEBACK=1; and no command
+"""One error, one line (vim_ds/runtime/errors.py): `report_error` prints `PROG: error: MESSAGE` with the first line
+of an exception's message and returns the exit code, the traceback first only with VIM_DS_TRACEBACK=1; and no command
 formats its own `error:` lines (they all go through `report_error`)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from vim_ds.engine.errors import first_line, report_error
+from vim_ds.runtime.errors import first_line, report_error
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 
@@ -96,15 +96,14 @@ def own_error_lines(source: str) -> list[int]:
 
 
 def command_files() -> list[pathlib.Path]:
-    return [*sorted(PACKAGE.glob("*.py")), *sorted((PACKAGE / "bench").glob("*.py")),
-            *sorted((PACKAGE / "data_commands").glob("*.py"))]
+    return sorted((PACKAGE / "cli").rglob("*.py"))
 
 
 def test_no_command_formats_its_own_error_lines():
     files = command_files()
     assert {"convert.py", "predict.py", "export.py", "compare_runs.py", "configs.py"} <= {p.name for p in files}
     found = {str(p.relative_to(PACKAGE)): lines for p in files if (lines := own_error_lines(p.read_text()))}
-    assert found == {}, f"print these through vim_ds.engine.errors.report_error: {found}"
+    assert found == {}, f"print these through vim_ds.runtime.errors.report_error: {found}"
 
 
 def test_the_check_sees_error_lines_printed_by_hand():

@@ -9,7 +9,7 @@ import timm
 import torch
 
 import vim_ds  # noqa: F401
-from vim_ds.export import main
+from vim_ds.cli.export import main
 
 import preloaded
 
@@ -75,7 +75,7 @@ def test_out_never_lands_on_the_weights_or_on_a_file_export_did_not_write(weight
     export, in one line; the files keep their bytes. The control: a program exported earlier is replaced."""
     import shutil
 
-    from vim_ds.export import out_problem
+    from vim_ds.cli.export import out_problem
 
     path = tmp_path / "vim.pth"
     shutil.copy(weights[0], path)

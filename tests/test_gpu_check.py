@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from vim_ds.bench import gpu_report, scan, scan_model
+from vim_ds.cli.bench import gpu_report, scan, scan_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

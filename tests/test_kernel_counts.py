@@ -1,5 +1,5 @@
 """What the GPU kernels do, counted in the kernel emulator's counting build (tools/kernel_emu, libscan_emu_count.so;
-vim_ds/bench/scan_counts.py) against the performance model's minimum (vim_ds/bench/scan_model.py), at a small
+vim_ds/cli/bench/scan_counts.py) against the performance model's minimum (vim_ds/cli/bench/scan_model.py), at a small
 shape with the bench shapes' layout: one segment along the sequence, several blocks of channels.
 
 - The counting build computes the same bits as the checking build (its accumulation type only reports).
@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from vim_ds.bench import scan_counts, scan_model
+from vim_ds.cli.bench import scan_counts, scan_model
 
 SHAPE = (1, 128, 64, 16)  # one segment (2 chunks), 16 blocks of 8 channels
 DTYPES = ["float32", "bfloat16"]
@@ -130,7 +130,7 @@ def test_shuffles_are_those_of_the_scatter_sums(build):
 
 
 def test_predict_prints_the_counts_beside_the_minimum(build, monkeypatch, capsys, tmp_path):
-    from vim_ds import bench
+    from vim_ds.cli import bench
 
     monkeypatch.setenv(scan_counts.ENV_BUILD, build)
     monkeypatch.setattr(scan_counts, "COUNT_SHAPES", ((SHAPE, "float32", "a small shape"),))
@@ -147,7 +147,7 @@ def test_predict_prints_the_counts_beside_the_minimum(build, monkeypatch, capsys
 
 
 def test_counts_that_cannot_be_made_say_why(monkeypatch, capsys, tmp_path):
-    from vim_ds import bench
+    from vim_ds.cli import bench
 
     monkeypatch.setenv(scan_counts.ENV_BUILD, str(tmp_path))  # no library there
     out = tmp_path / "scan.json"

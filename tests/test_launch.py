@@ -231,7 +231,7 @@ def test_two_nodes_on_one_machine_train_exactly_like_one_node_with_two_processes
     (dict(WORLD_SIZE="2", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="eth9"), "eth9"),  # the user's
 ], ids=["two hosts", "host name", "one host", "set by the user"])
 def test_vim_ds_sets_gloo_interface_toward_the_master_only_across_hosts(monkeypatch, env, expected):
-    from vim_ds.engine.distributed import _choose_gloo_interface
+    from vim_ds.runtime.distributed import _choose_gloo_interface
 
     # a copy of the environment: _choose_gloo_interface sets GLOO_SOCKET_IFNAME itself, which monkeypatch would not
     # undo, and "lo" left in this process's environment sent the later two-host launches' gloo to loopback
@@ -689,8 +689,8 @@ def test_single_node_dry_run(tmp_path):
                                       "vim_ds.train", *TRICKY]]
     proc = bash("single_node.sh", "--lr", "1", DRY_RUN=1, GPUS_PER_NODE=3)
     (cmd,) = commands(proc.stdout)
-    # a port of its own choosing, from below the kernel's ephemeral range (vim_ds/engine/ports.py)
-    from vim_ds.engine.ports import LOWEST, ephemeral_low
+    # a port of its own choosing, from below the kernel's ephemeral range (vim_ds/runtime/ports.py)
+    from vim_ds.runtime.ports import LOWEST, ephemeral_low
 
     assert option(cmd, "--num_gpus") == "3" and LOWEST <= int(option(cmd, "--master_port")) < ephemeral_low()
     # with ROCm present the env file is sourced (VIM_DS_GPU_ENV forces the detection here)

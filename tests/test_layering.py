@@ -1,12 +1,26 @@
-"""The package's layers: commands -> engine -> models/data/checkpoint/ops, and no import cycles. Every module at the
-package's top (`vim_ds/train.py`, `vim_ds/cli.py`, ...) and every package but the library's (`bench`,
-`data_commands`) are commands, and a command imports no other command: what one lends another belongs in the
-library below them. `vim_ds.cli`, the dispatcher, imports the commands by name (importlib), so it has no arrows to
-them. A library package's `__main__` (`python -m vim_ds.data`) is an entry point: a command of its own that may
-import commands and the dispatcher, and that nothing imports.
+"""The package's layers are its folders, and every import between them points down (issue 53, item 2):
 
-Every `import` in vim_ds/ counts, function-level ones included (a lazy import is still a dependency). Parent
-packages that Python runs implicitly are not edges: only the modules an import statement names.
+    cli  ->  engine  ->  config  ->  runtime  ->  checkpoint  ->  data, models  ->  ops
+
+- `vim_ds/cli/`: the command line: the dispatcher (`vim_ds.cli`, the `vim-ds` console script), every command
+  (`train`, `eval`, ..., `bench/`, `data_commands/`) and the option parsers (`run_options`). A command imports no
+  other command: what one lends another belongs in the command line's shared modules (`CLI_SHARED`) or below. The
+  dispatcher imports the commands by name (importlib), so it has no arrows to them.
+- `vim_ds/engine/`: the trainer and its parts, optimizer, EMA, checkpointing, evaluation, the run from its config.
+- `vim_ds/config/`: the typed RunConfig, its rules, option files and recipes, the DeepSpeed JSON config, the
+  training engines --engine chooses from (the configuration asks them what they can do).
+- `vim_ds/runtime/`: the process and the cluster: the process group, signals, launchers, ports, build tools, the
+  training backends (DeepSpeed's engine, DDP, FSDP2), the write journal, the one-line error report.
+- `vim_ds/checkpoint/`, `vim_ds/data/`, `vim_ds/models/`, `vim_ds/ops/`: the libraries, as before.
+- The package itself (`vim_ds/__init__.py`: the version, the timm models registered) sits above models and ops.
+
+Entry points, that nothing imports and that import only the command line: the modules kept at the package's top for
+`python -m vim_ds.train` (and `.eval`, `.convert`, ...: the paths launchers and scripts use), the `vim_ds/bench/`
+forwarder (`python -m vim_ds.bench`), and a library's `__main__` (`python -m vim_ds.data`).
+
+`ALLOWED` is the table of every arrow between layers; an import not in it is reported. Every `import` in vim_ds/
+counts, function-level ones included (a lazy import is still a dependency). Parent packages that Python runs
+implicitly are not edges: only the modules an import statement names.
 """
 from __future__ import annotations
 
@@ -14,31 +28,27 @@ import ast
 import importlib
 import pathlib
 
+import pytest
+
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 
-BELOW_COMMANDS = ("engine", "models", "data", "checkpoint", "ops")  # import no command module
-BELOW_ENGINE = ("models", "data", "checkpoint", "ops")  # import no engine module either
-
-
-def commands(root: pathlib.Path = PACKAGE_DIR) -> set[str]:
-    """The command units: every top-level module and package of vim_ds but the library's."""
-    found = {p.stem for p in root.glob("*.py") if p.name != "__init__.py"}
-    found |= {p.parent.name for p in root.glob("*/__init__.py")}
-    return found - set(BELOW_COMMANDS)
-
-
-def subcommand_modules() -> list[str]:
-    """The modules `vim-ds` dispatches to, nested levels (a package whose `COMMANDS` is a table) followed."""
-    from vim_ds.cli import SUBCOMMANDS
-
-    found, tables = [], [SUBCOMMANDS]
-    while tables:
-        for module, _ in tables.pop().values():
-            found.append(module)
-            init = PACKAGE_DIR.parent.joinpath(*module.split("."), "__init__.py")
-            if init.is_file() and "COMMANDS" in init.read_text():  # only a level is imported here
-                tables.append(getattr(importlib.import_module(module), "COMMANDS", {}))
-    return found
+PACKAGE = "package"  # vim_ds/__init__.py
+ENTRY = "entry"  # an entry point (see the module's docstring)
+# layer -> the layers its modules may import (besides their own)
+ALLOWED = {
+    ENTRY: {"cli"},
+    "cli": {"engine", "config", "runtime", "checkpoint", "data", "models", "ops", PACKAGE},
+    "engine": {"config", "runtime", "checkpoint", "data", "models", "ops", PACKAGE},
+    "config": {"runtime", "checkpoint", "data", "models", "ops", PACKAGE},
+    "runtime": {"checkpoint", "data", "models", "ops", PACKAGE},
+    "checkpoint": {"data", "models", "ops"},
+    PACKAGE: {"models", "ops"},
+    "data": {"ops"},
+    "models": {"ops"},
+    "ops": set(),
+}
+FORWARDERS = {"bench"}  # top-level packages kept at their old path for `python -m` (entry points)
+CLI_SHARED = {"run_options"}  # the command line's modules that every command may import
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -104,108 +114,187 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def entry_point(module: str) -> bool:
-    """A library package's `__main__` (vim_ds.data.__main__): what `python -m vim_ds.data` runs."""
+def layer(module: str, packages: set[str]) -> str:
+    """The layer of a module: vim_ds.engine.trainer -> engine, vim_ds -> package; an entry point -> entry; a
+    top-level package the table does not know -> its own name (reported). `packages`: the top-level packages."""
     parts = module.split(".")
-    return len(parts) > 2 and parts[-1] == "__main__" and parts[1] in BELOW_COMMANDS
+    if len(parts) == 1:
+        return PACKAGE
+    if parts[-1] == "__main__" and len(parts) > 2 and parts[1] in ALLOWED and parts[1] != "cli":
+        return ENTRY  # a library's `python -m vim_ds.data`
+    if parts[1] in FORWARDERS or parts[1] not in packages:
+        return ENTRY  # a module at the top (vim_ds/train.py), or the vim_ds/bench/ forwarder
+    return parts[1]
 
 
-def unit(module: str) -> str:
-    """The layer unit of a module: vim_ds.engine.trainer -> engine, vim_ds.bench.train -> bench, vim_ds -> '';
-    an entry point is a unit of its own: vim_ds.data.__main__ -> data.__main__."""
+def command(module: str) -> str | None:
+    """The command a module of the command line belongs to (vim_ds.cli.bench.scan -> bench), or None for the
+    dispatcher and the shared modules."""
     parts = module.split(".")
-    if entry_point(module):
-        return ".".join(parts[1:])
-    return parts[1] if len(parts) > 1 else ""
+    if len(parts) < 3 or parts[1] != "cli" or parts[2] in CLI_SHARED or parts[2] == "__main__":
+        return None
+    return parts[2]
 
 
-def layering_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Upward arrows, commands importing commands, and cycles, one line each; [] when the layering holds."""
-    problems = []
-    units = {unit(module) for module in graph}
-    command_units = {u for u in units if u and u not in BELOW_COMMANDS}
+def layering_violations(graph: dict[str, set[str]], packages: set[str]) -> list[str]:
+    """Arrows the table does not allow, imports of entry points, commands importing commands, packages the table
+    does not know, and cycles, one line each; [] when the layering holds."""
+    problems = [f"vim_ds.{name} is a package the layer table does not know" for name in sorted(packages)
+                if name not in ALLOWED and name not in FORWARDERS]
     for module, targets in sorted(graph.items()):
+        here = layer(module, packages)
         for target in sorted(targets):
-            here, there = unit(module), unit(target)
-            if entry_point(target):
+            there = layer(target, packages)
+            if there == ENTRY:
                 problems.append(f"{module} imports the entry point {target}")
-                continue
-            if here in BELOW_COMMANDS and there in command_units:
-                problems.append(f"{module} imports the command module {target}")
-            if here in command_units and there in command_units and here != there and not entry_point(module):
+            elif here != there and there not in ALLOWED.get(here, ()):
+                problems.append(f"{module} ({here}) imports {target} ({there}): not an arrow of the table")
+            elif command(module) and command(target) and command(module) != command(target):
                 problems.append(f"the command {module} imports the command {target}")
-            if here in BELOW_ENGINE and there == "engine":
-                problems.append(f"{module} imports the engine module {target}")
     cycle = find_cycle(graph)
     if cycle:
         problems.append("import cycle: " + " -> ".join(cycle))
-    units = {}
+    layers = {}
     for module, targets in graph.items():
-        units.setdefault(unit(module), set()).update(unit(t) for t in targets if unit(t) != unit(module))
-    cycle = find_cycle(units)
+        here = layer(module, packages)
+        layers.setdefault(here, set()).update(layer(t, packages) for t in targets if layer(t, packages) != here)
+    cycle = find_cycle(layers)
     if cycle:
-        problems.append("import cycle between packages: " + " -> ".join(cycle))
+        problems.append("import cycle between layers: " + " -> ".join(cycle))
     return problems
 
 
+def top_packages(root: pathlib.Path = PACKAGE_DIR) -> set[str]:
+    return {p.parent.name for p in root.glob("*/__init__.py")}
+
+
+def subcommand_modules() -> list[str]:
+    """The modules `vim-ds` dispatches to, nested levels (a package whose `COMMANDS` is a table) followed."""
+    from vim_ds.cli import SUBCOMMANDS
+
+    found, tables = [], [SUBCOMMANDS]
+    while tables:
+        for module, _ in tables.pop().values():
+            found.append(module)
+            init = PACKAGE_DIR.parent.joinpath(*module.split("."), "__init__.py")
+            if init.is_file() and "COMMANDS" in init.read_text():  # only a level is imported here
+                tables.append(getattr(importlib.import_module(module), "COMMANDS", {}))
+    return found
+
+
+def test_the_table_is_an_order():
+    """The allowed arrows have no cycle (so no two layers may import each other), and every layer is in it."""
+    assert find_cycle({name: set(targets) for name, targets in ALLOWED.items()}) is None
+    assert set().union(*ALLOWED.values()) <= set(ALLOWED)
+    assert "runtime" in ALLOWED["config"] and "config" not in ALLOWED["runtime"]  # one direction between them
+
+
 def test_vim_ds_is_layered_without_cycles():
-    graph = import_graph()
-    assert {"vim_ds.engine.trainer", "vim_ds.train", "vim_ds.bench.train", "vim_ds.models.factory"} <= set(graph)
-    # every subcommand of `vim-ds`, at every level, is a command unit here (a new one cannot escape the rule)
-    assert {module.split(".")[1] for module in subcommand_modules()} <= commands(), commands()
-    assert {"vim_ds.data_commands.digits", "vim_ds.data_commands.shard"} <= set(subcommand_modules())
+    graph, packages = import_graph(), top_packages()
+    assert {"vim_ds.engine.trainer", "vim_ds.cli.train", "vim_ds.config.run_config", "vim_ds.runtime.distributed",
+            "vim_ds.cli.bench.train", "vim_ds.models.factory"} <= set(graph)
+    assert packages == set(ALLOWED) - {ENTRY, PACKAGE} | FORWARDERS, packages
+    # every subcommand of `vim-ds`, at every level, is a command of the command line's package
+    assert all(module.startswith("vim_ds.cli.") and command(module) for module in subcommand_modules())
+    assert {"vim_ds.cli.data_commands.digits", "vim_ds.cli.data_commands.shard"} <= set(subcommand_modules())
     # the dispatcher imports commands by name only; below them, the version check it makes before any
-    assert graph["vim_ds.cli"] == {"vim_ds.engine.errors", "vim_ds.engine.versions"}
-    assert graph["vim_ds.data.__main__"] == {"vim_ds.cli"}  # the entry point of `python -m vim_ds.data`
+    assert graph["vim_ds.cli"] == {"vim_ds.runtime.errors", "vim_ds.runtime.versions"}
+    # the entry points: `python -m vim_ds.data`, and the paths kept for `python -m vim_ds.train` and the others
+    assert graph["vim_ds.data.__main__"] == {"vim_ds.cli"}
+    assert graph["vim_ds.train"] == {"vim_ds.cli.train"} and graph["vim_ds.eval"] == {"vim_ds.cli.eval"}
+    assert {layer(m, packages) for m in ("vim_ds.train", "vim_ds.bench.__main__", "vim_ds.data.__main__")} == {ENTRY}
     assert "vim_ds.models" in graph["vim_ds.checkpoint.consolidate"]  # function-level imports are seen
-    assert layering_violations(graph) == []
+    assert layering_violations(graph, packages) == []
 
 
-def test_the_checker_reports_upward_arrows_and_cycles(tmp_path):
-    """Negative control: a small package with an engine -> command import, a checkpoint -> engine import, commands
-    importing commands, a library module and a command importing an entry point (data/__main__.py), and a cycle
-    between two commands must be reported, each of them; the entry point's own imports of the dispatcher and a
-    command are not."""
+def test_a_forbidden_arrow_between_any_two_layers_is_reported(tmp_path):
+    """Negative control, for every pair of layers the table does not connect (upward arrows, config <-> runtime
+    the wrong way, an entry point importing below the command line, a library importing another it may not): a
+    fabricated package whose module in the one imports a module of the other gets that arrow reported."""
+    pkg = tmp_path / "vim_ds"
+    folders = [name for name in ALLOWED if name not in (ENTRY, PACKAGE)]
+    for name in folders:
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+        (pkg / name / "low.py").write_text("X = 1\n")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("from .cli import low\n")  # an entry point
+    assert layering_violations(import_graph(pkg), top_packages(pkg)) == []
+    sources = {name: f"vim_ds.{name}.high" for name in folders} | {ENTRY: "vim_ds.entry_point", PACKAGE: "vim_ds"}
+    pairs = [(a, b) for a in ALLOWED for b in folders if a != b and b not in ALLOWED[a]]
+    assert len(pairs) >= 30 and ("runtime", "config") in pairs and ("config", "engine") in pairs
+    for here, there in pairs:
+        path = pkg.joinpath(*sources[here].split(".")[1:]) if here != PACKAGE else pkg / "__init__"
+        path.with_suffix(".py").write_text(f"def f():\n    from vim_ds.{there} import low\n")
+        problems = layering_violations(import_graph(pkg), top_packages(pkg))
+        assert f"{sources[here]} ({here}) imports vim_ds.{there}.low ({there}): not an arrow of the table" \
+            in problems, (here, there, problems)
+        path.with_suffix(".py").write_text("")
+
+
+def test_the_checker_reports_commands_entry_points_unknown_packages_and_cycles(tmp_path):
+    """Negative control: commands importing commands (a module of one, a package of another), a library module and
+    a command importing an entry point, a package the table does not know, and a cycle must be reported, each of
+    them; a command importing the shared option parsers, and an entry point importing the dispatcher, are not."""
     pkg = tmp_path / "vim_ds"
     for rel, text in {
         "__init__.py": "",
-        "train.py": "def run():\n    from .engine.trainer import Trainer\n",
-        "eval.py": "from . import train\n",
-        "predict.py": "import vim_ds.eval\n",
-        "demo.py": "from .data.__main__ import main\n",
-        "cli.py": "import importlib\n",
+        "train.py": "from .cli.train import main\n",
+        "cli/__init__.py": "import importlib\n",
+        "cli/run_options.py": "",
+        "cli/train.py": "from . import run_options\ndef main():\n    from ..engine.trainer import Trainer\n",
+        "cli/eval.py": "from . import train\n",
+        "cli/predict.py": "import vim_ds.cli.bench.scan\n",
+        "cli/demo.py": "from ..data.__main__ import main\n",
+        "cli/bench/__init__.py": "",
+        "cli/bench/scan.py": "from .. import eval\n",
         "data/__init__.py": "",
-        "data/__main__.py": "from vim_ds.cli import main\nfrom .. import eval\n",
+        "data/__main__.py": "from vim_ds.cli import main\n",
         "data/loader.py": "from . import __main__\n",
         "engine/__init__.py": "",
-        "engine/trainer.py": "def run():\n    from ..eval import evaluate_weights\n",
-        "checkpoint/__init__.py": "",
-        "checkpoint/consolidate.py": "from vim_ds.engine import trainer\n",
-        "models/__init__.py": "from .vim import VisionMamba\n",
-        "models/vim.py": "import torch\n",
+        "engine/trainer.py": "from ..config import run_config\n",
+        "config/__init__.py": "",
+        "config/run_config.py": "from ..runtime import distributed\n",
+        "runtime/__init__.py": "",
+        "runtime/distributed.py": "def f():\n    from ..engine import trainer\n",
+        "tools/__init__.py": "",
     }.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
-    graph = import_graph(pkg)
-    assert graph["vim_ds.checkpoint.consolidate"] == {"vim_ds.engine.trainer"}
-    assert graph["vim_ds.models"] == {"vim_ds.models.vim"} and graph["vim_ds.models.vim"] == set()
-    problems = layering_violations(graph)
-    assert "vim_ds.engine.trainer imports the command module vim_ds.eval" in problems
-    assert "vim_ds.checkpoint.consolidate imports the engine module vim_ds.engine.trainer" in problems
-    assert "the command vim_ds.eval imports the command vim_ds.train" in problems
-    assert "the command vim_ds.predict imports the command vim_ds.eval" in problems
-    assert graph["vim_ds.data.__main__"] == {"vim_ds.cli", "vim_ds.eval"}
-    assert "vim_ds.demo imports the entry point vim_ds.data.__main__" in problems
+    graph, packages = import_graph(pkg), top_packages(pkg)
+    problems = layering_violations(graph, packages)
+    assert "the command vim_ds.cli.eval imports the command vim_ds.cli.train" in problems
+    assert "the command vim_ds.cli.predict imports the command vim_ds.cli.bench.scan" in problems
+    assert "the command vim_ds.cli.bench.scan imports the command vim_ds.cli.eval" in problems
+    assert "vim_ds.cli.demo imports the entry point vim_ds.data.__main__" in problems
     assert "vim_ds.data.loader imports the entry point vim_ds.data.__main__" in problems
-    assert not [p for p in problems if p.startswith(("vim_ds.data.__main__ ", "the command vim_ds.data.__main__ "))]
+    assert "vim_ds.tools is a package the layer table does not know" in problems
+    assert ("vim_ds.runtime.distributed (runtime) imports vim_ds.engine.trainer (engine): not an arrow of the table"
+            in problems)
     assert any(p.startswith("import cycle: ") and "vim_ds.engine.trainer" in p for p in problems), problems
-    assert any(p.startswith("import cycle between packages: ") for p in problems), problems
+    assert any(p.startswith("import cycle between layers: ") for p in problems), problems
+    assert not [p for p in problems if "run_options" in p or p.startswith(("vim_ds.train ", "vim_ds.data.__main__ "))]
 
     # the same package with the arrows pointing down passes
-    (pkg / "eval.py").write_text("from .engine import trainer\n")
-    (pkg / "predict.py").write_text("import vim_ds.models\n")
-    (pkg / "demo.py").write_text("from .data import loader\n")
+    (pkg / "cli/eval.py").write_text("from ..engine import trainer\n")
+    (pkg / "cli/predict.py").write_text("from . import run_options\n")
+    (pkg / "cli/demo.py").write_text("from ..data import loader\n")
+    (pkg / "cli/bench/scan.py").write_text("from ...runtime import distributed\n")
     (pkg / "data/loader.py").write_text("import json\n")
-    (pkg / "engine/trainer.py").write_text("from ..checkpoint import consolidate\n")
-    (pkg / "checkpoint/consolidate.py").write_text("from ..models import VisionMamba\n")
-    assert layering_violations(import_graph(pkg)) == []
+    (pkg / "runtime/distributed.py").write_text("import socket\n")
+    (pkg / "tools/__init__.py").unlink()
+    assert layering_violations(import_graph(pkg), top_packages(pkg)) == []
+
+
+@pytest.mark.parametrize("module", ["vim_ds.train", "vim_ds.bench.gpu_report", "vim_ds.data.__main__"])
+def test_an_entry_point_importing_below_the_command_line_is_reported(module, tmp_path):
+    """Negative control: the forwarders at the old paths import the command line and nothing else."""
+    pkg = tmp_path / "vim_ds"
+    for rel in ("__init__.py", "cli/__init__.py", "engine/__init__.py", "engine/run.py", "bench/__init__.py",
+                "data/__init__.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    path = pkg.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    path.write_text("from vim_ds.engine.run import run\n")
+    assert layering_violations(import_graph(pkg), top_packages(pkg)) == [
+        f"{module} (entry) imports vim_ds.engine.run (engine): not an arrow of the table"]

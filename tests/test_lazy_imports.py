@@ -17,9 +17,6 @@ import importlib.util
 import pathlib
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
-# Issue 53's item 1 rewrites these (the option pipeline); their function-level imports are left to that change.
-PENDING = {"engine/run_options.py", "engine/run_config.py", "engine/options_file.py", "engine/run.py",
-           "engine/run_rules.py", "engine/parts.py", "engine/trainer.py"}
 # worth deferring: what `import vim_ds` does not load (packages, and modules of those it loads: cpp_extension imports
 # setuptools and warns where there is no CUDA); no module may import one at its top
 DEFERRED = {"deepspeed", "matplotlib", "sklearn", "pydantic", "psutil", "tensorboard", "mamba_ssm",
@@ -115,7 +112,7 @@ def _is_module(name: str) -> bool:
         return False
 
 
-def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) -> list[str]:
+def problems(root: pathlib.Path = PACKAGE_DIR) -> list[str]:
     """One line per function-level import that saves nothing or says nothing, and per module that imports a
     DEFERRED package at its top (directly or through the modules it imports)."""
     found = modules(root)
@@ -128,8 +125,6 @@ def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) 
         deferred = {d for t in loaded_by(name, graph) for d in DEFERRED if t == d or t.startswith(d + ".")}
         if deferred:
             out.append(f"{path}: imports {', '.join(sorted(deferred))} at its top")
-        if path in pending:
-            continue
         for function, node in function_imports(tree):
             named = targets(node, name, path.endswith("__init__.py"))
             where = f"{path}:{node.lineno} ({function.name})"
@@ -143,10 +138,9 @@ def problems(root: pathlib.Path = PACKAGE_DIR, pending: set[str] = frozenset()) 
 
 
 def test_function_level_imports_defer_what_import_vim_ds_does_not_load_and_say_why():
-    assert problems(pending={p for p in PENDING}) == []
+    assert problems() == []
     # the deferred packages really are deferred: a module of each kind defers one
-    kept = [(path, node) for _, (path, tree, _) in modules(PACKAGE_DIR).items() for _, node in function_imports(tree)
-            if path not in PENDING]
+    kept = [(path, node) for _, (path, tree, _) in modules(PACKAGE_DIR).items() for _, node in function_imports(tree)]
     assert {"deepspeed", "matplotlib", "sklearn", "psutil"} <= {
         targets(node, "vim_ds.x", False)[0].split(".")[0] for _, node in kept}
 

@@ -1,13 +1,13 @@
 """No library module reads the command line's namespace (issue 37, item 1): no function in vim_ds/data/,
 vim_ds/checkpoint/, vim_ds/models/ or vim_ds/ops/ has a parameter named `args`, and no code there reads `args.NAME` or
-`getattr(args, ...)`; the same holds in vim_ds/engine/, but for its parser (run_options.py), and no engine object keeps
-a namespace (`self.args`). Since issue 53 the engine's entry takes the RunConfig too (`run.run(config)`: the command
-line makes it, run_options.parse_config), and argparse itself is imported only by the command line's modules: the
-commands, engine/run_options.py, and checkpoint/files.py, whose allow-list for unpickling published checkpoints
-names argparse.Namespace. `args` is the name of a parsed argparse namespace; only the commands hold one. The engine
-reads the RunConfig (engine/run_config.py) and turns it into the configs of the layers below
-(vim_ds/engine/components.py), so an option's default lives in its definition alone. Checked on the source (AST),
-like tests/test_layering.py checks the imports.
+`getattr(args, ...)`; the same holds in the layers between them and the command line (vim_ds/engine/,
+vim_ds/config/, vim_ds/runtime/), and no engine object keeps a namespace (`self.args`). Since issue 53 the engine's
+entry takes the RunConfig too (`run.run(config)`: the command line makes it, cli/run_options.parse_config), and
+argparse itself is imported only by the command line's package (vim_ds/cli/: the commands and their parsers) and
+checkpoint/files.py, whose allow-list for unpickling published checkpoints names argparse.Namespace. `args` is the
+name of a parsed argparse namespace; only the commands hold one. The engine reads the RunConfig
+(config/run_config.py), which vim_ds/config/components.py turns into the configs of the layers below, so an option's
+default lives in its definition alone. Checked on the source (AST), like tests/test_layering.py checks the imports.
 """
 from __future__ import annotations
 
@@ -87,17 +87,16 @@ def test_the_layers_below_the_engine_never_take_the_namespace():
         problems += [f"vim_ds/{name}:{line}: {what} (in {function})"
                      for function, line, what in namespace_uses(path.read_text())]
     assert not problems, ("the layers below the engine take their config (TransformConfig, DatasetConfig, "
-                          "LoaderConfig, MixupConfig, ModelConfig: vim_ds/engine/components.py builds them from "
+                          "LoaderConfig, MixupConfig, ModelConfig: vim_ds/config/components.py builds them from "
                           "the options) or plain values, never the namespace:\n" + "\n".join(problems))
 
 
-# the parser: the command side, which builds the RunConfig from argv
-ENGINE_PARSER = "engine/run_options.py"
+# the layers between the command line (vim_ds/cli/, which builds the RunConfig from argv) and the libraries
+BETWEEN = ("engine", "config", "runtime")
 
 
 def engine_files():
-    return sorted(p for p in (PACKAGE_DIR / "engine").rglob("*.py")
-                  if p.relative_to(PACKAGE_DIR).as_posix() != ENGINE_PARSER)
+    return sorted(p for unit in BETWEEN for p in (PACKAGE_DIR / unit).rglob("*.py"))
 
 
 def held_namespaces(source: str) -> list[tuple[int, str]]:
@@ -119,8 +118,9 @@ def error(exc): return exc.args[0]
 
 
 def test_the_engine_takes_the_run_config_not_the_namespace():
-    """The engine's modules (the parser aside) take the typed RunConfig (engine/run_config.py) or plain values, its
-    entry (engine/run.py's `run`) included: the command line hands it the RunConfig it made."""
+    """The engine's, the configuration's and the runtime's modules take the typed RunConfig (config/run_config.py)
+    or plain values, the engine's entry (engine/run.py's `run`) included: the command line hands it the RunConfig
+    it made."""
     assert engine_files(), f"no modules under {PACKAGE_DIR / 'engine'}"
     problems = []
     for path in engine_files():
@@ -132,9 +132,9 @@ def test_the_engine_takes_the_run_config_not_the_namespace():
                           "never from the namespace:\n" + "\n".join(problems))
 
 
-# below the commands, the modules that may import argparse: the command line's parser, and the allow-list of the
-# types a published checkpoint's pickle may hold (its `args` is an argparse.Namespace)
-ARGPARSE_BELOW_COMMANDS = {"engine/run_options.py", "checkpoint/files.py"}
+# below the command line, the one module that may import argparse: the allow-list of the types a published
+# checkpoint's pickle may hold (its `args` is an argparse.Namespace)
+ARGPARSE_BELOW_COMMANDS = {"checkpoint/files.py"}
 
 
 def argparse_imports(source: str) -> list[int]:
@@ -153,10 +153,10 @@ def test_the_argparse_check_sees_each_way_of_importing_it():
 
 
 def test_only_the_command_line_imports_argparse():
-    """argparse lives in the command line: every command module, and below them only run_options (the run's
-    parser) and checkpoint/files.py's unpickling allow-list. The configuration (run_config, run_rules,
-    options_file), the engine and the libraries below take and make the RunConfig or plain values (issue 53)."""
-    below = sorted(p for unit in ("engine", *LIBRARY) for p in (PACKAGE_DIR / unit).rglob("*.py"))
+    """argparse lives in the command line's package (vim_ds/cli/: every command and run_options, the run's parser),
+    and below it only in checkpoint/files.py's unpickling allow-list. The configuration (vim_ds/config/), the
+    engine, the runtime and the libraries below take and make the RunConfig or plain values (issue 53)."""
+    below = sorted(p for unit in (*BETWEEN, *LIBRARY) for p in (PACKAGE_DIR / unit).rglob("*.py"))
     assert below
     problems = [f"vim_ds/{name}:{line}: imports argparse" for path in below
                 if (name := path.relative_to(PACKAGE_DIR).as_posix()) not in ARGPARSE_BELOW_COMMANDS

@@ -34,7 +34,7 @@ def test_default_workers_are_capped_to_the_cores_per_rank(monkeypatch, cores, ra
 
 
 def test_explicit_num_workers_is_kept_and_the_default_resolved(monkeypatch):
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert parse_args(["--num_workers", "7"]).num_workers == 7
@@ -118,9 +118,9 @@ KILLED_OWNER = """
 import os, signal, sys
 from vim_ds.data import build_dataset
 from vim_ds.data.loader import LoaderConfig, build_loader
-from vim_ds.engine.components import dataset_config
-from vim_ds.engine.run_config import RunConfig
-from vim_ds.engine.run_options import build_parser
+from vim_ds.config.components import dataset_config
+from vim_ds.config.run_config import RunConfig
+from vim_ds.cli.run_options import build_parser
 
 args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "8", "--input-size", "16",
                                   "--nb-classes", "10", "--seed", "3"])

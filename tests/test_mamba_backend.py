@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mamba_standin import SelectiveScanCudaStandIn
-from vim_ds.bench.scan import scan_inputs
+from vim_ds.cli.bench.scan import scan_inputs
 from vim_ds.ops import backends, library
 from vim_ds.ops.selective_scan import scan_with_backend
 from vim_ds.ops.selective_scan_ref import selective_scan_ref

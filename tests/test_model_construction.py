@@ -1,8 +1,8 @@
 """The model a recipe trains, built as `vim-ds train` builds it, against what the published constructor builds for
 the same run (issue 37, item 4).
 
-Our side: `vim_ds.engine.run_options.parse_args(["--config", RECIPE, ...])`, then
-`vim_ds.engine.components.model_config(config, classes).build()` of its RunConfig, the call the trainer makes
+Our side: `vim_ds.cli.run_options.parse_args(["--config", RECIPE, ...])`, then
+`vim_ds.config.components.model_config(config, classes).build()` of its RunConfig, the call the trainer makes
 (vim_ds/engine/parts.py). The published side (tests/published_vim.py, which imports nothing from vim_ds): the
 recipe's `recipe: source:` script's options over main.py's defaults, main.py's create_model keyword arguments, the
 registered function's and VisionMamba's own defaults, and from those what VisionMamba.__init__ builds
@@ -55,7 +55,7 @@ F64_TOL = 1e-10
 
 
 def _recipes() -> dict:
-    from vim_ds.engine.shipped_configs import recipes
+    from vim_ds.config.shipped_configs import recipes
 
     return recipes()
 
@@ -74,9 +74,9 @@ def recipe_source(recipe: str) -> str:
 
 def ours(recipe: str, classes: int, *extra: str) -> nn.Module:
     """The model `vim-ds train --config RECIPE EXTRA...` trains, built by the trainer's own call."""
-    from vim_ds.engine.components import model_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
+    from vim_ds.config.components import model_config
+    from vim_ds.config.run_config import RunConfig
 
     requires = recipe_file(recipe)["recipe"].get("requires") or ()
     needs = ["--finetune", "/nonexistent.pth"] if "finetune" in requires else []  # parse_args insists on one

@@ -36,7 +36,7 @@ def weights(tmp_path_factory):
 # -- predict ----------------------------------------------------------------------------------------------------
 
 def predict_line(capsys, weights, *extra) -> list[tuple[str, str]]:
-    from vim_ds.predict import main
+    from vim_ds.cli.predict import main
 
     path, image = weights
     assert main([image, "--weights", path, *extra, *ARCH]) == 0  # the image first: --model-kwargs takes the rest
@@ -61,7 +61,7 @@ def test_predict_topk_classes_and_eval_crop_ratio(weights, capsys, tmp_path):
 # -- export -----------------------------------------------------------------------------------------------------
 
 def test_export_static_batch_fixes_the_batch_size(weights, tmp_path, capsys):
-    from vim_ds.export import main
+    from vim_ds.cli.export import main
 
     path, _ = weights
     programs = {}
@@ -81,8 +81,8 @@ def test_export_static_batch_fixes_the_batch_size(weights, tmp_path, capsys):
 def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys):
     """What `vim-ds convert` asks of vim_ds.checkpoint.convert.convert (whose own tests check that it honours each
     argument: tests/test_convert.py)."""
-    from vim_ds import convert as cli
     from vim_ds.checkpoint import convert as library
+    from vim_ds.cli import convert as cli
 
     calls = []
 
@@ -102,9 +102,9 @@ def test_convert_passes_tag_ema_and_safetensors_on(monkeypatch, tmp_path, capsys
 
 def test_zero_compare_passes_every_option_to_its_runs(monkeypatch, tmp_path, capsys):
     """Each option of `vim-ds zero-compare` at a value other than its default reaches the training runs it launches
-    (engine.launched_runs.run_train_config, replaced here: no run starts) or the report it writes."""
-    from vim_ds import zero_compare
-    from vim_ds.engine import launched_runs as runner
+    (runtime.launched_runs.run_train_config, replaced here: no run starts) or the report it writes."""
+    from vim_ds.cli import zero_compare
+    from vim_ds.runtime import launched_runs as runner
 
     launched = []
 
@@ -139,8 +139,8 @@ def test_zero_compare_passes_sequence_parallel_to_its_runs_and_refuses_what_cann
                                                                                           capsys):
     """`--sequence-parallel 3` reaches every launched run (no run starts) and the report's first line; a --ranks it
     does not divide and the baselines (which do not split) are usage errors."""
-    from vim_ds import zero_compare
-    from vim_ds.engine import launched_runs as runner
+    from vim_ds.cli import zero_compare
+    from vim_ds.runtime import launched_runs as runner
 
     launched = []
     monkeypatch.setattr(runner, "run_train_config", lambda config, **kw: launched.append(kw) or
@@ -161,10 +161,10 @@ def test_zero_compare_passes_sequence_parallel_to_its_runs_and_refuses_what_cann
 # -- train: what the parsed options build -----------------------------------------------------------------------
 
 def test_synthetic_data_set_options_build_that_data_set():
+    from vim_ds.cli.run_options import parse_args
+    from vim_ds.config.components import dataset_config
+    from vim_ds.config.run_config import RunConfig
     from vim_ds.data import build_dataset
-    from vim_ds.engine.components import dataset_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
 
     config = RunConfig.from_dict(vars(parse_args(["--data-set", "synthetic", "--nb-classes", "7", "--synthetic-size",
                                                   "30", "--input-size", "32"])))
@@ -176,9 +176,9 @@ def test_synthetic_data_set_options_build_that_data_set():
 
 
 def test_model_option_builds_that_variant():
-    from vim_ds.engine.components import model_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
+    from vim_ds.config.components import model_config
+    from vim_ds.config.run_config import RunConfig
 
     def build(argv):
         return model_config(RunConfig.from_dict(vars(parse_args(argv))), 10).build()
@@ -190,7 +190,7 @@ def test_model_option_builds_that_variant():
 
 
 def test_repeated_aug_flags():
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     assert parse_args(["--no-repeated-aug", "--repeated-aug"]).repeated_aug is True  # the last one given wins
     assert parse_args(["--repeated-aug", "--no-repeated-aug"]).repeated_aug is False

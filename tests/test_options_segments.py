@@ -55,7 +55,7 @@ def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, c
     assert (same / "options.yaml").read_text() == first_record
 
     # compare-runs: the options each run started with agree; the later segment is named with its step
-    from vim_ds.compare_runs import main as compare_runs
+    from vim_ds.cli.compare_runs import main as compare_runs
 
     capsys.readouterr()
     assert compare_runs([str(same), str(changed)]) == 0
@@ -65,7 +65,7 @@ def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, c
     assert "  options that differ:" not in out, out  # the first segments agree (the issue: "--lr 0.05 vs 0.002")
 
     # --config of it repeats the first segment, and says what it does not repeat
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     again = parse_args(["--config", str(changed / "options.yaml"), "--output_dir", str(tmp_path / "again")])
     assert (again.lr, again.max_steps) == (0.002, 3)
@@ -77,9 +77,9 @@ def test_a_resume_with_another_lr_is_noted_and_recorded_as_a_segment(tmp_path, c
 # -- issue 50: a record that replays from anywhere, and a resume that notes only what changed ------------------------
 
 def _record(argv) -> dict:
-    from vim_ds.engine import options_file
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config import options_file
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     return options_file.record(RunConfig.from_dict(vars(parse_args([str(a) for a in argv]))))
 
@@ -88,8 +88,8 @@ def test_the_record_names_the_same_files_from_another_working_directory(tmp_path
     """Item 6: options.yaml recorded the paths as typed, so `--config OUT/options.yaml` from another working
     directory trained on another --data-path with another DeepSpeed config. The paths are recorded absolute; a
     shipped config's name (the same file from anywhere) and `--resume auto` stay as they are."""
-    from vim_ds.engine import options_file
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config import options_file
+    from vim_ds.cli.run_options import parse_args
 
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     for folder in (here / "data", here / "runs" / "a" / "checkpoints" / "global_step3", elsewhere / "data"):
@@ -117,7 +117,7 @@ def test_a_resume_with_the_same_files_spelt_otherwise_is_not_a_new_segment(tmp_p
     its name noted `--deepspeed_config zero0 (was .../zero0.json)` and appended a segment. The values are compared
     by what they resolve to; the variant: an older record's relative --data-path and today's absolute one. The
     control: an option that did change is a segment."""
-    from vim_ds.engine import options_file, shipped_configs
+    from vim_ds.config import options_file, shipped_configs
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()

@@ -34,7 +34,7 @@ def test_a_forked_run_has_the_state_of_a_real_process_and_its_own_environment(di
     with pytest.raises(AssertionError):
         assert_same_state(results["control"], results["real"])
 
-    monkeypatch.setattr(preloaded, "ENABLED", True)  # VIM_DS_INJECT is read when vim_ds.engine.faults is imported
+    monkeypatch.setattr(preloaded, "ENABLED", True)  # VIM_DS_INJECT is read when vim_ds.runtime.faults is imported
     proc = preloaded.run(cmd(tmp_path / "nan"), capture_output=True, text=True, cwd=ROOT, timeout=600,
                          env=train_env({"VIM_DS_INJECT": "nan_loss@1"}))
     assert proc.returncode != 0 and "nan" in proc.stderr.lower(), (proc.returncode, proc.stderr[-2000:])

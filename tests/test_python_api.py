@@ -56,8 +56,8 @@ def test_the_python_example_trains_evaluates_and_saves_as_written(digits, tmp_pa
     meta = read_vim_ds_meta(str(out / "vim_digits.pth"))
     assert meta and meta["model"] == "vim_tiny" and meta["step"] == 3, meta
     # the record is the one the same options typed on the command line make
-    from vim_ds.engine import options_file
-    from vim_ds.engine.run_options import parse_config
+    from vim_ds.config import options_file
+    from vim_ds.cli.run_options import parse_config
 
     monkeypatch.chdir(tmp_path)
     with open(out / "options.yaml") as f:

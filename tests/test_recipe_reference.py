@@ -75,7 +75,7 @@ def test_evaluation_metrics_equal_timms_accuracy_and_cross_entropy_on_the_concat
 
 
 def test_an_evaluation_cut_short_counts_the_batches_it_saw():
-    """A stop signal agreed at the third batch (vim_ds/engine/signals.py): the result covers the first two."""
+    """A stop signal agreed at the third batch (vim_ds/runtime/signals.py): the result covers the first two."""
     batches, forward = _validation_set(5), _classifier(6)
     asked = []
     got = evaluate(forward, _Loader(batches), torch.device("cpu"), torch.float32, (3, 4, 4),

@@ -25,7 +25,7 @@ in `tests/test_model_reference.py`), the checkpoint reader that gives the run's 
 NumPy and torch with `derive_seed(seed, step, micro, rank)` (`vim_ds.data`, README "Same samples
 whatever the layout"), which the reference calls with the same function so that Mixup's and drop path's random
 draws are the same. The batches are the ones the trainer's loader produced, recorded by the
-`VIM_DS_RECORD_BATCHES` test hook before Mixup (`vim_ds/engine/faults.py`), with the seed each micro step used.
+`VIM_DS_RECORD_BATCHES` test hook before Mixup (`vim_ds/runtime/faults.py`), with the seed each micro step used.
 
 Runs: 1 rank, ZeRO-0, fp32, global batch 16, 10 optimizer steps, every recipe option on at a non-default value;
 the same with Mixup/CutMix off (smoothing then reaches the loss through `LabelSmoothingCrossEntropy`, the path

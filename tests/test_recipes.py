@@ -88,10 +88,10 @@ def official_effective(script: dict) -> dict:
 
 def recipe_effective(path: str) -> dict:
     """What `vim-ds train --config path` runs at the recipe's documented GPU count, in the same terms."""
-    from vim_ds.engine import options_file
+    from vim_ds.config import options_file
     from vim_ds.engine.optim import scaled_lr
     from vim_ds.models import ALIASES
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     _, meta = options_file.load(path)
     requires = meta.get("requires") or []
@@ -122,7 +122,7 @@ def mismatches(path: str, script: dict, changes: dict | None = None) -> list[str
 
 
 def test_the_shipped_recipes_are_the_published_scripts():
-    from vim_ds.engine.shipped_configs import recipes
+    from vim_ds.config.shipped_configs import recipes
 
     assert sorted(recipes()) == sorted({**OFFICIAL, **DERIVED})
 
@@ -180,7 +180,7 @@ def test_a_one_value_mutation_fails_the_official_arguments(tmp_path, name, key, 
 
 
 def test_the_command_line_wins_over_the_file(tmp_path):
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     args = parse_args(["--config", "vim_small_pretrain", "--lr", "2e-3", "--no-model-ema", "--batch-size", "8"])
     assert (args.lr, args.model_ema, args.batch_size, args.model, args.drop_path) == (2e-3, False, 8, "vim_small", 0.05)
@@ -228,7 +228,7 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, case, text, argv, words):
     ("batch_size: 16\nbatch-size: 4\n", "'batch-size' is given twice"),
 ], ids=["top level", "nested", "two spellings"])
 def test_a_key_given_twice_is_refused_in_one_line(tmp_path, capsys, text, words):
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     (tmp_path / "twice.yaml").write_text(text)
     with pytest.raises(SystemExit) as exit_:
@@ -265,10 +265,10 @@ def test_a_run_started_from_its_options_yaml_repeats_it_and_compare_runs_names_w
     """1 process, fp32, 3 steps on synthetic images: the original writes options.yaml; `--config` of it (with
     another --output_dir) has the same effective options and the same per-step losses; the negative control
     (the same file with --lr 4e-3) has other losses, and compare-runs names --lr as the option that differs."""
-    from vim_ds import compare_runs
-    from vim_ds.engine import options_file
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli import compare_runs
+    from vim_ds.config import options_file
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     first, again, other = tmp_path / "first", tmp_path / "again", tmp_path / "other_lr"
     one_thread = train_env({"OMP_NUM_THREADS": "1"})  # the same in all three runs: the losses are compared exactly
@@ -317,13 +317,13 @@ def _metrics(directory, losses, options=None):
 
 
 def options_file_write(path, options):
-    from vim_ds.engine.options_file import write
+    from vim_ds.config.options_file import write
 
     write(str(path), options)
 
 
 def test_compare_runs_names_the_options_that_differ(tmp_path, capsys):
-    from vim_ds import compare_runs
+    from vim_ds.cli import compare_runs
 
     base = {"model": "vim_tiny", "lr": 2e-3, "seed": 0, "opt_betas": [0.9, 0.999], "output_dir": "a"}
     ref = _metrics(tmp_path / "ref", [2.0, 1.9], base)

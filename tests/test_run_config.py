@@ -1,4 +1,4 @@
-"""`vim-ds train`'s options are engine/run_config.py's typed fields (issue 37, item 1): the parser is generated from
+"""`vim-ds train`'s options are config/run_config.py's typed fields (issue 37, item 1): the parser is generated from
 them, so every option of `build_parser()` is one field's metadata and every field with an option is on the
 parser (both ways, with a negative control: a hand-added option or a changed default is found); the range rules
 that `range_error` applies are the fields'; and RunConfig.from_dict holds what parse_args returns."""
@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from vim_ds.engine.run_config import GROUPS, OPTIONS, RULES, RunConfig
-from vim_ds.engine.run_options import argument_type, build_parser, parse_args, range_error
+from vim_ds.cli.run_options import argument_type, build_parser, parse_args, range_error
+from vim_ds.config.run_config import GROUPS, OPTIONS, RULES, RunConfig
 
 KIND = {"store": argparse._StoreAction, "store_true": argparse._StoreTrueAction}
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vim_ds.engine import options_file
-from vim_ds.engine.run_config import DataOptions, ModelOptions, OptimOptions, RunConfig, RunOptions, derived
-from vim_ds.engine.run_options import parse_args, parse_config
-from vim_ds.engine.run_rules import validate
+from vim_ds.cli.run_options import parse_args, parse_config
+from vim_ds.config import options_file
+from vim_ds.config.run_config import DataOptions, ModelOptions, OptimOptions, RunConfig, RunOptions, derived
+from vim_ds.config.run_rules import validate
 
 BEFORE = Path(__file__).resolve().parent / "fixtures" / "before_issue53"
 # the command line of the run that wrote BEFORE's files (its README)

@@ -1,4 +1,4 @@
-"""The scan's performance model (vim_ds/bench/scan_model.py) against independent counts: its bytes against the
+"""The scan's performance model (vim_ds/cli/bench/scan_model.py) against independent counts: its bytes against the
 sizes of the real tensors a forward and a backward take and give (inputs from `bench scan`'s scan_inputs, outputs
 and gradients from the reference), its exp and FMA counts against the operations that a forward and a backward
 written step by step in PyTorch execute (counted by a dispatch mode), after checking that those implementations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vim_ds.bench import scan_model as m
-from vim_ds.bench.scan import scan_inputs
+from vim_ds.cli.bench import scan_model as m
+from vim_ds.cli.bench.scan import scan_inputs
 from vim_ds.ops.backends import RefBackend
 from vim_ds.ops.selective_scan_ref import selective_scan_ref
 

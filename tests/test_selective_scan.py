@@ -186,7 +186,7 @@ def test_env_var_picks_the_cpu_isa():
     """VIM_DS_CPU_ISA picks the variant for a whole process (`vim-ds env` reports it); a bad name is reported there
     as the reason the CPU kernel is unavailable, and is an error where the kernel is asked for."""
     available = compiled("cpu").module.available_isas()
-    code = ("import json, sys; from vim_ds.env import collect; info = collect(); "
+    code = ("import json, sys; from vim_ds.cli.env import collect; info = collect(); "
             "print(json.dumps([info['scan_backends']['cpu'], info['scan_backend_in_use']]))")
     env = {**os.environ, "VIM_DS_CPU_ISA": available[0]}
     row, in_use = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -1,6 +1,6 @@
 """`vim-ds train --sequence-parallel N` (issue 38): groups of N ranks share each image's token sequence
 (vim_ds/models/sequence_parallel.py), data parallelism runs across the groups, and DeepSpeed partitions ZeRO states
-and averages gradients over all ranks, as plain data parallelism (vim_ds/engine/sequence_groups.py says why).
+and averages gradients over all ranks, as plain data parallelism (vim_ds/runtime/sequence_groups.py says why).
 
 Shown on the training state (weights, both Adam moments, step counts, each group's hyperparameters, EMA, scheduler
 and position; `assert_same_state`), at lr 2e-3 with weight decay 0.05, drop path, Mixup/CutMix and random erasing on:
@@ -207,7 +207,7 @@ def test_a_world_that_n_does_not_divide_and_the_baselines_are_refused_in_one_lin
     assert len(lines) == 1 and "--sequence-parallel 2 needs a number of ranks that 2 divides" in lines[0] \
         and "this job has 3" in lines[0], proc.stderr
     assert not os.path.exists(tmp_path / "r" / "checkpoints")
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     for extra, named in ((["--engine", "ddp"], "--engine ddp"), (["--compile"], "--compile"),
                          (["--grad-checkpointing"], "--grad-checkpointing")):
@@ -227,9 +227,9 @@ def test_a_model_the_split_cannot_take_is_refused_before_anything_starts(case, d
     by every rank before the process group) and `vim-ds bench split`'s arguments refuse it in one line. Variant the
     issue does not name: 5 tokens (2 x 2 patches) over 6 ranks, one token short. Control: the same check with 2
     ranks per image passes (both Vims split over 2 ranks)."""
-    from vim_ds import bench
+    from vim_ds.cli import bench
     from vim_ds.engine.run import run
-    from vim_ds.engine.run_options import parse_config
+    from vim_ds.cli.run_options import parse_config
 
     def vim(patch: int) -> list[str]:
         return ["--model", "vim_tiny", "--model-kwargs", "depth=2", "embed_dim=32", f"patch_size={patch}",
@@ -272,8 +272,8 @@ def test_the_preflight_scales_the_lr_by_the_groups_not_by_the_ranks(data, tmp_pa
     preflight once counted every rank: the peak it checked was N times the run's). Control: the same 2 ranks
     without the split are a global batch of 8, whose peak lr 1.5625e-05 is above the floor."""
     from vim_ds.engine import preflight
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
 

@@ -45,7 +45,7 @@ def test_sizes_parse(capsys):
         with pytest.raises(ValueError):
             parse_size(bad)
     # the command reports the library's reason as an option error
-    from vim_ds.data_commands.shard import build_parser
+    from vim_ds.cli.data_commands.shard import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--data-path", "DIR", "--out", "SHARDS", "--shard-size", "1 parsec"])

@@ -1,7 +1,7 @@
 """What several commands share is defined once (issue 53, item 4): every model is built by the model description
 (`models.ModelConfig.build`, the one caller of `timm.create_model` in vim_ds), every command's `--model-kwargs` is
-the one declaration `engine.run_config.MODEL_KWARGS`, and the evaluation batch (1.5 x the micro batch) and the
-default micro batch (64) are `engine.ds_config.eval_batch_size` and `DEFAULT_MICRO_BATCH`.
+the one declaration `config.run_config.MODEL_KWARGS`, and the evaluation batch (1.5 x the micro batch) and the
+default micro batch (64) are `config.ds_config.eval_batch_size` and `DEFAULT_MICRO_BATCH`.
 
 The checks read vim_ds's source (every function's body included); each is also run on a small fabricated package
 that breaks it, so that a checker which finds nothing cannot pass."""
@@ -12,13 +12,13 @@ import pathlib
 
 import pytest
 
-from vim_ds.engine.ds_config import DEFAULT_MICRO_BATCH, eval_batch_size
-from vim_ds.engine.run_config import MODEL_KWARGS
-from vim_ds.engine.run_options import argument_type
+from vim_ds.cli.run_options import argument_type
+from vim_ds.config.ds_config import DEFAULT_MICRO_BATCH, eval_batch_size
+from vim_ds.config.run_config import MODEL_KWARGS
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "vim_ds"
 MODEL_DESCRIPTION = "models/factory.py"
-EVAL_BATCH_RULE = "engine/ds_config.py"
+EVAL_BATCH_RULE = "config/ds_config.py"
 
 
 def sources(root: pathlib.Path = PACKAGE_DIR):
@@ -91,9 +91,8 @@ def test_only_the_model_description_calls_timm_create_model(tmp_path):
 
 def test_model_kwargs_is_declared_once_and_every_command_parses_it_so(capsys):
     declarations = option_declarations("--model-kwargs")
-    assert len(declarations) == 1 and declarations[0].startswith("engine/run_config.py:"), declarations
-    from vim_ds import bench, export, predict, zero_compare
-    from vim_ds.engine import run_options
+    assert len(declarations) == 1 and declarations[0].startswith("config/run_config.py:"), declarations
+    from vim_ds.cli import bench, export, predict, run_options, zero_compare
 
     bench_parser = bench.build_parser()
     sub = next(a for a in bench_parser._actions if a.dest == "what").choices
@@ -119,9 +118,9 @@ def test_model_kwargs_is_declared_once_and_every_command_parses_it_so(capsys):
 def test_a_second_model_kwargs_declaration_is_found(tmp_path):
     """Negative control of the count above: a command that declares the option itself."""
     root = fabricated(tmp_path, {
-        "engine/run_config.py": "MODEL_KWARGS = Option(('--model-kwargs',), nargs='*')\n",
+        "config/run_config.py": "MODEL_KWARGS = Option(('--model-kwargs',), nargs='*')\n",
         "predict.py": "def build_parser(p):\n    p.add_argument('--model-kwargs', nargs='*', default=None)\n"})
-    assert option_declarations("--model-kwargs", root) == ["engine/run_config.py:1", "predict.py:2"]
+    assert option_declarations("--model-kwargs", root) == ["config/run_config.py:1", "predict.py:2"]
 
 
 def test_the_eval_batch_rule_and_the_micro_batch_default_are_written_once(tmp_path):

@@ -359,11 +359,11 @@ def test_pretrained_resolves_to_the_published_hugging_face_file(name, tmp_path, 
 
 
 def test_grad_checkpointing_option_reaches_the_model_and_the_benchmark(monkeypatch, tmp_path):
-    from vim_ds import bench
-    from vim_ds.bench import train as bench_train
-    from vim_ds.engine.components import model_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli import bench
+    from vim_ds.cli.bench import train as bench_train
+    from vim_ds.config.components import model_config
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     def build(argv):
         return model_config(RunConfig.from_dict(vars(parse_args(argv))), 10).build()

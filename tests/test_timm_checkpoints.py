@@ -117,7 +117,7 @@ ARCH = ["--model", "vim_tiny", "--input-size", "32", "--model-kwargs", "depth=2"
 
 
 def predict_lines(capsys, weights: str, images: list[str], *extra) -> list[str]:
-    from vim_ds.predict import main
+    from vim_ds.cli.predict import main
 
     code = main([*images, "--weights", weights, *extra, *ARCH])  # images first: --model-kwargs takes the rest
     out, err = capsys.readouterr()
@@ -134,7 +134,7 @@ def test_predict_reads_the_timm_file_and_its_ema(timm_files, digits, capsys):
     assert ema == predict_lines(capsys, ours, images, "--ema")
     assert ema != plain  # the control: --ema loads other weights
 
-    from vim_ds.predict import main
+    from vim_ds.cli.predict import main
 
     neither = os.path.join(os.path.dirname(best), "neither.pth")
     torch.save({"epoch": 3}, neither)
@@ -144,7 +144,7 @@ def test_predict_reads_the_timm_file_and_its_ema(timm_files, digits, capsys):
 
 
 def test_export_of_the_timm_files_ema_gives_its_logits(timm_files, tmp_path):
-    from vim_ds.export import main
+    from vim_ds.cli.export import main
 
     best, _, weights, ema_weights = timm_files
     out = str(tmp_path / "model.pt2")

@@ -15,8 +15,8 @@ import torch
 import preloaded
 from train_utils import QUIET_AUG, ROOT, TINY, assert_same_state, config, digits80, run_train, train_env
 
-from vim_ds.engine import faults
-from vim_ds.engine.run_config import RunConfig
+from vim_ds.runtime import faults
+from vim_ds.config.run_config import RunConfig
 from vim_ds.engine.trainer import Progress, Trainer
 
 # the client state of every vim_ds checkpoint, in this order (the order is part of the file's bytes)

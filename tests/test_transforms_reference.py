@@ -17,7 +17,7 @@ written out as literals, images decoded with PIL. vim_ds replaces timm's posteri
 refuses 0 bits, which RandAugment's strongest `inc1` level asks for); the reference is built with timm's own op, so
 the comparison also shows that the replacement changes nothing else (no image and seed here draws 0 bits: timm's
 op would raise).
-The options go through `vim_ds.engine.run_options.parse_args`, so a misread option name is caught as well.
+The options go through `vim_ds.cli.run_options.parse_args`, so a misread option name is caught as well.
 
 Outputs are compared with `torch.equal`: both sides run the same float operations in the same order on the same
 CPU, so any difference is a difference in the pipeline. Besides the published defaults, cases set every option to a
@@ -46,10 +46,10 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from vim_ds.data import build_dataset
 from vim_ds.data.datasets import erase_seed
 from vim_ds.data.mixup import build_mixup
-from vim_ds.engine.components import dataset_config, mixup_config
-from vim_ds.engine.run_config import RunConfig
+from vim_ds.config.components import dataset_config, mixup_config
+from vim_ds.config.run_config import RunConfig
 from vim_ds.engine.parts import build_criterion
-from vim_ds.engine.run_options import parse_args
+from vim_ds.cli.run_options import parse_args
 
 SEEDS = (0, 1, 7, 2024, 31337, 29)  # sample seeds: the dataset seeds random/numpy/torch from them for each image;
 # 29 flips at p = 0.3 and its erase seed (`erase_seed`) erases at p = 0.25, so the flip and erasing controls have work

@@ -1,4 +1,4 @@
-"""The supported torch and DeepSpeed versions (vim_ds/engine/versions.py): a version too old is refused in one line
+"""The supported torch and DeepSpeed versions (vim_ds/runtime/versions.py): a version too old is refused in one line
 before anything starts, and setup.py's install bounds are the same minimums.
 
 An older torch or DeepSpeed cannot be installed beside this venv's, so the run's refusal is exercised with
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from vim_ds import cli
-from vim_ds.engine import run_options, versions
+from vim_ds.cli import run_options
 from vim_ds.engine.run import run
+from vim_ds.runtime import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_OLD_TORCH = ("torch 2.3.1+cu121 is installed, and vim_ds supports torch >= 2.4 (tested: "

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import preloaded
-from vim_ds import zero_compare as zc
+from vim_ds.cli import zero_compare as zc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def test_a_runs_folder_it_did_not_launch_is_never_removed(tmp_path, capsys):
     all checked first, and one that no earlier comparison launched (its train.log) stops it in one line, exit 2,
     before anything is removed or trained. The variants through the same check (bench train --keep's folders
     too): a link to a folder, and, the control, an earlier launched run's folder, which is removed."""
-    from vim_ds.engine.launched_runs import clear_run_folder, foreign_run_folder
+    from vim_ds.runtime.launched_runs import clear_run_folder, foreign_run_folder
 
     out = tmp_path / "cmp"
     mine = out / "runs" / "zero1"
@@ -150,7 +150,7 @@ def test_zero_compare_tiny_two_ranks_fp32(tmp_path):
     Image.open(out / "report.png").verify()
     assert "all agree" in (out / "report.md").read_text()
     assert all(r["loss_flag"] in ("False", "") for r in rows.values())
-    from vim_ds.engine.launched_runs import foreign_run_folder
+    from vim_ds.runtime.launched_runs import foreign_run_folder
 
     assert foreign_run_folder(str(out / "runs" / "zero0")) is None  # its runs are known as its own: a rerun clears them
 

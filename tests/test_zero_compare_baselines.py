@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import preloaded
-from vim_ds import zero_compare as zc
+from vim_ds.cli import zero_compare as zc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_KWARGS = {"depth": 2, "embed_dim": 32, "patch_size": 4, "stride": 4}
@@ -65,8 +65,8 @@ def test_torch_state_bytes_counts_params_grads_and_adam_once():
 
 
 def test_baseline_precision_and_refusals():
-    from vim_ds.engine.baselines import precision_label
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.runtime.baselines import precision_label
+    from vim_ds.cli.run_options import parse_args
 
     assert precision_label("fp32") == "fp32" and precision_label("bf16") == "fp32+autocast-bf16"
     with pytest.raises(ValueError, match="fp16"):
@@ -161,7 +161,7 @@ def test_a_baseline_with_another_lr_is_flagged(report, tmp_path):
     """Negative control: the DDP baseline with the lr doubled, else the same launch, disagrees with ZeRO-0 by more
     than the tolerance. Its job is the suite's real torchrun under `launched_runs` (this process sends nothing to
     the preloaded server)."""
-    from vim_ds.engine.launched_runs import run_train_config
+    from vim_ds.runtime.launched_runs import run_train_config
 
     out, _ = report
     run_dir = tmp_path / "ddp_lr2"

@@ -11,11 +11,12 @@ import sys
 
 
 def main(argv) -> int:
-    from vim_ds.engine import distributed, faults, parts
-    from vim_ds.engine.components import model_config
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
+    from vim_ds.config.components import model_config
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.engine import parts
     from vim_ds.engine.trainer import Trainer
+    from vim_ds.runtime import distributed, faults
 
     config = RunConfig.from_dict(vars(parse_args(argv)))
     dist_info = distributed.setup(config.run.local_rank, config.run.dist_timeout)
@@ -46,6 +47,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    from vim_ds.engine import distributed
+    from vim_ds.runtime import distributed
 
     distributed.end_rank_process(main(sys.argv[1:]))

@@ -1,32 +1,8 @@
-"""`vim-ds eval` = `python -m vim_ds.eval` = `vim-ds train --eval`: top-1/top-5/loss of saved weights on a
-validation set, distributed over however many ranks are launched.
-
-The weights come from `--resume` (a DeepSpeed checkpoint directory written by `vim-ds train`, any ZeRO stage and
-rank count, or a plain .pth/.safetensors file) or from `--finetune` (a published checkpoint). The model runs
-replicated on every rank (no DeepSpeed engine is needed to evaluate); the validation set is sharded
-(`vim_ds.engine.evaluate.evaluate_weights`).
-"""
-from __future__ import annotations
-
+"""`python -m vim_ds.eval` = `vim-ds eval`, the path scripts and launchers use; the command
+is vim_ds/cli/eval.py."""
 import sys
-from typing import NoReturn
 
-from .engine import distributed
-from .engine.run import run
-from .engine.run_options import build_parser as train_parser
-from .engine.run_options import parse_config
-
-
-def build_parser():
-    """`vim-ds train`'s parser under this command's name (main adds `--eval`)."""
-    return train_parser(prog="vim-ds eval")
-
-
-def main(argv=None) -> NoReturn:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # ends the process itself, as `vim-ds train` does (distributed.end_rank_process)
-    distributed.end_rank_process(run(parse_config(argv + ["--eval"], prog="vim-ds eval"), prog="vim-ds eval"))
-
+from .cli.eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""A loss that turns NaN (injected through VIM_DS_INJECT, see vim_ds/engine/faults.py): in bf16 and fp32 the update
+"""A loss that turns NaN (injected through VIM_DS_INJECT, see vim_ds/runtime/faults.py): in bf16 and fp32 the update
 of a bad step is skipped — the weights, optimizer and EMA stay exactly as they were — and the run stops, naming the
 step and the last good checkpoint, after --max-bad-steps consecutive bad steps. fp16's loss scaler, which skips
 overflowing steps by itself, needs a GPU (DeepSpeed refuses fp16 on CPU): its test is marked `gpu`."""

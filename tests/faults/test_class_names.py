@@ -153,7 +153,7 @@ def test_convert_records_the_names_and_predict_checks_them(converted, digits, tm
     from safetensors import safe_open
 
     from vim_ds.checkpoint.convert import read_vim_ds_meta, write_weights_file
-    from vim_ds.predict import main as predict
+    from vim_ds.cli.predict import main as predict
 
     assert torch.load(converted["pth"], weights_only=True)["vim_ds"]["classes"] == DIGITS
     with safe_open(converted["safetensors"], framework="pt") as f:
@@ -326,7 +326,7 @@ def named_weights(tmp_path_factory):
 
 
 def predict_with(named_weights, classes_file, capsys) -> tuple[int, str, str]:
-    from vim_ds.predict import main as predict
+    from vim_ds.cli.predict import main as predict
 
     weights, image = named_weights
     code = predict([image, "--weights", weights, "--classes", str(classes_file)])

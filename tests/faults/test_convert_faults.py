@@ -171,10 +171,10 @@ def test_every_command_takes_a_runs_output_dir(config_run, digits, tmp_path):
     `vim-ds convert RUNDIR --tag global_step2`."""
     from train_utils import config_run_args
     from vim_ds.checkpoint.convert import convert
-    from vim_ds.engine.components import model_config
+    from vim_ds.config.components import model_config
     from vim_ds.engine.evaluate import load_eval_weights
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     run = config_run("zero0")
     loaded = []

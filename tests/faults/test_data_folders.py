@@ -259,9 +259,9 @@ def every_reader(root, capsys) -> dict:
     starts), the training and evaluation data sets, `vim-ds data shard` (its exit code and error line) and
     `predict --classes ROOT/train` (its class names): a refusal's one line, or what it read."""
     from data_options import run_config
-    from vim_ds.data_commands.shard import main as shard
+    from vim_ds.cli.data_commands.shard import main as shard
     from vim_ds.engine import preflight
-    from vim_ds.predict import class_names
+    from vim_ds.cli.predict import class_names
 
     def outcome(read):
         try:
@@ -419,7 +419,7 @@ def test_two_class_folders_that_print_alike_are_refused(data):
 
 def test_images_directly_in_a_split_folder_are_named_in_a_warning(data, tmp_path, caplog, capsys, monkeypatch):
     """ImageFolder ignores them (they have no class); before, without a word."""
-    from vim_ds.data_commands.shard import main as shard
+    from vim_ds.cli.data_commands.shard import main as shard
 
     monkeypatch.setenv("RANK", "0")
     for name, source in (("a.png", "3"), ("b.png", "5")):

@@ -158,7 +158,7 @@ def classifier(tmp_path_factory):
 
 
 def test_predict_reads_a_16_bit_image_as_its_8_bit_original(classifier, folders, tmp_path):
-    from vim_ds.predict import parse_args, predict
+    from vim_ds.cli.predict import parse_args, predict
 
     eight, sixteen, _ = folders
     pairs = [(os.path.join(eight, "val", "a", f"{n:02d}.png"),
@@ -175,7 +175,7 @@ def test_predict_reads_a_16_bit_image_as_its_8_bit_original(classifier, folders,
 
 
 def test_images_with_no_known_range_are_skipped_or_reported_not_clipped(classifier, tmp_path, caplog, capsys):
-    from vim_ds.predict import main
+    from vim_ds.cli.predict import main
 
     int32, huge_float = tmp_path / "int32.tif", tmp_path / "huge.tif"
     Image.fromarray(np.array([[0, 70000, 5]], dtype=np.int32)).save(int32)

@@ -1,7 +1,7 @@
 """A launcher killed with SIGKILL under running ranks: the deepspeed runner (`deepspeed ...`, what a user or a
 scheduler sees as "the job"), its per-node `deepspeed.launcher.launch`, or torchrun's agent. Nothing is passed on to
 the ranks (SIGKILL cannot be caught); they used to be re-parented to init and train to the end, holding the output
-folder's lock. Now each rank watches the launchers above it (vim_ds/engine/launcher_watch.py) and stops as on
+folder's lock. Now each rank watches the launchers above it (vim_ds/runtime/launcher_watch.py) and stops as on
 SIGTERM: one line saying why, the usual stop line, one complete checkpoint, exit 143 on every rank, every process
 of the job gone, the lock released (a `--resume auto` into the folder continues the run).
 
@@ -21,7 +21,7 @@ import pytest
 
 from conftest import complete_tags, finish, steps_logged, wait_for_step
 from train_utils import QUIET_AUG, ROOT, TINY, config, digits80, run_train, train_command, train_env
-from vim_ds.engine import launcher_watch
+from vim_ds.runtime import launcher_watch
 
 # argv: CODES_FILE COMMAND...: run COMMAND as a child subreaper; when no descendant is left, write {pid: exit code}
 # of every process it reaped (the launcher and whatever the launcher's death left to it) to CODES_FILE.

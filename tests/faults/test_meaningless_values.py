@@ -65,7 +65,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("argv,message,neighbour", REFUSED, ids=[" ".join(c[0]) for c in REFUSED])
 def test_train_refuses_a_meaningless_value_in_one_line(argv, message, neighbour, capsys):
-    from vim_ds.engine.run_options import build_parser, parse_args
+    from vim_ds.cli.run_options import build_parser, parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
@@ -79,7 +79,7 @@ def test_train_refuses_a_meaningless_value_in_one_line(argv, message, neighbour,
 
 def test_the_unknown_model_is_left_to_the_model_factory():
     """No patch size to check against: the factory's "unknown model" error is the one the user sees."""
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.cli.run_options import parse_args
 
     assert parse_args(["--model", "no_such_vim", "--input-size", "30"]).input_size == 30
 

@@ -187,7 +187,7 @@ def weights(tmp_path_factory):
 def test_a_decompression_bomb_is_one_unreadable_image_and_the_others_are_predicted(weights, digits, tmp_path, capsys):
     from PIL import Image
 
-    from vim_ds.predict import main
+    from vim_ds.cli.predict import main
 
     bomb = tmp_path / "bomb.png"
     side = 20000  # 4e8 pixels: more than twice PIL's limit, which makes it an error rather than a warning
@@ -288,8 +288,8 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
 
 
 def test_weights_without_a_head_are_refused_by_predict_and_export(weights, digits, tmp_path, capsys):
-    from vim_ds.export import main as export
-    from vim_ds.predict import main as predict
+    from vim_ds.cli.export import main as export
+    from vim_ds.cli.predict import main as predict
 
     backbone = weights[1]
     image = os.path.join(digits, "val", "0", sorted(os.listdir(os.path.join(digits, "val", "0")))[0])
@@ -350,7 +350,7 @@ def test_every_vim_ds_variable_names_what_it_accepts(tmp_path, monkeypatch):
     """Each variable vim_ds reads, with a junk value, is one line naming it and what it accepts (a folder given as
     a file: the file); every value it accepts passes (the CPU kernel's `auto`: a check that loads the kernel applies
     the variable, for this whole process)."""
-    from vim_ds.engine import env_vars
+    from vim_ds.runtime import env_vars
 
     assert sorted(JUNK) == sorted(env_vars.VARIABLES)
     a_file = tmp_path / "a_file"
@@ -371,7 +371,7 @@ def test_every_vim_ds_variable_names_what_it_accepts(tmp_path, monkeypatch):
 def test_a_junk_switch_is_refused_by_the_command_that_reads_it(tmp_path, monkeypatch, capsys):
     """The variant: VIM_DS_NO_TMPFILE=yes, which `vim-ds convert` read as off without a word, is its one-line error
     now, before anything is read (the checkpoint folder is not even looked at) or written."""
-    from vim_ds.convert import main as convert
+    from vim_ds.cli.convert import main as convert
 
     monkeypatch.setenv("VIM_DS_NO_TMPFILE", "yes")
     assert convert([str(tmp_path / "checkpoints"), str(tmp_path / "w.pth")]) == 2

@@ -139,8 +139,8 @@ def test_removing_a_save_takes_its_files_and_then_its_folder(tmp_path):
 
 
 def train_config(*argv):
-    from vim_ds.engine.run_config import RunConfig
-    from vim_ds.engine.run_options import parse_args
+    from vim_ds.config.run_config import RunConfig
+    from vim_ds.cli.run_options import parse_args
 
     return RunConfig.from_dict(vars(parse_args(["--data-set", "synthetic", "--synthetic-size", "32", "--nb-classes",
                                                 "4", "--model", "vim_tiny", "--input-size", "32", "--model-kwargs",
@@ -270,7 +270,8 @@ def test_a_branch_into_a_live_runs_folder_and_the_claim_say_in_use_first(held):
     """The variants: `--resume` of an older step (whose advice, another --output_dir or `--resume NEWEST`, the lock
     would also fail), and the trainer's claim after the process group, which takes the lock before it looks at
     the folder; the holder's record is left as it was."""
-    from vim_ds.engine import distributed, output_dir, preflight, write_journal
+    from vim_ds.engine import output_dir, preflight
+    from vim_ds.runtime import distributed, write_journal
 
     out, holder = held
     older = out / "checkpoints" / "global_step1"

@@ -2,7 +2,7 @@
 
 gloo's threads outlive destroy_process_group() and are torn down in the interpreter's finalisation, where a rank
 once aborted (SIGABRT, "terminate called without an active exception") after a 2-rank ZeRO-3 run had finished and
-saved everything, and torchrun reported the job as failed (vim_ds.engine.distributed.end_rank_process). That race
+saved everything, and torchrun reported the job as failed (vim_ds.runtime.distributed.end_rank_process). That race
 cannot be started on demand, so a stand-in crashes every rank's finalisation for sure: a `sitecustomize` module
 that registers os.abort with atexit in each rank process (LOCAL_RANK set by torchrun; the launcher's own process
 is left alone). vim-ds train and eval end the process before finalisation: their jobs still exit 0, complete; a

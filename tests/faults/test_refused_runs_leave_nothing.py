@@ -8,7 +8,7 @@ of the trainer (one rank), real folders.
 Issue 50, item 10: a run refused later, once it had written its options.yaml and metrics.jsonl (--sequence-parallel
 4 over 2 tokens, refused at the first forward), left both, and a later run into the folder showed the refused run's
 header in compare-runs. Whatever the run writes until its first step goes into its write journal
-(vim_ds/engine/write_journal.py) and is taken back when it ends in an error before then: files it made removed,
+(vim_ds/runtime/write_journal.py) and is taken back when it ends in an error before then: files it made removed,
 files it rewrote or appended to given back their bytes, whatever refused it."""
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_a_run_ending_in_an_error_before_its_first_step_takes_back_what_it_wrote
 def test_the_journal_gives_back_what_was_rewritten_appended_filled_or_created(tmp_path):
     """The mechanism, in-process: each kind of write taken back; nothing taken back once the run is sure (its first
     step), nor a folder someone else wrote into."""
-    from vim_ds.engine import write_journal
+    from vim_ds.runtime import write_journal
 
     def writes():
         write_journal.start()

@@ -3,7 +3,7 @@
 DeepSpeed's CPU communication op (built by every `deepspeed.init_distributed` on CPU) makes each rank write a 69 MB
 file `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>` when all ranks share a host, and never unlinks
 it: RAM that stays taken after the job (a day of this suite left 18 GB on a 24 GB machine). vim_ds removes the names
-once every rank has mapped its peers' buffers (vim_ds.engine.distributed). Both runs below go through the deepspeed
+once every rank has mapped its peers' buffers (vim_ds.runtime.distributed). Both runs below go through the deepspeed
 launcher, which sets the LOCAL_SIZE the op needs; the control calls `deepspeed.init_distributed` alone and must leave
 both files, so the check can see the leak. The op must still work after the names are gone (its mappings outlive
 them): `inference_all_reduce` sums across the ranks.
@@ -17,14 +17,14 @@ import subprocess
 import pytest
 
 from train_utils import ROOT, _free_port, train_env
-from vim_ds.engine.build_tools import extensions_dir_per_install
+from vim_ds.runtime.build_tools import extensions_dir_per_install
 
 pytestmark = pytest.mark.slow
 
 RANK_SCRIPT = """\
 import os, sys, torch
 if sys.argv[-1] == "vim_ds":  # the deepspeed launcher puts --local_rank=N first
-    from vim_ds.engine.distributed import setup
+    from vim_ds.runtime.distributed import setup
     unset = "TORCH_EXTENSIONS_DIR" not in os.environ
     rank = setup().rank
     ops = os.environ.get("TORCH_EXTENSIONS_DIR")
@@ -68,7 +68,7 @@ def _run(tmp_path, mode: str, ranks: int = 2, env=None) -> list[str]:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_cpu_run_leaves_no_deepspeed_buffer_in_dev_shm(tmp_path, ranks):
     """And, with TORCH_EXTENSIONS_DIR unset, vim_ds's ranks build DeepSpeed's ops in the folder of this torch and
-    DeepSpeed installation (vim_ds.engine.build_tools.extensions_dir_per_install), the one the suite uses."""
+    DeepSpeed installation (vim_ds.runtime.build_tools.extensions_dir_per_install), the one the suite uses."""
     env = {k: v for k, v in train_env().items() if k != "TORCH_EXTENSIONS_DIR"}
     assert _run(tmp_path, "vim_ds", ranks, env) == []
 

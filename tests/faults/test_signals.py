@@ -8,7 +8,7 @@ deepspeed launcher; `launch/single_node.sh` in tests/test_launch.py), for 1 and 
 once without saving.
 
 The signals are real, sent to real process groups. They are sent at a precise phase by the run itself
-(`VIM_DS_INJECT=signal_in_PHASE@N`, see vim_ds/engine/faults.py) or, for the second Ctrl-C, by this test."""
+(`VIM_DS_INJECT=signal_in_PHASE@N`, see vim_ds/runtime/faults.py) or, for the second Ctrl-C, by this test."""
 from __future__ import annotations
 
 import os

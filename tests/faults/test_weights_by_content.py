@@ -100,7 +100,7 @@ def test_a_safetensors_file_cut_short_is_named_so(files, tmp_path):
 
 
 def test_predict_loads_either_format_under_the_others_name(files, digits, tmp_path, capsys):
-    from vim_ds.predict import main, parse_args, predict
+    from vim_ds.cli.predict import main, parse_args, predict
 
     image = os.path.join(digits, "val", "3", sorted(os.listdir(os.path.join(digits, "val", "3")))[0])
 

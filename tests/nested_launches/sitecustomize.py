@@ -1,7 +1,7 @@
 """Imported at the start of a command the suite runs with `preloaded.nested_env` (its PYTHONPATH names this folder):
 the vim_ds commands it starts itself are forked from the test's preloaded server (tests/preloaded.py) instead of
 started as new interpreters, with the same command and environment and the same result (exit code, stdout,
-stderr): the training runs that `vim_ds.engine.launched_runs` starts with torchrun (`vim-ds zero-compare`), and the
+stderr): the training runs that `vim_ds.runtime.launched_runs` starts with torchrun (`vim-ds zero-compare`), and the
 `ds_to_universal` conversion a resumed run starts (`vim_ds.engine.checkpointing`). Every other command is started as
 before; the real paths keep tests of their own (`launched_runs` with the real torchrun: the lr control of
 tests/test_zero_compare_baselines.py; the conversion as a real process: `vim-ds convert --universal` in
@@ -11,7 +11,7 @@ import subprocess
 
 import preloaded
 import vim_ds.engine.checkpointing as checkpointing
-import vim_ds.engine.launched_runs as launched_runs
+import vim_ds.runtime.launched_runs as launched_runs
 
 _real_run_group = launched_runs._run_group
 

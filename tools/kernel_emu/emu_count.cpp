@@ -361,7 +361,7 @@ EMU_TSAN_SIZED(16)
 void __tsan_read_range(void* p, unsigned long n) { emu::access(p, n, false, EMU_SITE); }
 void __tsan_write_range(void* p, unsigned long n) { emu::access(p, n, true, EMU_SITE); }
 
-// For ctypes (run_emu.py, vim_ds/bench/scan_counts.py): the launches since the last emu_count_reset.
+// For ctypes (run_emu.py, vim_ds/cli/bench/scan_counts.py): the launches since the last emu_count_reset.
 void emu_count_reset() { emu::C().launches.clear(); }
 int emu_count_launches() { return int(emu::C().launches.size()); }
 // fields: blocks, threads, pass, barriers, shuffles, read_bytes, write_bytes, read_unique, write_unique, exp, fma,

@@ -1,6 +1,6 @@
-"""`python -m vim_ds.bench ...` = `vim-ds bench ...`."""
+"""`python -m vim_ds.bench ...` = `vim-ds bench ...` (vim_ds/cli/bench/)."""
 import sys
 
-from . import main
+from vim_ds.cli.bench import main
 
 sys.exit(main())

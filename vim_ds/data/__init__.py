@@ -2,7 +2,7 @@
 data set.
 
 The commands that write data sets (`vim-ds data <command>` = `python -m vim_ds.data <command>`) are
-vim_ds.data_commands; this package is what they call.
+vim_ds.cli.data_commands; this package is what they call.
 """
 from __future__ import annotations
 

@@ -514,7 +514,7 @@ READERS: dict = {}
 @dataclass(frozen=True)
 class DatasetConfig:
     """Which data a run reads; the fields are `vim-ds train`'s options of the same names (the engine fills every
-    one from them: engine/components.py)."""
+    one from them: config/components.py)."""
 
     data_set: str  # IMNET, folder, shards, synthetic, or another reader's name (READERS)
     data_path: str | None

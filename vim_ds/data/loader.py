@@ -57,7 +57,7 @@ def default_num_workers(local_world_size: int | None = None) -> int:
 
 def _worker_init(leave_signals_to_owner: bool, owner_pid: int, _worker_id: int):
     """SIGTERM and SIGINT in a worker. A trainer's workers ignore both: the rank decides (it saves and stops, see
-    `vim_ds/engine/signals.py`, and shuts them down itself), and a signal to the whole process group (SLURM, Ctrl-C,
+    `vim_ds/runtime/signals.py`, and shuts them down itself), and a signal to the whole process group (SLURM, Ctrl-C,
     a launcher's tree kill) must not kill them under a rank that is still saving. Other workers die of SIGTERM and
     leave SIGINT to torch's worker loop. Either way SIGTERM is unblocked (see `_worker_context`).
 
@@ -208,7 +208,7 @@ class _Handover(Dataset):
 
 
 class _SignalAt(Dataset):
-    """Fault injection (`VIM_DS_INJECT="signal_in_train@N:RANK"`, see engine/faults.py): at the N-th sample it
+    """Fault injection (`VIM_DS_INJECT="signal_in_train@N:RANK"`, see runtime/faults.py): at the N-th sample it
     loads, a worker sends `signum` to `pid` (0: its whole process group), then takes 2 s over the sample, so the
     signal arrives while the rank waits for data."""
 
@@ -230,7 +230,7 @@ class _SignalAt(Dataset):
 
 
 class _StallAt(Dataset):
-    """Fault injection (`VIM_DS_INJECT="stall_val@N:RANK"`, see engine/faults.py): the N-th sample a worker loads
+    """Fault injection (`VIM_DS_INJECT="stall_val@N:RANK"`, see runtime/faults.py): the N-th sample a worker loads
     blocks for good, as a read from a hung file system does."""
 
     def __init__(self, dataset, at: int):
@@ -249,7 +249,7 @@ class _StallAt(Dataset):
 @dataclass(frozen=True)
 class LoaderConfig:
     """The loader settings a run chooses; the fields are `vim-ds train`'s options of the same names (the engine
-    fills them from there: engine/components.py)."""
+    fills them from there: config/components.py)."""
 
     # worker processes; None: `default_num_workers`; 0: read in the calling process
     num_workers: int | None

@@ -47,7 +47,7 @@ class PairwiseMixup(Mixup):
 @dataclass(frozen=True)
 class MixupConfig:
     """Mixup/CutMix as a run sets them; the fields are `vim-ds train`'s options of the same names (the engine fills
-    every one from them: engine/components.py), passed to timm's `Mixup` as the published main.py passes them."""
+    every one from them: config/components.py), passed to timm's `Mixup` as the published main.py passes them."""
 
     mixup: float  # alpha; 0: off
     cutmix: float  # alpha; 0: off (unless cutmix_minmax is given)

@@ -38,7 +38,7 @@ def _auto_augment(aa) -> str | None:
 @dataclass(frozen=True)
 class TransformConfig:
     """What the transforms are made from; the fields are `vim-ds train`'s options of the same names (the engine
-    fills every one from them: engine/components.py)."""
+    fills every one from them: config/components.py)."""
 
     input_size: int
     # evaluation: resize the short side to input_size / eval_crop_ratio, centre-crop

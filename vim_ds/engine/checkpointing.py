@@ -23,7 +23,7 @@ import torch
 from ..checkpoint import deepspeed_dir as layout
 from ..checkpoint import safe_load
 from ..checkpoint.files import CheckpointError
-from . import distributed, faults, versions
+from ..runtime import distributed, faults, versions
 
 # `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
 UNIVERSAL_SUFFIX = "_universal"

@@ -19,14 +19,14 @@ from ..checkpoint import class_names, deepspeed_dir, safe_load
 from ..checkpoint.consolidate import fp32_state_dict
 from ..checkpoint.convert import client_state
 from ..checkpoint.files import CheckpointError, load_into, load_weights_file, split_weights
+from ..config.components import dataset_config, loader_config, model_config
+from ..config.ds_config import PRECISION_DTYPES, autocast_dtype, eval_batch_size
+from ..config.run_config import RunConfig
 from ..data import ShardedEvalSampler
 from ..data.loader import build_loader
 from ..models import load_state_dict_into
-from . import distributed, faults, sequence_groups
-from .components import dataset_config, loader_config, model_config
-from .ds_config import PRECISION_DTYPES, autocast_dtype, eval_batch_size
+from ..runtime import distributed, faults, sequence_groups
 from .metrics import MetricsLog
-from .run_config import RunConfig
 
 
 def eval_sampler(dataset, micro_batch: int | None, groups):

@@ -15,8 +15,8 @@ import torch
 
 from ..checkpoint.convert import write_weights_file
 from ..checkpoint.files import CheckpointError, load_weights_file, select_weights
-from . import distributed, write_journal
-from .errors import first_line
+from ..runtime import distributed, write_journal
+from ..runtime.errors import first_line
 
 
 def sha256_file(path: str) -> str:

@@ -91,7 +91,7 @@ def _local(t):
 
 
 def torch_state_bytes(params, optimizer) -> dict:
-    """Bytes of model states held by THIS rank of a PyTorch DDP or FSDP2 baseline (`engine/baselines.py`):
+    """Bytes of model states held by THIS rank of a PyTorch DDP or FSDP2 baseline (`runtime/baselines.py`):
     the local shards of the parameters, of their gradients (zeroed, not freed, between steps: always "live") and
     of the torch optimizer's state tensors (Adam's moments and its per-parameter step counter). No master copy:
     the parameters are the fp32 masters."""

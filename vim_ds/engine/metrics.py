@@ -10,7 +10,7 @@ import time
 
 from tqdm import tqdm
 
-from . import write_journal  # a run that ends in an error before its first step takes these back
+from ..runtime import write_journal  # a run that ends in an error before its first step takes these back
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from timm.scheduler import CosineLRScheduler
 
-from .ds_config import ConfigError
-from .options_file import option_name, shown
-from .run_config import DEEPSPEED_SETS_TOO
+from ..config.ds_config import ConfigError
+from ..config.options_file import option_name, shown
+from ..config.run_config import DEEPSPEED_SETS_TOO
 
 if TYPE_CHECKING:
-    from .run_config import OptimOptions
+    from ..config.run_config import OptimOptions
 
 
 def scaled_lr(base_lr: float, global_batch: int, unscale: bool = False) -> float:

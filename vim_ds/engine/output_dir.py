@@ -15,7 +15,7 @@
   nothing else to resume (`latest_gone`): the run would write a second history there.
 - A refused run leaves the folder as it found it: the checks before the process group create nothing (they probe
   the nearest existing parent), and what `claim` creates (the folder and its parents, `checkpoints/`, the lock
-  file) goes into the run's write journal (engine/write_journal.py), with everything the run writes after it
+  file) goes into the run's write journal (runtime/write_journal.py), with everything the run writes after it
   until its first step (options.yaml, metrics.jsonl, ...): a run that ends in an error before then takes it all
   back (engine/run.py). Only what this process created, and only empty folders (os.rmdir): a folder that existed
   before, or anything written into it meanwhile, stays.
@@ -29,9 +29,9 @@ import socket
 import time
 
 from ..checkpoint import deepspeed_dir
-from . import distributed, write_journal
-from .run_config import RunConfig, RunOptions
-from .training_engines import training_engine
+from ..config.run_config import RunConfig, RunOptions
+from ..config.training_engines import training_engine
+from ..runtime import distributed, write_journal
 
 LOCK_FILE = ".vim_ds.lock"
 _held = None  # the open lock file: the lock lasts as long as this process

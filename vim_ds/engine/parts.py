@@ -13,18 +13,32 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import uuid
 from dataclasses import dataclass
 
 import torch
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 
-from . import distributed, faults, sequence_groups, write_journal
-from .components import dataset_config, loader_config, mixup_config, model_config
-from .ds_config import autocast_dtype
+from ..checkpoint import deepspeed_dir
+from ..checkpoint.class_names import data_source, load_finetune_weights
+from ..checkpoint.files import CheckpointError, sniff
+from ..config.components import dataset_config, loader_config, mixup_config, model_config
+from ..config.ds_config import autocast_dtype, prepare_ds_config
+from ..config.run_config import RunConfig
+from ..config.training_engines import TrainingEngine, training_engine
+from ..data import GlobalBatchSampler, build_dataset
+from ..data import loader as data_loader
+from ..data import mixup as data_mixup
+from ..models import param_groups
+from ..runtime import distributed, faults, sequence_groups, write_journal
+from ..runtime.sequence_groups import SequenceGroups
+from . import init_weights, resume_check
+from .checkpointing import UNIVERSAL_SUFFIX, Checkpointer, universal_copy
+from .ema import ShardedEMA
 from .evaluate import eval_sampler
-from .run_config import RunConfig
-from .sequence_groups import SequenceGroups
+from .optim import PerStepScheduler, check_lr_settings, ds_auto_values, peak_lr, settle_shared
+from .output_dir import latest_gone, resume_overwrite_error
 from .trainer import Trainer, seed_everything
-from .training_engines import TrainingEngine, training_engine
 
 
 @dataclass
@@ -78,8 +92,6 @@ class Engine:
 def build_datasets(config: RunConfig, train: bool = True) -> Datasets:
     """The training and validation sets; without `train` (`vim-ds eval`) the validation set alone, whose classes
     are then the run's (its `train_set` is None)."""
-    from ..data import build_dataset
-
     data = dataset_config(config)
     train_set, num_classes = build_dataset(data, is_train=True) if train else (None, None)
     val_set, val_classes = build_dataset(data, is_train=False)
@@ -92,9 +104,6 @@ def build_ds_config(config: RunConfig, dist_info: distributed.DistInfo, data_wor
     """The DeepSpeed config, its "auto" values filled from the command line, and the peak lr the optimizer starts
     from (a number written in the JSON wins over the command line). `data_world`: the data-parallel ranks, which the
     global batch counts (default the world size; under --sequence-parallel N the number of groups)."""
-    from .ds_config import prepare_ds_config
-    from .optim import ds_auto_values, peak_lr
-
     optim = config.optim
     if not config.deepspeed.deepspeed_config:
         raise ValueError("--deepspeed_config is required, e.g. --deepspeed_config ds_configs/zero2.json")
@@ -110,8 +119,6 @@ def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConf
     command line did not give, so that the parameter groups' weight decay is the one that runs), and the lr floor and
     the warmup start against the peak (notes on the first rank). Returns the config the engine and the schedule are
     built from, with a default floor or start lowered to the peak."""
-    from .optim import check_lr_settings, peak_lr, settle_shared
-
     optim, shared_note = settle_shared(config.optim, ds)
     optim, notes = check_lr_settings(optim, *peak_lr(optim, ds))
     for note in ([shared_note] if shared_note else []) + notes:
@@ -123,10 +130,6 @@ def settle_lr(config: RunConfig, ds, dist_info: distributed.DistInfo) -> RunConf
 def auto_resume_path(output_dir: str) -> str:
     """The save directory `--resume auto` resumes, or '' to start from step 0 (nothing saved yet; only interrupted
     saves, with a warning). Refused: a `latest` naming a checkpoint that is gone, with nothing else to resume."""
-    from ..checkpoint import deepspeed_dir
-    from ..checkpoint.files import CheckpointError
-    from .output_dir import latest_gone
-
     if not output_dir:
         raise ValueError("--resume auto looks in --output_dir; none was given")
     save_dir = os.path.join(output_dir, "checkpoints")
@@ -146,14 +149,10 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
     """The checkpoint directory to resume ('' for none), decided before the engine exists: a ZeRO-1/2/3
     checkpoint saved by another number of ranks is first re-partitioned by DeepSpeed's universal checkpoint
     conversion, and the engine is configured (in `ds`) to load it so."""
-    from ..checkpoint import deepspeed_dir
-    # sniff: a weights file by its content, any name
-    from ..checkpoint.files import CheckpointError, sniff
-    from .checkpointing import UNIVERSAL_SUFFIX, universal_copy
-
     path = config.run.resume
     if not path or config.run.eval:
         return ""
+    # a weights file, by its name or (sniff) by its content, any name: refused
     if path == "auto":
         path = auto_resume_path(config.run.output_dir)
     elif path.endswith((".pth", ".pt", ".bin", ".safetensors")) or (os.path.isfile(path) and sniff(path)[0]):
@@ -170,24 +169,19 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
             if deepspeed_dir.tag_step(broken) > deepspeed_dir.tag_step(tag):
                 print(f"warning: {os.path.join(save_dir, broken)} is an interrupted save (no "
                       f"{deepspeed_dir.MARKER}); not resuming it", file=sys.stderr, flush=True)
-    from ..checkpoint.class_names import data_source
-    # another stage, precision or model: one line now, not DeepSpeed's failure
-    from .resume_check import check
-
     tag_dir = os.path.join(save_dir, tag)
     already_universal = os.path.isdir(os.path.join(tag_dir, "zero"))  # `vim-ds convert --universal`
     marker = deepspeed_dir.read_marker(tag_dir) if deepspeed_dir.is_complete(tag_dir) else {}
     saved_world, saved_stage = marker.get("world_size"), marker.get("zero_stage", 0)
     to_convert = not already_universal and saved_world not in (None, dist_info.world_size) and bool(saved_stage)
-    note = check(tag_dir, model_cfg, data_source(datasets.config), ds,
+    # another stage, precision or model: one line now, not DeepSpeed's failure
+    note = resume_check.check(tag_dir, model_cfg, data_source(datasets.config), ds,
                  universal=already_universal or to_convert,
                  # and other class names: labels that would mean other classes
                  classes=datasets.classes)
     if note and dist_info.is_main:
         print(note, flush=True)
     # a branch from an older step: never over a newer one
-    from .output_dir import resume_overwrite_error
-
     problem = resume_overwrite_error(config, tag_dir)
     if problem:
         raise CheckpointError(problem)
@@ -210,17 +204,14 @@ def plan_resume(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cf
 
 
 def build_mixup(config: RunConfig, batch, num_classes: int):
-    from ..data import mixup  # timm's Mixup, mixing a host batch pair by pair (same numbers)
-
-    return mixup.build_mixup(mixup_config(config), batch.micro, num_classes)
+    # timm's Mixup, mixing a host batch pair by pair (same numbers)
+    return data_mixup.build_mixup(mixup_config(config), batch.micro, num_classes)
 
 
 def build_loader(config: RunConfig, dist_info: distributed.DistInfo, dataset, batch_sampler, name: str,
                  fault_hook: faults.FaultHook):
-    # workers from a fork server, --data-timeout: see build_loader's docstring
-    from ..data import loader
-
-    return loader.build_loader(dataset, batch_sampler, loader_config(config), name,
+    # workers from a fork server, --data-timeout: see data.loader.build_loader's docstring
+    return data_loader.build_loader(dataset, batch_sampler, loader_config(config), name,
                                local_world_size=dist_info.local_world_size, persistent=True,
                                pin_memory=config.data.pin_mem and dist_info.device.type != "cpu",
                                leave_signals_to_owner=True, **fault_hook.loader(name))
@@ -230,8 +221,6 @@ def train_sampler(config: RunConfig, size: int, batch, groups: SequenceGroups):
     """Which of a training set's `size` images go into which optimizer step on this rank: the global batch `batch`
     (ds_config.BatchSizes) over the data-parallel ranks of `groups`, shuffled per epoch from --seed, every image
     three times with --repeated-aug."""
-    from ..data import GlobalBatchSampler
-
     return GlobalBatchSampler(size, micro_batch=batch.micro, accum_steps=batch.accum, rank=groups.data_rank,
                               world_size=groups.data_world, seed=config.run.seed,
                               repeats=3 if config.augment.repeated_aug else 1)
@@ -264,14 +253,10 @@ def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, d
     model = model_cfg.build()
     if options.finetune:
         # refused: a head for other names
-        from ..checkpoint.class_names import data_source, load_finetune_weights
-
         note = load_finetune_weights(model, options.finetune, datasets.classes, data_source(datasets.config))
         if note and dist_info.is_main:
             print(note, flush=True)
     # --init-weights / --save-init-weights, before the engine copies the weights
-    from . import init_weights
-
     info = init_weights.apply(model, {
         **model_cfg.description(), "step": 0, "epoch": 0, "zero_stage": ds.zero_stage,
         "precision": ds.precision, "tag": "init", "classes": datasets.classes}, dist_info,
@@ -281,8 +266,6 @@ def build_model(config: RunConfig, dist_info: distributed.DistInfo, model_cfg, d
 
 def build_scheduler(config: RunConfig, steps_per_epoch: int):
     """The per-step lr schedule, as a function of the optimizer (the engine builds the optimizer)."""
-    from .optim import PerStepScheduler
-
     optim = config.optim
     warmup_steps = int(round(optim.warmup_epochs * steps_per_epoch))
 
@@ -297,8 +280,6 @@ def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torc
                  steps_per_epoch: int) -> Engine:
     """The engine --engine names (`training_engines`: DeepSpeed's, compiled with --compile, or a PyTorch baseline
     of `vim-ds zero-compare`), on the same model, parameter groups, data, loss and schedule."""
-    from ..models import param_groups
-
     scheduler = build_scheduler(config, steps_per_epoch)
     kind = training_engine(config.run.engine)
     compile_backend = config.model.compile_backend if config.model.compile else None
@@ -310,8 +291,6 @@ def build_engine(config: RunConfig, dist_info: distributed.DistInfo, model: torc
 def build_criterion(smoothing: float, mixup):
     """The training loss: soft-target cross-entropy under Mixup (which already smooths the targets), else
     label-smoothing cross-entropy with --smoothing, else plain cross-entropy."""
-    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-
     if mixup is not None:
         return SoftTargetCrossEntropy()  # Mixup already smooths the targets
     if smoothing > 0:
@@ -320,8 +299,6 @@ def build_criterion(smoothing: float, mixup):
 
 
 def build_ema(config: RunConfig, engine):
-    from .ema import ShardedEMA
-
     model = config.model
     return ShardedEMA(engine.module, model.model_ema_decay) if model.model_ema else None
 
@@ -329,8 +306,6 @@ def build_ema(config: RunConfig, engine):
 def build_checkpointer(config: RunConfig, dist_info: distributed.DistInfo, engine: Engine,
                        fault_hook: faults.FaultHook):
     """The checkpointer of --output_dir (None without one; the baselines save nothing)."""
-    from .checkpointing import Checkpointer
-
     run = config.run
     if not (run.output_dir and engine.kind.saves_checkpoints):
         return None
@@ -341,8 +316,6 @@ def build_checkpointer(config: RunConfig, dist_info: distributed.DistInfo, engin
 def new_run_id() -> str:
     """Which run this is, the same on every rank (a collective): a resumed run continues its checkpoint's lineage
     instead, and prunes only that lineage's checkpoints (see Checkpointer._prune)."""
-    import uuid
-
     return distributed.broadcast_object(uuid.uuid4().hex[:16])
 
 

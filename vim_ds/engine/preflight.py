@@ -18,15 +18,17 @@ import torch
 
 from ..checkpoint import deepspeed_dir
 from ..checkpoint.files import CheckpointError
+from ..config import shipped_configs
+from ..config.components import model_config
+from ..config.ds_config import prepare_ds_config
+from ..config.run_config import RunConfig
 from ..data.datasets import check_layout
 from ..data.shards import check_shards
 from ..models.sequence_parallel import split_error
-from . import output_dir, sequence_groups, shipped_configs
-from .components import model_config
-from .ds_config import prepare_ds_config
+from ..runtime import sequence_groups
+from . import output_dir
 from .init_weights import existing_file_error
 from .optim import check_lr_settings, ds_auto_values, peak_lr, settle_shared
-from .run_config import RunConfig
 
 
 def launch_world_size() -> int:

@@ -1,32 +1,31 @@
 """A training (or, with --eval, evaluation) run from its RunConfig to an exit code: the one library call of
-`vim-ds train` and `vim-ds eval` (which parse argv into the config: engine/run_options.parse_config), and of a
+`vim-ds train` and `vim-ds eval` (which parse argv into the config: cli/run_options.parse_config), and of a
 program that makes the config in code (docs/python_api.md); one-line errors and non-zero exit codes (2: bad input;
 1: the run failed; 128 + N: stopped by signal N, state saved)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .run_config import RunConfig
+from ..checkpoint.files import CheckpointError
+from ..config import options_file
+from ..config.run_config import RunConfig
+from ..config.run_rules import validate
+from ..data.loader import DataStall
+from ..runtime import build_tools, cuda_arch, distributed, launcher_watch, signals, versions, write_journal
+from ..runtime.env_vars import refusal
+from ..runtime.errors import first_line, report_error
+from ..runtime.signals import StopRequested
+from . import output_dir, preflight
+from .checkpointing import SaveError
+from .evaluate import evaluate_weights
+from .parts import build_datasets, build_trainer
+from .trainer import TrainingError
 
 
 def run(config: RunConfig, prog: str = "vim-ds train") -> int:
     """Train, or with `config.run.eval` evaluate, the run `config` describes; `prog` names the command in its
     messages. A config that breaks a rule between options (run_rules.validate; the command line refuses such a
     config before) ends here in the same one line, exit 2."""
-    from ..checkpoint.files import CheckpointError
-    from ..data.loader import DataStall
-    from . import (build_tools, cuda_arch, distributed, launcher_watch, options_file, output_dir, preflight, signals,
-                   versions, write_journal)
-    from .checkpointing import SaveError
-    from .env_vars import refusal
-    from .errors import first_line, report_error
-    from .parts import build_datasets, build_trainer
-    from .run_rules import validate
-    from .signals import StopRequested
-    from .trainer import TrainingError
-
     rank = os.environ.get("RANK", "0")
     # a torch or DeepSpeed too old (each rank of a launcher, `python -m vim_ds.train`): before DeepSpeed starts
     unsupported = versions.unsupported()
@@ -71,12 +70,10 @@ def run(config: RunConfig, prog: str = "vim-ds train") -> int:
     ended_well = False
     try:
         if config.run.eval:
-            from .evaluate import evaluate_weights
-
             evaluate_weights(config, dist_info, build_datasets(config, train=False))
             ended_well = True
             return 0
-        # SIGTERM/SIGINT from here on: save and stop (see engine/signals.py)
+        # SIGTERM/SIGINT from here on: save and stop (see runtime/signals.py)
         signals.install(dist_info.is_main)
         # and the same when the launcher is gone
         launchers.start(prog, dist_info.rank, dist_info.local_rank)

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import random
+import resource
 import signal
 import sys
 import time
@@ -19,12 +20,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
+from ..checkpoint.files import CheckpointError
+from ..config.run_config import RunConfig
 from ..data.datasets import derive_seed
-from . import distributed, faults, sequence_groups, signals, write_journal
-from .errors import first_line
-from .run_config import RunConfig
-from .sequence_groups import SequenceGroups
+from ..models.vim import load_state_dict_into
+from ..runtime import distributed, faults, sequence_groups, signals, write_journal
+from ..runtime.errors import first_line
+from ..runtime.sequence_groups import SequenceGroups
+from .checkpointing import Checkpointer
+from .evaluate import evaluate as evaluate_model
+from .memory import state_bytes
+from .metrics import MetricsLog
+from .run_info import header
 
 
 class TrainingError(RuntimeError):
@@ -59,8 +68,6 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak accelerator memory allocated by this process, or on CPU its peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
@@ -152,8 +159,6 @@ class Trainer:
         signals.STOP.last_checkpoint = self.progress.last_checkpoint
 
     def resume(self, path: str):
-        from ..checkpoint.files import CheckpointError
-
         state = self.checkpointer_for(path).load(path, self.ema)
         if self.checkpointer is not None:
             self.checkpointer.protect(path)
@@ -170,8 +175,6 @@ class Trainer:
             print(f"resumed {path} at epoch {self.progress.epoch}, step {self.progress.step}", flush=True)
 
     def checkpointer_for(self, path):
-        from .checkpointing import Checkpointer
-
         return self.checkpointer or Checkpointer(self.engine, os.path.dirname(path), self.dist.rank, 0, self.faults)
 
     # -- one optimizer step -------------------------------------------------------------------------------------
@@ -215,8 +218,6 @@ class Trainer:
         if not self.config.model.compile:
             yield
             return
-        from torch._dynamo.exc import TorchDynamoException
-
         try:
             yield
         except TorchDynamoException as exc:
@@ -372,8 +373,6 @@ class Trainer:
 
     def _ema_replica(self) -> torch.nn.Module:
         """A plain copy of the model holding the EMA weights, for evaluation (built anew, freed after use)."""
-        from ..models.vim import load_state_dict_into
-
         state = self.ema.full_state_dict()  # a collective under ZeRO-3
         with torch.random.fork_rng(devices=[]):
             replica = self.model.config.build()
@@ -393,8 +392,6 @@ class Trainer:
     def evaluate(self, metrics, epoch: int) -> dict | None:
         """Evaluate (and log) the model and its EMA; None when a stop signal cut the evaluation short (see
         `_stop_signal`: nothing is logged then)."""
-        from .evaluate import evaluate
-
         size = self.config.model.input_size
         shape = (3, size, size)
         self._eval_batches, self._stop_signal = 0, None
@@ -402,11 +399,11 @@ class Trainer:
         record = {"step": self.progress.step, "epoch": epoch}
         # autocasts itself
         counts = self.groups.counts_images
-        result = evaluate(self.engine, self.data.val_loader, self.device, self.dtype, shape,
+        result = evaluate_model(self.engine, self.data.val_loader, self.device, self.dtype, shape,
                           stop=self._stop_during_evaluation, counts=counts)
         record.update({f"eval_{k}": v for k, v in result.items()})
         if self.ema is not None and self._stop_signal is None:
-            ema_result = evaluate(self._ema_replica(), self.data.val_loader, self.device, self.dtype, shape,
+            ema_result = evaluate_model(self._ema_replica(), self.data.val_loader, self.device, self.dtype, shape,
                                   self.autocast_dtype, stop=self._stop_during_evaluation, counts=counts)
             record.update({f"ema_eval_{k}": v for k, v in ema_result.items() if k in ("acc1", "acc5", "loss")})
         self.engine.train()
@@ -435,11 +432,9 @@ class Trainer:
     def run_summary(self) -> dict:
         """Where the time went (engine compute vs the loop's own data wait and bookkeeping) and peak memory per
         rank; `vim-ds bench train` and `vim-ds zero-compare` read it from metrics.jsonl."""
-        from .memory import state_bytes  # grads: see its docstring (measured after the last step)
-
         t = self.timing
         total = t["data"] + t["compute"] + t["other"]
-        held = state_bytes(self.engine)
+        held = state_bytes(self.engine)  # grads: see its docstring (measured after the last step)
         kinds = ("param_bytes", "grad_bytes", "optim_bytes", "master_bytes")
         per_rank = self._per_rank([peak_memory_mb(self.device)] + [float(held[k]) for k in kinds])
         peaks = per_rank[0]
@@ -458,14 +453,10 @@ class Trainer:
         return f" (groups of {g.size} ranks, each image's tokens split over its group)" if g.size > 1 else ""
 
     def fit(self) -> dict | None:
-        from .metrics import MetricsLog
-
         run, p = self.config.run, self.progress
         epochs = self.config.optim.epochs
         metrics = MetricsLog(run.output_dir, self.dist.is_main, self.total_steps, p.step, run.log_interval,
                              run.tensorboard)
-        from .run_info import header
-
         metrics.header(header(self))  # what `vim-ds compare-runs` checks and reports
         if self.dist.is_main:
             name = self.config.model.model

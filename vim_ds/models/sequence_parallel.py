@@ -63,7 +63,7 @@ Memory
     model's fused branch keeps x and z), not the scan's inputs: its backward recomputes them.
 
 ``split_over(model, group)`` makes ``model(images)`` run the split, which is how `vim-ds train --sequence-parallel N`
-uses it (vim_ds/engine/sequence_groups.py: the groups, and what DeepSpeed is told).
+uses it (vim_ds/runtime/sequence_groups.py: the groups, and what DeepSpeed is told).
 
 Not here: the model's gradient checkpointing with the split (refused: its recomputation would repeat the
 collectives).

@@ -1,6 +1,6 @@
 """PyTorch DDP and FSDP2 in place of the DeepSpeed engine: the baselines of `vim-ds zero-compare`.
 
-`TorchEngine` (`DDPEngine`, `FSDPEngine`; engine/training_engines.py registers them as --engine ddp and fsdp)
+`TorchEngine` (`DDPEngine`, `FSDPEngine`; config/training_engines.py registers them as --engine ddp and fsdp)
 answers the calls the trainer makes on a DeepSpeed engine (forward, `backward`, `step`, `get_lr`,
 `was_step_applied`, `get_global_grad_norm`, `train`/`eval`), so the trainer's data order, loss, metrics, evaluation
 and memory accounting are the ones the ZeRO runs use; only the wrapping, backward and step differ:

@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from ..engine.launched_runs import (
+from ...runtime.launched_runs import (
     clear_run_folder,
     describe_config,
     foreign_run_folder,

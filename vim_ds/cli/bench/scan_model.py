@@ -32,7 +32,7 @@ measured / bound (>= 1; the closer to 1, the less is left to gain).
   itself (many chains run side by side), but the latency a parallel evaluation gets down to: an implementation
   that walks the sequence serially has a chain of about L steps (or 2L) instead of log2 L. ``forward_chain`` /
   ``backward_chain`` list the steps. The kernel emulator's counting build (tools/kernel_emu) measures the
-  kernels' bytes, exp, FMA and chains to set beside these minima (``vim_ds/bench/scan_counts.py``,
+  kernels' bytes, exp, FMA and chains to set beside these minima (``vim_ds/cli/bench/scan_counts.py``,
   ``vim-ds bench scan --predict``).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 import torch
 from torch._dynamo.utils import counters
 
-from ..models import ModelConfig
+from ...models import ModelConfig
 from .timing import timeit
 
 
@@ -66,7 +66,7 @@ def child(spec: dict) -> dict:
 
 def measure(spec: dict) -> dict:
     """Run one model measurement in a fresh interpreter and return its result."""
-    out = subprocess.run([sys.executable, "-m", "vim_ds.bench", "_child", json.dumps(spec)],
+    out = subprocess.run([sys.executable, "-m", "vim_ds.cli.bench", "_child", json.dumps(spec)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if out.returncode != 0:
         tail = out.stderr.strip().splitlines()[-1:] or ["no output"]

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..data.digits import clear_output_folder
-from ..data.photos import DEFAULT_QUALITY, DEFAULT_SIZES, write_photos
-from ..engine.errors import report_error
+from ...data.digits import clear_output_folder
+from ...data.photos import DEFAULT_QUALITY, DEFAULT_SIZES, write_photos
+from ...runtime.errors import report_error
 
 
 def _size(text: str) -> tuple[int, int]:

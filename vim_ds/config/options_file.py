@@ -22,7 +22,12 @@ naming the file and the key. What the options derive from each other is run_conf
 from __future__ import annotations
 
 import difflib
+import os
 
+import yaml
+
+from ..runtime import write_journal
+from . import shipped_configs
 from .run_config import OPTIONS, RunConfig, derived
 
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
@@ -66,8 +71,6 @@ class _KeyGivenTwice(Exception):
 def _unique_key_loader():
     """YAML's safe loader, refusing a key given twice in one mapping: YAML requires keys to be unique, but PyYAML
     keeps the last value without a word (`batch_size: 16`, later `batch_size: 4`, trained with 4)."""
-    import yaml
-
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             first_line = {}
@@ -87,8 +90,6 @@ def _unique_key_loader():
 
 def read(path: str) -> dict:
     """The mapping a YAML option file holds, or a one-line ValueError (a key given twice in one mapping too)."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader
@@ -211,10 +212,6 @@ def write_run(path: str, options: dict, step: int | None = None) -> str | None:
     writes them whole. A run resumed at `step` keeps the record it continues: when an option that matters
     (not NOT_PART_OF_THE_RUN) differs from what was in effect, a segment {from_step, options: the changed ones} is
     appended, and the returned note says which; the same options leave the file as it is (None)."""
-    import os
-
-    from . import write_journal
-
     write_journal.rewriting(path)  # a run refused before its first step puts it back
     if step is None or not os.path.isfile(path):
         write(path, options)
@@ -256,10 +253,6 @@ def same_value(dest: str, a, b) -> bool:
 
 def _resolved(dest: str, value: str) -> str:
     """The file or folder a path option's value names (`auto` for `--resume auto`)."""
-    import os
-
-    from . import shipped_configs
-
     if dest == "resume" and value == "auto":
         return value
     if dest == "deepspeed_config":
@@ -273,8 +266,6 @@ def _resolved(dest: str, value: str) -> str:
 def _absolute(dest: str, value):
     """A path option's value as recorded: absolute (see PATH_OPTIONS); empty, `auto` and a shipped config's name as
     they are."""
-    import os
-
     if not value or (dest == "resume" and value == "auto"):
         return value
     if dest == "deepspeed_config" and not os.path.exists(value):
@@ -297,9 +288,7 @@ def with_settled(options: dict, config: RunConfig) -> dict:
 
 def record(config: RunConfig) -> dict:
     """The effective options of a run (its RunConfig) as a YAML-ready mapping (tuples as lists), in the order of
-    --help (the options are engine/run_config.py's); paths absolute (PATH_OPTIONS)."""
-    from . import shipped_configs
-
+    --help (the options are config/run_config.py's); paths absolute (PATH_OPTIONS)."""
     values, derived_values = config.to_dict(), derived(config)
     out = {}
     for dest in OPTIONS:
@@ -329,8 +318,6 @@ def plain(value):
 
 
 def write(path: str, options: dict) -> None:
-    import yaml
-
     text = yaml.safe_dump(options, sort_keys=False, default_flow_style=None)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write("# vim-ds train: this run's effective options, written at its start. Start the same run again with\n"
@@ -341,6 +328,4 @@ def write(path: str, options: dict) -> None:
                     f"later part ran\n# with which options changed; --config repeats the first part (the top "
                     f"level).\n")
         f.write(text)
-    import os
-
     os.replace(path + ".tmp", path)

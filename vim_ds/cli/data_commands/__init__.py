@@ -5,10 +5,10 @@ is the data library's (vim_ds.data): a command parses its options, makes one cal
 """
 
 COMMANDS = {
-    "digits": ("vim_ds.data_commands.digits",
+    "digits": ("vim_ds.cli.data_commands.digits",
                "write scikit-learn's 8x8 handwritten digits as train/ and val/ PNG folders"),
-    "shard": ("vim_ds.data_commands.shard",
+    "shard": ("vim_ds.cli.data_commands.shard",
               "write an ImageNet-layout folder as WebDataset tar shards with an offset index"),
-    "photos": ("vim_ds.data_commands.photos",
+    "photos": ("vim_ds.cli.data_commands.photos",
                "write JPEGs at ImageNet's sizes made from real photographs (for benchmarks)"),
 }

@@ -4,15 +4,15 @@ name is the option's dest, its default the parser's, and its metadata (`Option`)
 flags as typed, help, type, choices, nargs, metavar, a store_true flag and its `--no-X` partner) and what a value
 must be (`rule`, one of RULES, with a hint for the error; `Option.coerce`, for a value a file gives). The command
 line's parser is generated from these fields (run_options.build_parser), and option files
-(engine/options_file.py) read the option definitions from them.
+(config/options_file.py) read the option definitions from them.
 
 A RunConfig is built from its sources in order: the fields' defaults, a recipe or config file, what was typed
 (run_options.parse_config), or in code (`RunConfig(model=ModelOptions(...), ...)`, `RunConfig.from_dict`). It is
 resolved as it is made (`RunConfig.__post_init__`): an option whose default depends on others and that was not
 given (None) takes its value (`derived`: --model-ema from the engine, --data-timeout from --dist-timeout), DeepSpeed's
 deprecated --deepscale_config names the DeepSpeed config, and what was given is recorded (`lr_defaults`, `given`).
-So `RunConfig()` is a run (the command line's defaults), and engine/run_rules.validate says which rule between
-options a config breaks. No argparse here: the command line (engine/run_options.py) is the one module that parses
+So `RunConfig()` is a run (the command line's defaults), and config/run_rules.validate says which rule between
+options a config breaks. No argparse here: the command line (cli/run_options.py) is the one module that parses
 argv.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from .distributed import DATA_TIMEOUT, default_data_timeout
+from ..runtime.distributed import DATA_TIMEOUT, default_data_timeout
 from .ds_config import DEFAULT_MICRO_BATCH
 from .shipped_configs import DEFAULT as DEFAULT_DEEPSPEED_CONFIG
 from .training_engines import DEFAULT as DEFAULT_ENGINE
@@ -429,7 +429,7 @@ def resolution(config: RunConfig) -> dict:
     """dest -> value for each field of `config` that its sources left to resolve: values as the config holds them
     (lists of values as tuples, --model-kwargs as a dict); a derived option not given, its derived value
     (`derived`); --deepscale_config, DeepSpeed's deprecated spelling, as the DeepSpeed config when
-    --deepspeed_config is not given (engine/run_rules.validate refuses two that disagree); which of --min-lr and
+    --deepspeed_config is not given (config/run_rules.validate refuses two that disagree); which of --min-lr and
     --warmup-lr hold the default, and which of DEEPSPEED_SETS_TOO were given (`given_options`). {} for a resolved
     config: a copy (`replace`) resolves only what the change left to resolve."""
     values = config.to_dict()

@@ -1,5 +1,5 @@
 """Where a run's options become the configs of the layers below the engine: the one place the run's RunConfig
-(engine/run_config.py) crosses into vim_ds.data (and the data naming of vim_ds.checkpoint) and vim_ds.models. Each
+(config/run_config.py) crosses into vim_ds.data (and the data naming of vim_ds.checkpoint) and vim_ds.models. Each
 function takes the RunConfig and fills every field of one config; the library below never sees the run's options,
 and a default lives only in the options' definitions."""
 from __future__ import annotations

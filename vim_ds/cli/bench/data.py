@@ -42,21 +42,21 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, FastCollateMi
 from timm.data.loader import fast_collate
 from torch.utils.data import default_collate
 
-from ..data import build_dataset
-from ..data.datasets import _checked_split, derive_seed, erase_seed, seeded_rngs
-from ..data.images import open_rgb
-from ..data.loader import LoaderConfig, build_loader, stop_workers
-from ..data.shards import check_shards, write_shards
-from ..data.transforms import _auto_augment
-from ..engine import sequence_groups
-from ..engine.components import dataset_config
-from ..engine.ds_config import DEFAULT_MICRO_BATCH, BatchSizes, eval_batch_size
-from ..engine.evaluate import eval_sampler
-from ..engine.parts import build_mixup, train_sampler
-from ..engine.run_config import RunConfig
-from ..engine.run_info import cpu_name
-from ..engine.run_options import parse_args
-from ..engine.trainer import seed_everything
+from ...config.components import dataset_config
+from ...config.ds_config import DEFAULT_MICRO_BATCH, BatchSizes, eval_batch_size
+from ...config.run_config import RunConfig
+from ...data import build_dataset
+from ...data.datasets import _checked_split, derive_seed, erase_seed, seeded_rngs
+from ...data.images import open_rgb
+from ...data.loader import LoaderConfig, build_loader, stop_workers
+from ...data.shards import check_shards, write_shards
+from ...data.transforms import _auto_augment
+from ...engine.evaluate import eval_sampler
+from ...engine.parts import build_mixup, train_sampler
+from ...engine.run_info import cpu_name
+from ...engine.trainer import seed_everything
+from ...runtime import sequence_groups
+from ..run_options import parse_args
 
 PROG = "vim-ds bench data"
 STAGES = ("seeding", "decode", "resize_crop", "augment", "to_tensor_normalize", "random_erasing", "collate",

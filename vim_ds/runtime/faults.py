@@ -79,7 +79,7 @@ def _parse(text: str) -> set[tuple[str, int, int | None]]:
 
 
 # read when first asked, not at import: a value it cannot read is then a one-line error of the command that reads
-# it (engine/env_vars.py checks it at every command's start), not a traceback of an import
+# it (runtime/env_vars.py checks it at every command's start), not a traceback of an import
 _FAULTS = None
 _RECORD_DIR = os.environ.get("VIM_DS_RECORD_BATCHES", "")
 

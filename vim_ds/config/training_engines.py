@@ -3,12 +3,13 @@ the package asks it (saves checkpoints, keeps an EMA, compiles, splits the seque
 how it is built. `ENGINES` maps each name to its engine; `training_engine(name)` looks one up. Nothing else in the
 package compares engine names (tests/test_engines.py checks it): it asks the engine what it can do.
 
-deepspeed  DeepSpeed's engine (engine/deepspeed_engine.py): ZeRO 0-3, checkpoints, EMA, --compile, sequence
+deepspeed  DeepSpeed's engine (runtime/deepspeed_engine.py): ZeRO 0-3, checkpoints, EMA, --compile, sequence
            parallelism
-ddp, fsdp  PyTorch DDP and FSDP2 (engine/baselines.py), the measurement baselines of `vim-ds zero-compare`
+ddp, fsdp  PyTorch DDP and FSDP2 (runtime/baselines.py), the measurement baselines of `vim-ds zero-compare`
 
 The command line reads the registry for --engine's choices and its rules; DeepSpeed itself is imported only where a
-run builds its engine (engine/deepspeed_engine.py).
+run builds its engine (runtime/deepspeed_engine.py). The registry is the configuration's: a RunConfig derives
+--model-ema from it and its rules (config/run_rules.py) ask it; the backends it builds are the runtime's, below it.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import baselines, deepspeed_engine
-from .baselines import precision_label
+from ..runtime import baselines, deepspeed_engine
+from ..runtime.baselines import precision_label
 from .ds_config import PRECISION_DTYPES
 
 
@@ -60,7 +61,7 @@ class TrainingEngine:
 
 @dataclass(frozen=True)
 class TorchBaseline(TrainingEngine):
-    """A PyTorch baseline (engine/baselines.py): fp32 parameters, bf16 as autocast, FSDP2 when it shards."""
+    """A PyTorch baseline (runtime/baselines.py): fp32 parameters, bf16 as autocast, FSDP2 when it shards."""
 
     def runs_precision(self, precision: str) -> str:
         return precision_label(precision)

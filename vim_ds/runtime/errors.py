@@ -5,6 +5,10 @@ unless told otherwise); with VIM_DS_TRACEBACK=1 the traceback of the exception c
 message's first line (`first_line`): our own messages are one line by convention, and the lines torch and DeepSpeed
 add after the cause (a C++ stack, hints, a Python stack of the compiled code) would bury it. The line keeps the
 message's spacing as it is, so a path with two spaces in it is shown as it is.
+
+It is the runtime's, not the command line's: `engine.run.run(config)`, the call a Python program makes without a
+command line, reports a refused or failed run in the same line, and so does every rank's check of its VIM_DS_*
+variables (runtime/env_vars.py).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ def _first(text: str) -> str:
 
 def tracebacks_wanted() -> bool:
     """VIM_DS_TRACEBACK=1: print the traceback above the one line (another value than 0 or 1 is refused at the
-    command's start, engine/env_vars.py; here it counts as 1)."""
+    command's start, runtime/env_vars.py; here it counts as 1)."""
     return os.environ.get("VIM_DS_TRACEBACK", "") not in ("", "0")
 
 

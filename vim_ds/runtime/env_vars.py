@@ -1,5 +1,5 @@
 """The VIM_DS_* environment variables vim_ds reads, what each accepts, and the check of them every command makes at
-its start: `vim-ds X` in the dispatcher (vim_ds/cli.py), and `vim-ds train`/`eval` on every rank however it is
+its start: `vim-ds X` in the dispatcher (vim_ds/cli/__init__.py), and `vim-ds train`/`eval` on every rank however it is
 launched (engine/run.py).
 
 A value a variable does not accept used to surface where it was first read: VIM_DS_INJECT=garbage as a ValueError

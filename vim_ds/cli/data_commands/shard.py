@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..data.datasets import DataError
-from ..data.shards import index_path, parse_size, write_shards
-from ..engine.errors import report_error
+from ...data.datasets import DataError
+from ...data.shards import index_path, parse_size, write_shards
+from ...runtime.errors import report_error
 
 
 def _shard_size(text: str) -> int:

@@ -5,8 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..data.digits import clear_output_folder, write_digits
-from ..engine.errors import report_error
+from ...data.digits import clear_output_folder, write_digits
+from ...runtime.errors import report_error
 
 
 def _fraction(text: str) -> float:

@@ -22,7 +22,7 @@ import torch
 
 from . import scan_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # vim_ds/cli/bench/ -> the checkout
 EMU_DIR = REPO / "tools" / "kernel_emu"
 LIB_NAME = "libscan_emu_count.so"
 ENV_BUILD = "SCAN_EMU_BUILD"  # a folder where tools/kernel_emu/build.sh already wrote the libraries

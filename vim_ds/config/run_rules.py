@@ -1,10 +1,11 @@
-"""The rules a run's options must keep, alone and together, checked on the typed config (engine/run_config.py):
+"""The rules a run's options must keep, alone and together, checked on the typed config (config/run_config.py):
 `validate(config)` is the first rule it breaks, said in one line, or None. The command line says it as a usage
 error (run_options.parse_config: `vim-ds train: error: ...`, exit 2); engine/run.run says it the same way for a
 config made in code. No argparse here, and nothing is changed: a config is resolved as it is made.
 """
 from __future__ import annotations
 
+from ..models import ALIASES, VARIANTS
 from .run_config import OPTIONS, RULES, RunConfig
 from .training_engines import ENGINES, training_engine
 
@@ -118,8 +119,6 @@ def patch_grid_error(model: str, model_kwargs: dict, input_size: int) -> str | N
     """Why `input_size` is no whole grid of `model`'s patches (which start every `stride` pixels, so
     (input_size - patch_size) must be a multiple of the stride, and the patch must fit), or None. Patch size and
     stride are the registered variant's unless --model-kwargs sets them; an unknown model is left to the factory."""
-    from ..models import ALIASES, VARIANTS  # torch: only once the options are otherwise valid
-
     arch = VARIANTS.get(ALIASES.get(model, model))
     if arch is None:
         return None

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from ..checkpoint import deepspeed_dir
-from ..checkpoint.convert import convert
-from ..checkpoint.files import CheckpointError
-from ..engine.errors import report_error
-from ..engine.trainer import peak_memory_mb
+from ...checkpoint import deepspeed_dir
+from ...checkpoint.convert import convert
+from ...checkpoint.files import CheckpointError
+from ...engine.trainer import peak_memory_mb
+from ...runtime.errors import report_error
 
 
 def child(ckpt: str, out: str) -> dict:
@@ -72,7 +72,7 @@ def run_convert(args) -> dict:
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise SystemExit(report_error("vim-ds bench convert", f"training failed: {last}", code=1))
-        out = subprocess.run([sys.executable, "-m", "vim_ds.bench", "_convert_child", ckpt,
+        out = subprocess.run([sys.executable, "-m", "vim_ds.cli.bench", "_convert_child", ckpt,
                               os.path.join(tmp, "converted.pth")], capture_output=True, text=True)
         if out.returncode != 0:
             last = (out.stderr.strip().splitlines() or ["?"])[-1]

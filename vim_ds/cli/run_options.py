@@ -1,7 +1,7 @@
 """The command line of a training run (`vim-ds train`, and `vim-ds eval` = `vim-ds train --eval`): the parser,
-generated from the typed options of engine/run_config.py, and `parse_config`, which builds the run's RunConfig from
+generated from the typed options of config/run_config.py, and `parse_config`, which builds the run's RunConfig from
 its sources in order (the fields' defaults, a `--config` recipe or file, what was typed) and refuses a config that
-breaks a rule (engine/run_rules.py) as a usage error. The one module below the commands that uses argparse: the
+breaks a rule (config/run_rules.py) as a usage error. It is the command line's (vim_ds/cli/), as argparse is: the
 engine takes the RunConfig. Option names follow the published Vim/DeiT `main.py`; `--batch-size` is the per-rank
 micro batch."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import copy
 import os
 import sys
 
-from . import run_config
-from .run_config import GROUPS, OPTIONS, DeepSpeedOptions, RunConfig, group_options
-from .run_rules import range_error as _range_error
-from .run_rules import validate
+from ..config import options_file, run_config, shipped_configs
+from ..config.run_config import GROUPS, OPTIONS, DeepSpeedOptions, RunConfig, group_options
+from ..config.run_rules import range_error as _range_error
+from ..config.run_rules import validate
 
 DESCRIPTION = "`vim-ds train` = `python -m vim_ds.train`: train (or, with --eval, evaluate) Vim with DeepSpeed."
 
@@ -86,8 +86,6 @@ def _read_config_file(parser: argparse.ArgumentParser, argv) -> tuple[dict, dict
     """With --config: the file's `recipe:` description ({} without one) and its options, which --help then shows as
     the defaults; ({}, {}) without. A bad file is a parser error (one line, exit 2), said before anything else in
     argv is read."""
-    from . import options_file, shipped_configs
-
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="")
     known, _ = pre.parse_known_args(argv)

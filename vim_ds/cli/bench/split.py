@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..engine.distributed import free_port
-from ..engine.run_options import add_model_kwargs
-from ..engine.trainer import peak_memory_mb
-from ..models.factory import ModelConfig
-from ..models.sequence_parallel import split_error, split_over
+from ...engine.trainer import peak_memory_mb
+from ...models.factory import ModelConfig
+from ...models.sequence_parallel import split_error, split_over
+from ...runtime.distributed import free_port
+from ..run_options import add_model_kwargs
 from .data import BenchError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,0 +1,6 @@
+"""`python -m vim_ds.cli ...` = `vim-ds ...`."""
+import sys
+
+from . import main
+
+sys.exit(main())
