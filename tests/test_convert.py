@@ -52,7 +52,7 @@ def test_convert_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
 def test_convert_and_predict_are_subcommands():
     from vim_ds.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["convert"][0] == "vim_ds.convert" and SUBCOMMANDS["predict"][0] == "vim_ds.predict"
+    assert SUBCOMMANDS["convert"][0] == "vim_ds.cli.convert" and SUBCOMMANDS["predict"][0] == "vim_ds.cli.predict"
 
 
 # -- real training runs ---------------------------------------------------------------------------------------
