@@ -5,7 +5,10 @@ An older torch or DeepSpeed cannot be installed beside this venv's, so the run's
 torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
 strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
 """
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +130,58 @@ def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_s
         assert torch.load(path, weights_only=True)["args"].lr == 0.1
     assert set(map(repr, torch.serialization.get_safe_globals())) == before  # (their order aside)
     assert files.load_weights_file(path)["args"].lr == 0.1  # through a loader of vim_ds's
+
+
+# Rank 0 leaves an all-reduce waiting for rank 1 on the world group and on a group it keeps no reference to, drops
+# their tensors and works (the gloo workers then hold the last references, and freeing them needs the GIL), and
+# tears down; rank 1 joins both all-reduces 2 s later, while rank 0 is inside teardown.
+TEARDOWN_RANKS = r"""
+import os, sys, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from vim_ds.engine import distributed
+
+rank, folder = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+subgroup = dist.new_group([0, 1])
+if rank == 0:
+    works = [dist.all_reduce(torch.ones(4), async_op=True),
+             dist.all_reduce(torch.ones(4), group=subgroup, async_op=True)]
+    del works, subgroup
+    open(f"{folder}/issued", "w").close()
+    distributed.teardown()
+    print("torn down", flush=True)
+    open(f"{folder}/torn_down", "w").close()
+else:
+    while not os.path.exists(f"{folder}/issued"):
+        time.sleep(0.05)
+    time.sleep(2)
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4), group=subgroup)
+    deadline = time.time() + 60
+    while not os.path.exists(f"{folder}/torn_down") and time.time() < deadline:
+        time.sleep(0.05)
+os._exit(0)
+"""
+
+
+def test_teardown_returns_while_gloo_workers_still_free_collectives(tmp_path):
+    """torch 2.4 destroyed a process group with the GIL held, and its backend's destructor waits for the gloo
+    workers, one of which needed the GIL to free a finished all-reduce: a rank hung at its exit after a finished
+    2-rank run (matrix, torch 2.4.1). teardown holds each group's backend across destroy_process_group so that
+    the backends are destroyed by their own bindings, which release the GIL (distributed._backends_of_every_group).
+    Two real gloo ranks; torch 2.4 is needed for the hang (the matrix runs this test there)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    ranks = [subprocess.Popen([sys.executable, "-c", TEARDOWN_RANKS, str(rank), str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=60) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert outputs[0][0].strip() == "torn down", outputs
