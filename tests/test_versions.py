@@ -123,7 +123,7 @@ def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_s
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1)}, path)
     before = set(map(repr, torch.serialization.get_safe_globals()))
-    monkeypatch.delattr(torch.serialization, "safe_globals")
+    monkeypatch.delattr(torch.serialization, "safe_globals", raising=False)  # (torch 2.4 has none)
     with pytest.raises(Exception, match="Unsupported global"):  # refused outside the block
         torch.load(path, weights_only=True)
     with files.safe_globals([argparse.Namespace]):
@@ -185,3 +185,25 @@ def test_teardown_returns_while_gloo_workers_still_free_collectives(tmp_path):
             rank.kill()
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert outputs[0][0].strip() == "torn down", outputs
+
+
+def test_a_deepspeed_016_checkpoint_with_a_set_loads_where_torch_allows_no_set_by_default(monkeypatch, tmp_path):
+    """DeepSpeed 0.16's model states hold `sparse_tensor_module_names` as a set, which torch 2.4's weights-only
+    unpickler does not allow by default (newer torch does): every resume, conversion and universal copy of such a
+    checkpoint was refused as unsafe there. vim_ds's loads and DeepSpeed's own ones inside deepspeed_loads allow it.
+    torch 2.4 is made here by taking set off torch's default allow-list (the matrix runs the real one)."""
+    from torch import _weights_only_unpickler as unpickler
+
+    from vim_ds.checkpoint import safe_load
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "sparse_tensor_module_names": {"embed"}}, path)
+    allowed = unpickler._get_allowed_globals
+    monkeypatch.setattr(unpickler, "_get_allowed_globals",
+                        lambda: {name: obj for name, obj in allowed().items() if name != "builtins.set"})
+    with pytest.raises(Exception, match="GLOBAL (builtins.)?set was not an allowed global"):  # torch 2.4's refusal
+        torch.load(path, weights_only=True)
+    assert safe_load.load(path)["sparse_tensor_module_names"] == {"embed"}
+    # DeepSpeed's own loads (weights_only=False, forced to weights-only inside deepspeed_loads)
+    with safe_load.deepspeed_loads(str(tmp_path)):
+        assert torch.load(path, weights_only=False)["sparse_tensor_module_names"] == {"embed"}
