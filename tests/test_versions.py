@@ -5,6 +5,7 @@ An older torch or DeepSpeed cannot be installed beside this venv's, so the run's
 torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
 strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
 """
+import json
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import torch
 
 from vim_ds import cli
 from vim_ds.engine import run_options, versions
+from vim_ds.engine.ports import free_port
 from vim_ds.engine.run import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,3 +209,54 @@ def test_a_deepspeed_016_checkpoint_with_a_set_loads_where_torch_allows_no_set_b
     # DeepSpeed's own loads (weights_only=False, forced to weights-only inside deepspeed_loads)
     with safe_load.deepspeed_loads(str(tmp_path)):
         assert torch.load(path, weights_only=False)["sparse_tensor_module_names"] == {"embed"}
+
+
+# A world of one builds a real DeepSpeed engine whose optimizer is a BF16_Optimizer (bf16 with fp32 gradient
+# accumulation: ZeRO-1 here, which every DeepSpeed in range gives it; DeepSpeed 0.16 also without ZeRO) through
+# vim_ds, then does to each flat bf16 buffer what torch 2.4's gloo all-gather does after each step: views of it made
+# under no_grad, written from another thread, where grad mode is on.
+BF16_BUFFERS = r"""
+import json, threading, types
+
+import deepspeed
+import torch
+
+from vim_ds.engine import deepspeed_engine
+
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+# (torch's AdamW: DeepSpeed's fused one would be compiled first on a CPU; small buckets: the default ones hold 0.7 GB)
+config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+          "zero_optimization": {"stage": 1, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+groups = [{"params": list(model.parameters())}]
+engine, _, _ = deepspeed_engine.build(model, groups, types.SimpleNamespace(config=config), None, None)
+errors = []
+for flat in engine.optimizer.bf16_groups_flat:
+    with torch.no_grad():
+        views = flat.chunk(1)
+    def gather():
+        try:
+            views[0].copy_(torch.ones_like(views[0]))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    worker = threading.Thread(target=gather)
+    worker.start()
+    worker.join()
+print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "errors": errors}))
+"""
+
+
+def test_bf16_optimizer_buffers_take_a_gather_into_their_views_from_another_thread(tmp_path):
+    """DeepSpeed's BF16_Optimizer flattened each group's bf16 parameters into a buffer that autograd recorded, and
+    torch 2.4's gloo copies the all-gathered partitions into views of it in its worker thread: every multi-rank CPU
+    run with bf16 and no ZeRO stopped at its first step on DeepSpeed 0.16 and torch 2.4 (`A view was created in
+    no_grad mode and is being modified inplace with grad mode enabled`). vim_ds detaches those buffers after building
+    the engine (deepspeed_engine._untrack_bf16_buffers); the matrix runs the real 2-rank case there."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", BF16_BUFFERS], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, proc.stderr[-3000:]
+    assert json.loads(results[0][len("RESULT "):]) == {"optimizer": "BF16_Optimizer", "errors": []}
