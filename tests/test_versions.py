@@ -181,7 +181,7 @@ def test_teardown_returns_while_gloo_workers_still_free_collectives(tmp_path):
     ranks = [subprocess.Popen([sys.executable, "-c", TEARDOWN_RANKS, str(rank), str(tmp_path)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:
-        outputs = [rank.communicate(timeout=60) for rank in ranks]
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
     finally:
         for rank in ranks:
             rank.kill()
