@@ -5,7 +5,11 @@ An older torch or DeepSpeed cannot be installed beside this venv's, so the run's
 torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
 strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
 """
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from vim_ds import cli
 from vim_ds.cli import run_options
 from vim_ds.engine.run import run
 from vim_ds.runtime import versions
+from vim_ds.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOO_OLD_TORCH = ("torch 2.3.1+cu121 is installed, and vim_ds supports torch >= 2.4 (tested: "
@@ -121,10 +126,138 @@ def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_s
     path = tmp_path / "args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1)}, path)
     before = set(map(repr, torch.serialization.get_safe_globals()))
-    monkeypatch.delattr(torch.serialization, "safe_globals")
+    monkeypatch.delattr(torch.serialization, "safe_globals", raising=False)  # (torch 2.4 has none)
     with pytest.raises(Exception, match="Unsupported global"):  # refused outside the block
         torch.load(path, weights_only=True)
     with files.safe_globals([argparse.Namespace]):
         assert torch.load(path, weights_only=True)["args"].lr == 0.1
     assert set(map(repr, torch.serialization.get_safe_globals())) == before  # (their order aside)
     assert files.load_weights_file(path)["args"].lr == 0.1  # through a loader of vim_ds's
+
+
+# Rank 0 leaves an all-reduce waiting for rank 1 on the world group and on a group it keeps no reference to, drops
+# their tensors and works (the gloo workers then hold the last references, and freeing them needs the GIL), and
+# tears down; rank 1 joins both all-reduces 2 s later, while rank 0 is inside teardown.
+TEARDOWN_RANKS = r"""
+import os, sys, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from vim_ds.runtime import distributed
+
+rank, folder = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+subgroup = dist.new_group([0, 1])
+if rank == 0:
+    works = [dist.all_reduce(torch.ones(4), async_op=True),
+             dist.all_reduce(torch.ones(4), group=subgroup, async_op=True)]
+    del works, subgroup
+    open(f"{folder}/issued", "w").close()
+    distributed.teardown()
+    print("torn down", flush=True)
+    open(f"{folder}/torn_down", "w").close()
+else:
+    while not os.path.exists(f"{folder}/issued"):
+        time.sleep(0.05)
+    time.sleep(2)
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4), group=subgroup)
+    deadline = time.time() + 60
+    while not os.path.exists(f"{folder}/torn_down") and time.time() < deadline:
+        time.sleep(0.05)
+os._exit(0)
+"""
+
+
+def test_teardown_returns_while_gloo_workers_still_free_collectives(tmp_path):
+    """torch 2.4 destroyed a process group with the GIL held, and its backend's destructor waits for the gloo
+    workers, one of which needed the GIL to free a finished all-reduce: a rank hung at its exit after a finished
+    2-rank run (matrix, torch 2.4.1). teardown holds each group's backend across destroy_process_group so that
+    the backends are destroyed by their own bindings, which release the GIL (distributed._backends_of_every_group).
+    Two real gloo ranks; torch 2.4 is needed for the hang (the matrix runs this test there)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    ranks = [subprocess.Popen([sys.executable, "-c", TEARDOWN_RANKS, str(rank), str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert outputs[0][0].strip() == "torn down", outputs
+
+
+def test_a_deepspeed_016_checkpoint_with_a_set_loads_where_torch_allows_no_set_by_default(monkeypatch, tmp_path):
+    """DeepSpeed 0.16's model states hold `sparse_tensor_module_names` as a set, which torch 2.4's weights-only
+    unpickler does not allow by default (newer torch does): every resume, conversion and universal copy of such a
+    checkpoint was refused as unsafe there. vim_ds's loads and DeepSpeed's own ones inside deepspeed_loads allow it.
+    torch 2.4 is made here by taking set off torch's default allow-list (the matrix runs the real one)."""
+    from torch import _weights_only_unpickler as unpickler
+
+    from vim_ds.checkpoint import safe_load
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "sparse_tensor_module_names": {"embed"}}, path)
+    allowed = unpickler._get_allowed_globals
+    monkeypatch.setattr(unpickler, "_get_allowed_globals",
+                        lambda: {name: obj for name, obj in allowed().items() if name != "builtins.set"})
+    with pytest.raises(Exception, match="GLOBAL (builtins.)?set was not an allowed global"):  # torch 2.4's refusal
+        torch.load(path, weights_only=True)
+    assert safe_load.load(path)["sparse_tensor_module_names"] == {"embed"}
+    # DeepSpeed's own loads (weights_only=False, forced to weights-only inside deepspeed_loads)
+    with safe_load.deepspeed_loads(str(tmp_path)):
+        assert torch.load(path, weights_only=False)["sparse_tensor_module_names"] == {"embed"}
+
+
+# A world of one builds a real DeepSpeed engine whose optimizer is a BF16_Optimizer (bf16 with fp32 gradient
+# accumulation: ZeRO-1 here, which every DeepSpeed in range gives it; DeepSpeed 0.16 also without ZeRO) through
+# vim_ds, then does to each flat bf16 buffer what torch 2.4's gloo all-gather does after each step: views of it made
+# under no_grad, written from another thread, where grad mode is on.
+BF16_BUFFERS = r"""
+import json, threading, types
+
+import deepspeed
+import torch
+
+from vim_ds.runtime import deepspeed_engine
+
+deepspeed.init_distributed(dist_backend="gloo")
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+# (torch's AdamW: DeepSpeed's fused one would be compiled first on a CPU; small buckets: the default ones hold 0.7 GB)
+config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+          "zero_optimization": {"stage": 1, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+groups = [{"params": list(model.parameters())}]
+engine, _, _ = deepspeed_engine.build(model, groups, types.SimpleNamespace(config=config), None, None)
+errors = []
+for flat in engine.optimizer.bf16_groups_flat:
+    with torch.no_grad():
+        views = flat.chunk(1)
+    def gather():
+        try:
+            views[0].copy_(torch.ones_like(views[0]))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    worker = threading.Thread(target=gather)
+    worker.start()
+    worker.join()
+print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "errors": errors}))
+"""
+
+
+def test_bf16_optimizer_buffers_take_a_gather_into_their_views_from_another_thread(tmp_path):
+    """DeepSpeed's BF16_Optimizer flattened each group's bf16 parameters into a buffer that autograd recorded, and
+    torch 2.4's gloo copies the all-gathered partitions into views of it in its worker thread: every multi-rank CPU
+    run with bf16 and no ZeRO stopped at its first step on DeepSpeed 0.16 and torch 2.4 (`A view was created in
+    no_grad mode and is being modified inplace with grad mode enabled`). vim_ds detaches those buffers after building
+    the engine (deepspeed_engine._untrack_bf16_buffers); the matrix runs the real 2-rank case there."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", BF16_BUFFERS], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, proc.stderr[-3000:]
+    assert json.loads(results[0][len("RESULT "):]) == {"optimizer": "BF16_Optimizer", "errors": []}

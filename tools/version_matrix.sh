@@ -22,7 +22,8 @@ cd "$(dirname "$0")/.."
 
 # every torch minor with the newest DeepSpeed, every DeepSpeed minor with the oldest and the newest torch
 COMBINATIONS=(2.4.1:0.19.8 2.5.1:0.19.8 2.6.0:0.19.8 2.7.1:0.19.8 2.8.0:0.19.8 2.9.1:0.19.8 2.10.0:0.19.8
-              2.14.1:0.19.8 2.4.1:0.16.9 2.4.1:0.17.6 2.4.1:0.18.9 2.14.1:0.16.9 2.14.1:0.17.6 2.14.1:0.18.9)
+              2.11.0:0.19.8 2.12.1:0.19.8 2.13.0:0.19.8 2.14.1:0.19.8
+              2.4.1:0.16.9 2.4.1:0.17.6 2.4.1:0.18.9 2.14.1:0.16.9 2.14.1:0.17.6 2.14.1:0.18.9)
 # The core tests: exact resume under ZeRO-2 and ZeRO-3 onto another rank count (through DeepSpeed's universal
 # checkpoint), conversion against DeepSpeed's engine and zero_to_fp32, the ZeRO stages' equivalence, sequence
 # parallelism equal to the unsplit model, torch.compile(fullgraph=True), the model's export, the op registration.

@@ -46,7 +46,9 @@ def safe_globals(allowed: list):
 
 @contextlib.contextmanager
 def _scoped_safe_globals(allowed: list):
-    before = torch.serialization.get_safe_globals()
+    # a copy: torch 2.4 returns its live list, which add_safe_globals extends in place, so the types added here
+    # stayed allowed for the rest of the process
+    before = list(torch.serialization.get_safe_globals())
     # torch 2.4 takes no (object, "module.name") pairs (safe_load's getattr of an enum member, which some Pythons'
     # pickles call): such a file is refused there, as any global the list does not hold
     torch.serialization.add_safe_globals([entry for entry in allowed if not isinstance(entry, tuple)])

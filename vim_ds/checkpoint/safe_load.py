@@ -31,14 +31,16 @@ def deepspeed_globals() -> list:
     """Non-torch types in DeepSpeed 0.19 checkpoints (model_states, optim_states, universal `zero/` files) for ZeRO
     0-3, bf16/fp16/fp32, with or without offload: the loss scaler objects of the ZeRO and bf16 optimizers, the
     ZeRO stage enum and the fragment addresses of `param_slice_mappings`. (torch.Size, OrderedDict and tensors
-    are torch's own allow-list.)"""
+    are torch's own allow-list.) DeepSpeed 0.16's model states also hold a `set` (`sparse_tensor_module_names`),
+    which newer torch (2.14) allows by default and torch 2.4 does not: there every resume and conversion of such a
+    checkpoint was refused as unsafe. A set of names is data, as a list is."""
     # DeepSpeed here, not at the top: seconds of start-up; only a DeepSpeed checkpoint's files need these
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
     by_name = [(_enum_member, f"{module}.getattr") for module in ("builtins", "__builtin__")]
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, *by_name]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, set, *by_name]
 
 
 def _enum_member(cls, name):

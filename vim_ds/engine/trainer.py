@@ -40,6 +40,20 @@ class TrainingError(RuntimeError):
     """The run cannot go on (the loss diverged, too many unreadable images, ...)."""
 
 
+def _keeps_its_own_gradients(optimizer) -> bool:
+    """DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation: DeepSpeed 0.16's way without ZeRO, where
+    newer releases accumulate in bf16 by default) moves each micro step's gradients into fp32 buffers of its own and
+    averages them over the ranks there, so the module's `.grad` holds one rank's last micro step only: its norm
+    was 25 % off the others' with 2 ranks, 44 % with accumulation 2. It reports the norm of its own gradients, before
+    clipping, as ZeRO's optimizers do (get_global_grad_norm)."""
+    # DeepSpeed here, not at the top (start-up): only a DeepSpeed engine's optimizer can be one
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:  # a DeepSpeed without it: none of its optimizers is one
+        return False
+    return isinstance(optimizer, BF16_Optimizer)
+
+
 @contextlib.contextmanager
 def _optimizer_step_skipped(optimizer):
     """Make the engine's next `optimizer.step()` a no-op that DeepSpeed handles as it handles a step its own overflow
@@ -116,8 +130,10 @@ class Trainer:
         self.progress = Progress()
         # --sequence-parallel: this rank's group (sequence_groups.py); one group per rank without it
         self.groups = groups or sequence_groups.build(1, dist_info.rank, dist_info.world_size)
-        # DeepSpeed reports no norm without ZeRO; the baselines report theirs
-        self._own_grad_norm = ds.zero_stage == 0 and not self.engine_kind.reports_grad_norm_without_zero
+        # DeepSpeed reports no norm without ZeRO (but through an optimizer that keeps the gradients itself, below);
+        # the baselines report theirs
+        self._own_grad_norm = (ds.zero_stage == 0 and not self.engine_kind.reports_grad_norm_without_zero
+                               and not _keeps_its_own_gradients(getattr(self.engine, "optimizer", None)))
         self._grad_norm = None
         # the last optimizer step was made a no-op here (fp32 without ZeRO)
         self._skipped_by_us = False

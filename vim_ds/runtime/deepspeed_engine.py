@@ -22,9 +22,30 @@ def build(model: torch.nn.Module, groups: list[dict], ds, scheduler_factory, com
     with _dynamo_off(not compiled):
         engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds.config,
                                                           lr_scheduler=scheduler_factory)
+    _untrack_bf16_buffers(engine.optimizer)
     what = compile_engine(engine, ds, compile_backend) if compiled else None
     return engine, lr_scheduler, what
 
+
+
+def _untrack_bf16_buffers(optimizer) -> None:
+    """Detach DeepSpeed's BF16_Optimizer's flat bf16 buffers from autograd, in place.
+
+    Why: BF16_Optimizer (bf16 with fp32 gradient accumulation: DeepSpeed 0.16's way without ZeRO) flattens each
+    group's bf16 parameters into one buffer with autograd recording, so the buffer requires grad, and after each
+    step it all-gathers the ranks' partitions into it. torch 2.4's gloo copies into views of that buffer in its
+    worker thread, where grad mode is on: every multi-rank CPU run with bf16 and no ZeRO stopped at its first step
+    with `A view was created in no_grad mode and is being modified inplace with grad mode enabled`. The buffers are
+    storage only (the parameters point into them through `.data`, and no gradient flows through them), so they
+    can stop being recorded: the same tensors and values."""
+    # DeepSpeed here, not at the top (start-up): only a DeepSpeed engine's optimizer can be one
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:  # a DeepSpeed without it: none of its optimizers is one
+        return
+    if isinstance(optimizer, BF16_Optimizer):
+        for flat in optimizer.bf16_groups_flat:
+            flat.detach_()
 
 @contextlib.contextmanager
 def _dynamo_off(off: bool):

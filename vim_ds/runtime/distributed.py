@@ -202,7 +202,33 @@ def broadcast_object(obj, src: int = 0):
 
 def teardown():
     if dist.is_initialized():
+        # held across destroy_process_group, so that no group's backend is destroyed inside it (see below)
+        backends = _backends_of_every_group()
         dist.destroy_process_group()
+        # the backends' last references: their destructors run here, with the GIL released
+        del backends
+
+
+def _backends_of_every_group() -> list:
+    """Every process group's backends (gloo, NCCL), as Python objects.
+
+    Why: a backend's destructor joins its worker threads, and a worker that is still freeing a finished collective
+    needs the GIL when that collective's tensor was last referenced from Python. torch binds the backends so that
+    their destructors release the GIL, and the process groups too in newer releases (2.14); torch 2.4's process
+    group, destroyed from Python (destroy_process_group drops the last reference to the world group and to the
+    groups only it keeps), holds the GIL while it destroys its backends: a rank hung for good at its exit after a
+    2-rank run had finished and saved everything (docs/versions.md). With these references held, a group's
+    destructor only lets go of its backends, and each backend is destroyed when this list is, through its own
+    GIL-releasing binding; with a newer torch only the order of the two destructions changes.
+    """
+    backends = []
+    for group in list(c10d._world.pg_map):
+        for device_type in getattr(group, "_device_types", []):
+            try:
+                backends.append(group._get_backend(torch.device(device_type)))
+            except RuntimeError:  # no backend for that device after all: nothing to hold
+                pass
+    return backends
 
 
 def end_rank_process(code: int) -> NoReturn:
