@@ -240,10 +240,15 @@ def occupancy_floor(header_text):
     return float(m.group(1))
 
 
+def comment_text(header_text):
+    """The header's lines joined into one, comment slashes dropped, so that a phrase may span comment lines."""
+    return " ".join(line.strip().lstrip("/").strip() for line in header_text.splitlines())
+
+
 def floor_exemptions(header_text):
     """{(target, kernel)} the kernel's opening comment exempts from the floor, each with its reason there, as lines
     "Exempt from the floor: KERNEL on TARGET TARGET ...". Joined comment lines are searched."""
-    text = " ".join(line.strip().lstrip("/").strip() for line in header_text.splitlines())
+    text = comment_text(header_text)
     out = set()
     for kernel, targets in re.findall(r"Exempt from the floor: (\S+) on ((?:(?:gfx\w+|sm_\d+),? ?)+)", text):
         out |= {(t.strip(","), kernel) for t in targets.split()}
@@ -253,7 +258,7 @@ def floor_exemptions(header_text):
 def sgpr_exemptions(header_text):
     """{(target, kernel)} the kernel's opening comment allows to park scalar registers in vector lanes (AMD), as
     "Exempt from the scalar-register check: KERNEL KERNEL ... on TARGET TARGET ...", with its reason there."""
-    text = " ".join(line.strip().lstrip("/").strip() for line in header_text.splitlines())
+    text = comment_text(header_text)
     out = set()
     for kernels, targets in re.findall(r"Exempt from the scalar-register check: ((?:scan_\w+<\w+,npl\d+> ?)+) on "
                                        r"((?:gfx\w+,? ?)+)", text):
