@@ -27,6 +27,7 @@ from ..config.run_config import RunConfig
 from ..data.datasets import derive_seed
 from ..models.vim import load_state_dict_into
 from ..runtime import distributed, faults, sequence_groups, signals, write_journal
+from ..runtime.deepspeed_engine import is_bf16_optimizer
 from ..runtime.errors import first_line
 from ..runtime.sequence_groups import SequenceGroups
 from .checkpointing import Checkpointer
@@ -46,12 +47,7 @@ def _keeps_its_own_gradients(optimizer) -> bool:
     averages them over the ranks there, so the module's `.grad` holds one rank's last micro step only: its norm
     was 25 % off the others' with 2 ranks, 44 % with accumulation 2. It reports the norm of its own gradients, before
     clipping, as ZeRO's optimizers do (get_global_grad_norm)."""
-    # DeepSpeed here, not at the top (start-up): only a DeepSpeed engine's optimizer can be one
-    try:
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    except ImportError:  # a DeepSpeed without it: none of its optimizers is one
-        return False
-    return isinstance(optimizer, BF16_Optimizer)
+    return is_bf16_optimizer(optimizer)
 
 
 @contextlib.contextmanager

@@ -38,14 +38,19 @@ def _untrack_bf16_buffers(optimizer) -> None:
     with `A view was created in no_grad mode and is being modified inplace with grad mode enabled`. The buffers are
     storage only (the parameters point into them through `.data`, and no gradient flows through them), so they
     can stop being recorded: the same tensors and values."""
+    if is_bf16_optimizer(optimizer):
+        for flat in optimizer.bf16_groups_flat:
+            flat.detach_()
+
+
+def is_bf16_optimizer(optimizer) -> bool:
+    """Whether `optimizer` is DeepSpeed's BF16_Optimizer (bf16 with fp32 gradient accumulation), by its class."""
     # DeepSpeed here, not at the top (start-up): only a DeepSpeed engine's optimizer can be one
     try:
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     except ImportError:  # a DeepSpeed without it: none of its optimizers is one
-        return
-    if isinstance(optimizer, BF16_Optimizer):
-        for flat in optimizer.bf16_groups_flat:
-            flat.detach_()
+        return False
+    return isinstance(optimizer, BF16_Optimizer)
 
 @contextlib.contextmanager
 def _dynamo_off(off: bool):
