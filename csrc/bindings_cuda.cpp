@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "causal_conv1d_cuda.h"
 #include "selective_scan_cuda.h"
 
 namespace {
@@ -211,6 +212,67 @@ at::Tensor h0_grad(const at::Tensor& u, const at::Tensor& delta, const at::Tenso
   return result[0];
 }
 
+// The depthwise causal conv1d, with the CPU module's interface (bindings_cpu.cpp): x (batch, dim, seqlen) with rows
+// contiguous (a channel slice of a wider tensor is fine), weight (dim, width) and bias (dim,) in the accumulation
+// dtype.
+vim_ds_scan::ConvArgs check_conv(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                                 bool reverse) {
+  TORCH_CHECK(x.defined() && x.dim() == 3, "causal_conv1d (gpu): x must be 3-D (batch, dim, seqlen)");
+  TORCH_CHECK(x.is_cuda(), "causal_conv1d (gpu): x must be a GPU tensor, got ", x.device());
+  TORCH_CHECK(weight.defined() && weight.dim() == 2 && weight.size(0) == x.size(1),
+              "causal_conv1d (gpu): weight must be (dim, width)");
+  const int64_t batch = x.size(0), dim = x.size(1), L = x.size(2), K = weight.size(1);
+  TORCH_CHECK(K >= 1 && K <= vim_ds_scan::kConvMaxWidth, "causal_conv1d (gpu): width must be in [1, ",
+              vim_ds_scan::kConvMaxWidth, "], got ", K);
+  TORCH_CHECK(x.stride(2) == 1 && (dim <= 1 || x.stride(1) == L) && (batch <= 1 || x.stride(0) >= dim * L),
+              "causal_conv1d (gpu): x's rows must be contiguous");
+  const auto acc = acc_dtype(x.scalar_type());
+  check_tensor(weight, "weight", x.device(), acc, {dim, K});
+  check_optional(bias, "bias", x.device(), acc, {dim});
+  vim_ds_scan::ConvArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = L;
+  a.width = K;
+  a.x_batch_stride = x.stride(0);
+  a.dtype = to_scan_dtype(x.scalar_type());
+  a.reverse = reverse;
+  a.x = x.data_ptr();
+  a.w = weight.data_ptr();
+  a.bias = present(bias) ? bias->data_ptr() : nullptr;
+  return a;
+}
+
+at::Tensor conv_fwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, bool reverse) {
+  vim_ds_scan::ConvArgs a = check_conv(x, weight, bias, reverse);
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  a.out = out.data_ptr();
+  const char* err = vim_ds_scan::conv_fwd(a, current_stream());
+  TORCH_CHECK(err == nullptr, "causal_conv1d (gpu) forward failed: ", err);
+  return out;
+}
+
+std::vector<at::Tensor> conv_bwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
+                                 const at::Tensor& dout, bool reverse) {
+  vim_ds_scan::ConvArgs a = check_conv(x, weight, bias, reverse);
+  check_tensor(dout, "dout", x.device(), x.scalar_type(), {a.batch, a.dim, a.seqlen});
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor dx = at::empty(x.sizes(), x.options());  // contiguous
+  // zeroed: with an empty batch or sequence the kernels leave them as they are (sums over nothing)
+  at::Tensor dw = at::zeros_like(weight);
+  at::Tensor db = present(bias) ? at::zeros_like(*bias) : at::Tensor();
+  at::Tensor ws = at::empty({vim_ds_scan::conv_workspace_bytes(a)}, x.options().dtype(at::kByte));
+  a.dout = dout.data_ptr();
+  a.dx = dx.data_ptr();
+  a.dw = dw.data_ptr();
+  a.dbias = db.defined() ? db.data_ptr() : nullptr;
+  a.workspace = ws.numel() > 0 ? ws.data_ptr() : nullptr;
+  const char* err = vim_ds_scan::conv_bwd(a, current_stream());
+  TORCH_CHECK(err == nullptr, "causal_conv1d (gpu) backward failed: ", err);
+  return {dx, dw, db};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -228,6 +290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the gradient of the initial state alone (bwd's dh0 without dlast), from one reverse pass -> dh0",
         py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("delta_softplus"), py::arg("reverse") = false);
+  m.def("conv_fwd", &conv_fwd, "depthwise causal conv1d forward", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("reverse") = false);
+  m.def("conv_bwd", &conv_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false);
   m.def(
       "chunk_length",
       [](int64_t dstate, bool float64) {

@@ -1,5 +1,9 @@
-// Launchers of the selective-scan kernels: plain C++ entry points (declared in selective_scan_cuda.h) that pick
-// the work layout, the template instance and the launch configuration. No torch headers here (see the header).
+// Launchers of the Mamba branch's GPU kernels: plain C++ entry points (declared in selective_scan_cuda.h for the
+// selective scan, causal_conv1d_cuda.h for the depthwise causal conv1d) that pick the work layout, the template
+// instance and the launch configuration. No torch headers here (see the headers). One translation unit, so that
+// the compile check (tools/compile_check.sh) and the kernel emulator (tools/kernel_emu) see every kernel.
+#include "causal_conv1d_cuda.h"
+#include "causal_conv1d_kernel.cuh"
 #include "selective_scan_cuda.h"
 #include "selective_scan_kernel.cuh"
 
@@ -256,5 +260,88 @@ const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stre
 const char* scan_bwd(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kBackward); }
 
 const char* scan_h0_grad(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kH0Grad); }
+
+// ------------------------------------------------------------------ depthwise causal conv1d ----------------
+
+namespace {
+
+const char* check_conv(const ConvArgs& a) {
+  if (a.width < 1 || a.width > kConvMaxWidth) return "causal_conv1d: width must be in [1, 8]";
+  if (a.batch < 0 || a.dim < 0 || a.seqlen < 0) return "causal_conv1d: negative size";
+  const int64_t kIntMax = 2147483647;
+  if (a.batch > kIntMax || a.dim > kIntMax || a.seqlen > kIntMax) return "causal_conv1d: size too large";
+  return nullptr;
+}
+
+// Tiles of about equal length (a multiple of 32 steps, at most kMaxConvTile): 785 steps -> 2 tiles of 416.
+ssk::ConvParams conv_params(const ConvArgs& a) {
+  ssk::ConvParams p;
+  p.batch = int(a.batch);
+  p.dim = int(a.dim);
+  p.seqlen = int(a.seqlen);
+  p.width = int(a.width);
+  p.n_tiles = int((a.seqlen + ssk::kMaxConvTile - 1) / ssk::kMaxConvTile);
+  const int64_t per_tile = (a.seqlen + p.n_tiles - 1) / p.n_tiles;
+  p.tile = int((per_tile + 31) / 32 * 32);
+  p.reverse = a.reverse;
+  p.x_batch_stride = a.x_batch_stride;
+  p.x = a.x;
+  p.w = a.w;
+  p.bias = a.bias;
+  p.dout = a.dout;
+  p.out = a.out;
+  p.dx = a.dx;
+  p.dw = a.dw;
+  p.dbias = a.dbias;
+  p.ws = a.workspace;
+  return p;
+}
+
+template <typename input_t>
+const char* launch_conv(const ssk::ConvParams& p, bool backward, cudaStream_t stream) {
+  using acc_t = typename ssk::AccType<input_t>::type;
+  const int64_t blocks = int64_t(p.batch) * p.dim * p.n_tiles;
+  if (blocks > 2147483647) return "causal_conv1d: too many blocks";
+  const dim3 grid(static_cast<unsigned int>(blocks)), block(ssk::kThreads);
+  const size_t smem = size_t(ssk::conv_smem_elems(p, backward)) * sizeof(acc_t);
+  if (!backward) {
+    ssk::conv_fwd_kernel<input_t><<<grid, block, smem, stream>>>(p);
+    return last_error();
+  }
+  ssk::conv_bwd_kernel<input_t><<<grid, block, smem, stream>>>(p);
+  if (const char* err = last_error()) return err;
+  const int64_t terms = int64_t(p.dim) * (p.width + 1);
+  const dim3 reduce_grid(static_cast<unsigned int>((terms + ssk::kThreads - 1) / ssk::kThreads));
+  ssk::conv_reduce_kernel<acc_t><<<reduce_grid, block, 0, stream>>>(p);
+  return last_error();
+}
+
+const char* run_conv(const ConvArgs& a, void* stream_ptr, bool backward) {
+  if (const char* err = check_conv(a)) return err;
+  // Nothing to run; the backward's dw and dbias, sums over nothing, are left as they are (the binding allocates
+  // them zeroed).
+  if (a.dim == 0 || a.batch == 0 || a.seqlen == 0) return nullptr;
+  const ssk::ConvParams p = conv_params(a);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (a.dtype) {
+    case ScanDType::kFloat32: return launch_conv<float>(p, backward, stream);
+    case ScanDType::kFloat64: return launch_conv<double>(p, backward, stream);
+    case ScanDType::kFloat16: return launch_conv<ssk::half_t>(p, backward, stream);
+    case ScanDType::kBFloat16: return launch_conv<ssk::bf16_t>(p, backward, stream);
+  }
+  return "causal_conv1d: unsupported dtype";
+}
+
+}  // namespace
+
+int64_t conv_workspace_bytes(const ConvArgs& a) {
+  if (check_conv(a) != nullptr || a.batch == 0 || a.dim == 0 || a.seqlen == 0) return 0;
+  const ssk::ConvParams p = conv_params(a);
+  return int64_t(p.dim) * p.batch * p.n_tiles * (p.width + 1) * acc_size(a.dtype);
+}
+
+const char* conv_fwd(const ConvArgs& args, void* stream) { return run_conv(args, stream, false); }
+
+const char* conv_bwd(const ConvArgs& args, void* stream) { return run_conv(args, stream, true); }
 
 }  // namespace vim_ds_scan

@@ -138,11 +138,12 @@ def test_resource_report_covers_every_target_and_instance_within_bounds(compile_
     header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
     assert floor == kr.occupancy_floor(header) and floor >= 12.5
     instances = kr.expected_instances()
-    assert len(instances) == 36 and report["instances"] == instances
+    assert len(instances) == 46 and report["instances"] == instances  # the scan's 36, the conv's 10
     targets = report["targets"]
     # every expected target is named: compiled with one report line per instance, or not compiled with a reason
     assert set(targets) == set(NVIDIA_TARGETS + AMD_TARGETS), sorted(targets)
-    lines = re.findall(r"^(\S+) (scan_\S+) regs=(\d+) spills=(\d+) smem=(\d+) occupancy=([0-9.]+)%", log, re.M)
+    lines = re.findall(r"^(\S+) ((?:scan|conv)_\S+) regs=(\d+) spills=(\d+) smem=(\d+) occupancy=([0-9.]+)%", log,
+                       re.M)
     for target, entry in targets.items():
         if not entry["compiled"]:
             assert entry["reason"].strip(), target
@@ -197,7 +198,11 @@ x.cuh:1:1: remark:     LDS Size [bytes/block]: 0 [-Rpass-analysis=kernel-resourc
 _MANGLED = {"scan_fwd<fp32,npl1>": "_ZN3ssk15scan_fwd_kernelIfLi1EEEvNS_12KernelParamsE",
             "scan_bwd<bf16,npl8>": "_ZN3ssk15scan_bwd_kernelI13__nv_bfloat16Li8EEEvNS_12KernelParamsE",
             "scan_bwd<fp16,npl4>": "_ZN3ssk15scan_bwd_kernelI6__halfLi4EEEvNS_12KernelParamsE",
-            "scan_reduce<fp64>": "_ZN3ssk18scan_reduce_kernelIdEEvNS_12KernelParamsE"}
+            "scan_reduce<fp64>": "_ZN3ssk18scan_reduce_kernelIdEEvNS_12KernelParamsE",
+            # the conv's, as ptxas and clang name them (sm_90, gfx942 logs of 2026-11-29)
+            "conv_bwd<bf16>": "_ZN3ssk15conv_bwd_kernelI13__nv_bfloat16EEvNS_10ConvParamsE",
+            "conv_fwd<fp16>": "_ZN3ssk15conv_fwd_kernelI6__halfEEvNS_10ConvParamsE",
+            "conv_reduce<fp32>": "_ZN3ssk18conv_reduce_kernelIfEEvNS_10ConvParamsE"}
 
 
 def _fake_log(template, spill_instance=None, missing=(), **fields):
@@ -216,10 +221,11 @@ def _fake_log(template, spill_instance=None, missing=(), **fields):
 
 
 def _mangle(name):
-    kind, dt, npl = re.match(r"scan_(\w+)<(\w+)(?:,npl(\d+))?>", name).groups()
+    op, kind, dt, npl = re.match(r"(scan|conv)_(\w+)<(\w+)(?:,npl(\d+))?>", name).groups()
     code = {"fp32": "f", "fp64": "d", "fp16": "6__half", "bf16": "12hip_bfloat16"}[dt]
-    kernel = f"scan_{kind}_kernel"
-    return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}E' if npl else ''}EEvNS_12KernelParamsE"
+    kernel = f"{op}_{kind}_kernel"
+    params = "12KernelParams" if op == "scan" else "10ConvParams"
+    return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}E' if npl else ''}EEvNS_{params}E"
 
 
 def test_report_parsers_name_every_instance():
@@ -227,15 +233,17 @@ def test_report_parsers_name_every_instance():
         assert kr.instance_name(mangled) == name
     assert kr.instance_name("_ZN3ssk15scan_fwd_kernelI12hip_bfloat16Li2EEEvNS_12KernelParamsE") == "scan_fwd<bf16,npl2>"
     assert kr.instance_name("_Z6otherv") is None
-    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    # a conv kernel of another parameter struct is not one of ours
+    assert kr.instance_name("_ZN3ssk15conv_fwd_kernelIfEEvNS_12KernelParamsE") is None
+    header = kr.read_headers(REPO / "csrc")
     rows, problems = kr.target_rows("sm_90", _fake_log(_PTXAS), header)
-    assert problems == [] and len(rows) == 36 and all(r["spills"] == 0 for r in rows)
+    assert problems == [] and len(rows) == 46 and all(r["spills"] == 0 for r in rows)
     assert kr.check_rows(rows, 12.5) == []
 
 
 def test_report_check_fails_on_spills_scratch_missing_instances_and_low_occupancy():
     # negative controls: each defect alone must make the check fail
-    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    header = kr.read_headers(REPO / "csrc")
     exempt = kr.floor_exemptions(header)
     assert exempt == {("gfx90a", "scan_bwd<fp64,npl8>"), ("gfx942", "scan_bwd<fp64,npl8>")}
     rows, _ = kr.target_rows("sm_90", _fake_log(_PTXAS, spill_instance="scan_bwd<bf16,npl8>"), header)
@@ -295,7 +303,7 @@ def test_occupancy_models_against_hand_computed_values():
 
 
 def test_shared_memory_mirror_follows_the_header_per_vendor():
-    header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
+    header = kr.read_headers(REPO / "csrc")
     cuda, hip = kr.kernel_constants(header, hip=False), kr.kernel_constants(header, hip=True)
     assert (cuda["kThreads"], cuda["kSeg"], cuda["kMaxChunk"]) == (128, 32, 64)
     assert cuda["kSmemBudget"] == 48 * 1024 and hip["kSmemBudget"] == 32 * 1024
@@ -324,6 +332,9 @@ def test_gpu_kernels_emulated_on_the_cpu_match_the_reference(request):
     # both branches ran (32-lane warps for CUDA, 64-lane wavefronts for HIP), each with its summary line
     for warp in (32, 64):
         assert f"warp {warp}: emulated" in log, log[-4000:]
+        # the depthwise causal conv's kernels too (conv_cases: every dtype, both directions, tile boundaries)
+        assert re.search(rf"warp {warp}: emulated \d+ fwd\+bwd cases \(of which [1-9]\d* of the conv\)", log), \
+            log[-4000:]
 
 
 def test_setup_defaults_build_the_targets_the_compile_check_compiles():

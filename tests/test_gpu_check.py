@@ -66,9 +66,13 @@ def _gpu_run(tmp_path, with_mamba):
         if with_mamba:
             row.update(mamba_fwd_ms=ms / 2, mamba_fwd_bwd_ms=ms)
         rows.append(scan.annotate(row, gpu))
+    conv = dict(op="causal_conv1d", device="cuda", shape="B=64 D=768 L=785 K=4", dtype="bfloat16",
+                kernel_fwd_ms=0.031, kernel_fwd_bwd_ms=0.125, ref_fwd_ms=0.25, ref_fwd_bwd_ms=1.5, speedup_fwd=8.06,
+                speedup_fwd_bwd=12.0)
     (tmp_path / "bench_scan.json").write_text(json.dumps(
         {"device": "NVIDIA H100 80GB HBM3", "modelled_gpu": gpu.name, "rows": rows,
-         "predictions": scan_model.predictions(), "gpus": scan_model.gpus_used()}))
+         "predictions": scan_model.predictions(), "gpus": scan_model.gpus_used()}).replace(
+        '"rows": [', '"rows": [' + json.dumps(conv) + ", ", 1))
     (tmp_path / "bench_split.json").write_text(json.dumps(
         {"settings": {"share_gpu": True}, "rows": [
             {"ranks": 1, "threads": None, "peak_bytes": 123456789, "forward_s": 0.01, "backward_s": 0.02},
@@ -92,6 +96,9 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
         if with_mamba:
             assert f"{r['mamba_fwd_bwd_ms'] / bound['fwd_bwd_ms']:.1f}x" in line
     assert ("mamba_ssm: not installed, so not timed." in report) != with_mamba
+    # the conv's row in a table of its own (the scan's table has none of it), ours beside F.conv1d
+    assert "| B=64 D=768 L=785 K=4 | bfloat16 | 0.031 | 0.125 | 0.250 | 1.500 | 8.1x, 12.0x |" in report
+    assert report.count("B=64 D=768 L=785 K=4") == 1
     # the sequence split's rows (bench split --share-gpu)
     assert "## The sequence split's memory per rank" in report and "| 2 | — | 61728394 |" in report
 

@@ -113,6 +113,28 @@ def test_counts_against_the_models_minimum(build, dtype):
     assert row["fwd"]["minimum"]["chain"] == scan_model.forward_chain(*SHAPE) < L / 3
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_conv_moves_its_minimum_bytes_and_computes_what_the_checking_build_does(build, dtype):
+    """The branch's GPU conv (csrc/causal_conv1d_kernel.cuh; issue 51, item 5) at 700 steps, two tiles a row: the
+    forward's distinct bytes are its minimum exactly (x read once, out written once, taps and bias); the
+    backward's the minimum plus its per-block partial sums of the K + 1 weight terms, written and read back by the
+    reduction. The counting build gives the checking build's bits."""
+    batch, dim, L, width = 2, 16, 700, 4
+    runs = [scan_counts.emulate_conv(scan_counts.load(os.path.join(build, name)), batch, dim, L, dtype, width)
+            for name in ("libscan_emu.so", scan_counts.LIB_NAME)]
+    assert torch.equal(runs[0]["out"], runs[1]["out"]) and torch.isfinite(runs[1]["out"]).all()
+    for a, b in zip(runs[0]["grads"], runs[1]["grads"]):
+        assert torch.equal(a, b) and torch.isfinite(b).all()
+    fwd, bwd = (scan_counts._kernel(runs[1][k]) for k in ("fwd", "bwd"))
+    assert [n["kernel"].split("<")[0] for n in runs[1]["bwd"]] == ["void ssk::conv_bwd_kernel",
+                                                                   "void ssk::conv_reduce_kernel"]
+    minimum = scan_counts.conv_minimum_bytes(batch, dim, L, dtype, width)
+    assert fwd["unique_bytes"] == minimum["fwd"]
+    partials = 2 * dim * batch * 2 * (width + 1) * 4  # 2 tiles a row, fp32, written then read
+    assert minimum["bwd"] < bwd["unique_bytes"] <= minimum["bwd"] + partials
+    assert fwd["exp"] == bwd["exp"] == 0
+
+
 def test_shuffles_are_those_of_the_scatter_sums(build):
     """Warp shuffles, from first principles (N = 16: a channel is a group of G = 16 lanes, two channels a warp).
     A scatter sum of 8 values over 16 lanes takes 4 + 2 + 1 shuffles to halve them to one a lane and 1 more to

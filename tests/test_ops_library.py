@@ -150,21 +150,18 @@ CONV_TOLERANCE = {torch.float64: (1e-12, 1e-12, 1e-12), torch.float32: (2e-6, 3e
                   torch.bfloat16: (8e-3, 3e-5, 3e-5)}
 
 
-@pytest.mark.parametrize("length", [1, 5, 65])
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_cpu_conv_matches_the_float64_reference_in_every_variant(dtype, reverse, length, cpu_isa, seed):
-    """The CPU conv kernel (each instruction-set variant, each input dtype, lengths below, at and across the vector
-    widths) against F.conv1d in float64: output and the gradients of x, the taps and the bias. x is the x half of
-    a wider (batch, 2 * dim, L) tensor, as the mixer passes it. Negative control: taps shifted by one step (the
-    off-by-one a padding or a reversed window would make) are far outside the tolerance."""
-    module = backends.load("cpu").backend.module
-    dim, width = 6, 4
-    xz = torch.randn(3, 2 * dim, length, dtype=torch.float64).to(dtype)
+def _check_conv_kernel(module, dtype, reverse, length, device="cpu", dim=6):
+    """A compiled conv kernel (module.conv_fwd / conv_bwd) against F.conv1d in float64: output and the gradients of
+    x, the taps and the bias. x is the x half of a wider (batch, 2 * dim, L) tensor, as the mixer passes it.
+    Negative control: taps shifted by one step (the off-by-one a padding or a reversed window would make) are far
+    outside the tolerance."""
+    width = 4
+    xz = torch.randn(3, 2 * dim, length, dtype=torch.float64).to(device, dtype)
     x = xz[:, :dim]
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    w, b = (0.5 * torch.randn(dim, width, dtype=torch.float64)).to(wide), torch.randn(dim, dtype=torch.float64).to(wide)
-    dout = torch.randn(3, dim, length, dtype=torch.float64).to(dtype)
+    w = (0.5 * torch.randn(dim, width, dtype=torch.float64)).to(device, wide)
+    b = torch.randn(dim, dtype=torch.float64).to(device, wide)
+    dout = torch.randn(3, dim, length, dtype=torch.float64).to(device, dtype)
 
     out = module.conv_fwd(x, w, b, reverse)
     dx, dw, db = module.conv_bwd(x, w, b, dout, reverse)
@@ -181,6 +178,32 @@ def test_cpu_conv_matches_the_float64_reference_in_every_variant(dtype, reverse,
     shifted = _conv_reference(x64.detach(), torch.roll(w64.detach(), 1, dims=-1), b64.detach(), reverse)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(out.double(), shifted, rtol=value_tol, atol=value_tol)
+    return out, dx, dw, db
+
+
+@pytest.mark.parametrize("length", [1, 5, 65])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_conv_matches_the_float64_reference_in_every_variant(dtype, reverse, length, cpu_isa, seed):
+    """The CPU conv kernel, each instruction-set variant and input dtype, at lengths below, at and across the
+    vector widths (see _check_conv_kernel)."""
+    _check_conv_kernel(backends.load("cpu").backend.module, dtype, reverse, length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 197, 785, 1100])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gpu_conv_matches_the_float64_reference_and_repeats_its_bits(dtype, reverse, length, seed):
+    """The GPU conv kernel (csrc/causal_conv1d_kernel.cuh) as the CPU one is checked, at Vim's lengths, one tile
+    (<= 512 steps) and several; then a second run gives the same bits (no atomics in the weight gradients)."""
+    module = backends.load("cuda").backend.module
+    torch.manual_seed(seed)
+    first = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40)
+    torch.manual_seed(seed)
+    again = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
 
 
 def test_op_backend_follows_vim_ds_scan(monkeypatch):

@@ -42,6 +42,9 @@ ACC_BYTES = {"fp32": 4, "fp64": 8, "fp16": 4, "bf16": 4}
 def expected_instances():
     names = [f"scan_{kind}<{dt},npl{npl}>" for dt in DTYPES for npl in NPLS for kind in ("fwd", "bwd")]
     names += [f"scan_{kind}<{acc}>" for acc in ("fp32", "fp64") for kind in ("combine", "reduce")]
+    # the depthwise causal conv (csrc/causal_conv1d_kernel.cuh, launched by launch_conv)
+    names += [f"conv_{kind}<{dt}>" for dt in DTYPES for kind in ("fwd", "bwd")]
+    names += [f"conv_reduce<{acc}>" for acc in ("fp32", "fp64")]
     return names
 
 
@@ -51,28 +54,38 @@ _TYPE_NAMES = {"float": "fp32", "double": "fp64", "__half": "fp16", "__nv_bfloat
 def instance_name(mangled):
     """Itanium-mangled kernel name -> report name, e.g. _ZN3ssk15scan_fwd_kernelIfLi4EEEvNS_12KernelParamsE ->
     scan_fwd<fp32,npl4>. Only the kernels of namespace ssk; anything else -> None."""
-    m = re.match(r"_ZN3ssk\d+scan_(fwd|bwd|combine|reduce)_kernelI(.*)EEvNS_12KernelParamsE$", mangled)
+    m = (re.match(r"_ZN3ssk\d+(scan)_(fwd|bwd|combine|reduce)_kernelI(.*)EEvNS_12KernelParamsE$", mangled)
+         or re.match(r"_ZN3ssk\d+(conv)_(fwd|bwd|reduce)_kernelI(.*)EEvNS_10ConvParamsE$", mangled))
     if not m:
         return None
-    kind, args = m.groups()
+    op, kind, args = m.groups()
     m_type = re.match(r"(f|d|\d+(?:__half|__nv_bfloat16|hip_bfloat16))(?:Li(\d+)E)?$", args)
     if not m_type:
         return None
     code, npl = m_type.groups()
     dtype = {"f": "float", "d": "double"}.get(code) or re.sub(r"^\d+", "", code)
     dt = _TYPE_NAMES[dtype]
-    return f"scan_{kind}<{dt},npl{npl}>" if npl else f"scan_{kind}<{dt}>"
+    return f"{op}_{kind}<{dt},npl{npl}>" if npl else f"{op}_{kind}<{dt}>"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The launcher's shared-memory request per instance. Mirrors make_layout (selective_scan_cuda.cu) and
 # fwd_smem_elems / bwd_smem_elems (selective_scan_kernel.cuh); the constants are read from the header.
 
+KERNEL_HEADERS = ("selective_scan_kernel.cuh", "causal_conv1d_kernel.cuh")
+
+
+def read_headers(csrc):
+    """The device code's headers as one text: the scan's (its opening comment states the occupancy floor and the
+    exemptions), then the conv's."""
+    return "\n".join((Path(csrc) / name).read_text() for name in KERNEL_HEADERS)
+
+
 def kernel_constants(header_text, hip):
-    """kThreads, kSeg, kMinGroup, kMaxChunk, kSmemBudget as the header defines them for CUDA (hip=False) or HIP
-    (hip=True)."""
+    """kThreads, kSeg, kMinGroup, kMaxChunk, kSmemBudget, and the conv's kMaxWidth and kConvItems, as the headers
+    (read_headers) define them for CUDA (hip=False) or HIP (hip=True)."""
     consts = {}
-    for name in ("kThreads", "kSeg", "kMinGroup", "kMaxChunk"):
+    for name in ("kThreads", "kSeg", "kMinGroup", "kMaxChunk", "kMaxWidth", "kConvItems"):
         m = re.search(rf"constexpr int {name} = (\d+);", header_text)
         consts[name] = int(m.group(1))
     m = re.search(r"constexpr int kSmemBudget = (?:SS_HIP \? (\d+) \* 1024 : )?(\d+) \* 1024;", header_text)
@@ -108,6 +121,11 @@ def layout(c, dstate, acc_bytes):
 
 def dynamic_smem(c, instance, max_dstate=256):
     """Largest dynamic shared memory (bytes) the launcher requests for `instance` over the d_state it serves."""
+    m = re.match(r"conv_(fwd|bwd)<(\w+)>$", instance)
+    if m:  # conv_smem_elems at the longest tile and the widest conv
+        staged = c["kConvItems"] * c["kThreads"] + c["kMaxWidth"] - 1
+        elems = staged if m.group(1) == "fwd" else 2 * staged + (c["kMaxWidth"] + 1) * c["kThreads"]
+        return elems * ACC_BYTES[m.group(2)]
     m = re.match(r"scan_(fwd|bwd)<(\w+),npl(\d+)>$", instance)
     if not m:
         return 0  # combine / reduce: no shared memory
@@ -355,7 +373,7 @@ def main(argv=None):
     ap.add_argument("--compiled", nargs=3, action="append", default=[], metavar=("TARGET", "COMPILER", "LOG"))
     ap.add_argument("--not-compiled", nargs=2, action="append", default=[], metavar=("TARGET", "REASON"))
     a = ap.parse_args(argv)
-    header = (Path(a.csrc) / "selective_scan_kernel.cuh").read_text()
+    header = read_headers(a.csrc)
     floor_pct = occupancy_floor(header)
     exempt, sgpr_exempt = floor_exemptions(header), sgpr_exemptions(header)
     report = {"occupancy_floor_pct": floor_pct, "exempt_from_floor": sorted(f"{t} {k}" for t, k in exempt),

@@ -28,7 +28,7 @@ out=$(cd "$out" && pwd)
 gen=$out/gen
 rm -rf "$gen"
 mkdir -p "$gen"
-cp "$csrc/selective_scan_cuda.h" "$gen/"
+cp "$csrc/selective_scan_cuda.h" "$csrc/causal_conv1d_cuda.h" "$csrc/causal_conv1d_kernel.cuh" "$gen/"
 "$python" - "$csrc" "$gen" <<'PY'
 import re
 import sys
@@ -41,8 +41,8 @@ if kernel.count(decl) != 1:
 open(f"{gen}/selective_scan_kernel.cuh", "w").write(kernel.replace(decl, "extern double* ss_smem_raw;"))
 launcher = open(f"{src}/selective_scan_cuda.cu").read()
 launcher, n = re.subn(r"([\w:]+<[^<>;]*>)<<<([^>]*)>>>\(([^;]*)\);", r"emu::launch(\1, \2, \3);", launcher)
-if n != 4:
-    sys.exit(f"build.sh: expected 4 kernel launches in selective_scan_cuda.cu, found {n}")
+if n != 7:  # the scan's four, the conv's three
+    sys.exit(f"build.sh: expected 7 kernel launches in selective_scan_cuda.cu, found {n}")
 open(f"{gen}/selective_scan_cuda.cu", "w").write(launcher)
 PY
 flags=(-std=c++17 -O1 -g -fPIC -Wall -Wno-unknown-pragmas -I"$here/shim" -I"$gen")

@@ -144,4 +144,50 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   return err;
 }
 
+// The depthwise causal conv1d (causal_conv1d_cuda.h): backward 0 the forward (writes out), 1 the backward (writes
+// dx, dw, dbias). x has x_batch_stride elements between batch rows; bias/dbias may be null. Outputs start as NaN
+// bytes, the workspace too. Returns nullptr or the launcher's error.
+const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, long long L, long long K,
+                     int reverse, long long x_batch_stride, const void* x, const void* w, const void* bias,
+                     const void* dout, void* out, void* dx, void* dw, void* dbias) {
+  EMU_COUNT_HOOK(emu::count_clear_globals());
+  const ScanDType dt = ScanDType(dtype_i);
+  const size_t is = in_size(dt), as = acc_size(dt);
+  const size_t rows = size_t(batch * dim * L);
+  const size_t x_elems = batch > 0 ? size_t((batch - 1) * x_batch_stride + dim * L) : 0;
+  std::vector<Buf> bufs;
+  bufs.reserve(8);
+  vim_ds_scan::ConvArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = L;
+  a.width = K;
+  a.x_batch_stride = x_batch_stride;
+  a.dtype = dt;
+  a.reverse = reverse != 0;
+  a.x = put(bufs, x, x_elems * is, false, -1);
+  a.w = put(bufs, w, size_t(dim * K) * as, false, -1);
+  a.bias = put(bufs, bias, size_t(dim) * as, false, -1);
+  if (!backward) {
+    a.out = put(bufs, out, rows * is, true, 0xff);
+  } else {
+    a.dout = put(bufs, dout, rows * is, false, -1);
+    a.dx = put(bufs, dx, rows * is, true, 0xff);
+    a.dw = put(bufs, dw, size_t(dim * K) * as, true, 0xff);
+    a.dbias = put(bufs, dbias, size_t(dim) * as, true, 0xff);
+  }
+  const size_t ws_bytes = backward ? size_t(vim_ds_scan::conv_workspace_bytes(a)) : 0;
+  emu::Guarded ws;
+  if (ws_bytes > 0) {
+    ws = emu::Guarded(ws_bytes);
+    std::memset(ws.ptr, 0xff, ws_bytes);
+    EMU_COUNT_HOOK(emu::count_global(ws.ptr, ws_bytes));
+    a.workspace = ws.ptr;
+  }
+  const char* err = backward ? vim_ds_scan::conv_bwd(a, nullptr) : vim_ds_scan::conv_fwd(a, nullptr);
+  for (Buf& b : bufs)
+    if (b.host) std::memcpy(b.host, b.g.ptr, b.bytes);
+  return err;
+}
+
 }  // extern "C"

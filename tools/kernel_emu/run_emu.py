@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -42,6 +43,10 @@ lib.emu_chunk_length.argtypes = [ctypes.c_longlong, ctypes.c_int]
 lib.emu_num_segments.restype = ctypes.c_longlong
 lib.emu_num_segments.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int]
 lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
+
+lib.emu_conv.restype = ctypes.c_char_p
+lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong] \
+    + [ctypes.c_void_p] * 8
 
 DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
@@ -213,6 +218,75 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     return out, grads, res
 
 
+def conv_ref(x, w, bias, reverse):
+    """The depthwise causal conv1d from its definition, in float64: c[t] = bias + sum_k w[k] x[t-(K-1)+k]; reverse:
+    the same on the time-flipped sequence, flipped back."""
+    K = w.shape[1]
+    if reverse:
+        return conv_ref(x.flip(-1), w, bias, False).flip(-1)
+    return F.conv1d(F.pad(x, (K - 1, 0)), w.unsqueeze(1), bias, groups=x.shape[1])
+
+
+def conv_case(dtype, batch, dim, L, K, has_bias, reverse, seed, order=0, sliced=False):
+    """The GPU conv's forward and backward (dx, dw, dbias) against autograd on conv_ref. `sliced`: x is the first
+    half of a (batch, 2 dim, L) tensor, as the x half of in_proj's output would be. -> (out, grads, errors)."""
+    lib.emu_config(order, seed, seed % 2)
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    wide = torch.randn(batch, 2 * dim if sliced else dim, L, generator=g, dtype=torch.float64).to(dtype)
+    x = wide[:, :dim]
+    w = (0.5 * torch.randn(dim, K, generator=g, dtype=torch.float64)).to(acc)
+    bias = torch.randn(dim, generator=g, dtype=torch.float64).to(acc) if has_bias else None
+    dout = torch.randn(batch, dim, L, generator=g, dtype=torch.float64).to(dtype)
+    out, dx = torch.empty(batch, dim, L, dtype=dtype), torch.empty(batch, dim, L, dtype=dtype)
+    dw, dbias = torch.empty_like(w), torch.empty_like(bias) if has_bias else None
+    stride = wide.stride(0)
+    common = (DT[dtype], batch, dim, L, K, int(reverse), stride, ptr(wide), ptr(w), ptr(bias))
+    err = lib.emu_conv(0, *common, None, ptr(out), None, None, None)
+    assert err is None, err
+    err = lib.emu_conv(1, *common, ptr(dout), None, ptr(dx), ptr(dw), ptr(dbias))
+    assert err is None, err
+    ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, bias)]
+    ref = conv_ref(*ref_in, reverse)
+    ref.backward(dout.double())
+    errors = {}
+    tol = TOL[dtype]
+    for name, mine, want in (("out", out, ref.detach()), ("dx", dx, ref_in[0].grad), ("dw", dw, ref_in[1].grad),
+                             ("dbias", dbias, ref_in[2].grad if has_bias else None)):
+        if want is None:
+            continue
+        assert torch.isfinite(mine).all(), f"conv {name}: non-finite values (unwritten or poisoned)"
+        errors[name] = ((mine.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        assert errors[name] < tol, f"conv {name}: rel err {errors[name]:.3g} > {tol} ({dtype}, L={L}, K={K})"
+    if L > 1 and K > 1:  # negative control: the other direction's conv must fail the same check
+        other = conv_ref(x.double(), w.double(), None if bias is None else bias.double(), not reverse)
+        e = ((out.double() - other).abs().max() / other.abs().max()).item()
+        assert e > 2 * tol, f"conv: the other direction passes too (rel err {e:.3g})"
+        CONTROL["conv other direction"] = min(CONTROL.get("conv other direction", float("inf")), e)
+    return out, (dx, dw, dbias), errors
+
+
+def conv_cases(quick):
+    """Every dtype, both directions, with and without bias, widths 1-4 and 8, lengths around the tile sizes (one
+    tile is at most 512 steps), x as a channel slice; then the same bits under another thread/block order."""
+    worst = {}
+    Ls = [1, 3, 5, 33, 197, 513, 1100] if not quick else [1, 5, 197, 513]
+    n = 0
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for L in Ls if dtype in (torch.float64, torch.float32) else [7, 197]:
+            for K in ((4, 1, 2, 3, 8) if dtype == torch.float64 and L in (5, 197) else (4,)):
+                _, _, res = conv_case(dtype, 2, 3, L, K, n % 2 == 0, n % 4 >= 2, seed=3000 + n, order=n % 3,
+                                      sliced=n % 3 == 1)
+                for k, v in res.items():
+                    worst[(dtype, "conv " + k)] = max(worst.get((dtype, "conv " + k), 0), v)
+                n += 1
+    a = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=0)
+    b = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=1)
+    for x, y in zip((a[0], *a[1]), (b[0], *b[1])):
+        assert torch.equal(x, y), "conv: results depend on the thread/block order"
+    return n + 2, worst
+
+
 def check_deterministic(*args, **kw):
     """Run the same inputs twice (another block/thread order the second time) and compare every output bit."""
     a = case(*args, order=0, **kw)
@@ -304,7 +378,10 @@ def main():
         for name, a, b in zip(NAMES, base[1], other[1]):
             assert torch.equal(a, b), f"{name} depends on scheduling order"
         n += 1
-    print(f"warp {WARP}: emulated {n} fwd+bwd cases in {time.time() - t_start:.0f}s; worst relative errors "
+    n_conv, worst_conv = conv_cases(quick)
+    worst.update(worst_conv)
+    n += n_conv
+    print(f"warp {WARP}: emulated {n} fwd+bwd cases (of which {n_conv} of the conv) in {time.time() - t_start:.0f}s; worst relative errors "
           f"(negative controls, each off by at least: {', '.join(f'{k} {v:.2e}' for k, v in CONTROL.items())}):")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         print(f"  {str(dtype):15s} {k:12s} {v:.2e}")

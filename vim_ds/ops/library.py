@@ -163,9 +163,16 @@ selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_c
 # Depthwise causal conv1d
 # ---------------------------------------------------------------------------------------------------------------
 
-def _conv_uses_kernel(backend_obj, x: Tensor) -> bool:
-    # The CPU kernel when the scan runs on the `cpu` backend; else PyTorch's conv (cuDNN/MIOpen on GPUs).
-    return getattr(backend_obj, "name", None) == "cpu" and x.dtype in (torch.float32, torch.float64, torch.bfloat16)
+# The dtypes and widest conv of each compiled conv kernel (csrc/causal_conv1d_cpu.cpp, csrc/causal_conv1d_kernel.cuh).
+_CONV_KERNELS = {"cpu": ((torch.float32, torch.float64, torch.bfloat16), None),
+                 "cuda": ((torch.float32, torch.float64, torch.bfloat16, torch.float16), 8)}
+
+
+def _conv_uses_kernel(backend_obj, x: Tensor, width: int) -> bool:
+    # The compiled kernel of the scan's backend (`cpu`, or `cuda`: the GPU kernel, for CUDA and ROCm alike); else
+    # PyTorch's conv (the `ref` backend, and mamba_ssm's, whose module has no conv).
+    dtypes, widest = _CONV_KERNELS.get(getattr(backend_obj, "name", None), ((), None))
+    return x.dtype in dtypes and (widest is None or width <= widest)
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -176,7 +183,7 @@ def _rows_contiguous(x: Tensor) -> Tensor:
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend_obj) -> Tensor:
     """Conv output (before SiLU) in x's dtype; plain computation, no autograd (op implementations use it)."""
     k = weight.shape[-1]
-    if _conv_uses_kernel(backend_obj, x):
+    if _conv_uses_kernel(backend_obj, x, k):
         wide = _wide(x.dtype)
         return backend_obj.module.conv_fwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
                                            None if bias is None else bias.to(wide).contiguous(), reverse)
@@ -190,7 +197,7 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: boo
 def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj):
     """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes."""
     k = weight.shape[-1]
-    if _conv_uses_kernel(backend_obj, x):
+    if _conv_uses_kernel(backend_obj, x, k):
         wide = _wide(x.dtype)
         dx, dw, db = backend_obj.module.conv_bwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
                                                  None if bias is None else bias.to(wide).contiguous(),

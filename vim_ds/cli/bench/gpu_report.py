@@ -86,7 +86,8 @@ def _scan_section(data) -> list:
     if data is None:
         return lines + ["The scan step left no `bench_scan.json`.", ""]
     rows = data.get("rows", data) if isinstance(data, dict) else data
-    gpu_rows = [r for r in rows if r.get("device") == "cuda"]
+    gpu_rows = [r for r in rows if r.get("device") == "cuda" and "op" not in r]
+    conv_rows = [r for r in rows if r.get("device") == "cuda" and r.get("op") == "causal_conv1d"]
     if not gpu_rows:
         lines += ["no GPU: measured n/a (the lower bounds below are the model's, on paper).", ""]
     else:
@@ -108,6 +109,15 @@ def _scan_section(data) -> list:
                 f"{'—' if speed is None else f'{speed:.0f}x'} |")
         if not any("mamba_fwd_ms" in r for r in gpu_rows):
             lines += ["", "mamba_ssm: not installed, so not timed."]
+        lines.append("")
+    if conv_rows:
+        lines += ["The branch's depthwise causal conv (4 taps), our GPU kernel beside PyTorch's F.conv1d (cuDNN / "
+                  "MIOpen), through the op with autograd; medians in ms:", "",
+                  "| shape | dtype | ours fwd | ours fwd+bwd | F.conv1d fwd | F.conv1d fwd+bwd | speed-up fwd, fwd+bwd |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['dtype']} | {_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | "
+                  f"{_ms(r['ref_fwd_ms'])} | {_ms(r['ref_fwd_bwd_ms'])} | {_x(r['speedup_fwd'])}, "
+                  f"{_x(r['speedup_fwd_bwd'])} |" for r in conv_rows]
         lines.append("")
     cpu_rows = [r for r in rows if r.get("device") == "cpu"]
     if cpu_rows:

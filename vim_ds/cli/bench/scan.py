@@ -1,6 +1,6 @@
 """`vim-ds bench scan`: the selective scan at a Vim layer shape, compiled kernel vs the pure-PyTorch reference,
-forward and forward+backward, on CPU and (when present) GPU (on the CPU also the mixer's causal conv, each
-instruction-set variant beside PyTorch's depthwise F.conv1d); on a GPU also at the performance model's shapes
+forward and forward+backward, on CPU and (when present) GPU (also the mixer's causal conv beside PyTorch's depthwise
+F.conv1d, on the CPU each instruction-set variant); on a GPU also at the performance model's shapes
 (``scan_model.BENCH_SHAPES``), beside mamba_ssm's kernel when it is installed, and with ``--predict`` against the
 model's lower bound (measured / bound), and the GPU kernels counted in the CPU emulator (``scan_counts``) beside
 the model's minimum."""
@@ -44,7 +44,8 @@ def bench_scan_backend(backend, inputs, repeat):
 
 def bench_conv(backend, x, weight, bias, repeat):
     """(forward seconds, forward+backward seconds) of the mixer's depthwise causal conv through its op, on one
-    backend: "cpu" (our kernel) or "ref" (PyTorch's depthwise F.conv1d, what a user would otherwise run)."""
+    backend: "cpu" or "cuda" (our kernels) or "ref" (PyTorch's depthwise F.conv1d, what a user would otherwise run;
+    cuDNN / MIOpen on a GPU)."""
     leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
     dout = torch.randn_like(x)
 
@@ -58,27 +59,33 @@ def bench_conv(backend, x, weight, bias, repeat):
     return timeit(fwd, x.device, repeat=repeat), timeit(fwd_bwd, x.device, repeat=repeat)
 
 
-def run_conv(args, module, isas, dtype):
-    """Rows for the CPU conv kernel (each instruction-set variant) beside F.conv1d, at the scan's (batch, dim,
-    seqlen) with Vim's 4 taps."""
-    x = torch.randn(args.batch, args.dim, args.seqlen, dtype=dtype)
-    weight, bias = 0.5 * torch.randn(args.dim, 1, 4), 0.1 * torch.randn(args.dim)
-    ref_f, ref_fb = bench_conv("ref", x, weight, bias, args.repeat)
+def run_conv(shape, repeat, module, isas, dtype, device_name="cpu"):
+    """Rows for the compiled conv kernel (on the CPU each instruction-set variant) beside F.conv1d, at a scan shape's
+    (batch, dim, seqlen) with Vim's 4 taps."""
+    batch, dim, seqlen = shape[:3]
+    device = torch.device(device_name)
+    x = torch.randn(batch, dim, seqlen, device=device).to(dtype)
+    weight = 0.5 * torch.randn(dim, 1, 4, device=device)
+    bias = 0.1 * torch.randn(dim, device=device)
+    ref_f, ref_fb = bench_conv("ref", x, weight, bias, repeat)
     rows = []
     for isa in isas:
-        before = module.set_isa(isa)
+        before = module.set_isa(isa) if isa else None
         try:
-            k_f, k_fb = bench_conv("cpu", x, weight, bias, args.repeat)
+            k_f, k_fb = bench_conv(device_name, x, weight, bias, repeat)
         finally:
-            module.set_isa(before)
-        row = dict(op="causal_conv1d", device="cpu", isa=isa,
-                   shape=f"B={args.batch} D={args.dim} L={args.seqlen} K=4", dtype=str(dtype).replace("torch.", ""),
-                   kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3, ref_fwd_ms=ref_f * 1e3,
-                   ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f, speedup_fwd_bwd=ref_fb / k_fb)
-        print(f"[cpu {isa}] conv {row['shape']} {row['dtype']}: kernel fwd {row['kernel_fwd_ms']:.3f} ms, fwd+bwd "
-              f"{row['kernel_fwd_bwd_ms']:.3f} ms | F.conv1d fwd {row['ref_fwd_ms']:.3f} ms, fwd+bwd "
-              f"{row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd {row['speedup_fwd']:.1f}x, fwd+bwd "
-              f"{row['speedup_fwd_bwd']:.1f}x", flush=True)
+            if before:
+                module.set_isa(before)
+        row = dict(op="causal_conv1d", device=device_name, shape=f"B={batch} D={dim} L={seqlen} K=4",
+                   dtype=str(dtype).replace("torch.", ""), kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3,
+                   ref_fwd_ms=ref_f * 1e3, ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f,
+                   speedup_fwd_bwd=ref_fb / k_fb)
+        if isa:
+            row["isa"] = isa
+        print(f"[{device_name}{' ' + isa if isa else ''}] conv {row['shape']} {row['dtype']}: kernel fwd "
+              f"{row['kernel_fwd_ms']:.3f} ms, fwd+bwd {row['kernel_fwd_bwd_ms']:.3f} ms | F.conv1d fwd "
+              f"{row['ref_fwd_ms']:.3f} ms, fwd+bwd {row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd "
+              f"{row['speedup_fwd']:.1f}x, fwd+bwd {row['speedup_fwd_bwd']:.1f}x", flush=True)
         rows.append(row)
     return rows
 
@@ -164,9 +171,12 @@ def run_scan(args):
                             annotate(row, gpu)
                     results.append(row)
                     print(_scan_row(row), flush=True)
-        if device_name == "cpu":  # the branch's other kernel, the conv before the scan
+        # the branch's other kernel, the conv before the scan: at the bench's shape on the CPU, at the model's first
+        # two shapes (Vim-small at 224x224, stride 16 and 8) on a GPU
+        conv_shapes = shapes[:1] if device_name == "cpu" else [s for s, _ in scan_model.BENCH_SHAPES[:2]]
+        for conv_shape in conv_shapes:
             for dtype in (torch.float32, torch.bfloat16):
-                results += run_conv(args, kernel.backend.module, isas, dtype)
+                results += run_conv(conv_shape, args.repeat, kernel.backend.module, isas, dtype, device_name)
     if not predict:
         return results
     preds = scan_model.predictions()

@@ -45,7 +45,8 @@ class CountsUnavailable(RuntimeError):
 
 def _sources():
     files = [REPO / "csrc" / name for name in ("selective_scan_kernel.cuh", "selective_scan_cuda.cu",
-                                               "selective_scan_cuda.h")]
+                                               "selective_scan_cuda.h", "causal_conv1d_kernel.cuh",
+                                               "causal_conv1d_cuda.h")]
     return files + sorted(p for p in EMU_DIR.rglob("*") if p.is_file() and p.suffix in (".h", ".cpp", ".sh")
                           and "build" not in p.relative_to(EMU_DIR).parts)
 
@@ -95,6 +96,9 @@ def load(path: str):
     lib.emu_chunk_length.argtypes = [ctypes.c_longlong, ctypes.c_int]
     lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
     lib.emu_set_reverse.argtypes = [ctypes.c_int]
+    lib.emu_conv.restype = ctypes.c_char_p
+    lib.emu_conv.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong]
+                             + [ctypes.c_void_p] * 8)
     if hasattr(lib, "emu_count_launch"):
         lib.emu_count_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p,
                                          ctypes.c_int]
@@ -147,6 +151,39 @@ def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0) -> dict:
     if err is not None:
         raise RuntimeError(f"emulated backward: {err.decode()}")
     return {"out": out, "saved": saved, "grads": tuple(grads), "fwd": fwd, "bwd": _launches(lib)}
+
+
+def emulate_conv(lib, batch, dim, seqlen, dtype="float32", width=4, seed=0) -> dict:
+    """The branch's depthwise causal conv on the emulated GPU kernels, forward and backward with a bias, once, on
+    random inputs. -> {"out", "grads": (dx, dw, dbias), "fwd": launches, "bwd": launches}."""
+    lib.emu_config(0, seed, 0)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        x = torch.randn(batch, dim, seqlen).to(getattr(torch, dtype))
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w, bias = 0.5 * torch.randn(dim, width, dtype=acc), torch.randn(dim, dtype=acc)
+        dout = torch.randn_like(x)
+    out, dx, dw, dbias = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w), torch.empty_like(bias)
+    common = (DTYPE_CODE[dtype], batch, dim, seqlen, width, 0, dim * seqlen, x.data_ptr(), w.data_ptr(),
+              bias.data_ptr())
+    runs = []
+    for backward, outputs in ((0, (None, out.data_ptr(), None, None, None)),
+                              (1, (dout.data_ptr(), None, dx.data_ptr(), dw.data_ptr(), dbias.data_ptr()))):
+        if hasattr(lib, "emu_count_reset"):
+            lib.emu_count_reset()
+        err = lib.emu_conv(backward, *common, *outputs)
+        if err is not None:
+            raise RuntimeError(f"emulated conv: {err.decode()}")
+        runs.append(_launches(lib))
+    return {"out": out, "grads": (dx, dw, dbias), "fwd": runs[0], "bwd": runs[1]}
+
+
+def conv_minimum_bytes(batch, dim, seqlen, dtype="float32", width=4) -> dict:
+    """The conv's minimum bytes per kernel: forward reads x and writes out, backward reads x and dout and writes dx
+    (e bytes per element each); the taps and bias (read, and their gradients written backward) in fp32."""
+    e, acc = scan_model.ELEM_BYTES[dtype], 8 if dtype == "float64" else 4
+    elems, weights = batch * dim * seqlen, dim * (width + 1) * acc
+    return {"fwd": 2 * elems * e + weights, "bwd": 3 * elems * e + 2 * weights}
 
 
 def _kernel(launches: list) -> dict:
