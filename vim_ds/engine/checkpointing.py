@@ -182,8 +182,8 @@ class Checkpointer:
 
     def restore(self, path: str, state: TrainState) -> TrainState:
         """Restore the engine, the EMA and the RNG from the checkpoint `path` (a save or tag directory), which this
-        run's pruning then keeps (`protect`); returns the state, `state`'s run continued from there
-        (`TrainState.resumed`: refused for another global batch)."""
+        run's pruning then keeps (`protect`); returns `state` continued from there (`TrainState.resumed`: its
+        position and lineage; refused for another global batch)."""
         saved = self.load(path)
         self.protect(path)
         return state.resumed(saved, path)
