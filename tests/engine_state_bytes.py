@@ -21,8 +21,8 @@ def main(argv):
     config = RunConfig.from_dict(vars(parse_args(argv)))
     trainer = build_trainer(config, distributed.setup(config.run.local_rank))
     engine = trainer.engine
-    images, targets, _ = next(iter(trainer.train_loader))
-    loss = torch.nn.functional.cross_entropy(engine(images.to(trainer.dtype)).float(), targets)
+    images, targets, _ = next(iter(trainer.parts.data.train_loader))
+    loss = torch.nn.functional.cross_entropy(engine(images.to(trainer.parts.engine.dtype)).float(), targets)
     engine.backward(loss)
     live = state_bytes(engine)
     engine.step()

@@ -1,4 +1,5 @@
-"""Saving and resuming training state: DeepSpeed's checkpoint plus what the trainer owns (EMA, position, RNG).
+"""Saving and resuming training state: DeepSpeed's checkpoint plus what the trainer owns (EMA, RNG, and the run's
+`TrainState` as the checkpoint's client state).
 
 Saving is crash-safe: DeepSpeed writes the tag directory without touching `latest`; every rank then writes its
 RNG states, rank 0 the gathered EMA; after a barrier rank 0 writes the completion marker and only then moves
@@ -24,6 +25,7 @@ from ..checkpoint import deepspeed_dir as layout
 from ..checkpoint import safe_load
 from ..checkpoint.files import CheckpointError
 from ..runtime import distributed, faults, versions
+from .train_state import TrainState
 
 # `<tag>_universal`: DeepSpeed's universal copy of `<tag>` (see universal_copy)
 UNIVERSAL_SUFFIX = "_universal"
@@ -72,9 +74,10 @@ def _save_failure(save_dir: str, exc: Exception) -> str:
 
 class Checkpointer:
     def __init__(self, engine, save_dir: str, rank: int, keep_last: int = 2,
-                 fault_hook: faults.FaultHook | None = None):
-        """`fault_hook`: the rank's fault injection (by default `faults.for_rank`), called half-way through a save."""
-        self.engine = engine
+                 fault_hook: faults.FaultHook | None = None, ema=None):
+        """`fault_hook`: the rank's fault injection (by default `faults.for_rank`), called half-way through a save;
+        `ema`: the run's EMA (engine.ema.ShardedEMA), saved and restored with the engine (None: the run keeps none)."""
+        self.engine, self.ema = engine, ema
         self.save_dir = save_dir
         self.rank = rank
         self.keep_last = keep_last
@@ -82,7 +85,10 @@ class Checkpointer:
         self.saved: list[str] = []       # tags this run saved
         self.resumed_from: str | None = None
 
-    def save(self, client_state: dict, ema=None, summary: dict | None = None) -> str:
+    def save(self, state: TrainState) -> str:
+        """Save the engine, the EMA, this rank's RNG and `state` (as the client state) as one checkpoint; returns its
+        directory."""
+        client_state, summary = state.client_state(), state.summary()
         step = client_state["step"]
         tag = f"global_step{step}"
         tag_dir = os.path.join(self.save_dir, tag)
@@ -94,7 +100,7 @@ class Checkpointer:
         try:
             self.engine.save_checkpoint(self.save_dir, tag=tag, client_state=client_state, save_latest=False)
             # collective under ZeRO-3
-            ema_state = ema.full_state_dict() if ema is not None else None
+            ema_state = self.ema.full_state_dict() if self.ema is not None else None
             # VIM_DS_INJECT: kill_in_save, signal_in_save, wait_for_signal_in_save
             self.faults.in_save(step)
             torch.save(rng_state(), os.path.join(tag_dir, layout.rng_file(self.rank)))
@@ -113,7 +119,7 @@ class Checkpointer:
             raise SaveError(f"cannot save checkpoint {tag_dir}: {cause}; {kept}") from exc
         distributed.barrier()  # every rank's files are on disk
         if self.rank == 0:
-            marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **(summary or {}),
+            marker = {"step": step, "epoch": client_state["epoch"], "time": time.time(), **summary,
                       # checked before the checkpoint is used
                       "files": {rel: entry for rel, entry in layout.file_checksums(tag_dir).items()
                                 if rel not in foreign}}
@@ -174,7 +180,15 @@ class Checkpointer:
         if os.path.realpath(save_dir) == os.path.realpath(self.save_dir):
             self.resumed_from = tag[:-len(UNIVERSAL_SUFFIX)] if tag.endswith(UNIVERSAL_SUFFIX) else tag
 
-    def load(self, path: str, ema=None) -> dict:
+    def restore(self, path: str, state: TrainState) -> TrainState:
+        """Restore the engine, the EMA and the RNG from the checkpoint `path` (a save or tag directory), which this
+        run's pruning then keeps (`protect`); returns `state` continued from there (`TrainState.resumed`: its
+        position and lineage; refused for another global batch)."""
+        saved = self.load(path)
+        self.protect(path)
+        return state.resumed(saved, path)
+
+    def load(self, path: str) -> dict:
         """Restore engine, optimizer, scheduler, EMA and RNG from a save or tag directory; returns the client state."""
         # the trainer chose (and verified) it: parts.plan_resume
         save_dir, tag = layout.resolve(path, verify=False)
@@ -197,10 +211,10 @@ class Checkpointer:
             if repaired and self.rank == 0:
                 print(f"note: repaired what DeepSpeed's universal loader restored wrongly ({'; '.join(repaired)})",
                       flush=True)
-        if ema is not None:
+        if self.ema is not None:
             ema_path = os.path.join(tag_dir, layout.EMA_FILE)
             if os.path.isfile(ema_path):
-                ema.load_full_state_dict(safe_load.load(ema_path))
+                self.ema.load_full_state_dict(safe_load.load(ema_path))
             elif self.rank == 0:
                 print(f"warning: {tag_dir} has no EMA weights; the EMA restarts from the resumed weights", flush=True)
         rng_path = os.path.join(tag_dir, layout.rng_file(self.rank))

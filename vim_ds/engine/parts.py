@@ -1,7 +1,9 @@
 """The parts of a training run, each built by a small function from the run's options (its `config`, a
 `run_config.RunConfig`) and the rank's `DistInfo`: the data, the DeepSpeed config, the resume plan, the
-model, the engine (DeepSpeed, or a DDP/FSDP baseline) with its schedule, the loss, the EMA and the checkpointer.
-`build_trainer` builds them in the order a run needs and hands them to `Trainer`, which only runs the loop.
+model, the engine (DeepSpeed, or a DDP/FSDP baseline) with its schedule, the loss, the EMA, the checkpointer and
+what the checkpoints record of the run. `build_trainer` builds them in the order a run needs and hands them to
+`Trainer` as one frozen `TrainerParts`, with the `LoopSettings` the loop reads of the options; the Trainer only
+runs the loop.
 
 The order is part of the contract (see `build_trainer`): the resume plan is decided before the engine exists (a
 universal checkpoint changes the engine's config), the initial weights are drawn right after `seed_everything` so that
@@ -38,6 +40,7 @@ from .ema import ShardedEMA
 from .evaluate import eval_sampler
 from .optim import PerStepScheduler, check_lr_settings, ds_auto_values, peak_lr, settle_shared
 from .output_dir import latest_gone, resume_overwrite_error
+from .train_state import RunRecord
 from .trainer import Trainer, seed_everything
 
 
@@ -87,6 +90,49 @@ class Engine:
     autocast_dtype: torch.dtype | None  # the DeepSpeed engine enters it itself
     # with --compile: what was compiled ("ZeRO-2", ...), for its error messages
     compile_what: str | None
+
+
+@dataclass(frozen=True)
+class TrainerParts:
+    """Everything the Trainer runs, built by `build_trainer` (frozen: the loop replaces none of them)."""
+    dist: distributed.DistInfo
+    data: Data
+    ds: object                    # config.ds_config.PreparedConfig: the batch, precision and ZeRO stage
+    lr: float                     # the peak lr the optimizer starts from (build_ds_config)
+    model: Model
+    engine: Engine
+    mixup: object | None          # data.mixup's Mixup (None without --mixup/--cutmix)
+    criterion: torch.nn.Module
+    ema: ShardedEMA | None
+    checkpointer: Checkpointer | None  # None: the run saves nothing (no --output_dir, or a baseline engine)
+    groups: SequenceGroups        # --sequence-parallel: this rank's group (one group per rank without it)
+    record: RunRecord             # what its checkpoints record of the run
+    run_id: str                   # new_run_id (a resume continues its checkpoint's lineage instead)
+    resume_path: str = ""         # the checkpoint to resume (plan_resume), '' for none
+    fault_hook: faults.FaultHook = faults.NO_FAULTS  # VIM_DS_INJECT (faults.for_rank)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the training loop reads of the run's options (`loop_settings` picks them from the RunConfig)."""
+    epochs: int
+    seed: int                     # each step's Mixup and drop path (data.datasets.derive_seed)
+    save_interval: int            # --save-interval: a checkpoint every N steps as well (0: at epoch ends only)
+    max_bad_steps: int            # consecutive skipped updates that stop the run
+    max_bad_images: float         # the fraction of undecodable images that stops it
+    input_size: int               # the evaluation's image shape
+    compile: bool                 # --compile: its failures are said in one line
+    output_dir: str               # metrics.jsonl (and TensorBoard's events) go there
+    log_interval: int
+    tensorboard: bool
+
+
+def loop_settings(config: RunConfig) -> LoopSettings:
+    run = config.run
+    return LoopSettings(epochs=config.optim.epochs, seed=run.seed, save_interval=run.save_interval,
+                        max_bad_steps=run.max_bad_steps, max_bad_images=config.data.max_bad_images,
+                        input_size=config.model.input_size, compile=config.model.compile,
+                        output_dir=run.output_dir, log_interval=run.log_interval, tensorboard=run.tensorboard)
 
 
 def build_datasets(config: RunConfig, train: bool = True) -> Datasets:
@@ -304,13 +350,20 @@ def build_ema(config: RunConfig, engine):
 
 
 def build_checkpointer(config: RunConfig, dist_info: distributed.DistInfo, engine: Engine,
-                       fault_hook: faults.FaultHook):
-    """The checkpointer of --output_dir (None without one; the baselines save nothing)."""
+                       fault_hook: faults.FaultHook, ema: ShardedEMA | None = None):
+    """The checkpointer of --output_dir (None without one; the baselines save nothing), saving `ema` too."""
     run = config.run
     if not (run.output_dir and engine.kind.saves_checkpoints):
         return None
     return Checkpointer(engine.engine, os.path.join(run.output_dir, "checkpoints"), dist_info.rank,
-                        run.keep_checkpoints, fault_hook)
+                        run.keep_checkpoints, fault_hook, ema=ema)
+
+
+def run_record(config: RunConfig, dist_info: distributed.DistInfo, ds, model_cfg, datasets: Datasets) -> RunRecord:
+    """What every checkpoint records of the run `config` describes (the options as they run: after settle_lr)."""
+    return RunRecord(world_size=dist_info.world_size, batch=ds.batch, precision=ds.precision,
+                     zero_stage=ds.zero_stage, model=model_cfg.description(), classes=datasets.classes,
+                     args=config.to_dict())
 
 
 def new_run_id() -> str:
@@ -342,7 +395,9 @@ def build_trainer(config: RunConfig, dist_info: distributed.DistInfo) -> Trainer
     criterion = build_criterion(config.augment.smoothing, mixup)
     ema = build_ema(config, engine.engine)
     groups.split(model)  # after the EMA's copy: the engine's calls of the model run the split
-    checkpointer = build_checkpointer(config, dist_info, engine, fault_hook)
-    return Trainer(config, dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
-                   criterion=criterion, ema=ema, checkpointer=checkpointer, run_id=new_run_id(),
-                   resume_path=resume_path, fault_hook=fault_hook, groups=groups)
+    checkpointer = build_checkpointer(config, dist_info, engine, fault_hook, ema)
+    parts = TrainerParts(dist=dist_info, data=data, ds=ds, lr=lr, model=model_parts, engine=engine, mixup=mixup,
+                         criterion=criterion, ema=ema, checkpointer=checkpointer, groups=groups,
+                         record=run_record(config, dist_info, ds, model_cfg, datasets), run_id=new_run_id(),
+                         resume_path=resume_path, fault_hook=fault_hook)
+    return Trainer(loop_settings(config), parts)

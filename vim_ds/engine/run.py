@@ -80,20 +80,21 @@ def run(config: RunConfig, prog: str = "vim-ds train") -> int:
         # no other run's checkpoints, no second live run
         output_dir.claim(config, dist_info)
         trainer = build_trainer(config, dist_info)
-        if trainer.resume_path:
-            trainer.resume(trainer.resume_path)
+        resuming = bool(trainer.parts.resume_path)
+        if resuming:
+            trainer.resume(trainer.parts.resume_path)
         # `--config OUTPUT_DIR/options.yaml` starts this run again; a resume with other options adds a segment to
         # it (from which step they ran), said in a note; a run refused before its first step puts it back as it was
         if dist_info.is_main and config.run.output_dir:
             note = options_file.write_run(os.path.join(config.run.output_dir, options_file.OPTIONS_FILE), options,
-                                          step=trainer.step if trainer.resume_path else None)
+                                          step=trainer.state.progress.step if resuming else None)
             if note:
                 print(note, flush=True)
         record = trainer.fit()
         if record and dist_info.is_main:
             ema = f", EMA {record['ema_eval_acc1']:.2f}%" if "ema_eval_acc1" in record else ""
             print(f"validation top-1 {record['eval_acc1']:.2f}% top-5 {record['eval_acc5']:.2f}%{ema} "
-                  f"on {record['eval_images']} images after {trainer.step} steps", flush=True)
+                  f"on {record['eval_images']} images after {trainer.state.progress.step} steps", flush=True)
         ended_well = True
         return 0
     except StopRequested as stop:

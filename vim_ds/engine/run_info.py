@@ -51,20 +51,22 @@ def device_name(device: torch.device) -> str:
     return str(device)
 
 
-def header(trainer) -> dict:
-    config, batch = trainer.config, trainer.batch
+def header(settings, parts, start_step: int) -> dict:
+    """The header of a run that starts (or resumes) at `start_step`, from its loop settings and parts
+    (parts.LoopSettings, parts.TrainerParts)."""
+    batch, device, model = parts.ds.batch, parts.dist.device, parts.model.config
     runtime = f"hip {torch.version.hip}" if torch.version.hip else \
-        f"cuda {torch.version.cuda}" if torch.version.cuda and trainer.device.type == "cuda" else None
-    return {"header": True, "start_step": trainer.step, "global_batch": batch.global_,
-            "world_size": trainer.dist.world_size, "micro_batch": batch.micro, "accum_steps": batch.accum,
-            "zero_stage": trainer.ds.zero_stage, "precision": trainer.ds.precision, "seed": config.run.seed,
-            "lr": trainer.lr, "model": config.model.model, "model_kwargs": config.model.model_kwargs,
-            "input_size": config.model.input_size,
-            "num_classes": trainer.num_classes, "train_images": len(trainer.train_set),
-            "total_steps": trainer.total_steps, "device_type": trainer.device.type,
-            "device_name": device_name(trainer.device), "host": platform.node(),
+        f"cuda {torch.version.cuda}" if torch.version.cuda and device.type == "cuda" else None
+    return {"header": True, "start_step": start_step, "global_batch": batch.global_,
+            "world_size": parts.dist.world_size, "micro_batch": batch.micro, "accum_steps": batch.accum,
+            "zero_stage": parts.ds.zero_stage, "precision": parts.ds.precision, "seed": settings.seed,
+            "lr": parts.lr, "model": model.name, "model_kwargs": model.kwargs,
+            "input_size": settings.input_size,
+            "num_classes": parts.data.datasets.num_classes, "train_images": len(parts.data.datasets.train_set),
+            "total_steps": parts.data.total_steps, "device_type": device.type,
+            "device_name": device_name(device), "host": platform.node(),
             "vim_ds": __version__, "torch": torch.__version__, "deepspeed": _version("deepspeed"),
             "timm": _version("timm"), "python": platform.python_version(), "accelerator_runtime": runtime,
-            "init_weights": None, "init_weights_sha256": None, **trainer.init_weights_info,
+            "init_weights": None, "init_weights_sha256": None, **parts.model.init_weights_info,
             # the command as typed, and where: its relative paths name files from there
             "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "cwd": os.getcwd()}

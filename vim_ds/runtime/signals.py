@@ -7,7 +7,8 @@ group: the launcher and every rank) and from torchrun passing one on. Either may
 training step, while the rank waits for data, in an evaluation, while it saves, or before training starts.
 
 The handler only records the signal. The ranks agree on it at the next point where they all meet (the step's
-all-reduce, each evaluation batch, after the epoch's checkpoint), then save one checkpoint together and stop:
+all-reduce, each evaluation batch, after the epoch's checkpoint: the trainer's `engine.stopping.Stopping`), then
+save one checkpoint together and stop:
 exit code 128 + the signal, as a shell reports a process the signal ended (143 for SIGTERM, 130 for SIGINT).
 Data-loader workers and their fork server ignore both (see `vim_ds/data/loader.py`), so that a signal to the
 whole process group cannot kill them under a rank that is still saving: the decision is the rank's.
