@@ -273,13 +273,15 @@ def config_run(digits, shared):
     """config_run(name) -> the output directory of the run of ds_configs/NAME.json (train_utils.config_run_args),
     trained on first use and shared by every test that needs it. "control" is the same recipe in which the
     optimizer does not move the weights (lr 1e-12; one rank x accumulation 2, the same global batch of 16): what a
-    stage whose optimizer never stepped would give, the negative control of the loss comparisons."""
+    stage whose optimizer never stepped would give, the negative control of the loss comparisons; its steps 2-3 are
+    profiled (--profile-steps, read by tests/test_step_profile.py)."""
     from train_utils import CPU_CONFIGS, config_run_args, run_train
 
     def make(name: str, out: str):
         if name == "control":
-            run_train(config_run_args(digits, out, "zero0", "--batch-size", 8, "--accum-steps", 2, "--lr", "1e-12"),
-                      nproc=1)
+            # also profiled (tests/test_step_profile.py reads its profile): profiling changes no number
+            run_train(config_run_args(digits, out, "zero0", "--batch-size", 8, "--accum-steps", 2, "--lr", "1e-12",
+                                      "--profile-steps", "2:3"), nproc=1)
         else:
             run_train(config_run_args(digits, out, name), nproc=2)
 

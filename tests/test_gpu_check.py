@@ -27,8 +27,9 @@ def test_gpu_check_on_a_cpu_reports_no_gpu_and_the_predictions(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     report = (out / "report.md").read_text()
     assert "**Device:** no GPU on this machine" in report
-    for step in ("build", "tests", "model", "train", "split"):
+    for step in ("build", "tests", "model", "train", "profile", "split"):
         assert f"| {step} | skipped (no GPU) |" in report
+    assert "## Where a training step's time goes" in report
     assert "| scan | no GPU: predictions only, measured n/a |" in report
     assert "no GPU: measured n/a" in report and "no GPU: the GPU tests" in report
     assert "| mamba_ssm | not installed |" in report and f"| torch | {torch.__version__} |" in report
@@ -73,6 +74,11 @@ def _gpu_run(tmp_path, with_mamba):
         {"device": "NVIDIA H100 80GB HBM3", "modelled_gpu": gpu.name, "rows": rows,
          "predictions": scan_model.predictions(), "gpus": scan_model.gpus_used()}).replace(
         '"rows": [', '"rows": [' + json.dumps(conv) + ", ", 1))
+    # the profile step's: the H200 summary of tests/test_step_profile.py, through `vim-ds bench profile`
+    from test_step_profile import _h200_summary
+
+    summary = _h200_summary("bf16")
+    (tmp_path / "bench_profile.json").write_text(json.dumps({"summary": summary}))
     (tmp_path / "bench_split.json").write_text(json.dumps(
         {"settings": {"share_gpu": True}, "rows": [
             {"ranks": 1, "threads": None, "peak_bytes": 123456789, "forward_s": 0.01, "backward_s": 0.02},
@@ -99,6 +105,9 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
     # the conv's row in a table of its own (the scan's table has none of it), ours beside F.conv1d
     assert "| B=64 D=768 L=785 K=4 | bfloat16 | 0.031 | 0.125 | 0.250 | 1.500 | 8.1x, 12.0x |" in report
     assert report.count("B=64 D=768 L=785 K=4") == 1
+    # the profile's tables, the ops beside their rooflines on the H200
+    assert "Operators beside their rooflines (roofline GPU: H200 SXM; bfloat16)" in report
+    assert "| `selective_scan_bwd` | 96 | 400.000 | 60.0 % |" in report and "| `aten::bmm` | 64x768x384 " in report
     # the sequence split's rows (bench split --share-gpu)
     assert "## The sequence split's memory per rank" in report and "| 2 | — | 61728394 |" in report
 

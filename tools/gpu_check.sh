@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The first thing to run on a machine with an NVIDIA (or AMD) GPU: build the GPU kernel, run the GPU tests, time the
 # scan against the performance model's lower bounds (and mamba_ssm's kernel side by side when it is installed), the
-# model and the trainer, and write one markdown report, $OUT/report.md, to paste into the README or
+# model and the trainer, profile a few training steps (top kernels, each large op beside its roofline), and write one markdown report, $OUT/report.md, to paste into the README or
 # docs/performance.md (device, versions, every number, measured / predicted). Logs and JSON results go to $OUT
 # (default gpu_results/) too. Each step has its own time limit so that one slow step cannot eat the others. The
 # steps run in the order of what they are for (the kernel, then the trainer, then the model against DeiT), and the
 # whole check fits one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on 2026-11-27; the
 # model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The
 # split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28, not yet run on a GPU)
-# should take about a minute; with it the whole check may pass 10 minutes: give the model step a call of its own
-# (STEPS="build tests scan train split", then STEPS=model).
+# and the profile step (8 steps, 3 profiled; added 2026-11-29, not yet run on a GPU) should take about a minute each;
+# with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests scan train
+# profile split", then STEPS=model).
 #
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
 # the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
@@ -25,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan train split model"}
+STEPS=${STEPS:-"build tests scan train profile split model"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -137,6 +138,22 @@ if step train; then
             --configs "${configs[@]}" --json "$OUT/bench_train.json"
     else
         no_gpu train
+    fi
+fi
+if step profile; then
+    # Where a step's time goes: Vim-small stride 8, bf16, ZeRO-2, batch 64, steps 6-8 under torch.profiler
+    # (`vim-ds train --profile-steps`); the Chrome trace and the top kernels land in $OUT/profile, and `vim-ds bench
+    # profile` puts each large op beside its roofline ($OUT/bench_profile.json, in the report).
+    if [ "$HAVE_GPU" = 1 ]; then
+        rm -rf "$OUT/profile_run" "$OUT/profile"
+        # shellcheck disable=SC2016  # expanded by the inner bash, under run_step's time limit: $0 PYTHON, $1 OUT
+        run_step profile 240 bench_profile.log bash -c '"$0" -m vim_ds.bench train --model vim_small_s8 \
+            --precision bf16 --nproc 1 --batch-size 64 --steps 3 --warmup-steps 5 --configs zero2 \
+            --train-args "--profile-steps 6:8" --keep "$1/profile_run" \
+            && mv "$1/profile_run/zero2/profile" "$1/profile" && rm -rf "$1/profile_run" \
+            && "$0" -m vim_ds.bench profile "$1/profile" --json "$1/bench_profile.json"' "$PYTHON" "$OUT"
+    else
+        no_gpu profile
     fi
 fi
 if step split; then

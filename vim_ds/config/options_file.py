@@ -33,8 +33,9 @@ from .run_config import OPTIONS, RunConfig, derived
 OPTIONS_FILE = "options.yaml"  # in the run's --output_dir
 META_KEY = "recipe"
 META_FIELDS = {"stage", "gpus", "source", "requires", "description"}
-# not options of a run: the file itself, what the launcher sets, DeepSpeed's flags that change nothing here
-NOT_RECORDED = ("config", "local_rank", "deepspeed", "deepscale", "deepscale_config")
+# not options of a run: the file itself, what the launcher sets, DeepSpeed's flags that change nothing here, and
+# a measurement asked of one invocation (--profile-steps: a run started again from its options.yaml profiles nothing)
+NOT_RECORDED = ("config", "local_rank", "deepspeed", "deepscale", "deepscale_config", "profile_steps")
 SEGMENTS_KEY = "segments"
 # options a resume may change without starting a segment: they change how or where the run runs (resuming, paths,
 # workers, timeouts, logging, how often and how many checkpoints are kept), not what it computes

@@ -304,6 +304,11 @@ class RunOptions:
              "instead of hanging it")
     log_interval: int = option("--log-interval", type=int, default=10,
                                help="steps between log lines (without a terminal)")
+    profile_steps: str = option(
+        "--profile-steps", default="", metavar="FIRST:LAST",
+        help="profile optimizer steps FIRST to LAST with torch.profiler: rank 0 writes a Chrome trace and the top "
+             "kernels by device time to OUTPUT_DIR/profile/ (`vim-ds bench profile` puts them beside their "
+             "rooflines)")
     tensorboard: bool = option("--tensorboard", action="store_true", default=False,
                                help="write TensorBoard scalars to OUTPUT_DIR/tensorboard")
     engine: str = option(

@@ -13,7 +13,7 @@ from .training_engines import ENGINES, training_engine
 def validate(config: RunConfig) -> str | None:
     """The first rule `config` breaks (in the order the command line has always checked them), or None."""
     for rule in (_ranges, _choices, _deepscale, _timeouts, _initial_weights, _engine_can, _sequence_parallel,
-                 _compile, _patch_grid):
+                 _compile, _patch_grid, _profile):
         problem = rule(config)
         if problem:
             return problem
@@ -136,3 +136,27 @@ def patch_grid_error(model: str, model_kwargs: dict, input_size: int) -> str | N
         return f"--input-size {input_size} is smaller than {where}; the nearest valid size is {nearest}"
     return (f"--input-size {input_size} does not fit {where}: the last {left} pixel rows and columns would be "
             f"dropped; the nearest valid sizes are {nearest}")
+
+
+def profile_steps(text: str) -> tuple[int, int] | None:
+    """--profile-steps "FIRST:LAST" (or "STEP") -> (FIRST, LAST); "" -> None; a ValueError saying what it should be."""
+    if not text:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        steps = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        raise ValueError(f"--profile-steps must be FIRST:LAST optimizer steps (e.g. 5:8), got {text!r}") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise ValueError(f"--profile-steps must be FIRST:LAST with 1 <= FIRST <= LAST, got {text!r}")
+    return steps
+
+
+def _profile(config: RunConfig) -> str | None:
+    try:
+        steps = profile_steps(config.run.profile_steps)
+    except ValueError as e:
+        return str(e)
+    if steps and not config.run.output_dir:
+        return "--profile-steps writes its profile to OUTPUT_DIR/profile: give --output_dir"
+    return None

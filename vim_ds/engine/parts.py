@@ -27,6 +27,7 @@ from ..checkpoint.files import CheckpointError, sniff
 from ..config.components import dataset_config, loader_config, mixup_config, model_config
 from ..config.ds_config import autocast_dtype, prepare_ds_config
 from ..config.run_config import RunConfig
+from ..config.run_rules import profile_steps
 from ..config.training_engines import TrainingEngine, training_engine
 from ..data import GlobalBatchSampler, build_dataset
 from ..data import loader as data_loader
@@ -125,6 +126,7 @@ class LoopSettings:
     output_dir: str               # metrics.jsonl (and TensorBoard's events) go there
     log_interval: int
     tensorboard: bool
+    profile_steps: tuple | None = None  # --profile-steps: (first, last) optimizer steps profiled (profiling.py)
 
 
 def loop_settings(config: RunConfig) -> LoopSettings:
@@ -132,7 +134,8 @@ def loop_settings(config: RunConfig) -> LoopSettings:
     return LoopSettings(epochs=config.optim.epochs, seed=run.seed, save_interval=run.save_interval,
                         max_bad_steps=run.max_bad_steps, max_bad_images=config.data.max_bad_images,
                         input_size=config.model.input_size, compile=config.model.compile,
-                        output_dir=run.output_dir, log_interval=run.log_interval, tensorboard=run.tensorboard)
+                        output_dir=run.output_dir, log_interval=run.log_interval, tensorboard=run.tensorboard,
+                        profile_steps=profile_steps(run.profile_steps))
 
 
 def build_datasets(config: RunConfig, train: bool = True) -> Datasets:

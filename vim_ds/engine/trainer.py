@@ -31,6 +31,8 @@ from .checkpointing import Checkpointer
 from .evaluate import evaluate as evaluate_model
 from .memory import state_bytes
 from .metrics import MetricsLog
+from .profiling import FOLDER as PROFILE_FOLDER
+from .profiling import StepProfiler
 from .run_info import header
 from .stopping import Stopping
 from .train_state import TrainState
@@ -103,6 +105,8 @@ class Trainer:
         # the last optimizer step was made a no-op here (fp32 without ZeRO)
         self._skipped_by_us = False
         self.timing = {"data": 0.0, "compute": 0.0, "other": 0.0, "steps": 0, "seen_steps": 0}
+        # --profile-steps: rank 0 profiles those optimizer steps of `fit`
+        self.profiler = StepProfiler.idle()
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -217,6 +221,7 @@ class Trainer:
             loss = loss_total / (accum * self.dist.world_size)  # mean over the global batch
             p.step += 1
             p.step_in_epoch += 1
+            self.profiler.after_step(p.step)
             applied = self._check(loss, bad, seen)
             if ema is not None and applied:
                 ema.update()
@@ -386,6 +391,9 @@ class Trainer:
             self._announce()
         record = None
         p.started_at = p.step
+        self.profiler = StepProfiler(settings.profile_steps, os.path.join(settings.output_dir, PROFILE_FOLDER),
+                                     self.dist.device, self.dist.is_main, self.parts.ds.precision)
+        self.profiler.after_step(p.step)  # --profile-steps from the run's first step: starts now
         try:
             stopping.before_training(p)  # a signal while the run was being built
             # the checkpoint's evaluation was cut short by a stop: do it now
@@ -407,5 +415,6 @@ class Trainer:
                 print(f"nothing to train: the run is already at step {p.step} of {total_steps}", flush=True)
             metrics.summary(self.run_summary())
         finally:
+            self.profiler.close()
             metrics.close()
         return record

@@ -1,5 +1,5 @@
-"""`vim-ds bench scan|model|train|convert|data|split`: how fast the kernels, the model and the trainer are, beside
-baselines.
+"""`vim-ds bench scan|model|train|convert|profile|data|split`: how fast the kernels, the model and the trainer
+are, beside baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
@@ -13,6 +13,8 @@ convert  peak memory of `vim-ds convert` on a large model (vim_base by default) 
          time to verify the checkpoint's files against their recorded checksums.
 split  a training step with each image's tokens split over N ranks (sequence parallelism) beside the unsplit
        model: peak memory per rank, forward and backward time, communication per block, logits agreement.
+profile  where a training step's time goes: a run's `vim-ds train --profile-steps` profile, its top kernels and
+         each large operator beside its roofline on the GPU that ran it.
 data   the input pipeline alone (decode, transform, collate, Mixup, hand-over to the training process) on a folder
        of JPEGs: the trainer's loader vs timm's create_loader, images/s and per core, and where the time goes.
 """
@@ -26,7 +28,7 @@ import sys
 from ...runtime import env_vars
 from ...runtime.errors import report_error
 from ..run_options import add_model_kwargs
-from . import convert, data, model, scan, split, train
+from . import convert, data, model, scan, split, step_profile, train
 from ...runtime.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
                     REFERENCE_SPEEDUP_GOAL, reference_lines)
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(check=None, exit_status=None)
     sub = parser.add_subparsers(dest="what", required=True)
-    for add in (_add_scan, _add_model, _add_train, _add_convert):
+    for add in (_add_scan, _add_model, _add_train, _add_convert, _add_profile):
         add(sub)
     data.add_parser(sub)
     sub.choices["data"].set_defaults(run=data.run_data, check=data.check_args)
@@ -139,6 +141,16 @@ def _add_convert(sub) -> None:
     c.add_argument("--no-ema", action="store_true", help="train without EMA (the file then holds one model)")
     c.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     c.set_defaults(run=convert.run_convert)
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="a run's --profile-steps profile: top kernels, ops beside their rooflines",
+                       description=step_profile.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", metavar="DIR", help="OUTPUT_DIR/profile of a run (or the run's OUTPUT_DIR)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="the dtype the rooflines assume [the run's precision]")
+    p.add_argument("--json", metavar="FILE", help="also write the summary and the ops' rooflines as JSON")
+    p.set_defaults(run=step_profile.run_profile)
 
 
 def main(argv=None) -> int:

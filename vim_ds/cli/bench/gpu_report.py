@@ -18,7 +18,7 @@ import torch
 
 import vim_ds
 
-from . import scan_model
+from . import scan_model, step_profile
 
 
 def _read(path):
@@ -113,7 +113,8 @@ def _scan_section(data) -> list:
     if conv_rows:
         lines += ["The branch's depthwise causal conv (4 taps), our GPU kernel beside PyTorch's F.conv1d (cuDNN / "
                   "MIOpen), through the op with autograd; medians in ms:", "",
-                  "| shape | dtype | ours fwd | ours fwd+bwd | F.conv1d fwd | F.conv1d fwd+bwd | speed-up fwd, fwd+bwd |",
+                  "| shape | dtype | ours fwd | ours fwd+bwd | F.conv1d fwd | F.conv1d fwd+bwd | "
+                  "speed-up fwd, fwd+bwd |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['shape']} | {r['dtype']} | {_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | "
                   f"{_ms(r['ref_fwd_ms'])} | {_ms(r['ref_fwd_bwd_ms'])} | {_x(r['speedup_fwd'])}, "
@@ -183,9 +184,20 @@ def build_report(out_dir) -> str:
                             _json(os.path.join(out_dir, "bench_model.json")), skipped)
     lines += _bench_section("Training through the real trainer (`vim-ds bench train`)",
                             _json(os.path.join(out_dir, "bench_train.json")), skipped)
+    lines += _profile_section(_json(os.path.join(out_dir, "bench_profile.json")), skipped)
     lines += _bench_section("The sequence split's memory per rank (`vim-ds bench split --share-gpu`)",
                             _json(os.path.join(out_dir, "bench_split.json")), skipped)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _profile_section(data, missing) -> list:
+    """Where a training step's time goes (the profile step: `vim-ds train --profile-steps`, then `vim-ds bench
+    profile`): the top kernels and the ops beside their rooflines; the Chrome trace is in profile/."""
+    lines = ["## Where a training step's time goes (`--profile-steps`, `vim-ds bench profile`)", ""]
+    if not isinstance(data, dict) or "summary" not in data:
+        return lines + [missing, ""]
+    text, _ = step_profile.report(data["summary"])
+    return lines + [text, "The Chrome trace: `profile/trace.json.gz` (chrome://tracing, ui.perfetto.dev).", ""]
 
 
 def main(argv=None) -> int:
