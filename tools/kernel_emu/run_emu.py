@@ -381,8 +381,9 @@ def main():
     n_conv, worst_conv = conv_cases(quick)
     worst.update(worst_conv)
     n += n_conv
-    print(f"warp {WARP}: emulated {n} fwd+bwd cases (of which {n_conv} of the conv) in {time.time() - t_start:.0f}s; worst relative errors "
-          f"(negative controls, each off by at least: {', '.join(f'{k} {v:.2e}' for k, v in CONTROL.items())}):")
+    print(f"warp {WARP}: emulated {n} fwd+bwd cases (of which {n_conv} of the conv) in {time.time() - t_start:.0f}s; "
+          f"worst relative errors (negative controls, each off by at least: "
+          f"{', '.join(f'{k} {v:.2e}' for k, v in CONTROL.items())}):")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         print(f"  {str(dtype):15s} {k:12s} {v:.2e}")
 
