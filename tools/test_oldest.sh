@@ -4,7 +4,7 @@
 # this tree installed by the README's install line, then the tests of what breaks on old versions (TESTS below).
 # A copy, not this tree: the editable install builds the kernels into the tree against the venv's torch, and the
 # pinned pair's suite runs in this one meanwhile. Everything goes to a temporary folder, removed at the end.
-# About 3 minutes to install and 5 for the tests on 2 cores (docs/tests.md). Extra arguments go to pytest.
+# Its time is in docs/tests.md. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH=2.4.1 TORCHVISION=0.19.1 DEEPSPEED=0.16.9
