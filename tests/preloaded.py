@@ -349,6 +349,10 @@ def _server_path() -> str | None:
     folder = tempfile.mkdtemp(prefix="vim_ds_preloaded.")
     path = os.path.join(folder, "socket")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIM_DS_", "PYTHONPATH"))}
+    # torch 2.4's inductor starts its compile workers' pool at import, with a thread that reads their answers (the
+    # server then refuses to fork); the server only imports, and a forked command that compiles starts its pool
+    # then, as it would without the warm pool. Newer torch starts the pool only when it compiles.
+    env["TORCH_WARM_POOL"] = "0"
     ready_read, ready_write = os.pipe()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path, str(ready_write)], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, env=env, cwd=folder, pass_fds=[ready_write])

@@ -87,9 +87,8 @@ accuracy() {
     grep -o 'validation top-1 [0-9.]*%' "$1" 2>/dev/null | tail -1 | awk '{print $3}'
 }
 
-# Every command of the tests as a real process (VIM_DS_TEST_FORK_SERVER=0, tests/preloaded.py): with torch 2.4
-# DeepSpeed's imports start a thread (inductor's compile workers' reader), and the suite's fork server refuses to
-# fork from a process with threads.
+# Every command of the tests as a real process (VIM_DS_TEST_FORK_SERVER=0, tests/preloaded.py), the closer check of
+# each version (the suite's fork server refused to start on torch 2.4 until it imported with TORCH_WARM_POOL=0).
 core_tests() {
     local dir=$1
     (cd "$dir/src" && PATH="$dir/venv/bin:$PATH" CUDA_VISIBLE_DEVICES="" VIM_DS_TEST_FORK_SERVER=0 \
