@@ -229,14 +229,8 @@ vim_ds_scan::ConvArgs check_conv(const at::Tensor& x, const at::Tensor& weight, 
   const auto acc = acc_dtype(x.scalar_type());
   check_tensor(weight, "weight", x.device(), acc, {dim, K});
   check_optional(bias, "bias", x.device(), acc, {dim});
-  vim_ds_scan::ConvArgs a;
-  a.batch = batch;
-  a.dim = dim;
-  a.seqlen = L;
-  a.width = K;
-  a.x_batch_stride = x.stride(0);
-  a.dtype = to_scan_dtype(x.scalar_type());
-  a.reverse = reverse;
+  vim_ds_scan::ConvArgs a =
+      vim_ds_scan::conv_args(batch, dim, L, K, x.stride(0), to_scan_dtype(x.scalar_type()), reverse);
   a.x = x.data_ptr();
   a.w = weight.data_ptr();
   a.bias = present(bias) ? bias->data_ptr() : nullptr;

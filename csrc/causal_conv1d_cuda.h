@@ -30,6 +30,20 @@ struct ConvArgs {
   void* workspace = nullptr;   // backward: conv_workspace_bytes(args) bytes of scratch, no initialisation needed
 };
 
+// ConvArgs of these shapes and options, every pointer null.
+inline ConvArgs conv_args(int64_t batch, int64_t dim, int64_t seqlen, int64_t width, int64_t x_batch_stride,
+                          ScanDType dtype, bool reverse) {
+  ConvArgs a;
+  a.batch = batch;
+  a.dim = dim;
+  a.seqlen = seqlen;
+  a.width = width;
+  a.x_batch_stride = x_batch_stride;
+  a.dtype = dtype;
+  a.reverse = reverse;
+  return a;
+}
+
 // Scratch the backward of these shapes needs (the per-block partial sums of dw and dbias).
 int64_t conv_workspace_bytes(const ConvArgs& args);
 

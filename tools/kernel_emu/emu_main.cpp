@@ -38,6 +38,22 @@ void* put(std::vector<Buf>& bufs, const void* host, size_t bytes, bool copy_back
   return b.g.ptr;
 }
 
+// A launch's workspace: `bytes` of scratch that start as NaN bytes, so that reading an entry nobody wrote shows up
+// in the results; empty (null) for 0 bytes.
+void* scratch(emu::Guarded& ws, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  ws = emu::Guarded(bytes);
+  std::memset(ws.ptr, 0xff, bytes);
+  EMU_COUNT_HOOK(emu::count_global(ws.ptr, bytes));
+  return ws.ptr;
+}
+
+// The outputs back into the caller's arrays.
+void copy_back(const std::vector<Buf>& bufs) {
+  for (const Buf& b : bufs)
+    if (b.host) std::memcpy(b.host, b.g.ptr, b.bytes);
+}
+
 }  // namespace
 
 extern "C" {
@@ -129,18 +145,10 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
     a.dlast = put(bufs, dlast, state_bytes, false, -1);
     a.dh0 = put(bufs, dh0, state_bytes, true, 0xff);
   }
-  // Scratch starts as NaN bytes, so reading a workspace entry nobody wrote shows up in the results.
-  const size_t ws_bytes = size_t(vim_ds_scan::scan_workspace_bytes(a, backward != 0));
   emu::Guarded ws;
-  if (ws_bytes > 0) {
-    ws = emu::Guarded(ws_bytes);
-    std::memset(ws.ptr, 0xff, ws_bytes);
-    EMU_COUNT_HOOK(emu::count_global(ws.ptr, ws_bytes));
-    a.workspace = ws.ptr;
-  }
+  a.workspace = scratch(ws, size_t(vim_ds_scan::scan_workspace_bytes(a, backward != 0)));
   const char* err = backward ? vim_ds_scan::scan_bwd(a, nullptr) : vim_ds_scan::scan_fwd(a, nullptr);
-  for (Buf& b : bufs)
-    if (b.host) std::memcpy(b.host, b.g.ptr, b.bytes);
+  copy_back(bufs);
   return err;
 }
 
@@ -157,14 +165,7 @@ const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, 
   const size_t x_elems = batch > 0 ? size_t((batch - 1) * x_batch_stride + dim * L) : 0;
   std::vector<Buf> bufs;
   bufs.reserve(8);
-  vim_ds_scan::ConvArgs a;
-  a.batch = batch;
-  a.dim = dim;
-  a.seqlen = L;
-  a.width = K;
-  a.x_batch_stride = x_batch_stride;
-  a.dtype = dt;
-  a.reverse = reverse != 0;
+  vim_ds_scan::ConvArgs a = vim_ds_scan::conv_args(batch, dim, L, K, x_batch_stride, dt, reverse != 0);
   a.x = put(bufs, x, x_elems * is, false, -1);
   a.w = put(bufs, w, size_t(dim * K) * as, false, -1);
   a.bias = put(bufs, bias, size_t(dim) * as, false, -1);
@@ -176,17 +177,10 @@ const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, 
     a.dw = put(bufs, dw, size_t(dim * K) * as, true, 0xff);
     a.dbias = put(bufs, dbias, size_t(dim) * as, true, 0xff);
   }
-  const size_t ws_bytes = backward ? size_t(vim_ds_scan::conv_workspace_bytes(a)) : 0;
   emu::Guarded ws;
-  if (ws_bytes > 0) {
-    ws = emu::Guarded(ws_bytes);
-    std::memset(ws.ptr, 0xff, ws_bytes);
-    EMU_COUNT_HOOK(emu::count_global(ws.ptr, ws_bytes));
-    a.workspace = ws.ptr;
-  }
+  a.workspace = scratch(ws, backward ? size_t(vim_ds_scan::conv_workspace_bytes(a)) : 0);
   const char* err = backward ? vim_ds_scan::conv_bwd(a, nullptr) : vim_ds_scan::conv_fwd(a, nullptr);
-  for (Buf& b : bufs)
-    if (b.host) std::memcpy(b.host, b.g.ptr, b.bytes);
+  copy_back(bufs);
   return err;
 }
 
