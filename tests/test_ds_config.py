@@ -666,3 +666,29 @@ def test_shipped_config_trains_a_real_engine_on_gpu(tmp_path, name):
     assert result["optimizer"] == ("DeepSpeedCPUAdam" if offload else "FusedAdam"), result
     dtype = {"fp16": "float16", "bf16": "bfloat16", "autocast-bf16": "float32"}[EXPECTED[name][1]]
     assert result["param_dtype"] == f"torch.{dtype}", result
+
+
+def test_zero2_accumulation_is_refused_where_deepspeed_accumulates_it_wrongly(monkeypatch):
+    """DeepSpeed 0.17.6 to 0.18.2 compute wrong gradients under ZeRO-2 with gradient accumulation (DeepSpeed issue
+    7718; on 0.17.6 one rank with 2 micro steps trained away from one micro step of the same images, and the ZeRO-2
+    resume onto 1 rank with accumulation 2 ended at other weights): refused before DeepSpeed starts, naming the way
+    out. DeepSpeed's version is patched (versions.installed: this venv has the newest); the matrix meets the real
+    0.17.6. The variant: the accumulation set in the JSON instead of --accum-steps."""
+    from vim_ds.runtime import versions
+
+    def with_deepspeed(version):
+        monkeypatch.setattr(versions, "installed", lambda: {"torch": "2.14.1", "deepspeed": version})
+
+    with_deepspeed("0.17.6")
+    assert error(accum_steps=2) == (
+        "<dict>: ZeRO-2 with gradient accumulation (2 micro steps a step) computes wrong gradients in DeepSpeed "
+        "0.17.6 (0.17.6 to 0.18.2, DeepSpeed issue 7718); use ZeRO-1 or 3 (ds_configs/zero1.json), --accum-steps 1, "
+        "or install deepspeed>=0.18.3")
+    with_deepspeed("0.18.2+cpu")
+    assert "in DeepSpeed 0.18.2+cpu" in error(minimal(gradient_accumulation_steps=4))
+    # what works: one micro step, another stage, a DeepSpeed before or after the range
+    assert prepare(minimal(), accum_steps=1).batch.accum == 1
+    assert prepare(minimal(zero_optimization={"stage": 1}), accum_steps=2).zero_stage == 1
+    for fine in ("0.17.5", "0.18.3", "0.19.8", "0.16.9"):
+        with_deepspeed(fine)
+        assert prepare(minimal(), accum_steps=2).batch.accum == 2, fine

@@ -233,7 +233,7 @@ config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "data_
 groups = [{"params": list(model.parameters())}]
 engine, _, _ = deepspeed_engine.build(model, groups, types.SimpleNamespace(config=config), None, None)
 errors = []
-for flat in engine.optimizer.bf16_groups_flat:
+for flat in getattr(engine.optimizer, "bf16_groups_flat", []):
     with torch.no_grad():
         views = flat.chunk(1)
     def gather():
@@ -244,7 +244,10 @@ for flat in engine.optimizer.bf16_groups_flat:
     worker = threading.Thread(target=gather)
     worker.start()
     worker.join()
-print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "errors": errors}))
+# DeepSpeed 0.17 names its two bf16 wrappers alike ("bf16"), and the check for the ZeRO-0 one's comes first
+from deepspeed.runtime import constants
+routes = "BF16_Optimizer" if constants.BFLOAT16 != getattr(constants, "DDP_BFLOAT16", None) else "FP16_UnfusedOptimizer"
+print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "routes": routes, "errors": errors}))
 """
 
 
@@ -253,11 +256,83 @@ def test_bf16_optimizer_buffers_take_a_gather_into_their_views_from_another_thre
     torch 2.4's gloo copies the all-gathered partitions into views of it in its worker thread: every multi-rank CPU
     run with bf16 and no ZeRO stopped at its first step on DeepSpeed 0.16 and torch 2.4 (`A view was created in
     no_grad mode and is being modified inplace with grad mode enabled`). vim_ds detaches those buffers after building
-    the engine (deepspeed_engine._untrack_bf16_buffers); the matrix runs the real 2-rank case there."""
+    the engine (deepspeed_engine._untrack_bf16_buffers); the matrix runs the real 2-rank case there. DeepSpeed 0.17
+    builds no BF16_Optimizer from any config (its wrapper constants BFLOAT16 and DDP_BFLOAT16 are both "bf16", so
+    bf16 with fp32 accumulation goes to FP16_UnfusedOptimizer): there the test checks that routing, and that the
+    engine has no flat bf16 buffers to gather into."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", BF16_BUFFERS], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and results, proc.stderr[-3000:]
-    assert json.loads(results[0][len("RESULT "):]) == {"optimizer": "BF16_Optimizer", "errors": []}
+    result = json.loads(results[0][len("RESULT "):])
+    assert result == {"optimizer": result["routes"], "routes": result["routes"], "errors": []}, result
+
+
+# A world of one builds real DeepSpeed engines without ZeRO in bf16 through vim_ds (an FP16_UnfusedOptimizer in every
+# DeepSpeed from 0.17 on), takes two optimizer steps as the trainer does (its norm before each step, the stepped
+# gradients dropped after it), with 1 and with 2 micro steps a step, and checks each step's gradients against the
+# same backward made by hand on a copy of the module: the mean gradient of this step's micro batches only.
+ZERO0_BF16 = r"""
+import copy, json, types
+
+import deepspeed
+import torch
+
+from vim_ds.runtime import deepspeed_engine
+
+deepspeed.init_distributed(dist_backend="gloo")
+results = []
+for accum in (1, 2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    plain = copy.deepcopy(model).bfloat16()  # the module without the engine, for the backward by hand
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    groups = [{"params": list(model.parameters())}]
+    engine, _, _ = deepspeed_engine.build(model, groups, types.SimpleNamespace(config=config), None, None)
+    batches = torch.Generator().manual_seed(1)
+    for step in range(2):
+        left = sum(p.grad is not None for p in engine.module.parameters())
+        by_hand = copy.deepcopy(plain)
+        by_hand.load_state_dict(engine.module.state_dict())  # this step's weights
+        for micro in range(accum):
+            x = torch.randn(4, 8, generator=batches).bfloat16()
+            y = torch.randint(0, 4, (4,), generator=batches)
+            engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y))
+            (torch.nn.functional.cross_entropy(by_hand(x).float(), y) / accum).backward()
+        want = float(torch.stack([p.grad.float().norm() for p in by_hand.parameters()]).norm())
+        got = deepspeed_engine.module_grad_norm(engine)
+        engine.step()
+        deepspeed_engine.drop_stepped_gradients(engine.module)
+        results.append({"accum": accum, "step": step, "left": left, "ratio": got / want})
+print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "steps": results}))
+"""
+
+
+def test_zero0_bf16_steps_take_their_own_gradients_unscaled(tmp_path):
+    """Without ZeRO, DeepSpeed 0.17 runs bf16 through FP16_UnfusedOptimizer with fp16's dynamic loss scale (65536)
+    and does not clear the gradients after its step: each step's gradient was the sum of every earlier step's, so
+    ZeRO-0's losses drifted 1.4 % from ZeRO-1/2/3's in 10 steps, and the trainer's ZeRO-0 norm was 65536 times too
+    large (matrix, torch 2.4.1 + DeepSpeed 0.17.6). The trainer drops the stepped gradients and divides by the
+    optimizer's loss scale (deepspeed_engine.drop_stepped_gradients, module_grad_norm); newer DeepSpeed clears them
+    and scales bf16 by 1, where both change nothing. The variant: 2 micro steps a step (the stale gradient entered
+    the first of them). The matrix runs this test on DeepSpeed 0.17."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-c", ZERO0_BF16], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, proc.stderr[-3000:]
+    result = json.loads(results[0][len("RESULT "):])
+    # (DeepSpeed 0.16 runs BF16_Optimizer there, which keeps the gradients itself and reports their norm: the
+    # trainer then neither takes the module's nor drops them, and the stage equivalence test covers it)
+    if result["optimizer"] == "BF16_Optimizer":
+        return
+    assert result["optimizer"] == "FP16_UnfusedOptimizer", result
+    assert [(s["accum"], s["step"]) for s in result["steps"]] == [(1, 0), (1, 1), (2, 0), (2, 1)], result
+    for s in result["steps"]:
+        # nothing left from the step before; the same gradients up to bf16's rounding of the two sums
+        assert s["left"] == 0 and abs(s["ratio"] - 1) < 1e-2, result

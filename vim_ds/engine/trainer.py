@@ -25,7 +25,7 @@ from torch._dynamo.exc import TorchDynamoException
 from ..data.datasets import derive_seed
 from ..models.vim import load_state_dict_into
 from ..runtime import distributed, write_journal
-from ..runtime.deepspeed_engine import is_bf16_optimizer
+from ..runtime.deepspeed_engine import drop_stepped_gradients, is_bf16_optimizer, module_grad_norm
 from ..runtime.errors import first_line
 from .checkpointing import Checkpointer
 from .evaluate import evaluate as evaluate_model
@@ -163,6 +163,9 @@ class Trainer:
         else:
             # DeepSpeed applies the update on the last micro step of the accumulation
             engine.step()
+        if self._own_grad_norm and micro == self.batch.accum - 1:
+            # the next step's gradients must not start from this one's (DeepSpeed 0.17 left them in bf16)
+            drop_stepped_gradients(engine.module)
         return loss.detach()
 
     @contextlib.contextmanager
@@ -181,9 +184,8 @@ class Trainer:
     @torch.no_grad()
     def _full_grad_norm(self) -> float:
         """The gradient norm where DeepSpeed reports none (ZeRO-0): the gradients are whole and already averaged
-        over ranks when the last micro step's backward returns (before clipping, like DeepSpeed's)."""
-        norms = [p.grad.float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(norms).norm()) if norms else 0.0
+        over ranks when the last micro step's backward returns (before clipping, like DeepSpeed's), and unscaled."""
+        return module_grad_norm(self.engine)
 
     def train_epoch(self, metrics) -> bool:
         """Train from the current position to the end of the epoch; False when --max-steps stopped it early.

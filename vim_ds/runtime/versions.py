@@ -23,6 +23,13 @@ def release(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+def patch_release(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as "0.17.6" or "0.18.3+abc" (patch 0 where it has none), None
+    when it has no major and minor."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return (int(match[1]), int(match[2]), int(match[3] or 0)) if match else None
+
+
 def problem(found: dict[str, str | None]) -> str | None:
     """The one-line refusal for the versions `found` ({"torch": "2.3.1", ...}; None: not installed), or None."""
     for name, minimum in MINIMUM.items():
