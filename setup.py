@@ -16,6 +16,7 @@ Environment:
 """
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 
@@ -66,8 +67,24 @@ def _gpu_toolchain(torch):
             return None, "CUDA torch but no nvcc found (set CUDA_HOME)"
         if not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
             return None, f"nvcc found in {home}/bin but not the CUDA headers in {home}/include (set CUDA_HOME)"
+        nvcc = _nvcc_release(home)
+        if nvcc and nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
+            # torch's build refuses another major version (a cluster's system CUDA beside a pinned torch wheel)
+            return None, (f"nvcc {nvcc} in {home} and torch's CUDA {torch.version.cuda} differ in their major "
+                          f"version (set CUDA_HOME to a CUDA {torch.version.cuda.split('.')[0]} toolkit)")
         return "cuda", f"CUDA torch ({torch.version.cuda}) and nvcc in {home}"
     return None, "torch has no GPU backend"
+
+
+def _nvcc_release(cuda_home):
+    """nvcc's release ("13.0"), or None where it cannot be read."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else None
 
 
 # The targets tools/compile_check.sh compiles and reports (keep the two in line).

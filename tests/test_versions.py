@@ -336,3 +336,42 @@ def test_zero0_bf16_steps_take_their_own_gradients_unscaled(tmp_path):
     for s in result["steps"]:
         # nothing left from the step before; the same gradients up to bf16's rounding of the two sums
         assert s["left"] == 0 and abs(s["ratio"] - 1) < 1e-2, result
+
+
+def _setup_functions(*names):
+    """setup.py's functions `names`, compiled from its source (importing setup.py would run setup())."""
+    import ast
+    import shutil
+    import subprocess
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    namespace = {"os": os, "re": re, "shutil": shutil, "subprocess": subprocess}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "setup.py", "exec"), namespace)
+    return [namespace[name] for name in names]
+
+
+@pytest.mark.parametrize("nvcc,builds", [("13.0", False), ("12.4", True)])
+def test_setup_builds_no_gpu_kernel_with_an_nvcc_of_another_major_version(tmp_path, monkeypatch, nvcc, builds):
+    """A torch wheel built for CUDA 12.1 beside a system nvcc 13.0 (CI's image; a cluster's module): torch's
+    extension build refuses another major version, so the README's install failed with the oldest torch. setup.py
+    now leaves the GPU kernel out with one line saying why; an nvcc of the same major version still builds it."""
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "include").mkdir()
+    (home / "include" / "cuda_runtime.h").write_text("")
+    (home / "bin" / "nvcc").write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {nvcc}, V{nvcc}.1'\n")
+    (home / "bin" / "nvcc").chmod(0o755)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    toolchain = _setup_functions("_gpu_toolchain", "_nvcc_release")[0]
+    fake_torch = SimpleNamespace(version=SimpleNamespace(hip=None, cuda="12.1"))
+    backend, reason = toolchain(fake_torch)
+    if builds:
+        assert backend == "cuda", reason
+    else:
+        assert backend is None and reason == (f"nvcc 13.0 in {home} and torch's CUDA 12.1 differ in their major "
+                                              f"version (set CUDA_HOME to a CUDA 12 toolkit)")
