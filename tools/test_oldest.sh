@@ -10,16 +10,16 @@ cd "$(dirname "$0")/.."
 TORCH=2.4.1 TORCHVISION=0.19.1 DEEPSPEED=0.16.9
 # What an old torch or DeepSpeed broke, each test a regression test of a fix in docs/versions.md: the version checks
 # and the old-version fixes tested in one process (the allow-list of weights-only loads without safe_globals,
-# DeepSpeed 0.16's `set`, BF16_Optimizer's buffers written from gloo's thread, the process group's teardown, the
-# ZeRO-3 universal refusal), the ops' registration (torch 2.4's custom_op), autocast refused without DeepSpeed's
-# section, the ZeRO stages' equal losses and grad norms in bf16 (BF16_Optimizer's norm, 2 ranks without ZeRO), an
-# exact resume from 2 ranks onto 1 through DeepSpeed's universal checkpoint, a conversion against the engine's
-# logits, torch.compile(fullgraph=True) and torch.export.
+# DeepSpeed 0.16's `set`, BF16_Optimizer's buffers written from gloo's thread and its gradient norm, the process
+# group's teardown, the ZeRO-3 universal refusal), the ops' registration (torch 2.4's custom_op), autocast refused
+# without DeepSpeed's section, an exact resume from 2 ranks onto 1 through DeepSpeed's universal checkpoint, a
+# conversion against the engine's logits, torch.compile(fullgraph=True) and torch.export. (The ZeRO stages' bf16
+# equivalence, which found BF16_Optimizer's norm, is the matrix's: its four 2-rank runs were a third of this leg's
+# CPU, and test_versions.py checks that norm on a real engine in one process.)
 TESTS=(
     tests/test_versions.py
     tests/test_ops_registration.py
     tests/test_ds_config.py::test_autocast_is_refused_where_deepspeed_has_no_torch_autocast_section
-    "tests/test_train.py::test_zero_stages_and_accumulation_give_the_same_losses[bf16]"
     "tests/test_resume_exact.py::test_resumed_state_equals_the_uninterrupted_run[zero2-bf16-2->1]"
     "tests/test_convert.py::test_converted_model_gives_the_logits_of_the_deepspeed_engine[zero2]"
     tests/test_compile.py::test_fullgraph_compile_gives_eager_loss_and_gradients
