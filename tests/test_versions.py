@@ -247,7 +247,20 @@ for flat in getattr(engine.optimizer, "bf16_groups_flat", []):
 # DeepSpeed 0.17 names its two bf16 wrappers alike ("bf16"), and the check for the ZeRO-0 one's comes first
 from deepspeed.runtime import constants
 routes = "BF16_Optimizer" if constants.BFLOAT16 != getattr(constants, "DDP_BFLOAT16", None) else "FP16_UnfusedOptimizer"
-print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "routes": routes, "errors": errors}))
+# ZeRO-1/2's optimizer, fp32 and bf16: what it all-gathers into after each step, and the partitions it gathers from
+tracked = {}
+for precision in ("fp32", "bf16"):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    zero2 = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": precision == "bf16"},
+             "zero_optimization": {"stage": 2, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    zero2_engine, _, _ = deepspeed_engine.build(model, [{"params": list(model.parameters())}],
+                                                types.SimpleNamespace(config=zero2), None, None)
+    opt = zero2_engine.optimizer
+    buffers = list(opt.bit16_groups_flat) + [t for parts in opt.parallel_partitioned_bit16_groups for t in parts]
+    tracked[precision] = [type(opt).__name__, len(buffers), sum(t.requires_grad for t in buffers)]
+print("RESULT " + json.dumps({"optimizer": type(engine.optimizer).__name__, "routes": routes, "errors": errors,
+                              "zero2": tracked}))
 """
 
 
@@ -256,10 +269,18 @@ def test_bf16_optimizer_buffers_take_a_gather_into_their_views_from_another_thre
     torch 2.4's gloo copies the all-gathered partitions into views of it in its worker thread: every multi-rank CPU
     run with bf16 and no ZeRO stopped at its first step on DeepSpeed 0.16 and torch 2.4 (`A view was created in
     no_grad mode and is being modified inplace with grad mode enabled`). vim_ds detaches those buffers after building
-    the engine (deepspeed_engine._untrack_bf16_buffers); the matrix runs the real 2-rank case there. DeepSpeed 0.17
+    the engine (deepspeed_engine.untrack_flat_buffers); the matrix runs the real 2-rank case there. DeepSpeed 0.17
     builds no BF16_Optimizer from any config (its wrapper constants BFLOAT16 and DDP_BFLOAT16 are both "bf16", so
     bf16 with fp32 accumulation goes to FP16_UnfusedOptimizer): there the test checks that routing, and that the
-    engine has no flat bf16 buffers to gather into."""
+    engine has no flat bf16 buffers to gather into.
+
+    ZeRO-1 and ZeRO-2 on DeepSpeed 0.18 (DeepSpeedZeroOptimizer, fp32 and bf16) flatten the parameters the same
+    way (DeepSpeed PR #7828; 0.19 detaches them, PR #7948): every 2-rank CPU run with ZeRO-1 or 2 stopped at its
+    first step on torch 2.4 (`Output 0 of SplitBackward0 is a view and is being modified inplace`, in gloo's
+    all_gather_into_tensor), as the matrix found. vim_ds detaches the buffer and the partitions cut from it
+    (deepspeed_engine.untrack_flat_buffers): nothing the optimizer gathers into or from may be recorded by autograd,
+    on any version (a world of one does not gather, so the state is what is checked here; the matrix runs the
+    2-rank runs)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", BF16_BUFFERS], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -267,7 +288,11 @@ def test_bf16_optimizer_buffers_take_a_gather_into_their_views_from_another_thre
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and results, proc.stderr[-3000:]
     result = json.loads(results[0][len("RESULT "):])
+    zero2 = result.pop("zero2")
     assert result == {"optimizer": result["routes"], "routes": result["routes"], "errors": []}, result
+    # each engine: DeepSpeed's ZeRO-1/2 optimizer, its buffer and partition(s), none of them recorded by autograd
+    assert all(name == "DeepSpeedZeroOptimizer" and count >= 2 and tracked == 0
+               for name, count, tracked in zero2.values()), zero2
 
 
 # A world of one builds real DeepSpeed engines without ZeRO in bf16 through vim_ds (an FP16_UnfusedOptimizer in every

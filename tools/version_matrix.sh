@@ -79,6 +79,9 @@ demo() {
 
 main_job() {
     local dir=$1
+    # the matrix's own folder: a reused combination's earlier main job is there, and vim-ds train refuses to start a
+    # new run over another run's checkpoints
+    rm -rf "$dir/main_job"
     (cd "$dir/src" && PATH="$dir/venv/bin:$PATH" DATA="$MATRIX_DIR/digits" OUT="$dir/main_job" \
         CUDA_VISIBLE_DEVICES="" bash launch/train_digits.sh)
 }

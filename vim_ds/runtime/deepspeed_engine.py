@@ -22,25 +22,46 @@ def build(model: torch.nn.Module, groups: list[dict], ds, scheduler_factory, com
     with _dynamo_off(not compiled):
         engine, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=groups, config=ds.config,
                                                           lr_scheduler=scheduler_factory)
-    _untrack_bf16_buffers(engine.optimizer)
+    untrack_flat_buffers(engine.optimizer)
     what = compile_engine(engine, ds, compile_backend) if compiled else None
     return engine, lr_scheduler, what
 
 
+# The flat buffers DeepSpeed's optimizers keep their 16-bit (or, under ZeRO-1/2 in fp32, 32-bit) parameters in:
+# BF16_Optimizer's, and ZeRO-1/2's DeepSpeedZeroOptimizer's; and the lists of each rank's partition of them (views)
+FLAT_BUFFERS = ("bf16_groups_flat", "bit16_groups_flat")
+PARTITIONS = ("bf16_partitioned_groups", "parallel_partitioned_bit16_groups")
 
-def _untrack_bf16_buffers(optimizer) -> None:
-    """Detach DeepSpeed's BF16_Optimizer's flat bf16 buffers from autograd, in place.
 
-    Why: BF16_Optimizer (bf16 with fp32 gradient accumulation: DeepSpeed 0.16's way without ZeRO) flattens each
-    group's bf16 parameters into one buffer with autograd recording, so the buffer requires grad, and after each
-    step it all-gathers the ranks' partitions into it. torch 2.4's gloo copies into views of that buffer in its
-    worker thread, where grad mode is on: every multi-rank CPU run with bf16 and no ZeRO stopped at its first step
-    with `A view was created in no_grad mode and is being modified inplace with grad mode enabled`. The buffers are
-    storage only (the parameters point into them through `.data`, and no gradient flows through them), so they
-    can stop being recorded: the same tensors and values."""
-    if is_bf16_optimizer(optimizer):
-        for flat in optimizer.bf16_groups_flat:
-            flat.detach_()
+def untrack_flat_buffers(optimizer) -> list:
+    """Detach the flat parameter buffers of DeepSpeed's optimizers (FLAT_BUFFERS) from autograd, in place, where
+    autograd records them; the buffers it detached.
+
+    Why: an optimizer that flattens each group's parameters into one buffer with autograd recording leaves a
+    buffer that requires grad, and after each step it all-gathers the ranks' partitions into it. torch 2.4's gloo
+    writes into views of that buffer (its `all_gather_into_tensor` splits the output) in its worker thread, where
+    grad mode is on, which autograd refuses: every multi-rank CPU run stopped at its first step. BF16_Optimizer
+    (bf16 without ZeRO on DeepSpeed 0.16) with `A view was created in no_grad mode and is being modified inplace
+    with grad mode enabled`; ZeRO-1 and ZeRO-2 on DeepSpeed 0.18 (0.16, 0.17 and 0.19 detach theirs) with `Output
+    0 of SplitBackward0 is a view and is being modified inplace`. The buffers are storage only (the parameters
+    point into them through `.data`, and no gradient flows through them), so they can stop being recorded: the
+    same tensors and values. The partitions DeepSpeed cut from them before (views, which keep the autograd history
+    of their base and cannot be detached in place) are replaced by the same views untracked, as DeepSpeed 0.19
+    cuts them from its detached buffer (DeepSpeed PR #7948). Found by what autograd records, not by the version:
+    where DeepSpeed detached them, nothing is done."""
+    detached = []
+    for name in FLAT_BUFFERS:
+        for flat in getattr(optimizer, name, None) or ():
+            if flat.requires_grad and flat._base is None:  # (none is a view: each is a concatenation)
+                flat.detach_()
+                detached.append(flat)
+    for name in PARTITIONS:
+        for parts in getattr(optimizer, name, None) or ():
+            for index, part in enumerate(parts):
+                if isinstance(part, torch.Tensor) and part.requires_grad:
+                    parts[index] = part.detach()  # the same storage, offset and shape
+                    detached.append(parts[index])
+    return detached
 
 
 def is_bf16_optimizer(optimizer) -> bool:
