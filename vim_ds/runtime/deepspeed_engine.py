@@ -34,21 +34,20 @@ PARTITIONS = ("bf16_partitioned_groups", "parallel_partitioned_bit16_groups")
 
 
 def untrack_flat_buffers(optimizer) -> list:
-    """Detach the flat parameter buffers of DeepSpeed's optimizers (FLAT_BUFFERS) from autograd, in place, where
-    autograd records them; the buffers it detached.
+    """Stop autograd recording the flat parameter buffers of DeepSpeed's optimizers (FLAT_BUFFERS, detached in
+    place) and the partitions cut from them (PARTITIONS, replaced by the same views untracked); the tensors it
+    untracked.
 
-    Why: an optimizer that flattens each group's parameters into one buffer with autograd recording leaves a
-    buffer that requires grad, and after each step it all-gathers the ranks' partitions into it. torch 2.4's gloo
-    writes into views of that buffer (its `all_gather_into_tensor` splits the output) in its worker thread, where
-    grad mode is on, which autograd refuses: every multi-rank CPU run stopped at its first step. BF16_Optimizer
-    (bf16 without ZeRO on DeepSpeed 0.16) with `A view was created in no_grad mode and is being modified inplace
-    with grad mode enabled`; ZeRO-1 and ZeRO-2 on DeepSpeed 0.18 (0.16, 0.17 and 0.19 detach theirs) with `Output
-    0 of SplitBackward0 is a view and is being modified inplace`. The buffers are storage only (the parameters
-    point into them through `.data`, and no gradient flows through them), so they can stop being recorded: the
-    same tensors and values. The partitions DeepSpeed cut from them before (views, which keep the autograd history
-    of their base and cannot be detached in place) are replaced by the same views untracked, as DeepSpeed 0.19
-    cuts them from its detached buffer (DeepSpeed PR #7948). Found by what autograd records, not by the version:
-    where DeepSpeed detached them, nothing is done."""
+    Why: an optimizer that flattens each group's parameters with autograd recording leaves a buffer that requires
+    grad, and cuts each rank's partition from it as a view that carries that history; after each step the ranks'
+    partitions are all-gathered into the buffer, and on a CPU (gloo) autograd refuses the in-place writes into its
+    views: every multi-rank CPU run stopped at its first step. BF16_Optimizer (bf16 without ZeRO on DeepSpeed 0.16)
+    with torch 2.4: `A view was created in no_grad mode and is being modified inplace with grad mode enabled`;
+    ZeRO-1/2's optimizer on DeepSpeed 0.18 (its PR #7828; 0.16, 0.17 and 0.19 detach the buffer, PR #7948), with
+    torch 2.4.1 and 2.14.1: `Output 0 of SplitBackward0 is a view and is being modified inplace`. The buffers are
+    storage only (the parameters point into them through `.data`, and no gradient flows through them), so they can
+    stop being recorded: the same tensors and values, as DeepSpeed 0.19 makes them. Found by what autograd records,
+    not by the version: where DeepSpeed detached them, nothing is done."""
     detached = []
     for name in FLAT_BUFFERS:
         for flat in getattr(optimizer, name, None) or ():
