@@ -33,10 +33,9 @@ FLAT_BUFFERS = ("bf16_groups_flat", "bit16_groups_flat")
 PARTITIONS = ("bf16_partitioned_groups", "parallel_partitioned_bit16_groups")
 
 
-def untrack_flat_buffers(optimizer) -> list:
+def untrack_flat_buffers(optimizer) -> None:
     """Stop autograd recording the flat parameter buffers of DeepSpeed's optimizers (FLAT_BUFFERS, detached in
-    place) and the partitions cut from them (PARTITIONS, replaced by the same views untracked); the tensors it
-    untracked.
+    place) and the partitions cut from them (PARTITIONS, replaced by the same views untracked).
 
     Why: an optimizer that flattens each group's parameters with autograd recording leaves a buffer that requires
     grad, and cuts each rank's partition from it as a view that carries that history; after each step the ranks'
@@ -48,19 +47,15 @@ def untrack_flat_buffers(optimizer) -> list:
     storage only (the parameters point into them through `.data`, and no gradient flows through them), so they can
     stop being recorded: the same tensors and values, as DeepSpeed 0.19 makes them. Found by what autograd records,
     not by the version: where DeepSpeed detached them, nothing is done."""
-    detached = []
     for name in FLAT_BUFFERS:
         for flat in getattr(optimizer, name, None) or ():
             if flat.requires_grad and flat._base is None:  # (none is a view: each is a concatenation)
                 flat.detach_()
-                detached.append(flat)
     for name in PARTITIONS:
         for parts in getattr(optimizer, name, None) or ():
             for index, part in enumerate(parts):
                 if isinstance(part, torch.Tensor) and part.requires_grad:
                     parts[index] = part.detach()  # the same storage, offset and shape
-                    detached.append(parts[index])
-    return detached
 
 
 def is_bf16_optimizer(optimizer) -> bool:
