@@ -5,6 +5,8 @@ An older torch or DeepSpeed cannot be installed beside this venv's, so the run's
 torch.__version__ patched (the attribute versions.installed reads); the refusal itself is a function of the version
 strings, tested with them directly. tools/version_matrix.sh runs the supported versions for real (docs/versions.md).
 """
+import argparse
+import functools
 import json
 import os
 import re
@@ -133,6 +135,32 @@ def test_weights_only_loads_allow_their_types_for_the_block_where_torch_has_no_s
         assert torch.load(path, weights_only=True)["args"].lr == 0.1
     assert set(map(repr, torch.serialization.get_safe_globals())) == before  # (their order aside)
     assert files.load_weights_file(path)["args"].lr == 0.1  # through a loader of vim_ds's
+
+
+def test_a_deepspeed_checkpoint_loads_where_the_allow_list_takes_no_named_pairs(monkeypatch, tmp_path):
+    """torch 2.5 has safe_globals but its allow-list takes no `(object, "module.name")` pairs (safe_load's getattr
+    of an enum member): it reads every entry's __module__ at the first global it looks up, so each resume, convert
+    and universal copy failed with `'tuple' object has no attribute '__module__'`. The pairs are dropped where the
+    allow-list cannot take them, found by trying one. torch 2.5's lookup is put in place here (it is three lines:
+    each entry named by its __module__ and __name__); the matrix runs the real one."""
+    from torch import _weights_only_unpickler as unpickler
+
+    from vim_ds.checkpoint import files, safe_load
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1)}, path)
+    if tuple(map(int, re.findall(r"\d+", torch.__version__)[:2])) >= (2, 6):
+        assert files._allow_list_takes_pairs()  # newer torch keeps the pairs
+    def user_allowed_globals_of_torch25():  # (the list is read at each call: the `with` blocks replace it)
+        marked = getattr(unpickler, "_marked_safe_globals_set", None) or unpickler._marked_safe_globals_list
+        return {f"{entry.__module__}.{entry.__name__}": entry for entry in marked}
+
+    monkeypatch.setattr(unpickler, "_get_user_allowed_globals", user_allowed_globals_of_torch25)
+    monkeypatch.setattr(files, "_allow_list_takes_pairs", functools.cache(files._allow_list_takes_pairs.__wrapped__))
+    assert not files._allow_list_takes_pairs()
+    assert safe_load.load(str(path))["args"].lr == 0.1
+    with safe_load.deepspeed_loads(str(tmp_path)):  # DeepSpeed's own loads
+        assert torch.load(path, weights_only=False)["module"]["w"].tolist() == [1.0, 1.0]
 
 
 # Rank 0 leaves an all-reduce waiting for rank 1 on the world group and on a group it keeps no reference to, drops

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import io
 import os
 import pathlib
 from typing import Any
@@ -38,10 +40,34 @@ _BOILERPLATE = ("Weights only load failed", "Please file an issue", "Check the d
 def safe_globals(allowed: list):
     """``torch.serialization.safe_globals(allowed)``: the types a weights-only ``torch.load`` may build, for the
     loads inside the ``with``. torch 2.4 has no such context manager, only the process-wide allow-list
-    (``add_safe_globals``): there the list is added for the block and put back as it was after it."""
-    if hasattr(torch.serialization, "safe_globals"):
-        return torch.serialization.safe_globals(allowed)
-    return _scoped_safe_globals(allowed)
+    (``add_safe_globals``): there the list is added for the block and put back as it was after it. The
+    ``(object, "module.name")`` pairs of the list are dropped where torch's allow-list cannot take them (2.4, 2.5:
+    there such a file is refused, as any global the list does not hold)."""
+    if not hasattr(torch.serialization, "safe_globals"):
+        return _scoped_safe_globals(_without_pairs(allowed))
+    if not _allow_list_takes_pairs():
+        allowed = _without_pairs(allowed)
+    return torch.serialization.safe_globals(allowed)
+
+
+def _without_pairs(allowed: list) -> list:
+    return [entry for entry in allowed if not isinstance(entry, tuple)]
+
+
+@functools.cache
+def _allow_list_takes_pairs() -> bool:
+    """Whether this torch's weights-only allow-list takes ``(object, "module.name")`` pairs (torch >= 2.6). torch
+    2.5 takes the list but reads every entry's ``__module__`` at the first global it looks up, so a pair there
+    failed every load it was allowed for (``'tuple' object has no attribute '__module__'``). Found by loading a
+    small file with one pair allowed, not by the version."""
+    buffer = io.BytesIO()
+    torch.save(argparse.Namespace(), buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals([(argparse.Namespace, "argparse.Namespace")]):
+            return isinstance(torch.load(buffer, weights_only=True), argparse.Namespace)
+    except Exception:  # noqa: BLE001 - any failure means the pairs cannot be used
+        return False
 
 
 @contextlib.contextmanager
@@ -49,9 +75,7 @@ def _scoped_safe_globals(allowed: list):
     # a copy: torch 2.4 returns its live list, which add_safe_globals extends in place, so the types added here
     # stayed allowed for the rest of the process
     before = list(torch.serialization.get_safe_globals())
-    # torch 2.4 takes no (object, "module.name") pairs (safe_load's getattr of an enum member, which some Pythons'
-    # pickles call): such a file is refused there, as any global the list does not hold
-    torch.serialization.add_safe_globals([entry for entry in allowed if not isinstance(entry, tuple)])
+    torch.serialization.add_safe_globals(allowed)
     try:
         yield
     finally:
