@@ -17,10 +17,10 @@ import torch  # noqa: E402
 
 from vim_ds.runtime.build_tools import extensions_dir_per_install  # noqa: E402
 
-# DeepSpeed's JIT ops (the CPU shm all-reduce, cpu_adam) go where a vim_ds run puts them (its cache folder per torch
-# and DeepSpeed installation), also for the suite's scripts that start DeepSpeed without vim_ds
-# (tests/test_ds_config.py's engine script, the control of tests/faults/test_shared_memory.py): each op is built
-# once per run of the suite. test_shared_memory.py's vim_ds run checks that vim_ds chooses that folder itself.
+# DeepSpeed's JIT ops (cpu_adam) go where a vim_ds run puts them (its cache folder per torch and DeepSpeed
+# installation), also for the suite's scripts that start DeepSpeed without vim_ds (tests/test_ds_config.py's engine
+# script): each op is built once per run of the suite. tests/faults/test_shared_memory.py checks that vim_ds chooses
+# that folder itself.
 extensions_dir_per_install(os.environ)
 
 

@@ -2,7 +2,7 @@
 `vim_ds.train` (2 ranks, fp32: the shared runs of tests/conftest.py's `config_run`, which test_convert.py converts).
 
 The runs happen in fresh processes, so this pytest process never initialises torch.distributed. The first run on a
-machine JIT-builds DeepSpeed's CPU ops (shm_comm ~1 min, cpu_adam ~2 min on 2 cores, more on a busy machine) into
+machine JIT-builds DeepSpeed's cpu_adam for the offloaded configs (~2 min on 2 cores, more on a busy machine) into
 ~/.cache/torch_extensions; later runs take ~30-60 s per config on 2 busy cores.
 """
 import copy
@@ -529,6 +529,9 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
 
+    from vim_ds.runtime.distributed import without_deepspeed_shm_op
+
+    without_deepspeed_shm_op()  # as a vim_ds rank: no CPU shm all-reduce to build
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     torch.manual_seed(0)
 

@@ -536,8 +536,8 @@ def test_pdsh_mode_starts_both_hosts_over_ssh_and_each_picks_its_veth(small_digi
     for ns, dev, addr in two_hosts:
         assert f"{addr}: vim-ds: gloo uses network interface {dev} ({addr}) toward the master 10.77.0.1" in output, \
             output[-5000:]
-    # ssh does not activate the environment: rank 0 puts this Python's folder first on PATH, so that DeepSpeed's shm
-    # op is not compiled again by another ninja (tests/test_build_tools.py)
+    # ssh does not activate the environment: rank 0 puts this Python's folder first on PATH, so that DeepSpeed's ops
+    # are not compiled again by another ninja (tests/test_build_tools.py)
     if shutil.which("ninja", path=os.path.dirname(sys.executable)):
         assert f"this Python's {os.path.dirname(sys.executable)}/ninja" in output, output[-5000:]
     losses = step_losses(out)

@@ -250,8 +250,9 @@ import json, threading, types
 import deepspeed
 import torch
 
-from vim_ds.runtime import deepspeed_engine
+from vim_ds.runtime import deepspeed_engine, distributed
 
+distributed.without_deepspeed_shm_op()  # as a vim_ds rank: no CPU shm all-reduce to build
 deepspeed.init_distributed(dist_backend="gloo")
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 # (torch's AdamW: DeepSpeed's fused one would be compiled first on a CPU; small buckets: the default ones hold 0.7 GB)
@@ -334,8 +335,9 @@ import deepspeed
 import torch
 
 from vim_ds.engine import trainer
-from vim_ds.runtime import deepspeed_engine
+from vim_ds.runtime import deepspeed_engine, distributed
 
+distributed.without_deepspeed_shm_op()  # as a vim_ds rank: no CPU shm all-reduce to build
 deepspeed.init_distributed(dist_backend="gloo")
 results = []
 for stage, accum_dtype in ((0, None), (1, "fp32")):

@@ -38,12 +38,8 @@ cd "$root/src"
 pip install -q "torch==$TORCH" "torchvision==$TORCHVISION" "deepspeed==$DEEPSPEED" "setuptools>=64" wheel
 pip install -q --no-build-isolation --use-pep517 -e ".[test]"
 # DeepSpeed's JIT-built ops in the temporary folder too (a venv of its own would leave a build in ~/.cache per run).
-# Its CPU communication op, which every CPU run's init_distributed builds on first use (about 100 CPU-seconds with
-# torch 2.4), is built here with the install: inside a test, a timeout that ran out during the build (the busy
-# machine of its first run) killed it and left its lock file behind, on which every later run then waited.
+# (None is built by these tests: a vim_ds rank builds no CPU shm all-reduce, and nothing here offloads to cpu_adam.)
 export TORCH_EXTENSIONS_DIR="$root/torch_extensions" CUDA_VISIBLE_DEVICES=""
-python -c 'from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)' >/dev/null
 echo "tools/test_oldest.sh: torch $TORCH, torchvision $TORCHVISION, DeepSpeed $DEEPSPEED installed in" \
      "$((SECONDS - start)) s ($(python --version))"
 start=$SECONDS

@@ -106,7 +106,7 @@ for combination in "${COMBINATIONS[@]}"; do
     python=${python:-python3}
     dir="$MATRIX_DIR/torch$torch-ds$deepspeed-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     mkdir -p "$dir"
-    # DeepSpeed's JIT-built ops (the shm all-reduce, cpu_adam) in a folder of the combination's own: the shared
+    # DeepSpeed's JIT-built ops (cpu_adam) in a folder of the combination's own: the shared
     # ~/.cache/torch_extensions is keyed by Python and CUDA only, so another DeepSpeed there rebuilds them back and
     # forth, for this matrix and for every other run of the machine
     export TORCH_EXTENSIONS_DIR="$dir/torch_extensions"

@@ -42,7 +42,7 @@ def run(config: RunConfig, prog: str = "vim-ds train") -> int:
     launchers = None if config.run.eval else launcher_watch.LauncherWatch()
     # as parsed, before the checks resolve any name
     options = options_file.record(config)
-    # before deepspeed.initialize JIT-builds an op (the CPU shm all-reduce, cpu_adam, FusedAdam on a GPU): an arch
+    # before deepspeed.initialize JIT-builds an op (cpu_adam, FusedAdam on a GPU): an arch
     # list its builder can parse, and the ninja installed beside this Python (over ssh it may not be on PATH)
     for note in (cuda_arch.readable_by_deepspeed(os.environ), build_tools.interpreter_ninja_first(os.environ)):
         if note and rank == "0":

@@ -47,7 +47,7 @@ def extensions_dir_per_install(environ, installs: tuple[str, ...] | None = None)
     torch's default folder (~/.cache/torch_extensions/py311_cpu, or py311_cu130) is one per Python version and CUDA
     version, shared by every environment of that pair: two virtual environments, or two torch releases in turn. Each
     builds an op with its own include paths, so each reads the other's build as a changed command and compiles the
-    op again (the shm op about 40 CPU-seconds, cpu_adam 100, a GPU's FusedAdam more), at every switch, and a job of
+    op again (cpu_adam about 100 CPU-seconds, a GPU's FusedAdam more), at every switch, and a job of
     one waits on the build lock the other holds; on a cluster whose home folder every node shares, that is every
     job of a second environment. The folder here keeps torch's root and adds torch's version and a hash of where
     torch and DeepSpeed are installed (`installs`: their package folders), which is what the build commands

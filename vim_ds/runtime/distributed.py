@@ -70,14 +70,13 @@ def setup(local_rank_arg: int = -1, timeout_s: float = 600) -> DistInfo:
         accelerator.set_device(local_rank)
     _default_group_timeout(timedelta(seconds=timeout_s))
     _choose_gloo_interface()
-    # before DeepSpeed builds its first op (the CPU shm all-reduce, in init_distributed)
+    # before DeepSpeed builds its first op (cpu_adam, FusedAdam: in deepspeed.initialize)
     build_tools.extensions_dir_per_install(os.environ)
+    without_deepspeed_shm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(), auto_mpi_discovery=False,
                                    verbose=False, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if accelerator.device_name() == "cpu":
-        _unlink_deepspeed_shm_buffer(dist.get_rank(), world)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device = torch.device(accelerator.device_name(local_rank)) if accelerator.device_name() != "cpu" \
         else torch.device("cpu")
@@ -102,30 +101,24 @@ def cpu_threads(local_world_size: int) -> int:
     return max(1, cores // max(local_world_size, 1))
 
 
-def deepspeed_shm_buffer(rank: int) -> str:
-    """The shared-memory file DeepSpeed's CPU communication op creates for `rank` (its shm_initialize naming)."""
-    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+# the name DeepSpeed's ShareMemCommBuilder builds under (0.16 to 0.19)
+DEEPSPEED_SHM_OP = "deepspeed_shm_comm"
 
 
-def _unlink_deepspeed_shm_buffer(rank: int, world: int):
-    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer, keeping the buffer itself.
+def without_deepspeed_shm_op():
+    """Keep `deepspeed.init_distributed` from building DeepSpeed's CPU shared-memory all-reduce.
 
-    On CPU, `deepspeed.init_distributed` (its TorchBackend) builds the shm communication op, and when every rank is on
-    one host each rank writes a 69 MB file `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>` and maps
-    its peers' files. DeepSpeed never unlinks them: every multi-rank CPU run left 69 MB of RAM per rank in /dev/shm
-    (18 GB after a day of this suite). Once every rank is past init_distributed (the barrier), all of them have
-    mapped every buffer; the names are no longer needed, and the mappings outlive the unlink, so the op still works and
-    the memory goes back when the processes end, however they end. A world of one rank (the deepspeed launcher
-    with --num_gpus 1) makes its file too.
-    """
-    if world > 1:
-        dist.barrier()
-    try:
-        os.unlink(deepspeed_shm_buffer(rank))
-    # ranks on several hosts, or a DeepSpeed without the op: nothing was created
-    except FileNotFoundError:
-        pass
+    On CPU, init_distributed (its TorchBackend) JIT-compiles the `deepspeed_shm_comm` op on first use (40-100
+    CPU-seconds, more with torch 2.4's headers) and, when every rank is on one host, each rank writes a 69 MB file
+    `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>` that DeepSpeed never unlinks (18 GB of RAM
+    after a day of this suite, before vim_ds removed them). The op serves `deepspeed.comm.inference_all_reduce`
+    only (AutoTP inference, which falls back to the process group without it): training's collectives, and every
+    one vim_ds makes, go through gloo either way. DeepSpeed builds it only where its install marked it compatible,
+    so this process marks it not. On a GPU DeepSpeed has no such op; nothing changes there."""
+    # DeepSpeed here, not at the top: as in setup
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
 
 
 def _choose_gloo_interface():
