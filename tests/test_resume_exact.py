@@ -248,6 +248,9 @@ DS_REPRO = r'''
 import json, os, subprocess, sys
 import torch, deepspeed
 from vim_ds.engine.checkpointing import repair_universal_load
+from vim_ds.runtime.distributed import without_deepspeed_shm_op
+
+without_deepspeed_shm_op()  # as a vim_ds rank: no CPU shm all-reduce to build (deepspeed.initialize starts the group)
 
 out = sys.argv[1]
 cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
