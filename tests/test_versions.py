@@ -215,7 +215,8 @@ def test_teardown_returns_while_gloo_workers_still_free_collectives(tmp_path):
         for rank in ranks:
             rank.kill()
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
-    assert outputs[0][0].strip() == "torn down", outputs
+    # (torch 2.10's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks..." on stdout before it)
+    assert outputs[0][0].splitlines()[-1:] == ["torn down"], outputs
 
 
 def test_a_deepspeed_016_checkpoint_with_a_set_loads_where_torch_allows_no_set_by_default(monkeypatch, tmp_path):
