@@ -289,6 +289,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_bwd", &conv_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false);
   m.def(
+      "set_tuning",
+      [](int64_t chunk, int64_t tiles, int64_t target_blocks) {
+        const vim_ds_scan::ScanTuning before = vim_ds_scan::scan_tuning();
+        vim_ds_scan::ScanTuning t;
+        t.chunk = chunk;
+        t.tiles = tiles;
+        t.target_blocks = target_blocks;
+        const char* err = vim_ds_scan::scan_set_tuning(t);
+        TORCH_CHECK(err == nullptr, err);
+        return std::vector<int64_t>{before.chunk, before.tiles, before.target_blocks};
+      },
+      "cap the launcher's layout (selective_scan_cuda.h, ScanTuning; 0: its own choice) -> the caps before, "
+      "[chunk, tiles, target_blocks]",
+      py::arg("chunk") = 0, py::arg("tiles") = 0, py::arg("target_blocks") = 0);
+  m.def(
+      "layout",
+      [](int64_t batch, int64_t dim, int64_t seqlen, int64_t dstate, int64_t dtype, bool backward) {
+        const auto a = vim_ds_scan::scan_args(batch, dim, seqlen, dstate, ScanDType(dtype));
+        const vim_ds_scan::ScanLayout l = vim_ds_scan::scan_layout(a, backward);
+        return std::vector<int64_t>{l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg};
+      },
+      "what the launcher picks under the current tuning -> [chunk, tiles, channels per block, blocks per batch "
+      "element, segments]; dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16",
+      py::arg("batch"), py::arg("dim"), py::arg("seqlen"), py::arg("d_state"), py::arg("dtype"),
+      py::arg("backward"));
+  m.def(
       "chunk_length",
       [](int64_t dstate, bool float64) {
         return vim_ds_scan::scan_chunk_length(dstate, float64 ? ScanDType::kFloat64 : ScanDType::kFloat32);

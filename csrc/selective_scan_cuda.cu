@@ -25,6 +25,11 @@ int acc_size(ScanDType dtype) { return dtype == ScanDType::kFloat64 ? 8 : 4; }
 
 // Blocks that keep a large GPU busy (an H100 has 132 SMs, an MI250X GCD 110 CUs; several blocks fit on each).
 constexpr int64_t kTargetBlocks = 1024;
+
+// The caps of scan_set_tuning (0: the launcher's choice).
+ScanTuning g_tuning;
+
+int64_t target_blocks() { return g_tuning.target_blocks > 0 ? g_tuning.target_blocks : kTargetBlocks; }
 // Shortest segment along the sequence, in chunks.
 constexpr int64_t kMinSegChunks = 2;
 
@@ -37,7 +42,7 @@ Layout make_layout(int64_t dstate, ScanDType dtype) {
   while (lay.npl < need) lay.npl *= 2;
   // The backward needs the most shared memory (it grows with the chunk); take the longest power-of-two chunk
   // that fits the budget. Forward and backward must agree on it, since it fixes where states are stored.
-  lay.chunk = ssk::kMaxChunk;
+  lay.chunk = g_tuning.chunk > 0 ? int(g_tuning.chunk) : ssk::kMaxChunk;
   while (lay.chunk > 1 &&
          ssk::bwd_smem_elems(lay.chunk, int(dstate), lay.group, lay.npl) * acc_size(dtype) > ssk::kSmemBudget) {
     lay.chunk /= 2;
@@ -64,9 +69,10 @@ const char* check_args(const ScanArgs& a) {
 int backward_tiles(const ScanArgs& a, const Layout& lay) {
   const int64_t cpb = ssk::kThreads / lay.group;
   int tiles = ssk::bwd_tiles(lay.npl, acc_size(a.dtype), lay.group);
+  if (g_tuning.tiles > 0 && g_tuning.tiles < tiles) tiles = int(g_tuning.tiles);
   const auto blocks = [&](int t) { return a.batch * ((a.dim + cpb * t - 1) / (cpb * t)); };
-  if (blocks(1) < kTargetBlocks) return tiles;
-  while (tiles > 1 && blocks(tiles) < kTargetBlocks) tiles /= 2;
+  if (blocks(1) < target_blocks()) return tiles;
+  while (tiles > 1 && blocks(tiles) < target_blocks()) tiles /= 2;
   return tiles;
 }
 
@@ -89,8 +95,8 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
   // forward, 1536 of 2 tiles backward, one segment.
   const int64_t base_blocks = a.batch * p.blocks_per_batch;
   int64_t seg_chunks = p.n_chunks;
-  if (base_blocks < kTargetBlocks) {
-    const int64_t want = (kTargetBlocks + base_blocks - 1) / base_blocks;
+  if (base_blocks < target_blocks()) {
+    const int64_t want = (target_blocks() + base_blocks - 1) / base_blocks;
     seg_chunks = (p.n_chunks + want - 1) / want;
     if (seg_chunks < kMinSegChunks) seg_chunks = kMinSegChunks;
     if (seg_chunks > p.n_chunks) seg_chunks = p.n_chunks;
@@ -253,6 +259,31 @@ int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype) {
 int64_t scan_h0_grad_workspace_bytes(const ScanArgs& a) {
   if (check_args(a) != nullptr || a.batch == 0 || a.dim == 0) return 0;
   return 2 * a.batch * a.dim * a.dstate * acc_size(a.dtype);
+}
+
+const char* scan_set_tuning(const ScanTuning& t) {
+  if (t.chunk < 0 || t.chunk > ssk::kMaxChunk || (t.chunk & (t.chunk - 1)) != 0)
+    return "selective_scan: the chunk cap must be 0 (the launcher's) or a power of two up to 64";
+  if (t.tiles < 0 || t.tiles > ssk::kMaxTiles) return "selective_scan: the tile cap must be 0 (the launcher's) to 4";
+  if (t.target_blocks < 0 || t.target_blocks > 2147483647)
+    return "selective_scan: the target block count must be 0 (the launcher's) or positive";
+  g_tuning = t;
+  return nullptr;
+}
+
+ScanTuning scan_tuning() { return g_tuning; }
+
+ScanLayout scan_layout(const ScanArgs& a, bool backward) {
+  ScanLayout r;
+  if (check_args(a) != nullptr || a.batch == 0 || a.dim == 0) return r;
+  const Layout lay = make_layout(a.dstate, a.dtype);
+  const KernelParams p = make_params(a, lay, backward);
+  r.chunk = p.chunk;
+  r.tiles = p.tiles;
+  r.channels_per_block = int64_t(ssk::kThreads / lay.group) * p.tiles;
+  r.blocks_per_batch = p.blocks_per_batch;
+  r.n_seg = p.n_seg;
+  return r;
 }
 
 const char* scan_fwd(const ScanArgs& args, void* stream) { return run(args, stream, Kind::kForward); }

@@ -91,6 +91,29 @@ int64_t scan_num_checkpoints(int64_t seqlen, int64_t dstate, ScanDType dtype);
 // on batch, dim, seqlen, dstate and the dtype only (the pointers need not be set).
 int64_t scan_workspace_bytes(const ScanArgs& args, bool backward);
 
+// The work layout the launcher picks, capped for measurement (`vim-ds bench scan --layouts`; the kernel emulator's
+// tests): how a layout choice plays out on a real GPU is measured there, not guessed. Every field 0 means the
+// launcher's own choice, which is also what any field leaves free:
+//   chunk         the most time steps a chunk may have: a power of two <= 64. The launcher takes the longest
+//                 power of two at most this that fits the backward's shared memory. Forward and backward must run
+//                 under the same chunk (it sets `saved`'s shape, which the binding checks);
+//   tiles         the most channel tiles a backward block walks (1 .. 4; fewer where the instance has fewer);
+//   target_blocks the blocks a launch aims at: below it the sequence is split into segments (default 1024; 1:
+//                 never split).
+// Process-wide, not thread-safe (set it between calls, as a benchmark does).
+struct ScanTuning {
+  int64_t chunk = 0, tiles = 0, target_blocks = 0;
+};
+// Set the tuning; returns nullptr, or a static message naming the field out of range (then nothing changes).
+const char* scan_set_tuning(const ScanTuning& tuning);
+ScanTuning scan_tuning();
+
+// What the launcher picks for these shapes under the current tuning (forward or backward launch).
+struct ScanLayout {
+  int64_t chunk = 0, tiles = 0, channels_per_block = 0, blocks_per_batch = 0, n_seg = 0;
+};
+ScanLayout scan_layout(const ScanArgs& args, bool backward);
+
 // Launch the forward / backward on `stream` (the runtime's stream handle, passed as void* so that this header
 // needs no runtime header).
 // Return nullptr on success, or a static error message (bad arguments, or the launch error reported by the

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from vim_ds.cli.bench import gpu_report, scan, scan_model
+from vim_ds.cli.bench import gpu_report, scan, scan_layouts, scan_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,7 @@ def test_gpu_check_on_a_cpu_reports_no_gpu_and_the_predictions(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     report = (out / "report.md").read_text()
     assert "**Device:** no GPU on this machine" in report
-    for step in ("build", "tests", "model", "train", "profile", "split"):
+    for step in ("build", "tests", "layouts", "model", "train", "profile", "split"):
         assert f"| {step} | skipped (no GPU) |" in report
     assert "## Where a training step's time goes" in report
     assert "| scan | no GPU: predictions only, measured n/a |" in report
@@ -79,6 +79,15 @@ def _gpu_run(tmp_path, with_mamba):
 
     summary = _h200_summary("bf16")
     (tmp_path / "bench_profile.json").write_text(json.dumps({"summary": summary}))
+    # the layouts step's: what `vim-ds bench scan --layouts` writes on a GPU, times made up
+    layouts = []
+    for (label, caps), bwd, ms in zip(scan_layouts.LAYOUTS[:2], ([32, 4, 32, 24, 1], [32, 1, 8, 96, 1]), (10.0, 12.5)):
+        shape = (64, 768, 785, 16)
+        layouts.append(dict(device="cuda", gpu="NVIDIA H100 80GB HBM3", shape=scan_model.shape_text(*shape),
+                            dtype="bfloat16", layout=label, caps=list(caps), fwd_layout=[32, 1, 8, 96, 1],
+                            bwd_layout=bwd, design_bytes=scan_layouts.design_bytes(*shape, bwd), kernel_fwd_ms=2.0,
+                            kernel_fwd_bwd_ms=ms, vs_own_fwd_bwd=ms / 10.0))
+    (tmp_path / "bench_layouts.json").write_text(json.dumps(layouts))
     (tmp_path / "bench_split.json").write_text(json.dumps(
         {"settings": {"share_gpu": True}, "rows": [
             {"ranks": 1, "threads": None, "peak_bytes": 123456789, "forward_s": 0.01, "backward_s": 0.02},
@@ -108,6 +117,11 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
     # the profile's tables, the ops beside their rooflines on the H200
     assert "Operators beside their rooflines (roofline GPU: H200 SXM; bfloat16)" in report
     assert "| `selective_scan_bwd` | 96 | 400.000 | 60.0 % |" in report and "| `aten::bmm` | 64x768x384 " in report
+    # the layouts' table: the design's bytes from the layout (stored states 64 x 768 x 25 chunks x 16 x 4 bytes,
+    # written and read: 157 MB; partials 2 x 2 x 64 x 24 x 16 x 785 x 4 bytes: 309 MB), the times and the ratio
+    assert "| B=64 D=768 L=785 N=16 | bfloat16 | own | 32 | 4 (32) | 24 | 1 (1) | 157 | 309 | 2.000 | 10.000 | " \
+           "1.0x |" in report
+    assert "| 1 tile | 32 | 1 (8) | 96 | 1 (1) | 157 | 1235 | 2.000 | 12.500 | 1.2x |" in report
     # the sequence split's rows (bench split --share-gpu)
     assert "## The sequence split's memory per rank" in report and "| 2 | — | 61728394 |" in report
 

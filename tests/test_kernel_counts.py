@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from vim_ds.cli.bench import scan_counts, scan_model
+from vim_ds.cli.bench import scan_counts, scan_layouts, scan_model
 
 SHAPE = (1, 128, 64, 16)  # one segment (2 chunks), 16 blocks of 8 channels
 DTYPES = ["float32", "bfloat16"]
@@ -186,3 +186,49 @@ def test_counts_that_cannot_be_made_say_why(monkeypatch, capsys, tmp_path):
     # and --no-counts leaves them out
     assert bench.main(["scan", "--predict-only", "--no-counts"]) == 0
     assert "counts" not in capsys.readouterr().out.split("no GPU: measured n/a")[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --layouts times the kernel instead of counting")
+def test_the_layout_bench_refuses_in_one_line_what_it_cannot_do(monkeypatch, capsys, tmp_path):
+    """`vim-ds bench scan --layouts` with nothing to count on (no GPU, no emulator library) or with an option it
+    would ignore: one line, exit 2, nothing timed or written."""
+    from vim_ds.cli import bench
+
+    monkeypatch.setenv(scan_counts.ENV_BUILD, str(tmp_path))  # no library there
+    out = tmp_path / "layouts.json"
+    assert bench.main(["scan", "--layouts", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vim-ds bench scan: error: --layouts: no GPU here, and the kernel emulator cannot count "
+                              f"instead: {scan_counts.ENV_BUILD}={tmp_path} has no {scan_counts.LIB_NAME}"), err
+    assert not out.exists()
+    for other in ("--predict", "--predict-only", "--mamba"):
+        assert bench.main(["scan", "--layouts", other]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"vim-ds bench scan: error: --layouts times only our kernel's layouts; it does not combine with {other}")
+
+
+def test_the_layout_bench_counts_what_each_layout_adds(build):
+    """`vim-ds bench scan --layouts` without a GPU: the emulator's counts per layout, and the bytes the bench says a
+    layout adds by design (scan_layouts.design_bytes, from the layout the launcher reports). Checked where one
+    choice alone changes, from first principles: with the sequence in one segment, one channel tile instead of
+    four changes only the backward's dB/dC partials (8 blocks of channels instead of 2: the distinct bytes grow by
+    exactly the partials' difference, the forward is untouched), and chunks of 16 instead of 32 steps only the
+    stored states (the forward writes twice as many, the backward reads them: each grows by half the difference
+    design_bytes gives for both)."""
+    shape = (1, 64, 64, 16)
+    layouts = (("own", (0, 0, 1)), ("1 tile", (0, 1, 1)), ("chunk <= 16", (16, 0, 1)))
+    rows = scan_layouts.run_counts(shape, "float32", layouts, os.path.join(build, scan_counts.LIB_NAME))
+    own, one_tile, short = rows
+    assert [r["bwd_layout"] for r in rows] == [[32, 4, 32, 2, 1], [32, 1, 8, 8, 1], [16, 4, 32, 2, 1]]
+    extra = [r["design_bytes"] for r in rows]
+    assert extra[0]["partials"] == 2 * 2 * 2 * 16 * 64 * 4 and extra[1]["partials"] == 4 * extra[0]["partials"]
+    assert extra[2]["saved"] == 2 * extra[0]["saved"] == 2 * 2 * 64 * 2 * 16 * 4
+    assert one_tile["fwd"] == own["fwd"]
+    assert one_tile["bwd"]["unique_bytes"] - own["bwd"]["unique_bytes"] == extra[1]["partials"] - extra[0]["partials"]
+    half = (extra[2]["saved"] - extra[0]["saved"]) // 2
+    assert short["fwd"]["unique_bytes"] - own["fwd"]["unique_bytes"] == half
+    assert short["bwd"]["unique_bytes"] - own["bwd"]["unique_bytes"] == half
+    # the launcher's own layout is back after the sweep (uncapped, 197 steps are 7 chunks in 4 segments)
+    lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
+    assert scan_counts.layout(lib, 1, 64, 197, 16) == (32, 4, 32, 2, 4)
+    assert "1 tile(s) = 8 channels a block, 8 blocks of channels, 1 segment(s)" in scan_layouts.count_row(one_tile)

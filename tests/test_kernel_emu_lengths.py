@@ -5,7 +5,7 @@ state (dh0 checked too; controls: the scan from zero, dh0 without the last state
 (CUDA branch) and 64-lane wavefronts (HIP branch).
 
 Here only the short Vim lengths (up to 197, past a chunk boundary); `tools/kernel_emu/run.sh --lengths` runs
-them all, up to 6085.
+them all, up to 6085. Then, in the same run, the layouts `vim-ds bench scan --layouts` times on a GPU.
 """
 import os
 import re
@@ -30,9 +30,16 @@ def emu_lib(request):
 @pytest.mark.parametrize("warp", [32, 64])
 def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     env = {**os.environ, "SCAN_EMU_LIB": emu_lib, "EMU_MAX_LENGTH": "197", "PYTHONPATH": ROOT}
-    res = subprocess.run([sys.executable, os.path.join(EMU, "run_emu.py"), "--lengths", "--warp", str(warp)],
-                         capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run([sys.executable, os.path.join(EMU, "run_emu.py"), "--lengths", "--layouts", "--warp",
+                          str(warp)], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # the launcher's layout capped as `vim-ds bench scan --layouts` caps it on a GPU (shorter chunks, fewer channel
+    # tiles, no segments or more): each cap gives the layout worked out by hand in run_emu.py, the kernels compute
+    # the scan under it (float64 and float32, against the reference), with the same bits in another thread/block
+    # order, and the launcher's own layout is back after it
+    assert res.stdout.count(f"warp {warp} caps") == 4 and "worst over layouts:" in res.stdout, res.stdout
+    assert "1 tile(s) of 8 channels, 5 blocks of channels, 7 segments" in res.stdout, res.stdout
+    assert "2 tile(s) of 8 channels, 3 blocks of channels, 1 segments" in res.stdout, res.stdout
     assert res.stdout.count("reverse=True") == 5 and res.stdout.count(f"warp {warp} L=") == 10, res.stdout
     assert f"warp {warp} deterministic" in res.stdout, res.stdout
     # every length checked the kernel's last state, L = 65 and 197 with several segments along the sequence (how
@@ -47,3 +54,4 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
         assert re.search(line, res.stdout), res.stdout
     assert res.stdout.count("state=False") >= 4, res.stdout
     assert f"warp {warp} initial-state controls: the scan from zero is off by" in res.stdout, res.stdout
+

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vim_ds.cli.bench import scan_layouts
 from vim_ds.ops import backends, selective_scan_fn, selective_scan_ref
 from vim_ds.ops.selective_scan import scan_with_backend
 
@@ -247,6 +248,25 @@ def test_gpu_low_precision_against_float64(dtype, rtol, seqlen, seed):
     assert_close("out", out, ref_out, rtol)
     for name in GRAD_NAMES:
         assert_close(f"d{name}", grads[name], ref_grads[name], rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("caps", [c for _, c in scan_layouts.LAYOUTS])
+def test_gpu_every_bench_layout_matches_reference(caps, seed):
+    """`vim-ds bench scan --layouts` times the kernel under other layouts than the launcher's own: each must compute
+    the scan (float64 against the reference, several blocks of channels and segments), and the launcher's own must
+    be back after it."""
+    module = compiled("cuda").module
+    own = module.layout(2, 100, 1025, 16, 1, True)
+    inputs = make_inputs(2, 100, 1025, 16, torch.float64, "cuda")
+    dout = torch.randn(2, 100, 1025, dtype=torch.float64, device="cuda")
+    with scan_layouts.tuned(module, caps):
+        out, grads = run(on_backend(compiled("cuda")), inputs, True, dout)
+    ref_out, ref_grads = reference(inputs, True, dout)
+    assert_close("out", out, ref_out, 1e-10)
+    for name in grads:
+        assert_close(f"d{name}", grads[name], ref_grads[name], 1e-9)
+    assert module.layout(2, 100, 1025, 16, 1, True) == own and module.set_tuning() == [0, 0, 0]
 
 
 def test_public_op_picks_the_cpu_kernel_and_matches(seed):

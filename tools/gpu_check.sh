@@ -8,9 +8,10 @@
 # whole check fits one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on 2026-11-27; the
 # model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The
 # split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28, not yet run on a GPU)
-# and the profile step (8 steps, 3 profiled; added 2026-11-29, not yet run on a GPU) should take about a minute each;
-# with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests scan train
-# profile split", then STEPS=model).
+# and the profile step (8 steps, 3 profiled; added 2026-11-29, not yet run on a GPU) should take about a minute each,
+# the layouts step (our scan under 7 work layouts at 3 shapes, 2 dtypes; added 2026-11-29, not yet run on a GPU) well
+# under one; with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests
+# scan layouts train profile split", then STEPS=model).
 #
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
 # the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
@@ -26,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan train profile split model"}
+STEPS=${STEPS:-"build tests scan layouts train profile split model"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -127,6 +128,15 @@ if step scan; then
         tail -5 "$OUT/bench_scan.log"
         record scan "$([ $rc -eq 0 ] && echo "no GPU: predictions only, measured n/a" || echo "failed (exit $rc)")" 0 \
             bench_scan.log
+    fi
+fi
+if step layouts; then
+    # Our kernel under other work layouts than the launcher's own (chunk length, channel tiles, segments): which of
+    # the kernel's design choices, all made without a GPU, matter on this one. Seconds of GPU time.
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step layouts 150 bench_layouts.log "$PYTHON" -m vim_ds.bench scan --layouts --json "$OUT/bench_layouts.json"
+    else
+        no_gpu layouts
     fi
 fi
 if step train; then

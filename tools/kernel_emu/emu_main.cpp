@@ -79,6 +79,21 @@ long long emu_num_checkpoints(long long L, long long N, int dtype) {
 }
 long long emu_chunk_length(long long N, int dtype) { return vim_ds_scan::scan_chunk_length(N, ScanDType(dtype)); }
 long long emu_sync_points() { return emu::sched().sync_points; }
+// The launcher's tuning caps (ScanTuning; 0: its own choice); returns nullptr or the launcher's message.
+const char* emu_set_tuning(long long chunk, long long tiles, long long target_blocks) {
+  vim_ds_scan::ScanTuning t;
+  t.chunk = chunk;
+  t.tiles = tiles;
+  t.target_blocks = target_blocks;
+  return vim_ds_scan::scan_set_tuning(t);
+}
+// What the launcher picks (scan_layout): out[0..4] = chunk, tiles, channels per block, blocks per batch, segments.
+void emu_layout(long long batch, long long dim, long long L, long long N, int dtype, int backward, long long* out) {
+  const vim_ds_scan::ScanLayout l =
+      vim_ds_scan::scan_layout(vim_ds_scan::scan_args(batch, dim, L, N, ScanDType(dtype)), backward != 0);
+  const long long v[] = {l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg};
+  for (int i = 0; i < 5; ++i) out[i] = v[i];
+}
 // Segments along the sequence the launcher picks for these shapes (1: no sequence parallelism).
 long long emu_num_segments(long long batch, long long dim, long long L, long long N, int dtype) {
   const ScanArgs a = vim_ds_scan::scan_args(batch, dim, L, N, ScanDType(dtype));

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the CPU emulation of the GPU kernels and compare them with the PyTorch reference (no GPU needed).
-# usage: run.sh [--full | --lengths] [--keep]   (default: a quick subset; --full: every case, several minutes;
-#        --lengths: Vim lengths up to 6085, reverse off/on). Each runs with 32-lane warps and 64-lane wavefronts.
+# usage: run.sh [--full | --lengths | --layouts] [--keep]   (default: a quick subset; --full: every case, several
+#        minutes; --lengths: Vim lengths up to 6085, reverse off/on; --layouts: the launcher's layout capped as
+#        `vim-ds bench scan --layouts` caps it). Each runs with 32-lane warps and 64-lane wavefronts.
 #        SCAN_EMU_BUILD=DIR: use the libraries build.sh already wrote to DIR instead of building them again.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -12,6 +13,7 @@ for arg in "$@"; do
   case $arg in
     --full) mode=--full ;;
     --lengths) mode=--lengths ;;
+    --layouts) mode=--layouts ;;
     --keep) keep=1 ;;
     *)
       echo "unknown argument: $arg" >&2

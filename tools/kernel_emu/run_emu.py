@@ -7,12 +7,16 @@ memory is read before it is written in the same block (it starts as NaN); no buf
 (else the emulator aborts with "divergent synchronisation"); and the results do not depend on the order in which
 threads and blocks run, and are the same bits run after run (no float atomics: every sum has a fixed order).
 
-usage: run_emu.py [--quick | --full | --lengths] [--warp 32|64]
+usage: run_emu.py [--quick | --full | [--lengths] [--layouts]] [--warp 32|64]
   --lengths: the Vim lengths L = 1, 7, 65, 197, 785, 1025, 4097, 6085 (65: just past the first chunk boundary),
              forward and all gradients, reverse off and on (batch 1, 5 channels: one block of channels, the
              sequence split into segments); then 20 channels (several blocks of channels, so dB/dC partials)
              at L <= 1025; half of them from an initial state h0 with a gradient on the last state (dh0
              checked); then the bitwise determinism check (same inputs twice, other block/thread order).
+  --layouts: the launcher's layout capped as `vim-ds bench scan --layouts` caps it on a GPU (chunk length, channel
+             tiles a backward block walks, blocks aimed at, so segments along the sequence), each layout checked to
+             be the one asked for, forward and all gradients against the reference, and the same bits under
+             another thread/block order.
   --warp 64: the wave64 build (libscan_emu64.so: the device code through its HIP branch, 64-lane wavefronts).
 (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so, or libscan_emu64.so next to it for --warp 64)"""
 import ctypes
@@ -43,6 +47,9 @@ lib.emu_chunk_length.argtypes = [ctypes.c_longlong, ctypes.c_int]
 lib.emu_num_segments.restype = ctypes.c_longlong
 lib.emu_num_segments.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int]
 lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
+lib.emu_set_tuning.restype = ctypes.c_char_p
+lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
+lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
 
 lib.emu_conv.restype = ctypes.c_char_p
 lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong] \
@@ -322,9 +329,64 @@ def lengths():
           f"{lib.emu_num_segments(1, 20, L, 16, 0)} segments, give the same bits")
 
 
+def layout(batch, dim, L, N, dtype, backward):
+    """(chunk, tiles, channels per block, blocks per batch element, segments) the launcher picks now."""
+    out = (ctypes.c_longlong * 5)()
+    lib.emu_layout(batch, dim, L, N, DT[dtype], int(backward), out)
+    return tuple(out)
+
+
+# (chunk cap, tile cap, target blocks) and the backward layout each must give at batch 2, dim 40, L 197, N 16 in
+# float32 (8 channels a tile): (chunk, tiles, channels per block, blocks per batch element, segments); None: the
+# launcher's own chunk (32 with 32 lanes, 48 KiB of shared memory; 16 with 64, 32 KiB), and as many segments as
+# segments of two chunks give, ceil(ceil(197 / chunk) / 2), where 4 blocks (batch x blocks of channels) are far
+# below the 1024 aimed at.
+LAYOUTS = [
+    ((8, 0, 0), (8, 4, 32, 2, None)),      # short chunks: 25 of them, so 13 segments (two chunks each)
+    ((16, 1, 0), (16, 1, 8, 5, 7)),        # one tile a block: dB/dC partials over 5 blocks of channels
+    ((0, 2, 1), (None, 2, 16, 3, 1)),      # two tiles, one segment (the whole sequence in one block)
+    ((32, 0, 100000), (None, 4, 32, 2, None)),  # as many segments as two chunks each allow
+]
+
+
+def layouts():
+    t_start = time.time()
+    worst = {}
+    own_chunk = lib.emu_chunk_length(16, DT[torch.float32])
+    try:
+        for j, (caps, want) in enumerate(LAYOUTS):
+            err = lib.emu_set_tuning(*caps)
+            assert err is None, err
+            got = layout(2, 40, 197, 16, torch.float32, True)
+            chunk = want[0] or min(own_chunk, caps[0] or own_chunk)
+            n_seg = want[4] or -(-(-(-197 // chunk)) // 2)  # segments of kMinSegChunks = 2 chunks
+            assert got == (chunk, *want[1:4], n_seg), f"caps {caps}: layout {got}, wanted {(chunk, *want[1:4], n_seg)}"
+            for dtype in (torch.float64, torch.float32):
+                _, _, res = case(dtype, 2, 40, 197, 16, True, True, True, True, seed=300 + j, order=j % 3,
+                                 reverse=j % 2 == 1, last_state=True, state=j % 2 == 0)
+                for k, v in res.items():
+                    worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
+            check_deterministic(torch.float32, 2, 40, 197, 16, True, True, True, True, seed=400 + j,
+                                reverse=j % 2 == 0, state=True)
+            print(f"  warp {WARP} caps chunk={caps[0]} tiles={caps[1]} blocks={caps[2]}: chunk {got[0]}, "
+                  f"{got[1]} tile(s) of {got[2] // got[1]} channels, {got[3]} blocks of channels, {got[4]} segments: "
+                  f"worst rel err {max(res.values()):.2e}, same bits in another order ({time.time() - t_start:.0f}s)",
+                  flush=True)
+        assert lib.emu_set_tuning(3, 0, 0) is not None and lib.emu_set_tuning(0, 5, 0) is not None
+    finally:
+        lib.emu_set_tuning(0, 0, 0)
+    assert layout(2, 40, 197, 16, torch.float32, True)[0] == own_chunk
+    print("worst over layouts: " + ", ".join(f"{str(d).replace('torch.', '')} {k} {v:.1e}"
+                                             for (d, k), v in sorted(worst.items(), key=str)))
+
+
 def main():
-    if "--lengths" in sys.argv:
-        return lengths()
+    if "--lengths" in sys.argv or "--layouts" in sys.argv:  # either or both, in this order
+        if "--lengths" in sys.argv:
+            lengths()
+        if "--layouts" in sys.argv:
+            layouts()
+        return
     quick = "--quick" in sys.argv
     t_start = time.time()
     n = 0

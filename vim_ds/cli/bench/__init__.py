@@ -4,7 +4,9 @@ are, beside baselines.
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
        forward+backward, on CPU and (when present) GPU, there also at the performance model's shapes, beside
        mamba_ssm's kernel when installed; --predict adds the model's lower bounds and measured / bound, and the
-       GPU kernels' bytes, operations and chains counted in the CPU emulator beside the model's minimum.
+       GPU kernels' bytes, operations and chains counted in the CPU emulator beside the model's minimum;
+       --layouts times our GPU kernel under other work layouts than the launcher's own (the emulator's counts
+       without a GPU).
 model  a Vim training step vs timm's DeiT of the same size, eager and torch.compile'd, and high-resolution
        inference (time and peak memory), each measured in the same run so that the ratio is meaningful.
 train  training throughput (images/s) and peak memory per rank for each ZeRO stage: the real trainer
@@ -71,6 +73,10 @@ def _add_scan(sub) -> None:
                    "counts, time nothing")
     p.add_argument("--no-counts", action="store_true", help="with --predict(-only): leave out the emulator's counts "
                    "(they build and run the kernel emulator: a C++ compile the first time, then seconds)")
+    p.add_argument("--layouts", action="store_true",
+                   help="time only our GPU kernel, under each work layout of scan_layouts.LAYOUTS (chunk length, "
+                   "channel tiles, segments) beside the launcher's own, at the model's first shapes; without a GPU, "
+                   "the kernel emulator's counts per layout instead")
     p.add_argument("--mamba", action="store_true",
                    help="also time mamba_ssm's kernel (an error if it is not installed or there is no GPU) "
                    "[timed on a GPU whenever installed]; VIM_DS_SCAN=mamba asks the same")

@@ -136,6 +136,29 @@ def _scan_section(data) -> list:
     return lines
 
 
+def _layouts_section(data, missing) -> list:
+    """Our scan under other work layouts than the launcher's own (`vim-ds bench scan --layouts`): what each of the
+    kernel's design choices costs on this GPU."""
+    lines = ["## The scan under other work layouts (`vim-ds bench scan --layouts`)", ""]
+    rows = [r for r in (data or []) if isinstance(r, dict) and r.get("device") == "cuda"]
+    if not rows:
+        return lines + [missing, ""]
+    lines += ["Each layout changes one choice of the launcher (csrc/selective_scan_cuda.h, ScanTuning): chunk length "
+              "(stored states, shared memory per block), channel tiles a backward block walks (dB/dC partial sums), "
+              "blocks aimed at (segments along the sequence); the bytes are what the layout adds to the minimum by "
+              "design; medians in ms, and fwd+bwd against the launcher's own layout.", "",
+              "| shape | dtype | layout | chunk | tiles (channels a block) | blocks of channels | segments bwd (fwd) | "
+              "stored states MB | dB/dC partials MB | fwd | fwd+bwd | x own |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+        extra = r["design_bytes"]
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['layout']} | {chunk} | {tiles} ({cpb}) | {blocks} | "
+                     f"{n_seg} ({r['fwd_layout'][4]}) | {extra['saved'] / 1e6:.0f} | {extra['partials'] / 1e6:.0f} | "
+                     f"{_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | {_x(r['vs_own_fwd_bwd'])} |")
+    return lines + [""]
+
+
 def _generic_table(rows, limit_keys=12) -> list:
     keys = []
     for r in rows:
@@ -180,6 +203,7 @@ def build_report(out_dir) -> str:
     lines += ["", "## GPU tests", "", _gpu_tests(out_dir, ran_tests), ""]
     lines += _scan_section(_json(os.path.join(out_dir, "bench_scan.json")))
     skipped = "no GPU: not run." if no_gpu else "The step left no JSON (see its log)."
+    lines += _layouts_section(_json(os.path.join(out_dir, "bench_layouts.json")), skipped)
     lines += _bench_section("Model: Vim vs DeiT (`vim-ds bench model`)",
                             _json(os.path.join(out_dir, "bench_model.json")), skipped)
     lines += _bench_section("Training through the real trainer (`vim-ds bench train`)",

@@ -13,7 +13,7 @@ import torch
 from vim_ds.ops import backends
 from vim_ds.ops.selective_scan import scan_with_backend
 
-from . import scan_counts, scan_model
+from . import scan_counts, scan_layouts, scan_model
 from .scan_model import scan_inputs
 from .timing import timeit
 
@@ -123,6 +123,14 @@ def annotate(row, gpu):
 def run_scan(args):
     """Time the kernels; returns the rows, or with --predict / --predict-only a dict with the rows, the model's
     predictions and the peak rates it used."""
+    if getattr(args, "layouts", False):
+        other = [f"--{k.replace('_', '-')}" for k in ("predict", "predict_only", "mamba") if getattr(args, k, False)]
+        if other:
+            raise ScanBenchError(f"--layouts times only our kernel's layouts; it does not combine with {other[0]}")
+        try:
+            return scan_layouts.run(args, bench_scan_backend)
+        except scan_counts.CountsUnavailable as exc:
+            raise ScanBenchError(f"--layouts: no GPU here, and the kernel emulator cannot count instead: {exc}")
     predict = getattr(args, "predict", False) or getattr(args, "predict_only", False)
     have_gpu = torch.cuda.is_available()
     mamba = _mamba(args, have_gpu)

@@ -9,6 +9,7 @@ The counts are exact for what the emulated code does; how they map to a GPU's wo
 tools/kernel_emu (e.g. a multiply feeding an add counts as one fused multiply-add, as nvcc contracts it)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -99,10 +100,34 @@ def load(path: str):
     lib.emu_conv.restype = ctypes.c_char_p
     lib.emu_conv.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong]
                              + [ctypes.c_void_p] * 8)
+    lib.emu_set_tuning.restype = ctypes.c_char_p
+    lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
+    lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
     if hasattr(lib, "emu_count_launch"):
         lib.emu_count_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p,
                                          ctypes.c_int]
     return lib
+
+
+@contextlib.contextmanager
+def tuned(lib, caps=(0, 0, 0)):
+    """The emulated launcher capped by `caps` (chunk, tiles, target blocks: ScanTuning, 0 its own choice) inside
+    the block, uncapped after."""
+    err = lib.emu_set_tuning(*caps)
+    if err is not None:
+        raise ValueError(err.decode())
+    try:
+        yield
+    finally:
+        lib.emu_set_tuning(0, 0, 0)
+
+
+def layout(lib, batch, dim, seqlen, d_state, dtype="float32", backward=True) -> tuple:
+    """(chunk, tiles, channels per block, blocks of channels per batch element, segments) the emulated launcher
+    picks now."""
+    out = (ctypes.c_longlong * 5)()
+    lib.emu_layout(batch, dim, seqlen, d_state, DTYPE_CODE[dtype], int(backward), out)
+    return tuple(out)
 
 
 def _launches(lib) -> list:
@@ -116,11 +141,16 @@ def _launches(lib) -> list:
     return out
 
 
-def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0) -> dict:
+def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0, tuning=(0, 0, 0)) -> dict:
     """The forward (no last state, as Vim calls it) and the backward on the emulated GPU kernels, once, on random
     inputs (`bench scan`'s, seeded) with D, z, delta_bias and softplus. -> {"out", "saved", "grads": (du, ddelta,
     dz, dA, dB, dC, dD, ddelta_bias), "fwd": launches, "bwd": launches} (launches: [] but from the counting
-    library)."""
+    library). `tuning`: the launcher's caps (tuned()) for both."""
+    with tuned(lib, tuning):
+        return _emulate(lib, batch, dim, seqlen, d_state, dtype, seed)
+
+
+def _emulate(lib, batch, dim, seqlen, d_state, dtype, seed) -> dict:
     lib.emu_config(0, seed, 0)
     lib.emu_set_reverse(0)
     with torch.random.fork_rng():
@@ -196,10 +226,11 @@ def _kernel(launches: list) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0) -> dict:
+def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0, tuning=(0, 0, 0)) -> dict:
     """What emulate() counted, per kernel: {"fwd": counts, "bwd": counts}, each the totals (bytes, unique_bytes,
-    exp, fma, chain, barriers, shuffles) and its "launches" (the same inputs give the same counts: cached)."""
-    run = emulate(load(str(lib_path or library())), batch, dim, seqlen, d_state, dtype, seed)
+    exp, fma, chain, barriers, shuffles) and its "launches" (the same inputs and launcher caps give the same
+    counts: cached)."""
+    run = emulate(load(str(lib_path or library())), batch, dim, seqlen, d_state, dtype, seed, tuple(tuning))
     return {"fwd": _kernel(run["fwd"]), "bwd": _kernel(run["bwd"])}
 
 

@@ -1,0 +1,138 @@
+"""`vim-ds bench scan --layouts`: the GPU scan under other work layouts than the launcher's own, to measure what each
+design choice of the kernel costs on the GPU at hand (csrc/selective_scan_cuda.h, ScanTuning).
+
+The launcher picks a chunk length (the longest that fits the backward's shared memory: it sets the stored states'
+traffic and how many blocks an SM holds), the channel tiles a backward block walks (fewer tiles: more dB/dC
+partial sums written and read back), and how many blocks it aims at (below that it splits the sequence into
+segments: a second pass over their inputs). These choices were made from the performance model and the kernel
+emulator's counts, without a GPU; each layout below changes one of them, so one GPU call shows which of them
+matter there. On a GPU each layout is timed at the model's first shapes, beside the launcher's own; without one,
+the kernel emulator counts what each layout moves and computes at a small shape (the same layouts, so that the
+GPU's times can be read against the counts).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from vim_ds.ops import backends
+
+from . import scan_counts, scan_model
+from .scan_model import scan_inputs
+
+# (name, (chunk cap, tile cap, target blocks)); 0: the launcher's own choice (ScanTuning)
+LAYOUTS = (
+    ("own", (0, 0, 0)),
+    ("1 tile", (0, 1, 0)),
+    ("2 tiles", (0, 2, 0)),
+    ("chunk <= 16", (16, 0, 0)),
+    ("chunk <= 8", (8, 0, 0)),
+    ("no segments", (0, 0, 1)),
+    ("4x the blocks", (0, 0, 4096)),
+)
+# the model's shapes timed on a GPU (Vim-small at 224 and stride 8, and one image of 4097 tokens), both dtypes
+GPU_SHAPES = tuple(s for s, _ in scan_model.BENCH_SHAPES[:2]) + ((1, 384, 4097, 16),)
+# what the emulator counts without a GPU: Vim-small's channels, 4 chunks of the longest chunk
+COUNT_SHAPE = (1, 768, 128, 16)
+DTYPE_CODE = scan_counts.DTYPE_CODE
+
+
+@contextlib.contextmanager
+def tuned(module, caps):
+    """The GPU extension `module`'s launcher capped by `caps` inside the block, its caps before restored after."""
+    before = module.set_tuning(*caps)
+    try:
+        yield
+    finally:
+        module.set_tuning(*before)
+
+
+def design_bytes(batch, dim, seqlen, d_state, layout) -> dict:
+    """Bytes a layout's backward adds to the model's minimum by design, from the layout the launcher reports
+    (chunk, tiles, channels per block, blocks per batch element, segments): the stored states (N fp32 per (b, d,
+    chunk), written by the forward and read back) and the dB/dC partial sums (fp32, written and read back; none when
+    one block holds every channel)."""
+    chunk, _, _, blocks, _ = layout
+    saved = batch * dim * -(-seqlen // chunk) * d_state * 4
+    partials = 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * 4
+    return {"saved": 2 * saved, "partials": partials}
+
+
+def run_gpu(repeat, time_backend) -> list:
+    """time_backend(backend, inputs, repeat) -> (forward seconds, forward+backward seconds): `bench scan`'s."""
+    kernel = backends.load("cuda")
+    if kernel.backend is None:
+        raise RuntimeError(f"the GPU kernel is unavailable: {kernel.reason}")
+    module = kernel.backend.module
+    rows = []
+    for shape in GPU_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).replace("torch.", "")
+            own = None
+            for label, caps in LAYOUTS:
+                with tuned(module, caps):
+                    fwd_layout = module.layout(*shape, DTYPE_CODE[name], False)
+                    bwd_layout = module.layout(*shape, DTYPE_CODE[name], True)
+                    inputs = scan_inputs(*shape, dtype, torch.device("cuda"))
+                    f, fb = time_backend(kernel.backend, inputs, repeat)
+                row = dict(device="cuda", gpu=torch.cuda.get_device_name(), shape=scan_model.shape_text(*shape),
+                           dtype=name, layout=label, caps=list(caps), fwd_layout=list(fwd_layout),
+                           bwd_layout=list(bwd_layout), design_bytes=design_bytes(*shape, bwd_layout),
+                           kernel_fwd_ms=f * 1e3, kernel_fwd_bwd_ms=fb * 1e3)
+                own = own or row
+                row["vs_own_fwd_bwd"] = row["kernel_fwd_bwd_ms"] / own["kernel_fwd_bwd_ms"]
+                rows.append(row)
+                print(gpu_row(row), flush=True)
+    return rows
+
+
+def gpu_row(r) -> str:
+    chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+    extra = r["design_bytes"]
+    return (f"[cuda] {r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, backward {tiles} tile(s) = {cpb} "
+            f"channels a block, {blocks} blocks of channels, {n_seg} segment(s) (forward {r['fwd_layout'][4]}); "
+            f"stored states {extra['saved'] / 1e6:.0f} MB, dB/dC partials {extra['partials'] / 1e6:.0f} MB | fwd "
+            f"{r['kernel_fwd_ms']:.3f} ms, fwd+bwd {r['kernel_fwd_bwd_ms']:.3f} ms ({r['vs_own_fwd_bwd']:.2f}x the "
+            f"launcher's own)")
+
+
+def run_counts(shape=COUNT_SHAPE, dtype="float32", layouts=LAYOUTS, lib_path=None) -> list:
+    """The emulator's counts per layout at `shape` (no GPU needed)."""
+    lib_path = str(lib_path or scan_counts.library())
+    lib = scan_counts.load(lib_path)
+    rows = []
+    for label, caps in layouts:
+        counted = scan_counts.count(*shape, dtype, lib_path=lib_path, tuning=caps)
+        with scan_counts.tuned(lib, caps):
+            layout = scan_counts.layout(lib, *shape, dtype, backward=True)
+        minimum = scan_model.backward_cost(*shape, dtype).bytes
+        row = dict(device="emulator", shape=scan_model.shape_text(*shape), dtype=dtype, layout=label,
+                   caps=list(caps), bwd_layout=list(layout), design_bytes=design_bytes(*shape, layout))
+        for kind in ("fwd", "bwd"):
+            row[kind] = {k: counted[kind][k] for k in ("unique_bytes", "bytes", "exp", "fma", "barriers", "chain")}
+            row[kind]["blocks"] = sum(n["blocks"] for n in counted[kind]["launches"])
+        row["bwd"]["unique_bytes_vs_minimum"] = counted["bwd"]["unique_bytes"] / minimum
+        rows.append(row)
+        print(count_row(row), flush=True)
+    return rows
+
+
+def count_row(r) -> str:
+    chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+    b = r["bwd"]
+    return (f"[emulator] {r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, {tiles} tile(s) = {cpb} channels "
+            f"a block, {blocks} blocks of channels, {n_seg} segment(s) | backward: distinct bytes "
+            f"{b['unique_bytes'] / 1e3:.0f} kB ({b['unique_bytes_vs_minimum']:.2f}x the minimum), exp {b['exp']:,}, "
+            f"FMA {b['fma']:,}, barriers {b['barriers']:,}, chain {b['chain']} | forward: distinct bytes "
+            f"{r['fwd']['unique_bytes'] / 1e3:.0f} kB, chain {r['fwd']['chain']}")
+
+
+def run(args, time_backend) -> list:
+    """Every layout of LAYOUTS: timed on the GPU when there is one (with `time_backend`), counted in the emulator
+    otherwise."""
+    print(__doc__.split("\n\n")[0].replace("\n", " "))
+    if torch.cuda.is_available():
+        return run_gpu(args.repeat, time_backend)
+    print("no GPU: the kernel emulator's counts per layout instead of times")
+    return run_counts()
