@@ -430,18 +430,31 @@ __host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
   return w;
 }
 
+// Row stride, in words, of the shared-memory arrays indexed [t][channel] and [t][state]: the row's length made odd.
+// The loops that stage a chunk and the epilogues give consecutive lanes consecutive time steps (so that their
+// global accesses coalesce); with rows of 8 or 16 words those lanes met on 4 or 2 of the 32 banks, 8- and 16-way
+// conflicts (tools/kernel_emu counts them: smem_wavefronts). An odd stride puts 32 consecutive steps on 32
+// banks. The time loops read within one row (consecutive words, or one word for a channel's lanes), as before.
+__host__ __device__ constexpr int smem_row(int words) { return words | 1; }
+
+// The backward's three arrays of sums over n (du, ddl, y of a step, written by the lanes that finish a scatter sum)
+// lie sums_stride words apart: [T][RC] and cpb / 4 words more, so that one scatter sum's writes (three sums of two
+// steps, for each of a warp's 32 / G = cpb / 4 channels) land on different banks; T * RC alone is a multiple of 32
+// for T = 32, and the three sums of a step then shared a bank (3-way conflicts).
+__host__ __device__ constexpr int sums_stride(int chunk, int cpb) { return chunk * smem_row(cpb) + cpb / 4; }
+
 // Shared-memory sizes (in elements of the accumulation type); the host uses the same formulas.
 __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int group) {
   const int cpb = kThreads / group;
   // u, dl, y per channel and step; B, C per state and step
-  return int64_t(3) * chunk * cpb + int64_t(2) * chunk * dstate;
+  return int64_t(3) * chunk * smem_row(cpb) + int64_t(2) * chunk * smem_row(dstate);
 }
 __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int group, int npl) {
   const int cpb = kThreads / group;
   // history of chunk+1 states per thread and state slot; 5 staged + 3 output values per channel and step;
   // B, C per state and step; dB, dC per 32-lane segment, state and step
-  return int64_t(chunk + 1) * kThreads * npl + int64_t(8) * chunk * cpb +
-         int64_t(2 + 2 * (kThreads / kSeg)) * chunk * dstate;
+  return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) + int64_t(3) * sums_stride(chunk, cpb) +
+         int64_t(2 + 2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
 }
 
 // G, the lanes per channel. More than one state per lane only when d_state > kSeg, and then the group is kSeg
@@ -649,7 +662,8 @@ template <typename input_t, int kNPL>
 __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
-  const int cpb = kThreads / G;
+  // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
+  const int cpb = kThreads / G, RC = in_vgpr(smem_row(cpb)), RN = in_vgpr(smem_row(N));
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
@@ -668,14 +682,15 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   acc_t* __restrict__ saved_t = static_cast<acc_t*>(p.saved) + (m.bd * p.n_chunks) * N + m.lane_g;
 
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
-  // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast).
+  // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast); rows of RC
+  // and RN words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either).
   // The arrays' offsets go through in_vgpr, as in the backward.
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  acc_t* u_s = smem;                                   // [T][cpb]
-  acc_t* dl_s = smem + in_vgpr(T * cpb);               // [T][cpb]  delta after bias and softplus
-  acc_t* y_s = smem + in_vgpr(2 * T * cpb);            // [T][cpb]  y before gating
-  acc_t* B_s = smem + in_vgpr(3 * T * cpb);            // [T][N]
-  acc_t* C_s = smem + in_vgpr(3 * T * cpb + T * N);    // [T][N]
+  acc_t* u_s = smem;                                   // [T][RC]
+  acc_t* dl_s = smem + in_vgpr(T * RC);                // [T][RC]  delta after bias and softplus
+  acc_t* y_s = smem + in_vgpr(2 * T * RC);             // [T][RC]  y before gating
+  acc_t* B_s = smem + in_vgpr(3 * T * RC);             // [T][RN]
+  acc_t* C_s = smem + in_vgpr(3 * T * RC + T * RN);    // [T][RN]
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
   // the workspace (the last segment's are never needed). Pass 1: the segment from its true start state (zero for
@@ -736,8 +751,8 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
         if (bias != nullptr) dv += bias[dd];
         if (p.softplus) dv = softplus(dv);
       }
-      u_s[t * cpb + cl] = uv;
-      dl_s[t * cpb + cl] = dv;
+      u_s[t * RC + cl] = uv;
+      dl_s[t * RC + cl] = dv;
     }
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
@@ -747,21 +762,21 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
-      B_s[t * N + n] = bv;
-      C_s[t * N + n] = cv;
+      B_s[t * RN + n] = bv;
+      C_s[t * RN + n] = cv;
     }
     __syncthreads();
 
     if (local) {  // no sums over n, no shuffles: every lane runs its own states
       for (int t = 0; t < len; ++t) {
         vary(ok);
-        const acc_t dl = dl_s[t * cpb + m.c_local];
-        const acc_t dlu = dl * u_s[t * cpb + m.c_local];
+        const acc_t dl = dl_s[t * RC + m.c_local];
+        const acc_t dlu = dl * u_s[t * RC + m.c_local];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
           if (k < ok) {
             const acc_t a = ss_exp(dl * A[k]);
-            h[k] = a * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
+            h[k] = a * h[k] + dlu * B_s[t * RN + k * G + m.lane_g];
             P[k] *= a;
           }
         }
@@ -774,15 +789,15 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     const auto step = [&](int t) {
       vary(ok);
       t = in_vgpr(t);  // AMD: the step's offsets per lane, not one set of scalar registers per unrolled step
-      const acc_t dl = dl_s[t * cpb + m.c_local];
-      const acc_t dlu = dl * u_s[t * cpb + m.c_local];
+      const acc_t dl = dl_s[t * RC + m.c_local];
+      const acc_t dlu = dl * u_s[t * RC + m.c_local];
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
         if (k < ok) {
           const int n = k * G + m.lane_g;
-          h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * N + n];
-          y += h[k] * C_s[t * N + n];
+          h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * RN + n];
+          y += h[k] * C_s[t * RN + n];
         }
       }
       return y;
@@ -794,7 +809,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       for (int j = 0; j < kFwdSums; ++j) ys[j] = tb + j < len ? step(tb + j) : acc_t(0);
       int j;
       const acc_t y = scatter_sum(ys, G, m.lane_g, j);
-      if (j >= 0 && tb + j < len) y_s[(tb + j) * cpb + m.c_local] = y + D_d * u_s[(tb + j) * cpb + m.c_local];
+      if (j >= 0 && tb + j < len) y_s[(tb + j) * RC + m.c_local] = y + D_d * u_s[(tb + j) * RC + m.c_local];
     }
 
     // Checkpoint: the state at the start of the next chunk, inside the segment only (the combine kernel has
@@ -812,7 +827,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
         const int64_t off = blk_off(p, rows0, cl, t0 + t);
-        acc_t y = y_s[t * cpb + cl];
+        acc_t y = y_s[t * RC + cl];
         if (z != nullptr) {
           const acc_t zv = load_acc(z + off);
           y *= zv * sigmoid(zv);
@@ -915,20 +930,24 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // left (see "Registers on AMD" at the top).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
   constexpr int kSegs = kThreads / kSeg;   // 32-lane segments per block
-  const int TC = T * cpb, TN = T * N, o = (T + 1) * kSlots;
+  // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
+  // lacks) and the stride of sums_o's three arrays (sums_stride).
+  const int RC = in_vgpr(smem_row(cpb)), RN = in_vgpr(smem_row(N)), TC = T * RC, TN = T * RN;
+  const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
   acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
-  acc_t* u_s = smem + in_vgpr(o);                            // [T][cpb]
-  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][cpb]  delta after bias and softplus
-  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][cpb]  d dl / d(delta+bias)
-  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][cpb]  dL/dy = dout * silu(z)
-  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][cpb]  dout * silu'(z), so dz = y * gz
-  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][T][cpb]  the sums over n of du, ddl, y, whose
+  acc_t* u_s = smem + in_vgpr(o);                            // [T][RC] 
+  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][RC]   delta after bias and softplus
+  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][RC]   d dl / d(delta+bias)
+  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][RC]   dL/dy = dout * silu(z)
+  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][RC]   dout * silu'(z), so dz = y * gz
+  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][TS]      the sums over n of du, ddl, y, whose
                                                              // outputs the tile's epilogue finishes
-  acc_t* B_s = smem + in_vgpr(o + 8 * TC);                   // [T][N]
-  acc_t* C_s = smem + in_vgpr(o + 8 * TC + TN);              // [T][N]
-  acc_t* dB_s = smem + in_vgpr(o + 8 * TC + 2 * TN);         // [kSegs][T][N]  each 32-lane segment's sum over
-  acc_t* dC_s = smem + in_vgpr(o + 8 * TC + (2 + kSegs) * TN);  // [kSegs][T][N]  its channels of every tile
+  const int o2 = o + 5 * TC + 3 * TS;
+  acc_t* B_s = smem + in_vgpr(o2);                           // [T][RN]
+  acc_t* C_s = smem + in_vgpr(o2 + TN);                      // [T][RN]
+  acc_t* dB_s = smem + in_vgpr(o2 + 2 * TN);                 // [kSegs][T][RN] each 32-lane segment's sum over
+  acc_t* dC_s = smem + in_vgpr(o2 + (2 + kSegs) * TN);       // [kSegs][T][RN] its channels of every tile
   const int wseg = tid / kSeg;
   const acc_t* D_l = per_lane(Dg);  // AMD: in vector registers across the chunk loop (see "Registers on AMD")
 
@@ -1010,8 +1029,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         bv = load_acc(Bg + off);
         cv = load_acc(Cg + off);
       }
-      B_s[t * N + n] = bv;
-      C_s[t * N + n] = cv;
+      B_s[t * RN + n] = bv;
+      C_s[t * RN + n] = cv;
     }
 
 #pragma unroll 1  // one body for every tile (rotate() brings each one's state to set 0)
@@ -1044,7 +1063,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               dy = gv;
             }
           }
-          const int s = t * cpb + cl;
+          const int s = t * RC + cl;
           u_s[s] = uv;
           dl_s[s] = dl;
           dsp_s[s] = dsp;
@@ -1056,13 +1075,13 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
           for (int t = len - 1; t >= 0; --t) {
             vary(ok);
-            const int s = t * cpb + m.c_local;
+            const int s = t * RC + m.c_local;
             const acc_t dl = dl_s[s], dy = dy_s[s];
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               if (k < ok) {
                 const acc_t a = ss_exp(dl * st.A[0][k]);
-                st.carry[0][k] = a * (st.carry[0][k] + C_s[t * N + k * G + m.lane_g] * dy);
+                st.carry[0][k] = a * (st.carry[0][k] + C_s[t * RN + k * G + m.lane_g] * dy);
                 st.sum[0][k] *= a;
               }
             }
@@ -1081,11 +1100,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
             for (int t = 0; t < len; ++t) {
               vary(ok);
-              const acc_t dl = dl_s[t * cpb + m.c_local];
-              const acc_t dlu = dl * u_s[t * cpb + m.c_local];
+              const acc_t dl = dl_s[t * RC + m.c_local];
+              const acc_t dlu = dl * u_s[t * RC + m.c_local];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
-                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * B_s[t * N + k * G + m.lane_g];
+                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * B_s[t * RN + k * G + m.lane_g];
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
               }
             }
@@ -1100,7 +1119,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             vary(ok);
             vary(lead);
             vary(lane_g);
-            const int s = t * cpb + m.c_local;
+            const int s = t * RC + m.c_local;
             const acc_t dl = dl_s[s];
             const acc_t uv = u_s[s];
             const acc_t dy = dy_s[s];
@@ -1110,8 +1129,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               const int n = k * G + m.lane_g;
               acc_t dB_v = acc_t(0), dC_v = acc_t(0);
               if (k < ok) {
-                const acc_t Bv = B_s[t * N + n];
-                const acc_t Cv = C_s[t * N + n];
+                const acc_t Bv = B_s[t * RN + n];
+                const acc_t Cv = C_s[t * RN + n];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
                 const acc_t h_cur = hist[(t + 1) * kSlots + k * kThreads + tid];
                 const acc_t a = ss_exp(dl * st.A[0][k]);
@@ -1132,7 +1151,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 dC_v += shfl_xor(dC_v, off);
               }
               if (k < lead) {
-                const int e = (wseg * T + t) * N + n;
+                const int e = (wseg * T + t) * RN + n;
                 dB_s[e] = (kTiles == 1 || g == 0) ? dB_v : dB_s[e] + dB_v;
                 dC_s[e] = (kTiles == 1 || g == 0) ? dC_v : dC_s[e] + dC_v;
               }
@@ -1143,8 +1162,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           // A step's sum over n, total `v` of sum `what` (0: du, 1: ddl, 2: y), into sums_o for the epilogue; the
           // lane that holds ddl's also adds the step's ddelta to ddelta_bias.
           const auto finish = [&](int t, int what, acc_t v) {
-            const int s = t * cpb + m.c_local;
-            sums_o[what * TC + s] = v;
+            const int s = t * RC + m.c_local;
+            sums_o[what * TS + s] = v;
             if (what == 1) st.dbias[0] += v * dsp_s[s];
           };
           // The sums of kSteps steps at once, in one scatter sum: its lane of slot j finishes sum j % kBwdSlots of
@@ -1173,11 +1192,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
             if (dd < p.dim && t < len) {
               const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
-              const int s = t * cpb + cl;
+              const int s = t * RC + cl;
               const acc_t D_d = D_l != nullptr ? D_l[dd] : acc_t(0);
               store_from_acc(du + off, sums_o[s] + D_d * dy_s[s]);
-              store_from_acc(ddelta + off, sums_o[TC + s] * dsp_s[s]);
-              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TC + s] + D_d * u_s[s]) * gz_s[s]);  // dz: null iff z
+              store_from_acc(ddelta + off, sums_o[TS + s] * dsp_s[s]);
+              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * u_s[s]) * gz_s[s]);  // dz: null iff z
             }
           }
         }
@@ -1193,8 +1212,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
-          sb += dB_s[(j * T + t) * N + n];
-          sc += dC_s[(j * T + t) * N + n];
+          sb += dB_s[(j * T + t) * RN + n];
+          sc += dC_s[(j * T + t) * RN + n];
         }
         dB[off] = sb;
         dC[off] = sc;

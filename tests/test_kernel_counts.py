@@ -135,6 +135,25 @@ def test_the_conv_moves_its_minimum_bytes_and_computes_what_the_checking_build_d
     assert fwd["exp"] == bwd["exp"] == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_memory_has_no_bank_conflicts_but_the_forwards_scatter_stores(build, dtype):
+    """Shared memory at 32 banks of 4 bytes (tools/kernel_emu counts, per warp instruction, the most distinct words
+    one bank holds). The arrays' rows have an odd number of words (smem_row) and the backward's three arrays of sums
+    lie a stride apart that is not a multiple of 32 words (sums_stride), so every access of the backward takes one
+    wavefront. The forward's one exception, from first principles: after each scatter sum of 8 steps (N = 16: 2
+    channels a warp), the lanes holding step j of channel c store y_s and read u_s at word (tb + j) * 9 + c, and
+    (j, c) = (7, 1) falls on the bank of (0, 0): two wavefronts for each of those two instructions, 2 x L / 8 a
+    warp. With rows of 8 and 16 words, before, a warp's staging stores put consecutive steps on 4 and 2 banks:
+    the forward took 2.13x the wavefronts of its accesses here, the backward 1.66x."""
+    batch, dim, L, N = SHAPE
+    row = counted(build, dtype)
+    f, b = row["fwd"], row["bwd"]
+    assert b["smem_wavefronts"] == b["smem_accesses"] > 0
+    warps = batch * dim // 2  # forward: one tile of 8 channels a block, 4 warps of 2 channels
+    assert f["smem_wavefronts"] - f["smem_accesses"] == warps * 2 * (L // 8)
+    assert f["smem_accesses"] > 10 * warps * 2 * (L // 8)
+
+
 def test_shuffles_are_those_of_the_scatter_sums(build):
     """Warp shuffles, from first principles (N = 16: a channel is a group of G = 16 lanes, two channels a warp).
     A scatter sum of 8 values over 16 lanes takes 4 + 2 + 1 shuffles to halve them to one a lane and 1 more to

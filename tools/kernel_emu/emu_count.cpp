@@ -27,6 +27,9 @@ struct LaunchCount {
   long long read_bytes = 0, write_bytes = 0;      // per warp instruction: 32 x its distinct sectors
   long long read_unique = 0, write_unique = 0;    // 32 x the distinct sectors of the whole launch
   long long exp = 0, fma = 0, chain = 0;
+  long long smem_accesses = 0;   // warp instructions that load or store shared memory
+  long long smem_wavefronts = 0; // what they take at 32 banks of 4 bytes: per instruction, the most distinct words
+                                 // any one bank holds (a word several lanes read is served once)
 };
 
 // The shadow of an accumulation value: a value number (0: never seen), the length of the longest chain of
@@ -112,6 +115,7 @@ struct Counter {
   uint32_t next_id = 1;
   std::vector<Lane> lanes;
   std::unordered_map<AccessKey, std::vector<uint64_t>, AccessKeyHash> round;
+  std::unordered_map<AccessKey, std::vector<uint64_t>, AccessKeyHash> smem_round;  // -> 4-byte words
   std::unordered_set<uint64_t> read_sectors, write_sectors;
 };
 Counter& C() {
@@ -159,10 +163,16 @@ void note_depth(int32_t d) {
 void access(const void* p, size_t size, bool write, const void* site) {
   if (!in_kernel() || size == 0) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  if (!is_global(a)) return;
+  const bool shared = a >= C().smem_begin && a < C().smem_end;
+  if (!shared && !is_global(a)) return;
   Lane& l = lane();
   const int visit = l.visits[reinterpret_cast<uintptr_t>(site)]++;
   const AccessKey key{C().lane / C().warp, reinterpret_cast<uintptr_t>(site), visit, write};
+  if (shared) {  // 4-byte words, relative to the block's array (which starts on a bank boundary on a GPU)
+    auto& words = C().smem_round[key];
+    for (uint64_t w = (a - C().smem_begin) / 4; w <= (a - C().smem_begin + size - 1) / 4; ++w) words.push_back(w);
+    return;
+  }
   auto& sectors = C().round[key];
   for (uint64_t s = a / 32; s <= (a + size - 1) / 32; ++s) sectors.push_back(s);
 }
@@ -241,6 +251,17 @@ void count_round_end() {
     all.insert(s.begin(), s.end());
   }
   C().round.clear();
+  for (auto& kv : C().smem_round) {
+    std::vector<uint64_t>& w = kv.second;
+    std::sort(w.begin(), w.end());
+    w.erase(std::unique(w.begin(), w.end()), w.end());
+    int per_bank[32] = {0};
+    int most = 0;
+    for (uint64_t word : w) most = std::max(most, ++per_bank[word % 32]);
+    ++cur().smem_accesses;
+    cur().smem_wavefronts += most;
+  }
+  C().smem_round.clear();
   for (Lane& l : C().lanes) {
     l.visits.clear();
     l.memo.clear();
@@ -365,13 +386,15 @@ void __tsan_write_range(void* p, unsigned long n) { emu::access(p, n, true, EMU_
 void emu_count_reset() { emu::C().launches.clear(); }
 int emu_count_launches() { return int(emu::C().launches.size()); }
 // fields: blocks, threads, pass, barriers, shuffles, read_bytes, write_bytes, read_unique, write_unique, exp, fma,
-// chain (12 values); name: the kernel's demangled name. Returns 0, or -1 for no such launch.
+// chain, smem_accesses, smem_wavefronts (14 values); name: the kernel's demangled name. Returns 0, or -1 for no
+// such launch.
 int emu_count_launch(int i, long long* fields, char* name, int name_len) {
   if (i < 0 || i >= int(emu::C().launches.size())) return -1;
   const auto& n = emu::C().launches[i];
-  const long long v[] = {n.blocks,     n.threads,      n.pass,        n.barriers, n.shuffles, n.read_bytes,
-                         n.write_bytes, n.read_unique, n.write_unique, n.exp,      n.fma,      n.chain};
-  std::copy(v, v + 12, fields);
+  const long long v[] = {n.blocks,      n.threads,     n.pass,         n.barriers, n.shuffles,
+                         n.read_bytes,  n.write_bytes, n.read_unique,  n.write_unique, n.exp,
+                         n.fma,         n.chain,       n.smem_accesses, n.smem_wavefronts};
+  std::copy(v, v + 14, fields);
   std::snprintf(name, size_t(name_len), "%s", n.name.c_str());
   return 0;
 }
