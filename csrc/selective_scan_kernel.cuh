@@ -1089,7 +1089,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         } else {
           // ---- 2. recompute the tile's states over the chunk from the stored start state, with the same
           // operations as the forward. Each thread only touches its own history slots, so no barrier is needed
-          // before step 3.
+          // before step 3. h_hi: the state after the step that step 3 takes next, kept in registers (each step's
+          // h_t is the previous step's h_{t-1}: one history read a step instead of two).
+          acc_t h_hi[kNPL];
           {
             const acc_t* saved_g = kTiles == 1 ? saved_t : saved_t + int64_t(g) * saved_tile;
             acc_t h[kNPL];
@@ -1108,6 +1110,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
               }
             }
+#pragma unroll
+            for (int k = 0; k < kNPL; ++k) h_hi[k] = h[k];  // the state after the chunk's last step
           }
 
           // ---- 3. reverse recurrence over the chunk. One step at scan step t, giving this lane's parts of the
@@ -1132,7 +1136,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 const acc_t Bv = B_s[t * RN + n];
                 const acc_t Cv = C_s[t * RN + n];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
-                const acc_t h_cur = hist[(t + 1) * kSlots + k * kThreads + tid];
+                const acc_t h_cur = h_hi[k];  // the history's entry t + 1 (steps run t = len-1 .. 0)
+                h_hi[k] = h_prev;
                 const acc_t a = ss_exp(dl * st.A[0][k]);
                 const acc_t dh = st.carry[0][k] + Cv * dy;  // total gradient of h_t
                 y_p += h_cur * Cv;

@@ -149,6 +149,9 @@ def test_shared_memory_has_no_bank_conflicts_but_the_forwards_scatter_stores(bui
     row = counted(build, dtype)
     f, b = row["fwd"], row["bwd"]
     assert b["smem_wavefronts"] == b["smem_accesses"] > 0
+    # held at what the backward does now, so that a change shows: its reverse step reads each recomputed state once
+    # from the history (it had read it twice, as h_t and as the next step's h_{t-1}: 4,096 warp-steps more)
+    assert b["smem_accesses"] == 63872
     warps = batch * dim // 2  # forward: one tile of 8 channels a block, 4 warps of 2 channels
     assert f["smem_wavefronts"] - f["smem_accesses"] == warps * 2 * (L // 8)
     assert f["smem_accesses"] > 10 * warps * 2 * (L // 8)

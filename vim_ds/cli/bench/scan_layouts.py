@@ -110,7 +110,8 @@ def run_counts(shape=COUNT_SHAPE, dtype="float32", layouts=LAYOUTS, lib_path=Non
         row = dict(device="emulator", shape=scan_model.shape_text(*shape), dtype=dtype, layout=label,
                    caps=list(caps), bwd_layout=list(layout), design_bytes=design_bytes(*shape, layout))
         for kind in ("fwd", "bwd"):
-            row[kind] = {k: counted[kind][k] for k in ("unique_bytes", "bytes", "exp", "fma", "barriers", "chain")}
+            row[kind] = {k: counted[kind][k] for k in ("unique_bytes", "bytes", "exp", "fma", "barriers", "chain",
+                                                       "smem_accesses", "smem_wavefronts")}
             row[kind]["blocks"] = sum(n["blocks"] for n in counted[kind]["launches"])
         row["bwd"]["unique_bytes_vs_minimum"] = counted["bwd"]["unique_bytes"] / minimum
         rows.append(row)
@@ -124,7 +125,8 @@ def count_row(r) -> str:
     return (f"[emulator] {r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, {tiles} tile(s) = {cpb} channels "
             f"a block, {blocks} blocks of channels, {n_seg} segment(s) | backward: distinct bytes "
             f"{b['unique_bytes'] / 1e3:.0f} kB ({b['unique_bytes_vs_minimum']:.2f}x the minimum), exp {b['exp']:,}, "
-            f"FMA {b['fma']:,}, barriers {b['barriers']:,}, chain {b['chain']} | forward: distinct bytes "
+            f"FMA {b['fma']:,}, barriers {b['barriers']:,}, shared-memory wavefronts {b['smem_wavefronts']:,}, "
+            f"chain {b['chain']} | forward: distinct bytes "
             f"{r['fwd']['unique_bytes'] / 1e3:.0f} kB, chain {r['fwd']['chain']}")
 
 
