@@ -87,12 +87,17 @@ def run_gpu(repeat, time_backend) -> list:
     return rows
 
 
-def gpu_row(r) -> str:
+def layout_text(r) -> str:
+    """A row's backward layout in words."""
     chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+    return (f"{r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, {tiles} tile(s) = {cpb} channels a block, "
+            f"{blocks} blocks of channels, {n_seg} segment(s)")
+
+
+def gpu_row(r) -> str:
     extra = r["design_bytes"]
-    return (f"[cuda] {r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, backward {tiles} tile(s) = {cpb} "
-            f"channels a block, {blocks} blocks of channels, {n_seg} segment(s) (forward {r['fwd_layout'][4]}); "
-            f"stored states {extra['saved'] / 1e6:.0f} MB, dB/dC partials {extra['partials'] / 1e6:.0f} MB | fwd "
+    return (f"[cuda] {layout_text(r)} (forward {r['fwd_layout'][4]}); stored states {extra['saved'] / 1e6:.0f} MB, "
+            f"dB/dC partials {extra['partials'] / 1e6:.0f} MB | fwd "
             f"{r['kernel_fwd_ms']:.3f} ms, fwd+bwd {r['kernel_fwd_bwd_ms']:.3f} ms ({r['vs_own_fwd_bwd']:.2f}x the "
             f"launcher's own)")
 
@@ -120,10 +125,8 @@ def run_counts(shape=COUNT_SHAPE, dtype="float32", layouts=LAYOUTS, lib_path=Non
 
 
 def count_row(r) -> str:
-    chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
     b = r["bwd"]
-    return (f"[emulator] {r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, {tiles} tile(s) = {cpb} channels "
-            f"a block, {blocks} blocks of channels, {n_seg} segment(s) | backward: distinct bytes "
+    return (f"[emulator] {layout_text(r)} | backward: distinct bytes "
             f"{b['unique_bytes'] / 1e3:.0f} kB ({b['unique_bytes_vs_minimum']:.2f}x the minimum), exp {b['exp']:,}, "
             f"FMA {b['fma']:,}, barriers {b['barriers']:,}, shared-memory wavefronts {b['smem_wavefronts']:,}, "
             f"chain {b['chain']} | forward: distinct bytes "
