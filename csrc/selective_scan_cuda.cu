@@ -30,6 +30,7 @@ constexpr int64_t kTargetBlocks = 1024;
 ScanTuning g_tuning;
 
 int64_t target_blocks() { return g_tuning.target_blocks > 0 ? g_tuning.target_blocks : kTargetBlocks; }
+
 // Shortest segment along the sequence, in chunks.
 constexpr int64_t kMinSegChunks = 2;
 

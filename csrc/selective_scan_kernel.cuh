@@ -451,10 +451,10 @@ __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int gro
 }
 __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int group, int npl) {
   const int cpb = kThreads / group;
-  // history of chunk+1 states per thread and state slot; 5 staged + 3 output values per channel and step;
-  // B, C per state and step; dB, dC per 32-lane segment, state and step
-  return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) + int64_t(3) * sums_stride(chunk, cpb) +
-         int64_t(2 + 2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
+  // history of chunk+1 states per thread and state slot; 5 staged values per channel and step and the 3 arrays of
+  // sums over n; B, C per state and step; dB, dC per 32-lane segment, state and step
+  return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) +
+         int64_t(3) * sums_stride(chunk, cpb) + int64_t(2 + 2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
 }
 
 // G, the lanes per channel. More than one state per lane only when d_state > kSeg, and then the group is kSeg
@@ -936,12 +936,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
   acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
-  acc_t* u_s = smem + in_vgpr(o);                            // [T][RC] 
-  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][RC]   delta after bias and softplus
-  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][RC]   d dl / d(delta+bias)
-  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][RC]   dL/dy = dout * silu(z)
-  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][RC]   dout * silu'(z), so dz = y * gz
-  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][TS]      the sums over n of du, ddl, y, whose
+  acc_t* u_s = smem + in_vgpr(o);                            // [T][RC]
+  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][RC]  delta after bias and softplus
+  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][RC]  d dl / d(delta+bias)
+  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][RC]  dL/dy = dout * silu(z)
+  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][RC]  dout * silu'(z), so dz = y * gz
+  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][TS]  the sums over n of du, ddl, y, whose
                                                              // outputs the tile's epilogue finishes
   const int o2 = o + 5 * TC + 3 * TS;
   acc_t* B_s = smem + in_vgpr(o2);                           // [T][RN]
