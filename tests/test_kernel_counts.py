@@ -15,6 +15,7 @@ The library comes from the `kernel_emu_build` fixture (tests/conftest.py), built
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -254,3 +255,64 @@ def test_the_layout_bench_counts_what_each_layout_adds(build):
     lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
     assert scan_counts.layout(lib, 1, 64, 197, 16) == (32, 4, 32, 2, 4)
     assert "1 tile(s) = 8 channels a block, 8 blocks of channels, 1 segment(s)" in scan_layouts.count_row(one_tile)
+
+
+def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monkeypatch, tmp_path, capsys):
+    """The GPU path of `vim-ds bench scan --layouts`, run here without a GPU: a mock of the GPU only. The GPU
+    module's set_tuning and layout are the emulated launcher's (the launcher's own code, built for the CPU by
+    tools/kernel_emu), the timing a stand-in that records the caps each call ran under, the inputs placeholders.
+    Each layout must be timed under its own caps and reported with the layout the launcher picked under them, the
+    launcher's own caps must be back after the run, and --json and the GPU report must carry every row."""
+    from vim_ds.cli import bench
+    from vim_ds.cli.bench import gpu_report
+
+    lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
+    state = {"caps": (0, 0, 0)}
+
+    class Module:
+        def set_tuning(self, chunk=0, tiles=0, target_blocks=0):
+            before, state["caps"] = state["caps"], (chunk, tiles, target_blocks)
+            assert lib.emu_set_tuning(chunk, tiles, target_blocks) is None
+            return list(before)
+
+        def layout(self, batch, dim, seqlen, d_state, dtype, backward):
+            out = (ctypes.c_longlong * 5)()
+            lib.emu_layout(batch, dim, seqlen, d_state, dtype, int(backward), out)
+            return list(out)
+
+    class Loaded:
+        backend = type("Backend", (), {"module": Module()})()
+        reason = None
+
+    timed = []
+
+    def time_backend(backend, inputs, repeat):
+        timed.append((inputs["shape"], state["caps"]))
+        return 0.001, 0.004 * (1 + 0.25 * (state["caps"][1] == 1))  # one tile "slower", to see the ratio
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(scan_layouts.backends, "load", lambda kind: Loaded())
+    monkeypatch.setattr(scan_layouts, "GPU_SHAPES", ((64, 768, 785, 16), (1, 384, 4097, 16)))
+    monkeypatch.setattr(scan_layouts, "scan_inputs", lambda *shape_dtype_device: {"shape": shape_dtype_device[:4]})
+    monkeypatch.setattr(bench.scan, "bench_scan_backend", time_backend)
+    out = tmp_path / "bench_layouts.json"
+    assert bench.main(["scan", "--layouts", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == len(timed) == 2 * 2 * len(scan_layouts.LAYOUTS)
+    assert [tuple(c) for _, c in timed] == [tuple(c) for _, c in scan_layouts.LAYOUTS] * 4  # each under its caps
+    assert state["caps"] == (0, 0, 0) and scan_counts.layout(lib, 64, 768, 785, 16) == (32, 4, 32, 24, 1)
+    by = {(r["shape"], r["dtype"], r["layout"]): r for r in rows}
+    big = "B=64 D=768 L=785 N=16"
+    # at Vim-small-stride-8's shape: the launcher's own layout (one segment: 64 x 24 blocks are above 1024), one
+    # tile (96 blocks of 8 channels), chunks of at most 8 steps, and 4x the blocks (4096 aimed at: 4 tiles give
+    # 64 x 24 = 1536 blocks, 2 tiles 3072, so one tile, 6144 blocks, and no segments)
+    assert by[(big, "float32", "own")]["bwd_layout"] == [32, 4, 32, 24, 1]
+    assert by[(big, "float32", "1 tile")]["bwd_layout"] == [32, 1, 8, 96, 1]
+    assert by[(big, "bfloat16", "chunk <= 8")]["bwd_layout"] == [8, 4, 32, 24, 1]
+    assert by[(big, "float32", "4x the blocks")]["bwd_layout"] == [32, 1, 8, 96, 1]
+    assert by[(big, "float32", "1 tile")]["vs_own_fwd_bwd"] == pytest.approx(1.25)
+    assert by[(big, "float32", "own")]["design_bytes"] == scan_layouts.design_bytes(64, 768, 785, 16, [32, 4, 32, 24, 1])
+    assert "[cuda] B=64 D=768 L=785 N=16 float32 1 tile" in capsys.readouterr().out
+    report = "\n".join(gpu_report._layouts_section(rows, "missing"))
+    assert "| B=64 D=768 L=785 N=16 | float32 | 1 tile | 32 | 1 (8) | 96 | 1 (1) |" in report

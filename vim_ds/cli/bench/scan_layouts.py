@@ -62,19 +62,19 @@ def design_bytes(batch, dim, seqlen, d_state, layout) -> dict:
 def run_gpu(repeat, time_backend) -> list:
     """time_backend(backend, inputs, repeat) -> (forward seconds, forward+backward seconds): `bench scan`'s."""
     kernel = backends.load("cuda")
-    if kernel.backend is None:
-        raise RuntimeError(f"the GPU kernel is unavailable: {kernel.reason}")
+    if kernel.backend is None:  # bad input for this command: one line (`vim-ds bench` exits 2)
+        raise ValueError(f"--layouts: our GPU kernel is unavailable: {kernel.reason}")
     module = kernel.backend.module
     rows = []
     for shape in GPU_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).replace("torch.", "")
+            inputs = scan_inputs(*shape, dtype, torch.device("cuda"))
             own = None
             for label, caps in LAYOUTS:
                 with tuned(module, caps):
                     fwd_layout = module.layout(*shape, DTYPE_CODE[name], False)
                     bwd_layout = module.layout(*shape, DTYPE_CODE[name], True)
-                    inputs = scan_inputs(*shape, dtype, torch.device("cuda"))
                     f, fb = time_backend(kernel.backend, inputs, repeat)
                 row = dict(device="cuda", gpu=torch.cuda.get_device_name(), shape=scan_model.shape_text(*shape),
                            dtype=name, layout=label, caps=list(caps), fwd_layout=list(fwd_layout),
