@@ -312,7 +312,8 @@ def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monke
     assert by[(big, "bfloat16", "chunk <= 8")]["bwd_layout"] == [8, 4, 32, 24, 1]
     assert by[(big, "float32", "4x the blocks")]["bwd_layout"] == [32, 1, 8, 96, 1]
     assert by[(big, "float32", "1 tile")]["vs_own_fwd_bwd"] == pytest.approx(1.25)
-    assert by[(big, "float32", "own")]["design_bytes"] == scan_layouts.design_bytes(64, 768, 785, 16, [32, 4, 32, 24, 1])
+    own = by[(big, "float32", "own")]
+    assert own["design_bytes"] == scan_layouts.design_bytes(64, 768, 785, 16, [32, 4, 32, 24, 1])
     assert "[cuda] B=64 D=768 L=785 N=16 float32 1 tile" in capsys.readouterr().out
     report = "\n".join(gpu_report._layouts_section(rows, "missing"))
     assert "| B=64 D=768 L=785 N=16 | float32 | 1 tile | 32 | 1 (8) | 96 | 1 (1) |" in report
