@@ -317,3 +317,8 @@ def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monke
     assert "[cuda] B=64 D=768 L=785 N=16 float32 1 tile" in capsys.readouterr().out
     report = "\n".join(gpu_report._layouts_section(rows, "missing"))
     assert "| B=64 D=768 L=785 N=16 | float32 | 1 tile | 32 | 1 (8) | 96 | 1 (1) |" in report
+    # an extension built before the caps existed: one line, exit 2, nothing timed
+    Loaded.backend = type("Backend", (), {"module": object()})()
+    timed.clear()
+    assert bench.main(["scan", "--layouts"]) == 2 and not timed
+    assert "predates the launcher's caps; rebuild it" in capsys.readouterr().err.strip().splitlines()[-1]

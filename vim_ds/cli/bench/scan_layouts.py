@@ -65,6 +65,9 @@ def run_gpu(repeat, time_backend) -> list:
     if kernel.backend is None:  # bad input for this command: one line (`vim-ds bench` exits 2)
         raise ValueError(f"--layouts: our GPU kernel is unavailable: {kernel.reason}")
     module = kernel.backend.module
+    if not hasattr(module, "set_tuning"):
+        raise ValueError(f"--layouts: the GPU extension {getattr(module, '__file__', module)} predates the launcher's "
+                         "caps; rebuild it (pip install -e . with VIM_DS_BUILD_GPU=1)")
     rows = []
     for shape in GPU_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
