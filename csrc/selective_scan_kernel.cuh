@@ -148,7 +148,7 @@
 //   compilers' register counts and the launcher's shared memory (formulas and sources of the limits there).
 //   Measured (nvcc 13.0; gfx90a: hipcc 5.2 / clang 15; gfx942: clang 19.1.7; docs/selective-scan.md has the
 //   table): backward 18.75% on sm_80 (3 blocks per SM, shared memory), 25% on sm_90 and sm_100 (4 blocks),
-//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-50% on NVIDIA, 37.5-87.5% on AMD.
+//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-50% on NVIDIA, 25-87.5% on AMD.
 //   Exempt from the floor: scan_bwd<fp64,npl8> on gfx90a gfx942. For d_state 256 its shared memory at the
 //   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
 //   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
@@ -740,7 +740,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 
     __syncthreads();  // everybody is done with the previous chunk (cheap: once per chunk)
 
-    // Stage the chunk. Consecutive threads take consecutive time steps: coalesced global loads.
+    // ---- 1. stage the chunk. Consecutive threads take consecutive time steps: coalesced global loads.
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       acc_t uv = acc_t(0), dv = acc_t(0);
@@ -767,7 +767,8 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     }
     __syncthreads();
 
-    if (local) {  // no sums over n, no shuffles: every lane runs its own states
+    // ---- 2. pass 0: the recurrence alone, no sums over n, no shuffles: every lane runs its own states
+    if (local) {
       for (int t = 0; t < len; ++t) {
         vary(ok);
         const acc_t dl = dl_s[t * RC + m.c_local];
@@ -784,8 +785,8 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       continue;  // uniform over the block; the next chunk starts with a barrier
     }
 
-    // The recurrence. Every lane runs every step (the shuffles need all lanes); lanes without a valid state
-    // contribute 0. This lane's part of y at step t (its states' h * C):
+    // ---- 3. the recurrence. Every lane runs every step (the shuffles need all lanes); lanes without a valid
+    // state contribute 0. This lane's part of y at step t (its states' h * C):
     const auto step = [&](int t) {
       vary(ok);
       t = in_vgpr(t);  // AMD: the step's offsets per lane, not one set of scalar registers per unrolled step
@@ -822,7 +823,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     }
     __syncthreads();  // y_s complete
 
-    // Epilogue: gate and store, coalesced.
+    // ---- 4. epilogue: gate and store, coalesced.
     for (int i = tid; i < cpb * T; i += kThreads) {
       const int cl = i / T, t = i % T, dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
@@ -837,6 +838,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     }
   }
 
+  // ---- 5. after the chunks: the segment's last state and stores.
   if (!kEarlyAddresses) tail = out_addrs();
   if (local) {
     store_segment_summary<acc_t, kNPL>(G, ok, tail.a, tail.b, h, P);
@@ -1072,7 +1074,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         }
         __syncthreads();
 
-        if (carries_only) {  // the adjoint recurrence alone: no states, no sums over n
+        // ---- 2. pass 0: the adjoint recurrence alone, no states, no sums over n
+        if (carries_only) {
           for (int t = len - 1; t >= 0; --t) {
             vary(ok);
             const int s = t * RC + m.c_local;
@@ -1186,7 +1189,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
             int j;
             const acc_t v = scatter_sum(sums, G, lane_g, j);
-            const int t = tb - j / kBwdSlots, what = j % kBwdSlots;
+            // (unsigned: a shift and a mask; j = -1, no slot, fails the first test)
+            const int t = tb - int(unsigned(j) / kBwdSlots), what = int(unsigned(j) % kBwdSlots);
             if (j >= 0 && what < 3 && t >= 0) finish(t, what, v);
           }
           __syncthreads();  // the tile's outputs complete (and dB_s / dC_s after the last tile)
@@ -1226,6 +1230,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     }
   }
 
+  // ---- 6. after the chunks: the segment's sums and stores.
   // ddelta_bias was summed on the lanes that finished ddl (see finish): add them up, every lane taking part.
   if (!carries_only) {  // uniform over the block
 #pragma unroll

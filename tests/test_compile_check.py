@@ -31,14 +31,15 @@ AMD_TARGETS = ("gfx90a", "gfx942", "gfx950")
 MUST_COMPILE_IN_CI = ("sm_80", "sm_90", "gfx90a", "gfx942")
 
 
-def _load_kernel_report():
-    spec = importlib.util.spec_from_file_location("kernel_report", REPO / "tools" / "kernel_report.py")
+def _load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-kr = _load_kernel_report()
+kr = _load_tool("kernel_report")
+sl = _load_tool("sass_loops")
 
 
 def gpu_compilers(env):
@@ -96,7 +97,8 @@ def test_the_emulator_is_selected_without_any_gpu_compiler(tmp_path):
 
 @pytest.fixture(scope="module")
 def compile_check(tmp_path_factory):
-    """tools/compile_check.sh run once for this module: (returncode, log, report dict or None)."""
+    """tools/compile_check.sh run once for this module: (returncode, log, report dict or None, the sm_90 loops of
+    tools/sass_loops.py or None)."""
     env = dict(os.environ)
     env.setdefault("CUDA_HOME", "/usr/local/cuda")
     reason = compile_skip_reason(env, IN_CI)
@@ -106,7 +108,9 @@ def compile_check(tmp_path_factory):
     out = subprocess.run(["bash", str(REPO / "tools" / "compile_check.sh"), "--report", str(report)],
                          capture_output=True, text=True, env={**env, "PYTHON": sys.executable}, timeout=1800)
     log = out.stdout + out.stderr
-    return out.returncode, log, json.loads(report.read_text()) if report.exists() else None
+    sass = report.parent / "sass_loops.json"
+    return (out.returncode, log, json.loads(report.read_text()) if report.exists() else None,
+            json.loads(sass.read_text()) if sass.exists() else None)
 
 
 def nvcc_knows(arch):
@@ -119,20 +123,20 @@ def nvcc_knows(arch):
 
 @pytest.mark.slow
 def test_gpu_kernel_compiles_for_nvidia_and_amd(compile_check):
-    returncode, log, _ = compile_check
+    returncode, log, _, _ = compile_check
     assert returncode == 0, log[-6000:]
     assert "FAIL" not in log, log[-6000:]
     if IN_CI:  # on CI every compiler must be there: a skipped vendor would hide a kernel that does not compile
         assert "SKIP" not in log, log[-6000:]
     for step in ("OK: nvcc sm_80", "OK: nvcc sm_90", "OK: hipcc gfx90a", "OK: clang++ gfx942",
-                 "OK: bindings_cuda.cpp"):
+                 "OK: bindings_cuda.cpp", "sass: 4 instance(s), 0 problem(s)"):
         assert step in log or not IN_CI, f"{step!r} missing:\n{log[-6000:]}"
     assert re.search(r"== \d+ check\(s\) ran, 0 failed", log), log[-6000:]
 
 
 @pytest.mark.slow
 def test_resource_report_covers_every_target_and_instance_within_bounds(compile_check):
-    returncode, log, report = compile_check
+    returncode, log, report, _ = compile_check
     assert report is not None, log[-6000:]
     floor = report["occupancy_floor_pct"]
     header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
@@ -226,6 +230,78 @@ def _mangle(name):
     kernel = f"{op}_{kind}_kernel"
     params = "12KernelParams" if op == "scan" else "10ConvParams"
     return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}E' if npl else ''}EEvNS_{params}E"
+
+
+@pytest.mark.slow
+def test_the_scan_loops_issue_at_most_their_budget_of_instructions_a_step(compile_check):
+    """sm_90's SASS of the instances Vim trains with (tools/sass_loops.py, step 5 of the compile check): every loop
+    of a recurrence is found, named after its section of the kernel source, and issues no more instructions a step
+    than tools/sass_loops.py's BUDGETS allow (the counts of 2026-11-29: a growth in addressing, branches or
+    conversions fails here as a spill fails the resource report). Without nvcc or nvdisasm outside CI: skipped."""
+    returncode, log, _, sass = compile_check
+    if sass is None:
+        assert not IN_CI, log[-6000:]
+        pytest.skip("no sm_90 cubin or no nvdisasm here")
+    assert sorted(sass) == sorted(sl.DEFAULT_KERNELS), sorted(sass)
+    for kernel, found in sass.items():
+        steps = {loop["section"].split(" over")[0]: loop["per_step"] for loop in found if loop["per_step"]}
+        kind = kernel.split("<")[0]
+        expected = {"scan_bwd_kernel": ["reverse recurrence", "recompute the tile's states", "pass 0: the adjoint"],
+                    "scan_fwd_kernel": ["the recurrence", "pass 0: the recurrence"]}[kind]
+        for section in expected:
+            assert any(name.startswith(section) for name in steps), (kernel, steps)
+        # the FMA-pipe work of a step is a fraction of what it issues: the classes add up to the whole
+        for loop in found:
+            assert sum(loop["classes"].values()) == loop["instructions"], loop
+    assert sl.check(sass) == [], sl.check(sass)
+
+
+def _listing(*functions):
+    """A small nvdisasm -c -gi listing: (mangled name, [(offset, instruction or label, the kernel's line)]), each
+    instruction's line given as a helper's line 1000 before it, inlined at the kernel's."""
+    out = []
+    for name, body in functions:
+        out.append(f"\t.section\t.text.{name},\"ax\",@progbits\n.text.{name}:")
+        for offset, ins, line in body:
+            if ins.endswith(":"):
+                out.append(ins)
+                continue
+            out.append(f'\t//## File "/x/csrc/selective_scan_kernel.cuh", line {line - 1000} inlined at '
+                       f'"/x/csrc/selective_scan_kernel.cuh", line {line}')
+            out.append(f"        /*{offset:04x}*/                   {ins} ;")
+    return "\n".join(out) + "\n"
+
+
+def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger_step():
+    """tools/sass_loops.py on a hand-written listing: loops are the backward branches (through their labels), an
+    instruction belongs to the section of its outermost kernel line, classes add up, a step is the body over its
+    exps, and a loop around loops with exps (the chunk loop) is not a step; the budget check flags a step over
+    its budget and a budgeted section with no loop (the negative controls)."""
+    marks = [(10, "stage"), (20, "reverse recurrence over the chunk"), (40, "epilogue")]
+    body = [(0x00, "S2R R0, SR_TID.X", 5), (0x10, ".L_x_1:", 0), (0x10, "LDS R1, [R0]", 1012),
+            (0x20, ".L_x_2:", 0), (0x20, "FMUL.FTZ R2, R1, 1.44", 1021),
+            (0x30, "MUFU.EX2 R3, R2", 1021), (0x40, "IMAD R4, R3, 0x4, R0", 1022),
+            (0x50, "@!P0 FFMA.FTZ R5, R3, R4, R5", 1023), (0x60, "MUFU.EX2 R6, R5", 1023),
+            (0x70, "SHFL.BFLY PT, R7, R6, 0x10, 0x1f", 1024), (0x80, "@P1 BRA `(.L_x_2)", 1025),
+            (0x90, "STS [R0], R7", 1041), (0xa0, "BRA `(.L_x_1)", 1042), (0xb0, "EXIT", 1043)]
+    functions, labels = sl.parse(_listing(("_ZN3ssk15scan_bwd_kernelIfLi1EEEvNS_12KernelParamsE", body)))
+    assert labels == {".L_x_1": 0x10, ".L_x_2": 0x20}
+    (instructions,) = functions.values()
+    assert instructions[1][2] == [12, 1012] and len(instructions) == 12
+    found = sl.loops(instructions, labels, [(line + 1000, title) for line, title in marks])
+    outer, inner = found
+    assert (outer["first"], outer["last"], outer["nested"], outer["per_step"]) == (0x10, 0xa0, 1, None)
+    assert (inner["first"], inner["last"], inner["depth"], inner["exp"]) == (0x20, 0x80, 1, 2)
+    assert inner["section"] == "reverse recurrence over the chunk" and inner["lines"] == [1021, 1025]
+    assert inner["classes"] == {"fp32": 2, "sfu": 2, "integer": 1, "shuffle": 1, "control": 1}
+    assert inner["per_step"] == 3.5  # 7 instructions, 2 exps
+    result = {"scan_bwd_kernel<float, 1>": found}
+    assert sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.5}) == []
+    over = sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.0})
+    assert len(over) == 1 and "3.5 instructions a step, over its budget of 3.0" in over[0], over
+    missing = sl.check(result, {("scan_bwd_kernel", "^recompute"): 99.0})
+    assert len(missing) == 1 and "no loop of section /^recompute/" in missing[0], missing
+    assert sl.check(result, {("scan_fwd_kernel", "^reverse"): 1.0}) == []  # another kernel's budget
 
 
 def test_report_parsers_name_every_instance():

@@ -19,7 +19,10 @@
 #      scalar register spilled into vector lanes (sgpr_spills=N), on an instance missing from a compiled target,
 #      and on occupancy below the floor stated in the kernel's opening comment.
 #      The occupancy formulas and the sources of each architecture's limits are in tools/kernel_report.py.
-#   5. (only with --emulate) run the real kernels on the CPU through tools/kernel_emu and compare with the
+#   5. tools/sass_loops.py: the instructions of the scan kernels' inner loops in sm_90's SASS (disassembled with
+#      nvdisasm: CUDA's, or the copy in triton's wheel), by class, and per step of the recurrences, for the
+#      instances Vim trains with; the same as JSON beside the report (sass_loops.json).
+#   6. (only with --emulate) run the real kernels on the CPU through tools/kernel_emu and compare with the
 #      PyTorch reference (needs g++ and torch; takes a few minutes).
 #
 # A step whose compiler (or torch) is missing prints "SKIP: ..." and does not fail; a target that no installed
@@ -53,7 +56,7 @@ while [ $# -gt 0 ]; do
       ;;
     --report=*) report_json=${arg#--report=} ;;
     -h | --help)
-      sed -n '2,39p' "${BASH_SOURCE[0]}"
+      sed -n '2,37p' "${BASH_SOURCE[0]}"
       exit 0
       ;;
     *)
@@ -94,6 +97,19 @@ have_torch() {
   "$python" -c "import torch" > /dev/null 2>&1
 }
 
+# The extension's own optimisation flags (vim_ds/ops/build_config.py's NVCC_FLAGS / HIPCC_FLAGS: -O3, fast math,
+# line info), read from that file (it imports nothing heavy), so that the registers, spills and code checked here
+# are those of the kernel that ships.
+ext_flags() {
+  "$python" -c 'import runpy, sys; print("\n".join(runpy.run_path(sys.argv[1])[sys.argv[2]]))' \
+    "$repo/vim_ds/ops/build_config.py" "$1"
+}
+mapfile -t ext_nvcc_flags < <(ext_flags NVCC_FLAGS)
+mapfile -t ext_hip_flags < <(ext_flags HIPCC_FLAGS)
+if [ ${#ext_nvcc_flags[@]} -eq 0 ] || [ ${#ext_hip_flags[@]} -eq 0 ]; then
+  echo "compile_check.sh: could not read the compiler flags of vim_ds/ops/build_config.py with $python" >&2
+  exit 2
+fi
 # Flags torch's CUDAExtension passes to nvcc / hipcc; the kernel must build with them.
 torch_nvcc_flags=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
   -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
@@ -139,7 +155,7 @@ step_nvcc() {
       # One compile per target, so that ptxas's -v lines (resources per kernel) belong to one target. No torch
       # include paths on purpose: the device code must not need them. The host side is the same for every target:
       # the first target's compile builds it too (an object file), the others the device code only (a cubin).
-      if "$nvcc" "${output[@]}" -std=c++17 -O3 -gencode "arch=compute_${arch},code=sm_${arch}" \
+      if "$nvcc" "${output[@]}" -std=c++17 "${ext_nvcc_flags[@]}" -gencode "arch=compute_${arch},code=sm_${arch}" \
         "${torch_nvcc_flags[@]}" -Xcompiler -Wall -Xptxas -v "$csrc/selective_scan_cuda.cu" \
         -o "$work/selective_scan_sm_$arch.$suffix" > "$work/nvcc_sm_$arch.log" 2>&1; then
         output=(-cubin) suffix=cubin
@@ -283,7 +299,7 @@ PY
           -nogpuinc -c "$work/empty.hip" -o /dev/null > /dev/null 2>&1; then
           ran=$((ran + 1))
           compiled=1
-          if HIP_PLATFORM=amd "$hipcc" -x hip -c -std=c++17 -O3 --offload-arch="$arch" "${torch_hip_flags[@]}" -Wall \
+          if HIP_PLATFORM=amd "$hipcc" -x hip -c -std=c++17 "${ext_hip_flags[@]}" --offload-arch="$arch" "${torch_hip_flags[@]}" -Wall \
             -Rpass-analysis=kernel-resource-usage "$hipified" -o "$work/selective_scan_$arch.o" > "$log" 2>&1; then
             grep -E '(warning|error):' "$log" || true
             echo "OK: hipcc $arch"
@@ -298,7 +314,7 @@ PY
           compiled=1
           # Device code only (no host object: Debian's HIP 5.2 host headers are for its clang 15), linked into a
           # code object with the device libraries, as a HIP build would.
-          if "$clang" -x hip -std=c++17 -O3 --offload-arch="$arch" --offload-device-only --no-gpu-bundle-output \
+          if "$clang" -x hip -std=c++17 "${ext_hip_flags[@]}" --offload-arch="$arch" --offload-device-only --no-gpu-bundle-output \
             --rocm-path=/usr --rocm-device-lib-path="$devlibs" "${torch_hip_flags[@]}" -Wall \
             -Rpass-analysis=kernel-resource-usage -c "$hipified" -o "$work/selective_scan_$arch.co" > "$log" 2>&1; then
             grep -E '(warning|error):' "$log" || true
@@ -415,8 +431,24 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
+echo "== 5. instructions of the scan's inner loops on sm_90 (tools/sass_loops.py)"
+sass_json=$(dirname "$report_json")/sass_loops.json
+rm -f "$sass_json"
+if [ ! -f "$work/selective_scan_sm_90.cubin" ]; then
+  echo "SKIP: no sm_90 cubin (nvcc missing, or sm_90 not among CUDA_ARCHS after the first target)"
+elif ! "$python" -c "import sys; sys.path.insert(0, '$repo/tools'); import sass_loops; \
+    sys.exit(sass_loops.find_nvdisasm() is None)" > /dev/null 2>&1; then
+  echo "SKIP: no nvdisasm (CUDA's bin/, or the copy in triton's wheel; set NVDISASM)"
+else
+  ran=$((ran + 1))
+  if ! "$python" "$repo/tools/sass_loops.py" "$work/selective_scan_sm_90.cubin" --json "$sass_json"; then
+    fail "tools/sass_loops.py on the sm_90 cubin"
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------------------------
 if [ "$emulate" = 1 ]; then
-  echo "== 5. CPU emulation of the kernels (tools/kernel_emu)"
+  echo "== 6. CPU emulation of the kernels (tools/kernel_emu)"
   if [ -z "$cxx" ]; then
     echo "SKIP: no C++ compiler found"
   elif ! have_torch; then

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""The instructions an NVIDIA GPU issues in the scan kernels' inner loops, read from the compiled code (SASS).
+
+The kernel emulator counts what the kernels do (bytes, FMA, exp, shared-memory wavefronts); the SASS says what the
+GPU must issue for it, addressing, predicates, branches and conversions included. A scheduler issues one warp
+instruction a cycle, so a loop whose body is mostly integer work is slower than its FMA count says. This reads a
+cubin (tools/compile_check.sh builds one per NVIDIA target, with the extension's own nvcc flags: --use_fast_math,
+-lineinfo), disassembles it with nvdisasm (CUDA's, or the copy in triton's wheel that torch's CUDA build brings),
+and for each scan kernel instance asked for lists its loops (a backward branch: body = target .. branch), named
+after the section of selective_scan_kernel.cuh their source lines lie in ("// ---- 3. reverse recurrence ..."),
+with the instructions of one pass through the body by class. A loop of the recurrence computes one exp per state
+slot and step (MUFU.EX2 under --use_fast_math), so for the kNPL = 1 instances its instructions per step are its
+instructions / its MUFU.EX2 count.
+
+usage: sass_loops.py CUBIN [--kernel NAME ...] [--json PATH]
+  NAME: a demangled instance such as 'scan_bwd_kernel<__nv_bfloat16, 1>' (default: the forward and backward for
+  float and bfloat16 with one state a lane, the instances Vim's d_state 16 trains with).
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_SOURCE = "selective_scan_kernel.cuh"
+DEFAULT_KERNELS = ["scan_fwd_kernel<float, 1>", "scan_bwd_kernel<float, 1>",
+                   "scan_fwd_kernel<__nv_bfloat16, 1>", "scan_bwd_kernel<__nv_bfloat16, 1>"]
+# Opcode (before the first dot) -> class. Anything else is "other".
+CLASSES = {
+    "fp32": {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSET", "FSETP", "FCHK", "HFMA2", "HADD2", "HMUL2", "F2FP",
+             "DFMA", "DMUL", "DADD", "DSETP"},
+    "sfu": {"MUFU"},
+    "shared": {"LDS", "STS", "LDSM", "ATOMS"},
+    "global": {"LDG", "STG", "LD", "ST"},
+    "constant": {"LDC", "ULDC"},
+    "shuffle": {"SHFL"},
+    "integer": {"IMAD", "IADD3", "IADD", "VIADD", "LEA", "LOP3", "SHF", "ISETP", "IABS", "SEL", "IMNMX", "VIMNMX",
+                "MOV", "IMAD.MOV", "CS2R", "S2R", "S2UR", "PRMT", "I2F", "F2I", "I2FP", "F2IP", "FLO", "POPC", "P2R",
+                "R2P", "PLOP3", "UIADD3", "UMOV", "USHF", "ULOP3", "UIMAD", "ULEA", "UISETP", "USEL", "BMSK"},
+    "control": {"BRA", "BSSY", "BSYNC", "BAR", "EXIT", "CALL", "RET", "WARPSYNC", "NOP", "YIELD", "BREAK", "BMOV"},
+}
+# The sections (of the "// ---- N. title" markers) that run a recurrence, one exp a state slot and step.
+RECURRENCES = r"recurrence|recompute"
+# Loops holding more loops than this are the kernels' chunk and tile loops, not listed (their bodies are).
+MAX_NESTED = 3
+CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
+
+
+# What the loops of the recurrences may issue per step at most, on sm_90, for the instances listed by default (the
+# counts of 2026-11-29, nvcc 13.0: the backward's reverse step 110.5 bf16 / 111.5 fp32, its recompute 18.7-19.2, its
+# pass 0 21.5, the forward's step 35.0 / 38.4 and its pass 0 18.2-21.8): a change that makes them issue more
+# instructions fails tools/compile_check.sh, as a spill does. (kernel kind, section pattern) -> instructions a step.
+BUDGETS = {("scan_bwd_kernel", r"^reverse recurrence"): 112.0, ("scan_bwd_kernel", r"^recompute"): 20.0,
+           ("scan_bwd_kernel", r"^pass 0"): 22.0, ("scan_fwd_kernel", r"^the recurrence"): 39.0,
+           ("scan_fwd_kernel", r"^pass 0"): 22.0}
+
+
+def check(result: dict, budgets=None) -> list[str]:
+    """One line per problem: a recurrence loop over its budget, or a budget whose loop is missing."""
+    budgets = BUDGETS if budgets is None else budgets
+    problems = []
+    for kernel, found in result.items():
+        for (kind, pattern), most in budgets.items():
+            if not kernel.startswith(kind + "<"):
+                continue
+            matched = [loop for loop in found if loop["per_step"] and re.search(pattern, loop["section"])]
+            if not matched:
+                problems.append(f"{kernel}: no loop of section /{pattern}/ with one exp a step")
+            problems += [f"{kernel}: {loop['section']} (lines {loop['lines'][0]}-{loop['lines'][1]}) issues "
+                         f"{loop['per_step']} instructions a step, over its budget of {most}"
+                         for loop in matched if loop["per_step"] > most]
+    return problems
+
+
+def find_nvdisasm() -> str | None:
+    """CUDA's nvdisasm, else the one triton's wheel carries (torch's CUDA build depends on triton)."""
+    for candidate in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"),
+                      os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("triton")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        found = glob.glob(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "nvdisasm"))
+        if found:
+            return found[0]
+    return None
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return {name: pretty.strip().removeprefix("void ").removeprefix("ssk::").split("(")[0]
+            for name, pretty in zip(names, out.splitlines())}
+
+
+def sections(source_lines: list[str]) -> list[tuple[int, str]]:
+    """(line, title) of each '// ---- N. ...' marker and of each kernel's start, in order."""
+    marks = []
+    for number, line in enumerate(source_lines, 1):
+        m = re.match(r"\s*// ---- (\d+\..*)", line)
+        if m:
+            marks.append((number, re.split(r"\. |\(", m.group(1).split(". ", 1)[1])[0].strip().rstrip(",:")))
+        m = re.match(r"__global__ .*? (scan_\w+_kernel)\(", line)
+        if m:
+            marks.append((number, m.group(1) + " (set-up)"))
+    return marks
+
+
+def section_of(line: int, marks: list[tuple[int, str]]) -> str:
+    title = "?"
+    for start, name in marks:
+        if start > line:
+            break
+        title = name
+    return title
+
+
+def parse(listing: str) -> tuple[dict[str, list[tuple[int, str, list[int]]]], dict[str, int]]:
+    """Per function (mangled name): (offset, instruction, the kernel source's lines it comes from); and the offset
+    of each label (branch targets are labels)."""
+    functions: dict[str, list] = {}
+    labels: dict[str, int] = {}
+    current = None
+    pending: list[int] = []
+    waiting: list[str] = []  # labels before the next instruction
+    for line in listing.splitlines():
+        m = re.match(r"\s*\.text\.(\S+):$", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            pending = []
+            continue
+        m = re.match(r"(\.L_x_\d+):$", line.strip())
+        if m:
+            waiting.append(m.group(1))
+            continue
+        m = re.match(r'\s*//## File ".*?' + re.escape(KERNEL_SOURCE) + r'", line (\d+)', line)
+        if m:
+            # innermost first: "line A inlined at ..., line B": keep every line of the kernel source it names
+            pending = [int(x) for x in re.findall(re.escape(KERNEL_SOURCE) + r'", line (\d+)', line)]
+            continue
+        if line.lstrip().startswith("//## File"):
+            pending = []
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m and current is not None:
+            current.append((int(m.group(1), 16), m.group(2), pending))
+            labels.update((name, int(m.group(1), 16)) for name in waiting)
+            waiting = []
+    return functions, labels
+
+
+def opcode(instruction: str) -> str:
+    text = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction.strip())
+    return text.split()[0] if text else ""
+
+
+def loops(instructions, labels, marks) -> list[dict]:
+    out = []
+    for offset, ins, _ in instructions:
+        m = re.search(r"(\.L_x_\d+)", ins) if opcode(ins) == "BRA" else None
+        target = labels.get(m.group(1)) if m else None
+        if target is None or target > offset:
+            continue
+        body = [(o, i, src) for o, i, src in instructions if target <= o <= offset]
+        classes = collections.Counter()
+        exps = 0
+        for _, i, _ in body:
+            op = opcode(i)
+            base = op.split(".")[0]
+            classes[CLASS_OF.get(base, CLASS_OF.get(op, "other"))] += 1
+            exps += op.startswith("MUFU.EX2")
+        lines = [line for _, _, src in body for line in src[-1:]]  # the kernel's own line (outermost)
+        out.append({"first": target, "last": offset, "instructions": len(body), "classes": dict(classes),
+                    "exp": exps, "lines": [min(lines), max(lines)] if lines else None,
+                    "section": collections.Counter(section_of(line, marks) for line in lines).most_common(1)[0][0]
+                    if lines else "?"})
+    out.sort(key=lambda loop: (loop["first"], -loop["last"]))
+    for loop in out:
+        inside = [o for o in out if o is not loop and loop["first"] <= o["first"] and o["last"] <= loop["last"]]
+        loop["nested"] = len(inside)
+        loop["depth"] = sum(1 for o in out
+                            if o is not loop and o["first"] <= loop["first"] and loop["last"] <= o["last"])
+        # a step of a recurrence computes one exp per state slot (kNPL = 1: one); a loop around other loops that
+        # compute exps (the chunk and tile loops) is not a step
+        recurrence = (loop["exp"] and re.search(RECURRENCES, loop["section"])
+                      and not any(o["exp"] for o in inside))
+        loop["per_step"] = round(loop["instructions"] / loop["exp"], 2) if recurrence else None
+    return out
+
+
+def report(cubin: str, kernels: list[str], nvdisasm: str) -> dict:
+    listing = subprocess.run([nvdisasm, "-c", "-gi", cubin], capture_output=True, text=True, check=True).stdout
+    functions, labels = parse(listing)
+    names = demangle(list(functions))
+    with open(os.path.join(ROOT, "csrc", KERNEL_SOURCE)) as f:
+        marks = sections(f.read().splitlines())
+    result = {}
+    for mangled, pretty in names.items():
+        if pretty in kernels:
+            result[pretty] = loops(functions[mangled], labels, marks)
+    missing = [k for k in kernels if k not in result]
+    if missing:
+        raise SystemExit(f"sass_loops.py: {', '.join(missing)} not in {cubin}")
+    return result
+
+
+def text(result: dict) -> str:
+    lines = []
+    order = ["fp32", "sfu", "shared", "shuffle", "global", "constant", "integer", "control", "other"]
+    for kernel, found in result.items():
+        lines.append(kernel)
+        for loop in found:
+            if loop["nested"] > MAX_NESTED:
+                continue  # the chunk and tile loops: their bodies are the loops below
+            per = f", {loop['per_step']:.1f} a step" if loop["per_step"] else ""
+            mix = " ".join(f"{c} {loop['classes'][c]}" for c in order if loop["classes"].get(c))
+            indent = "  " * min(loop["depth"], 3)
+            lines.append(f"  {indent}{loop['section'][:44]:44s} lines {loop['lines'][0]}-{loop['lines'][1]}: "
+                         f"{loop['instructions']} instructions, {loop['exp']} exp{per} ({mix})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cubin")
+    ap.add_argument("--kernel", action="append", help="a demangled instance (repeatable)")
+    ap.add_argument("--json", help="write the loops as JSON here")
+    args = ap.parse_args(argv)
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        print("sass_loops.py: no nvdisasm (CUDA's bin/, or triton's wheel); set NVDISASM", file=sys.stderr)
+        return 2
+    result = report(args.cubin, args.kernel or DEFAULT_KERNELS, nvdisasm)
+    print(text(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    problems = check(result)
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    print(f"sass: {len(result)} instance(s), {len(problems)} problem(s) against the budgets a step")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
