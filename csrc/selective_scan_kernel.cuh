@@ -83,7 +83,9 @@
 //
 // Backward: walks the chunks of its segment from last to first, and in each chunk its channel tiles in turn.
 //   For chunk c it stages B, C of the chunk in shared memory, and for each tile
-//   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z) of the tile's channels in shared memory;
+//   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z) of the tile's channels in shared memory (dl, u,
+//      dy and dout*silu'(z) in one 16-byte row a step and channel, as B and C and the dB, dC sums are pairs: one
+//      address and one load a step for each, see smem_load);
 //   2. recomputes the chunk's states from the stored state at its start (saved[b,d,c,:]), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
 //   3. runs the reverse recurrence t = end .. start, with dh_t = C_t*dy_t + exp(dl_{t+1}A)*dh_{t+1} (the
@@ -318,6 +320,30 @@ __device__ __forceinline__ void store_from_acc(bf16_t* p, float v) { *p = bf16_t
 #else
 __device__ __forceinline__ void store_from_acc(bf16_t* p, float v) { *p = __float2bfloat16_rn(v); }
 #endif
+
+// A row of n accumulation values in shared memory, read or written in one access (ld/st.shared.v2 or .v4: LDS.64,
+// LDS.128; ds_read_b64, ds_read_b128) where the row fits 16 bytes, else in 16-byte parts. The backward keeps each
+// (time, channel)'s dl, u, dy and dout * silu'(z) in one row, and each (time, state)'s B and C, and dB and dC, in
+// pairs, so that a step reaches them through one address and one instruction each (tools/sass_loops.py counts what
+// a step issues). p must be aligned to the row (n * sizeof(T), at most 16 bytes). The kernel emulator's counting
+// build has its own overloads (tools/kernel_emu/shim/emu_count.h) so that a row counts as one access, as on a GPU.
+template <int n, typename T>
+struct alignas(n * sizeof(T) < 16 ? n * sizeof(T) : 16) SmemRow {
+  T v[n];
+};
+template <int n, typename T>
+__device__ __forceinline__ void smem_load(const T* p, T (&out)[n]) {
+  const SmemRow<n, T> r = *reinterpret_cast<const SmemRow<n, T>*>(p);
+#pragma unroll
+  for (int i = 0; i < n; ++i) out[i] = r.v[i];
+}
+template <int n, typename T>
+__device__ __forceinline__ void smem_store(T* p, const T (&in)[n]) {
+  SmemRow<n, T> r;
+#pragma unroll
+  for (int i = 0; i < n; ++i) r.v[i] = in[i];
+  *reinterpret_cast<SmemRow<n, T>*>(p) = r;
+}
 
 // Math in the accumulation type (overloads, so no std:: that hipify would rewrite).
 __device__ __forceinline__ float ss_exp(float x) { return expf(x); }
@@ -932,24 +958,26 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // left (see "Registers on AMD" at the top).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
   constexpr int kSegs = kThreads / kSeg;   // 32-lane segments per block
+  constexpr int kRec = 4;                  // values of a (time, channel) row: dl, u, dy, gz
   // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
   // lacks) and the stride of sums_o's three arrays (sums_stride).
   const int RC = in_vgpr(smem_row(cpb)), RN = in_vgpr(smem_row(N)), TC = T * RC, TN = T * RN;
   const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
+  // Rows (smem_load / smem_store) start on their own size: o is a multiple of kThreads, 4 * TC of 4, 2 * TN of 2.
   acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
-  acc_t* u_s = smem + in_vgpr(o);                            // [T][RC]
-  acc_t* dl_s = smem + in_vgpr(o + TC);                      // [T][RC]  delta after bias and softplus
-  acc_t* dsp_s = smem + in_vgpr(o + 2 * TC);                 // [T][RC]  d dl / d(delta+bias)
-  acc_t* dy_s = smem + in_vgpr(o + 3 * TC);                  // [T][RC]  dL/dy = dout * silu(z)
-  acc_t* gz_s = smem + in_vgpr(o + 4 * TC);                  // [T][RC]  dout * silu'(z), so dz = y * gz
-  acc_t* sums_o = smem + in_vgpr(o + 5 * TC);                // [3][TS]  the sums over n of du, ddl, y, whose
+  acc_t* rec_s = smem + in_vgpr(o);                          // [T][RC][kRec]: dl (delta after bias and softplus),
+                                                             // u, dy = dL/dy = dout * silu(z), gz = dout * silu'(z)
+                                                             // (so dz = y * gz)
+  acc_t* BC_s = smem + in_vgpr(o + kRec * TC);               // [T][RN][2]: B, C
+  acc_t* dBC_s = smem + in_vgpr(o + kRec * TC + 2 * TN);     // [kSegs][T][RN][2]: each 32-lane segment's sums of dB,
+                                                             // dC over its channels of every tile
+  const int o2 = o + kRec * TC + (2 + 2 * kSegs) * TN;
+  // (softplus' apart: the lanes that finish ddl read it, rows of two steps and two channels whose 16-byte rows
+  // would share a bank: 4 * (RC - 1) words apart, a multiple of 32 for RC = 9 or 17)
+  acc_t* dsp_s = smem + in_vgpr(o2);                         // [T][RC]  d dl / d(delta+bias)
+  acc_t* sums_o = smem + in_vgpr(o2 + TC);                   // [3][TS]  the sums over n of du, ddl, y, whose
                                                              // outputs the tile's epilogue finishes
-  const int o2 = o + 5 * TC + 3 * TS;
-  acc_t* B_s = smem + in_vgpr(o2);                           // [T][RN]
-  acc_t* C_s = smem + in_vgpr(o2 + TN);                      // [T][RN]
-  acc_t* dB_s = smem + in_vgpr(o2 + 2 * TN);                 // [kSegs][T][RN] each 32-lane segment's sum over
-  acc_t* dC_s = smem + in_vgpr(o2 + (2 + kSegs) * TN);       // [kSegs][T][RN] its channels of every tile
   const int wseg = tid / kSeg;
   const acc_t* D_l = per_lane(Dg);  // AMD: in vector registers across the chunk loop (see "Registers on AMD")
 
@@ -1025,14 +1053,13 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence)
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
-      acc_t bv = acc_t(0), cv = acc_t(0);
+      acc_t bc[2] = {acc_t(0), acc_t(0)};
       if (t < len) {
         const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
-        bv = load_acc(Bg + off);
-        cv = load_acc(Cg + off);
+        bc[0] = load_acc(Bg + off);
+        bc[1] = load_acc(Cg + off);
       }
-      B_s[t * RN + n] = bv;
-      C_s[t * RN + n] = cv;
+      smem_store(BC_s + 2 * (t * RN + n), bc);
     }
 
 #pragma unroll 1  // one body for every tile (rotate() brings each one's state to set 0)
@@ -1066,11 +1093,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
           }
           const int s = t * RC + cl;
-          u_s[s] = uv;
-          dl_s[s] = dl;
+          const acc_t row[kRec] = {dl, uv, dy, gz};
+          smem_store(rec_s + kRec * s, row);
           dsp_s[s] = dsp;
-          dy_s[s] = dy;
-          gz_s[s] = gz;
         }
         __syncthreads();
 
@@ -1078,13 +1103,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         if (carries_only) {
           for (int t = len - 1; t >= 0; --t) {
             vary(ok);
-            const int s = t * RC + m.c_local;
-            const acc_t dl = dl_s[s], dy = dy_s[s];
+            acc_t r[kRec];
+            smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+            const acc_t dl = r[0], dy = r[2];
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               if (k < ok) {
                 const acc_t a = ss_exp(dl * st.A[0][k]);
-                st.carry[0][k] = a * (st.carry[0][k] + C_s[t * RN + k * G + m.lane_g] * dy);
+                st.carry[0][k] = a * (st.carry[0][k] + BC_s[2 * (t * RN + k * G + m.lane_g) + 1] * dy);
                 st.sum[0][k] *= a;
               }
             }
@@ -1105,11 +1131,13 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             }
             for (int t = 0; t < len; ++t) {
               vary(ok);
-              const acc_t dl = dl_s[t * RC + m.c_local];
-              const acc_t dlu = dl * u_s[t * RC + m.c_local];
+              acc_t r[2];  // dl, u
+              smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+              const acc_t dl = r[0];
+              const acc_t dlu = dl * r[1];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
-                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * B_s[t * RN + k * G + m.lane_g];
+                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * BC_s[2 * (t * RN + k * G + m.lane_g)];
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
               }
             }
@@ -1126,18 +1154,18 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             vary(ok);
             vary(lead);
             vary(lane_g);
-            const int s = t * RC + m.c_local;
-            const acc_t dl = dl_s[s];
-            const acc_t uv = u_s[s];
-            const acc_t dy = dy_s[s];
+            acc_t r[kRec];
+            smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+            const acc_t dl = r[0], uv = r[1], dy = r[2];
             acc_t y_p = acc_t(0), ddl_p = acc_t(0), du_p = acc_t(0);  // this lane's part of the sums over n
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               const int n = k * G + m.lane_g;
               acc_t dB_v = acc_t(0), dC_v = acc_t(0);
               if (k < ok) {
-                const acc_t Bv = B_s[t * RN + n];
-                const acc_t Cv = C_s[t * RN + n];
+                acc_t bc[2];
+                smem_load(BC_s + 2 * (t * RN + n), bc);
+                const acc_t Bv = bc[0], Cv = bc[1];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
                 const acc_t h_cur = h_hi[k];  // the history's entry t + 1 (steps run t = len-1 .. 0)
                 h_hi[k] = h_prev;
@@ -1159,9 +1187,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 dC_v += shfl_xor(dC_v, off);
               }
               if (k < lead) {
-                const int e = (wseg * T + t) * RN + n;
-                dB_s[e] = (kTiles == 1 || g == 0) ? dB_v : dB_s[e] + dB_v;
-                dC_s[e] = (kTiles == 1 || g == 0) ? dC_v : dC_s[e] + dC_v;
+                acc_t* e = dBC_s + 2 * ((wseg * T + t) * RN + n);
+                acc_t sums[2] = {dB_v, dC_v};
+                if (kTiles > 1 && g > 0) {
+                  acc_t before[2];
+                  smem_load(e, before);
+                  sums[0] = before[0] + dB_v;
+                  sums[1] = before[1] + dC_v;
+                }
+                smem_store(e, sums);
               }
             }
             if (lane_g == 0) st.dD[0] += dy * uv;
@@ -1193,7 +1227,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             const int t = tb - int(unsigned(j) / kBwdSlots), what = int(unsigned(j) % kBwdSlots);
             if (j >= 0 && what < 3 && t >= 0) finish(t, what, v);
           }
-          __syncthreads();  // the tile's outputs complete (and dB_s / dC_s after the last tile)
+          __syncthreads();  // the tile's outputs complete (and dBC_s after the last tile)
 
           // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
           // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z)
@@ -1202,10 +1236,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             if (dd < p.dim && t < len) {
               const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
               const int s = t * RC + cl;
+              acc_t r[kRec];  // dl, u, dy, gz
+              smem_load(rec_s + kRec * s, r);
               const acc_t D_d = D_l != nullptr ? D_l[dd] : acc_t(0);
-              store_from_acc(du + off, sums_o[s] + D_d * dy_s[s]);
+              store_from_acc(du + off, sums_o[s] + D_d * r[2]);
               store_from_acc(ddelta + off, sums_o[TS + s] * dsp_s[s]);
-              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * u_s[s]) * gz_s[s]);  // dz: null iff z
+              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * r[1]) * r[3]);  // dz: null iff z
             }
           }
         }
@@ -1221,8 +1257,10 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
-          sb += dB_s[(j * T + t) * RN + n];
-          sc += dC_s[(j * T + t) * RN + n];
+          acc_t v[2];
+          smem_load(dBC_s + 2 * ((j * T + t) * RN + n), v);
+          sb += v[0];
+          sc += v[1];
         }
         dB[off] = sb;
         dC[off] = sc;

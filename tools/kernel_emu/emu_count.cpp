@@ -30,6 +30,8 @@ struct LaunchCount {
   long long smem_accesses = 0;   // warp instructions that load or store shared memory
   long long smem_wavefronts = 0; // what they take at 32 banks of 4 bytes: per instruction, the most distinct words
                                  // any one bank holds (a word several lanes read is served once)
+  long long smem_conflicts = 0;  // the wavefronts beyond what each instruction's distinct words need at 32 banks
+                                 // (their number / 32, rounded up: a 16-byte row a lane takes 4 for 32 lanes)
 };
 
 // The shadow of an accumulation value: a value number (0: never seen), the length of the longest chain of
@@ -211,6 +213,22 @@ void count_smem(const void* p, size_t bytes) {
 
 void count_lane(int tid) { C().lane = tid; }
 
+// The call site of a row (smem_load / smem_store, inlined into the kernel) is the return address of these calls.
+__attribute__((noinline)) void wide_load(void* dst, const void* src, size_t bytes, size_t elem) {
+  access(src, bytes, false, __builtin_return_address(0));
+  for (size_t i = 0; i < bytes; i += elem) {
+    std::memcpy(static_cast<char*>(dst) + i, static_cast<const char*>(src) + i, elem);
+    acc_copy(static_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
+  }
+}
+__attribute__((noinline)) void wide_store(void* dst, const void* src, size_t bytes, size_t elem) {
+  access(dst, bytes, true, __builtin_return_address(0));
+  for (size_t i = 0; i < bytes; i += elem) {
+    std::memcpy(static_cast<char*>(dst) + i, static_cast<const char*>(src) + i, elem);
+    acc_assign(static_cast<char*>(dst) + i, static_cast<const char*>(src) + i);
+  }
+}
+
 void count_launch_begin(const void* kernel, int pass, unsigned blocks, unsigned threads, int warp) {
   C().warp = warp;
   LaunchCount n;
@@ -260,6 +278,7 @@ void count_round_end() {
     for (uint64_t word : w) most = std::max(most, ++per_bank[word % 32]);
     ++cur().smem_accesses;
     cur().smem_wavefronts += most;
+    cur().smem_conflicts += most - (long long)(w.size() + 31) / 32;
   }
   C().smem_round.clear();
   for (Lane& l : C().lanes) {
@@ -386,15 +405,15 @@ void __tsan_write_range(void* p, unsigned long n) { emu::access(p, n, true, EMU_
 void emu_count_reset() { emu::C().launches.clear(); }
 int emu_count_launches() { return int(emu::C().launches.size()); }
 // fields: blocks, threads, pass, barriers, shuffles, read_bytes, write_bytes, read_unique, write_unique, exp, fma,
-// chain, smem_accesses, smem_wavefronts (14 values); name: the kernel's demangled name. Returns 0, or -1 for no
+// chain, smem_accesses, smem_wavefronts, smem_conflicts (15 values); name: the kernel's demangled name. Returns 0, or -1 for no
 // such launch.
 int emu_count_launch(int i, long long* fields, char* name, int name_len) {
   if (i < 0 || i >= int(emu::C().launches.size())) return -1;
   const auto& n = emu::C().launches[i];
-  const long long v[] = {n.blocks,      n.threads,     n.pass,         n.barriers, n.shuffles,
-                         n.read_bytes,  n.write_bytes, n.read_unique,  n.write_unique, n.exp,
-                         n.fma,         n.chain,       n.smem_accesses, n.smem_wavefronts};
-  std::copy(v, v + 14, fields);
+  const long long v[] = {n.blocks,     n.threads,     n.pass,          n.barriers,        n.shuffles,
+                         n.read_bytes, n.write_bytes, n.read_unique,   n.write_unique,    n.exp,
+                         n.fma,        n.chain,       n.smem_accesses, n.smem_wavefronts, n.smem_conflicts};
+  std::copy(v, v + 15, fields);
   std::snprintf(name, size_t(name_len), "%s", n.name.c_str());
   return 0;
 }

@@ -74,7 +74,8 @@ struct Guarded {
   size_t total = 0;
   void* ptr = nullptr;
   Guarded() = default;
-  explicit Guarded(size_t bytes) {
+  // align: of the start when the guard is behind (the buffer then ends up to align - 1 bytes short of it)
+  explicit Guarded(size_t bytes, size_t align = 1) {
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     const size_t data_pages = (bytes + page - 1) / page + 1;
     total = (data_pages + 1) * page;
@@ -86,7 +87,7 @@ struct Guarded {
       ptr = b + page;
     } else {
       mprotect(b + data_pages * page, page, PROT_NONE);
-      ptr = b + data_pages * page - bytes;
+      ptr = b + ((data_pages * page - bytes) & ~(align - 1));
     }
   }
   Guarded(const Guarded&) = delete;
@@ -284,7 +285,9 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, con
     return;
   }
   if (s.smem_slot == nullptr) fatal("smem slot not registered");
-  Guarded sm(smem);
+  // 16-byte aligned, as a GPU's shared memory is (the kernels' rows of 16 bytes, smem_load): with the guard behind,
+  // an overrun of up to 15 bytes past the end goes unseen (the run with the guard in front is exact)
+  Guarded sm(smem, 16);
   s.grid_dim = grid;
   s.block_dim = block;
   const Params p = params;

@@ -45,6 +45,10 @@ void acc_neg(const void* dst, const void* a);
 void acc_sfu(const void* dst, char op, const void* a);  // op: 'e' exp, 'l' log1p
 void acc_shfl_send(const void* v);
 void acc_shfl_recv(const void* dst);
+// A row of accumulation values moved between shared memory and registers in one access of `bytes` (the kernel's
+// smem_load / smem_store: one LDS.64 / LDS.128 on a GPU): one warp instruction, the values' shadows carried.
+void wide_load(void* dst, const void* src, size_t bytes, size_t elem);
+void wide_store(void* dst, const void* src, size_t bytes, size_t elem);
 
 // A float (double) that reports what is done with it. Same size and layout as T: shared memory, the workspace and
 // the parameter arrays hold it as they hold T.
@@ -111,6 +115,18 @@ EMU_INLINE Acc<T> ss_log1p(const Acc<T>& x) {
   Acc<T> r(typename Acc<T>::Raw{}, std::log1p(x.v));
   acc_sfu(&r, 'l', &x);
   return r;
+}
+
+// The kernel's rows of shared memory (smem_load / smem_store), more specialised than its templates, so that a row
+// counts as the one access it is on a GPU rather than one per value (the values' own loads are not instrumented:
+// they are made in emu_count.cpp).
+template <int n, typename T>
+EMU_INLINE void smem_load(const Acc<T>* p, Acc<T> (&out)[n]) {
+  wide_load(out, p, n * sizeof(T), sizeof(T));
+}
+template <int n, typename T>
+EMU_INLINE void smem_store(Acc<T>* p, const Acc<T> (&in)[n]) {
+  wide_store(p, in, n * sizeof(T), sizeof(T));
 }
 
 }  // namespace emu

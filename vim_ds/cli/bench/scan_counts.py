@@ -36,7 +36,7 @@ COUNT_SHAPES = (
 )
 
 FIELDS = ("blocks", "threads", "pass", "barriers", "shuffles", "read_bytes", "write_bytes", "read_unique",
-          "write_unique", "exp", "fma", "chain", "smem_accesses", "smem_wavefronts")
+          "write_unique", "exp", "fma", "chain", "smem_accesses", "smem_wavefronts", "smem_conflicts")
 DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
 
 
@@ -220,7 +220,7 @@ def _kernel(launches: list) -> dict:
     """A kernel's totals: the sums over its launches (the chains too: the launches run one after another)."""
     total = {"bytes": sum(n["read_bytes"] + n["write_bytes"] for n in launches),
              "unique_bytes": sum(n["read_unique"] + n["write_unique"] for n in launches)}
-    for key in ("exp", "fma", "chain", "barriers", "shuffles", "smem_accesses", "smem_wavefronts"):
+    for key in ("exp", "fma", "chain", "barriers", "shuffles", "smem_accesses", "smem_wavefronts", "smem_conflicts"):
         total[key] = sum(n[key] for n in launches)
     return {**total, "launches": launches}
 
@@ -257,15 +257,14 @@ def count_rows(shapes=None) -> list:
 def table(rows) -> str:
     """counted (counted / minimum) per kernel and measure, one line per shape, dtype and kernel."""
     head = ("| shape | dtype | kernel | bytes, per warp access | bytes, distinct sectors | exp | FMA | chain | "
-            "barriers | shuffles | shared-memory accesses (wavefronts, x per access) | launches |")
+            "barriers | shuffles | shared-memory accesses (wavefronts, of them bank conflicts) | launches |")
     lines = [head, "|" + "---|" * 12]
     for r in rows:
         for kind in ("fwd", "bwd"):
             k = r[kind]
             cells = [f"{k[m] / 1e3:.1f} kB ({k['ratio'][m]:.2f}x)" for m in ("bytes", "unique_bytes")]
             cells += [f"{k[m]} ({k['ratio'][m]:.2f}x)" for m in ("exp", "fma", "chain")]
-            waves = k["smem_wavefronts"] / max(1, k["smem_accesses"])
             cells += [str(k["barriers"]), str(k["shuffles"]),
-                      f"{k['smem_accesses']} ({k['smem_wavefronts']}, {waves:.2f}x)", str(len(k["launches"]))]
+                      f"{k['smem_accesses']} ({k['smem_wavefronts']}, {k['smem_conflicts']})", str(len(k["launches"]))]
             lines.append(f"| {r['shape']} | {r['dtype']} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
