@@ -709,14 +709,13 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
   // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast); rows of RC
-  // and RN words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either).
+  // and RN words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either). A step's
+  // dl and u are a pair, as its B and C are (smem_load: one address and one load a step for each).
   // The arrays' offsets go through in_vgpr, as in the backward.
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  acc_t* u_s = smem;                                   // [T][RC]
-  acc_t* dl_s = smem + in_vgpr(T * RC);                // [T][RC]  delta after bias and softplus
-  acc_t* y_s = smem + in_vgpr(2 * T * RC);             // [T][RC]  y before gating
-  acc_t* B_s = smem + in_vgpr(3 * T * RC);             // [T][RN]
-  acc_t* C_s = smem + in_vgpr(3 * T * RC + T * RN);    // [T][RN]
+  acc_t* du_s = smem;                                  // [T][RC][2]: dl (delta after bias and softplus), u
+  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RN][2]: B, C
+  acc_t* y_s = smem + in_vgpr(2 * T * RC + 2 * T * RN);  // [T][RC]  y before gating
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
   // the workspace (the last segment's are never needed). Pass 1: the segment from its true start state (zero for
@@ -777,19 +776,18 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
         if (bias != nullptr) dv += bias[dd];
         if (p.softplus) dv = softplus(dv);
       }
-      u_s[t * RC + cl] = uv;
-      dl_s[t * RC + cl] = dv;
+      const acc_t pair[2] = {dv, uv};
+      smem_store(du_s + 2 * (t * RC + cl), pair);
     }
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i / T, t = i % T;
-      acc_t bv = acc_t(0), cv = acc_t(0);
+      acc_t bc[2] = {acc_t(0), acc_t(0)};
       if (t < len) {
         const int64_t off = blk_off(p, bc0, n, t0 + t);
-        bv = load_acc(Bg + off);
-        cv = load_acc(Cg + off);
+        bc[0] = load_acc(Bg + off);
+        bc[1] = load_acc(Cg + off);
       }
-      B_s[t * RN + n] = bv;
-      C_s[t * RN + n] = cv;
+      smem_store(BC_s + 2 * (t * RN + n), bc);
     }
     __syncthreads();
 
@@ -797,13 +795,15 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     if (local) {
       for (int t = 0; t < len; ++t) {
         vary(ok);
-        const acc_t dl = dl_s[t * RC + m.c_local];
-        const acc_t dlu = dl * u_s[t * RC + m.c_local];
+        acc_t r[2];  // dl, u
+        smem_load(du_s + 2 * (t * RC + m.c_local), r);
+        const acc_t dl = r[0];
+        const acc_t dlu = dl * r[1];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
           if (k < ok) {
             const acc_t a = ss_exp(dl * A[k]);
-            h[k] = a * h[k] + dlu * B_s[t * RN + k * G + m.lane_g];
+            h[k] = a * h[k] + dlu * BC_s[2 * (t * RN + k * G + m.lane_g)];
             P[k] *= a;
           }
         }
@@ -816,15 +816,18 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
     const auto step = [&](int t) {
       vary(ok);
       t = in_vgpr(t);  // AMD: the step's offsets per lane, not one set of scalar registers per unrolled step
-      const acc_t dl = dl_s[t * RC + m.c_local];
-      const acc_t dlu = dl * u_s[t * RC + m.c_local];
+      acc_t r[2];  // dl, u
+      smem_load(du_s + 2 * (t * RC + m.c_local), r);
+      const acc_t dl = r[0];
+      const acc_t dlu = dl * r[1];
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
         if (k < ok) {
-          const int n = k * G + m.lane_g;
-          h[k] = ss_exp(dl * A[k]) * h[k] + dlu * B_s[t * RN + n];
-          y += h[k] * C_s[t * RN + n];
+          acc_t bc[2];
+          smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+          h[k] = ss_exp(dl * A[k]) * h[k] + dlu * bc[0];
+          y += h[k] * bc[1];
         }
       }
       return y;
@@ -836,7 +839,9 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       for (int j = 0; j < kFwdSums; ++j) ys[j] = tb + j < len ? step(tb + j) : acc_t(0);
       int j;
       const acc_t y = scatter_sum(ys, G, m.lane_g, j);
-      if (j >= 0 && tb + j < len) y_s[(tb + j) * RC + m.c_local] = y + D_d * u_s[(tb + j) * RC + m.c_local];
+      if (j >= 0 && tb + j < len) {
+        y_s[(tb + j) * RC + m.c_local] = y + D_d * du_s[2 * ((tb + j) * RC + m.c_local) + 1];
+      }
     }
 
     // Checkpoint: the state at the start of the next chunk, inside the segment only (the combine kernel has
@@ -1110,7 +1115,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             for (int k = 0; k < kNPL; ++k) {
               if (k < ok) {
                 const acc_t a = ss_exp(dl * st.A[0][k]);
-                st.carry[0][k] = a * (st.carry[0][k] + BC_s[2 * (t * RN + k * G + m.lane_g) + 1] * dy);
+                acc_t bc[2];  // (the pair, not C alone: with G = 32 a warp's C alone hit each bank twice)
+                smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+                st.carry[0][k] = a * (st.carry[0][k] + bc[1] * dy);
                 st.sum[0][k] *= a;
               }
             }
@@ -1137,7 +1144,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               const acc_t dlu = dl * r[1];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
-                if (k < ok) h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * BC_s[2 * (t * RN + k * G + m.lane_g)];
+                if (k < ok) {
+                  acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
+                  smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+                  h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * bc[0];
+                }
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
               }
             }
