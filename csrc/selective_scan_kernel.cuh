@@ -803,7 +803,9 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
         for (int k = 0; k < kNPL; ++k) {
           if (k < ok) {
             const acc_t a = ss_exp(dl * A[k]);
-            h[k] = a * h[k] + dlu * BC_s[2 * (t * RN + k * G + m.lane_g)];
+            acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
+            smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+            h[k] = a * h[k] + dlu * bc[0];
             P[k] *= a;
           }
         }
@@ -1199,14 +1201,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               }
               if (k < lead) {
                 acc_t* e = dBC_s + 2 * ((wseg * T + t) * RN + n);
-                acc_t sums[2] = {dB_v, dC_v};
+                acc_t dbc[2] = {dB_v, dC_v};
                 if (kTiles > 1 && g > 0) {
                   acc_t before[2];
                   smem_load(e, before);
-                  sums[0] = before[0] + dB_v;
-                  sums[1] = before[1] + dC_v;
+                  dbc[0] = before[0] + dB_v;
+                  dbc[1] = before[1] + dC_v;
                 }
-                smem_store(e, sums);
+                smem_store(e, dbc);
               }
             }
             if (lane_g == 0) st.dD[0] += dy * uv;
