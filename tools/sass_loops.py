@@ -12,13 +12,14 @@ with the instructions of one pass through the body by class. A loop of the recur
 slot and step (MUFU.EX2 under --use_fast_math), so for the kNPL = 1 instances its instructions per step are its
 instructions / its MUFU.EX2 count.
 
-usage: sass_loops.py CUBIN [--kernel NAME ...] [--json PATH]
+usage: sass_loops.py CUBIN [--kernel NAME ...] [--json PATH]   (exit 1: a step over its budget; 3: no nvdisasm)
   NAME: a demangled instance such as 'scan_bwd_kernel<__nv_bfloat16, 1>' (default: the forward and backward for
   float and bfloat16 with one state a lane, the instances Vim's d_state 16 trains with).
 """
 import argparse
 import collections
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -78,6 +79,10 @@ def check(result: dict, budgets=None) -> list[str]:
     return problems
 
 
+# The exit status when no nvdisasm is found (tools/compile_check.sh then reports the step skipped).
+NO_NVDISASM = 3
+
+
 def find_nvdisasm() -> str | None:
     """CUDA's nvdisasm, else the one triton's wheel carries (torch's CUDA build depends on triton)."""
     for candidate in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"),
@@ -85,7 +90,6 @@ def find_nvdisasm() -> str | None:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     try:
-        import importlib.util
         spec = importlib.util.find_spec("triton")
     except (ImportError, ValueError):
         spec = None
@@ -238,7 +242,7 @@ def main(argv=None) -> int:
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("sass_loops.py: no nvdisasm (CUDA's bin/, or triton's wheel); set NVDISASM", file=sys.stderr)
-        return 2
+        return NO_NVDISASM
     result = report(args.cubin, args.kernel or DEFAULT_KERNELS, nvdisasm)
     print(text(result))
     if args.json:
