@@ -2,7 +2,7 @@
 # Install vim_ds with its test dependencies, then run the test suite on two pytest-xdist workers, each taking whole
 # files, the longest first (tests/conftest.py's LONG_FILES): the suite's processes leave the cores idle about half of
 # the time (SLURM jobs sleeping until their signal, timeouts that fault tests wait out, one-process phases), which a
-# second worker fills. VIM_DS_TEST_WORKERS=N sets the number of workers (0: one process, no xdist). Extra arguments
+# second worker fills; the files that mostly wait run in two lanes beside the workers (below). VIM_DS_TEST_WORKERS=N sets the number of workers (0: one process, no xdist). Extra arguments
 # go to pytest, e.g. `bash tools/test.sh -m "not slow"` for the fast subset (then everything runs on the workers). It
 # prints the 25 slowest tests, the 40 that cost the most CPU, the time and CPU per file, and the whole run's wall and
 # CPU time.
@@ -17,28 +17,44 @@ if [ "$workers" = 0 ] || [ $# -gt 0 ]; then
     exec python3 -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" tests "$@"
 fi
 
-# The whole suite: the files that mostly wait hold little CPU for minutes of wall time (the real-SLURM jobs sleep
-# until SLURM's signal, 370 s of wall for about 10 CPU-s; the stalled-loader and killed-rank tests wait out timeouts
-# they set), so they run in a lane of their own beside the two workers instead of holding one of them. The lane is
-# started with SIGINT at its default: a command backgrounded by a non-interactive shell would otherwise inherit it
-# ignored (see docs/tests.md). Its report follows the workers' report, and the run fails if either fails.
-lane_files=(tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py)
-lane_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_lane.XXXXXX")
+# The whole suite: the files that mostly wait hold little CPU for minutes of wall time, so they run in two lanes of
+# their own beside the two workers instead of holding one of them. Lane 1: the real-SLURM jobs, which sleep until
+# SLURM's signal (about 480 s of wall for 16 CPU-s), and the stalled-loader tests, which wait out timeouts they set.
+# Lane 2: the killed, stuck and signalled ranks (faults/), which wait out their dist timeouts and the launchers'
+# grace periods, and the launch scripts' multi-host tests, which wait on ssh, pdsh and links taken down (on the
+# 2-core EPYC, 2026-11-30: 850 s of wall for 250 CPU-s; in the workers they left the cores a third idle). Each lane
+# is started with SIGINT at its default: a command backgrounded by a non-interactive shell would otherwise inherit
+# it ignored (see docs/tests.md). The lanes' reports follow the workers' report, and the run fails if any fails.
+lanes=("tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py"
+       "tests/faults/test_dead_ranks.py tests/faults/test_signals.py tests/test_launch.py")
 main_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_workers.XXXXXX")
-trap 'rm -f "$lane_log" "$main_log"' EXIT
-python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
-    python3 -m pytest -q --durations=10 --cpu-durations=10 "${lane_files[@]}" > "$lane_log" 2>&1 &
-lane=$!
+lane_logs=() lane_pids=() ignores=()
+trap 'rm -f "$main_log" "${lane_logs[@]}"' EXIT
+for lane in "${lanes[@]}"; do
+    read -r -a files <<<"$lane"
+    log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_lane.XXXXXX")
+    lane_logs+=("$log")
+    python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+        python3 -m pytest -q --durations=10 --cpu-durations=10 "${files[@]}" > "$log" 2>&1 &
+    lane_pids+=($!)
+    ignores+=("${files[@]/#/--ignore=}")
+done
 status=0
-python3 -u -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" "${lane_files[@]/#/--ignore=}" tests 2>&1 \
+python3 -u -m pytest -q --durations=25 --cpu-durations=40 "${parallel[@]}" "${ignores[@]}" tests 2>&1 \
     | tee "$main_log" || status=$?
 lane_status=0
-wait "$lane" || lane_status=$?
-echo "=================== the lane beside the workers: ${lane_files[*]} ==================="
-cat "$lane_log"
-[ "$lane_status" = 0 ] || echo "tools/test.sh: the lane (${lane_files[*]}) failed (exit $lane_status)" >&2
-# One closing line for both: pytest's counts of the two runs added up.
-python3 - "$main_log" "$lane_log" <<'PY'
+for i in "${!lanes[@]}"; do
+    this=0
+    wait "${lane_pids[$i]}" || this=$?
+    echo "=================== lane $((i + 1)) beside the workers: ${lanes[$i]} ==================="
+    cat "${lane_logs[$i]}"
+    if [ "$this" != 0 ]; then
+        echo "tools/test.sh: lane $((i + 1)) (${lanes[$i]}) failed (exit $this)" >&2
+        [ "$lane_status" != 0 ] || lane_status=$this
+    fi
+done
+# One closing line for all: pytest's counts of the runs added up.
+python3 - "$main_log" "${lane_logs[@]}" <<'PY'
 import re, sys
 counts = {}
 for path in sys.argv[1:]:
