@@ -463,6 +463,15 @@ __host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
 // banks. The time loops read within one row (consecutive words, or one word for a channel's lanes), as before.
 __host__ __device__ constexpr int smem_row(int words) { return words | 1; }
 
+// Columns of the B, C rows ([t][state]): every state, and with one state a lane (d_state <= 32) every lane of a
+// channel's group, G >= N. The lanes n >= N of a group read zero B and C there (the staging writes them), so their
+// state stays zero and they add zero to every sum over n, which lets the recurrences run every lane through the
+// step without the per-lane test `k < ok` (see computes: a divergent branch, with which a step issued 4.5 more
+// instructions in the reverse recurrence, 6 in the recompute and in the backward's pass 0, 5 in the forward's,
+// 3.5 in the forward's recurrence, on sm_90). With G = N (d_state 8, 16, 32; Vim's 16) the rows are as before.
+// The backward's dB, dC sums keep N columns: only the lanes with a state store them (the `k < lead` test).
+__host__ __device__ constexpr int bc_cols(int dstate, int group) { return dstate > group ? dstate : group; }
+
 // The backward's three arrays of sums over n (du, ddl, y of a step, written by the lanes that finish a scatter sum)
 // lie sums_stride words apart: [T][RC] and cpb / 4 words more, so that one scatter sum's writes (three sums of two
 // steps, for each of a warp's 32 / G = cpb / 4 channels) land on different banks; T * RC alone is a multiple of 32
@@ -473,14 +482,15 @@ __host__ __device__ constexpr int sums_stride(int chunk, int cpb) { return chunk
 __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int group) {
   const int cpb = kThreads / group;
   // u, dl, y per channel and step; B, C per state and step
-  return int64_t(3) * chunk * smem_row(cpb) + int64_t(2) * chunk * smem_row(dstate);
+  return int64_t(3) * chunk * smem_row(cpb) + int64_t(2) * chunk * smem_row(bc_cols(dstate, group));
 }
 __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int group, int npl) {
   const int cpb = kThreads / group;
   // history of chunk+1 states per thread and state slot; 5 staged values per channel and step and the 3 arrays of
   // sums over n; B, C per state and step; dB, dC per 32-lane segment, state and step
   return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) +
-         int64_t(3) * sums_stride(chunk, cpb) + int64_t(2 + 2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
+         int64_t(3) * sums_stride(chunk, cpb) + int64_t(2) * chunk * smem_row(bc_cols(dstate, group)) +
+         int64_t(2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
 }
 
 // G, the lanes per channel. More than one state per lane only when d_state > kSeg, and then the group is kSeg
@@ -598,6 +608,14 @@ __device__ __forceinline__ int in_vgpr(int v) {
   return v;
 }
 
+// Whether a time loop's step computes slot k of this lane (ok: the lane's slots, 0 for a channel past dim). With
+// one state a lane, every lane computes, each step the same instructions for the whole warp: where the lane has no
+// state (n >= N, or its channel past dim) its inputs are zeros (bc_cols; the staging), so its state stays zero and
+// it adds zero to each sum (for finite inputs; a non-finite input makes the channel's sums non-finite either way).
+// With more, the slots k < ok.
+template <int kNPL>
+__device__ __forceinline__ bool computes(int k, int ok) { return kNPL == 1 || k < ok; }
+
 // Sums over the G lanes of a group of kV values at once (kV a power of two <= G): a reduce-scatter butterfly.
 // Each level halves the values a lane holds: the lanes with the level's offset bit set keep the upper half and
 // send the lower, the others the reverse, so the pair ends with one half each, summed. After log2(kV) levels a
@@ -689,7 +707,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
   // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
-  const int cpb = kThreads / G, RC = in_vgpr(smem_row(cpb)), RN = in_vgpr(smem_row(N));
+  const int cpb = kThreads / G, NB = bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
@@ -709,13 +727,13 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
 
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
   // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast); rows of RC
-  // and RN words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either). A step's
-  // dl and u are a pair, as its B and C are (smem_load: one address and one load a step for each).
-  // The arrays' offsets go through in_vgpr, as in the backward.
+  // and RB words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either; RB: see
+  // bc_cols). A step's dl and u are a pair, as its B and C are (smem_load: one address and one load a step for
+  // each). The arrays' offsets go through in_vgpr, as in the backward.
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
   acc_t* du_s = smem;                                  // [T][RC][2]: dl (delta after bias and softplus), u
-  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RN][2]: B, C
-  acc_t* y_s = smem + in_vgpr(2 * T * RC + 2 * T * RN);  // [T][RC]  y before gating
+  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RB][2]: B, C
+  acc_t* y_s = smem + in_vgpr(2 * T * RC + 2 * T * RB);  // [T][RC]  y before gating
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
   // the workspace (the last segment's are never needed). Pass 1: the segment from its true start state (zero for
@@ -779,20 +797,23 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       const acc_t pair[2] = {dv, uv};
       smem_store(du_s + 2 * (t * RC + cl), pair);
     }
-    for (int i = tid; i < N * T; i += kThreads) {
+    for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
       const int n = i / T, t = i % T;
       acc_t bc[2] = {acc_t(0), acc_t(0)};
-      if (t < len) {
+      if (t < len && n < N) {
         const int64_t off = blk_off(p, bc0, n, t0 + t);
         bc[0] = load_acc(Bg + off);
         bc[1] = load_acc(Cg + off);
       }
-      smem_store(BC_s + 2 * (t * RN + n), bc);
+      smem_store(BC_s + 2 * (t * RB + n), bc);
     }
     __syncthreads();
 
     // ---- 2. pass 0: the recurrence alone, no sums over n, no shuffles: every lane runs its own states
     if (local) {
+      // (two steps a pass: unrolled by four, as nvcc does unasked, the forward took 72-79 registers on sm_90 instead
+      // of 63-64, and 6 blocks an SM instead of 8)
+#pragma unroll 2
       for (int t = 0; t < len; ++t) {
         vary(ok);
         acc_t r[2];  // dl, u
@@ -801,10 +822,10 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
         const acc_t dlu = dl * r[1];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
-          if (k < ok) {
+          if (computes<kNPL>(k, ok)) {
             const acc_t a = ss_exp(dl * A[k]);
             acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
-            smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+            smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
             h[k] = a * h[k] + dlu * bc[0];
             P[k] *= a;
           }
@@ -825,9 +846,9 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
-        if (k < ok) {
+        if (computes<kNPL>(k, ok)) {
           acc_t bc[2];
-          smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+          smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
           h[k] = ss_exp(dl * A[k]) * h[k] + dlu * bc[0];
           y += h[k] * bc[1];
         }
@@ -968,18 +989,20 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   constexpr int kRec = 4;                  // values of a (time, channel) row: dl, u, dy, gz
   // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
   // lacks) and the stride of sums_o's three arrays (sums_stride).
-  const int RC = in_vgpr(smem_row(cpb)), RN = in_vgpr(smem_row(N)), TC = T * RC, TN = T * RN;
+  const int NB = bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB)), RN = in_vgpr(smem_row(N));
+  const int TC = T * RC, TB = T * RB, TN = T * RN;
   const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  // Rows (smem_load / smem_store) start on their own size: o is a multiple of kThreads, 4 * TC of 4, 2 * TN of 2.
+  // Rows (smem_load / smem_store) start on their own size: o is a multiple of kThreads, 4 * TC of 4, 2 * TB and
+  // 2 * TN of 2.
   acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
   acc_t* rec_s = smem + in_vgpr(o);                          // [T][RC][kRec]: dl (delta after bias and softplus),
                                                              // u, dy = dL/dy = dout * silu(z), gz = dout * silu'(z)
                                                              // (so dz = y * gz)
-  acc_t* BC_s = smem + in_vgpr(o + kRec * TC);               // [T][RN][2]: B, C
-  acc_t* dBC_s = smem + in_vgpr(o + kRec * TC + 2 * TN);     // [kSegs][T][RN][2]: each 32-lane segment's sums of dB,
+  acc_t* BC_s = smem + in_vgpr(o + kRec * TC);               // [T][RB][2]: B, C
+  acc_t* dBC_s = smem + in_vgpr(o + kRec * TC + 2 * TB);     // [kSegs][T][RN][2]: each 32-lane segment's sums of dB,
                                                              // dC over its channels of every tile
-  const int o2 = o + kRec * TC + (2 + 2 * kSegs) * TN;
+  const int o2 = o + kRec * TC + 2 * TB + 2 * kSegs * TN;
   // (softplus' apart: the lanes that finish ddl read it, rows of two steps and two channels whose 16-byte rows
   // would share a bank: 4 * (RC - 1) words apart, a multiple of 32 for RC = 9 or 17)
   acc_t* dsp_s = smem + in_vgpr(o2);                         // [T][RC]  d dl / d(delta+bias)
@@ -1058,15 +1081,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     __syncthreads();
 
     // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence)
-    for (int i = tid; i < N * T; i += kThreads) {
+    for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
       const int n = i / T, t = i % T;
       acc_t bc[2] = {acc_t(0), acc_t(0)};
-      if (t < len) {
+      if (t < len && n < N) {
         const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
         bc[0] = load_acc(Bg + off);
         bc[1] = load_acc(Cg + off);
       }
-      smem_store(BC_s + 2 * (t * RN + n), bc);
+      smem_store(BC_s + 2 * (t * RB + n), bc);
     }
 
 #pragma unroll 1  // one body for every tile (rotate() brings each one's state to set 0)
@@ -1115,10 +1138,10 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             const acc_t dl = r[0], dy = r[2];
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
-              if (k < ok) {
+              if (computes<kNPL>(k, ok)) {
                 const acc_t a = ss_exp(dl * st.A[0][k]);
                 acc_t bc[2];  // (the pair, not C alone: with G = 32 a warp's C alone hit each bank twice)
-                smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+                smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
                 st.carry[0][k] = a * (st.carry[0][k] + bc[1] * dy);
                 st.sum[0][k] *= a;
               }
@@ -1146,9 +1169,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               const acc_t dlu = dl * r[1];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
-                if (k < ok) {
+                if (computes<kNPL>(k, ok)) {
                   acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
-                  smem_load(BC_s + 2 * (t * RN + k * G + m.lane_g), bc);
+                  smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
                   h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * bc[0];
                 }
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
@@ -1175,9 +1198,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             for (int k = 0; k < kNPL; ++k) {
               const int n = k * G + m.lane_g;
               acc_t dB_v = acc_t(0), dC_v = acc_t(0);
-              if (k < ok) {
+              if (computes<kNPL>(k, ok)) {
                 acc_t bc[2];
-                smem_load(BC_s + 2 * (t * RN + n), bc);
+                smem_load(BC_s + 2 * (t * RB + n), bc);
                 const acc_t Bv = bc[0], Cv = bc[1];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
                 const acc_t h_cur = h_hi[k];  // the history's entry t + 1 (steps run t = len-1 .. 0)

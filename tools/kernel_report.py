@@ -93,15 +93,28 @@ def kernel_constants(header_text, hip):
     return consts
 
 
+def smem_row(words):
+    return words | 1
+
+
+def bc_cols(dstate, group):
+    return max(dstate, group)
+
+
+def sums_stride(chunk, cpb):
+    return chunk * smem_row(cpb) + cpb // 4
+
+
 def fwd_smem_elems(c, chunk, dstate, group):
     cpb = c["kThreads"] // group
-    return 3 * chunk * cpb + 2 * chunk * dstate
+    return 3 * chunk * smem_row(cpb) + 2 * chunk * smem_row(bc_cols(dstate, group))
 
 
 def bwd_smem_elems(c, chunk, dstate, group, npl):
     cpb = c["kThreads"] // group
-    return ((chunk + 1) * c["kThreads"] * npl + 8 * chunk * cpb
-            + (2 + 2 * (c["kThreads"] // c["kSeg"])) * chunk * dstate)
+    segments = c["kThreads"] // c["kSeg"]
+    return ((chunk + 1) * c["kThreads"] * npl + 5 * chunk * smem_row(cpb) + 3 * sums_stride(chunk, cpb)
+            + 2 * chunk * smem_row(bc_cols(dstate, group)) + 2 * segments * chunk * smem_row(dstate))
 
 
 def layout(c, dstate, acc_bytes):
