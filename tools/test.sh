@@ -21,12 +21,13 @@ fi
 # their own beside the two workers instead of holding one of them. Lane 1: the real-SLURM jobs, which sleep until
 # SLURM's signal (about 480 s of wall for 16 CPU-s), and the stalled-loader tests, which wait out timeouts they set.
 # Lane 2: the killed, stuck and signalled ranks (faults/), which wait out their dist timeouts and the launchers'
-# grace periods, and the launch scripts' multi-host tests, which wait on ssh, pdsh and links taken down (on the
-# 2-core EPYC, 2026-11-30: 850 s of wall for 250 CPU-s; in the workers they left the cores a third idle). Each lane
+# grace periods, the launch scripts' multi-host tests, which wait on ssh, pdsh and links taken down (on the 2-core
+# EPYC, 2026-11-30: 850 s of wall for 250 CPU-s; in the workers they left the cores a third idle), and the exact
+# resumes (330 s of wall for 130 CPU-s: lane 2 ended 400 s before the workers without them). Each lane
 # is started with SIGINT at its default: a command backgrounded by a non-interactive shell would otherwise inherit
 # it ignored (see docs/tests.md). The lanes' reports follow the workers' report, and the run fails if any fails.
 lanes=("tests/test_slurm.py tests/faults/test_data_faults.py tests/test_loader.py"
-       "tests/faults/test_dead_ranks.py tests/faults/test_signals.py tests/test_launch.py")
+       "tests/faults/test_dead_ranks.py tests/faults/test_signals.py tests/test_launch.py tests/test_resume_exact.py")
 main_log=$(mktemp "${TMPDIR:-/tmp}/vim_ds_workers.XXXXXX")
 lane_logs=() lane_pids=() ignores=()
 trap 'rm -f "$main_log" "${lane_logs[@]}"' EXIT
