@@ -132,7 +132,7 @@ def _cpu_model() -> str:
 # one worker on 2026-11-27 (2 cores). In a pytest-xdist run of everything the first two go to the two workers
 # together: the real-SLURM jobs, which mostly sleep until SLURM's signal, beside the CPU-bound launch tests;
 # `bash tools/test.sh` runs the files that mostly wait (test_slurm.py, test_launch.py, the dead and signalled ranks,
-# the stalled loaders) in two lanes of their own beside the two workers instead.
+# the stalled loaders, the exact resumes) in two lanes of their own beside the two workers instead.
 LONG_FILES = ["test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py", "test_resume_exact.py", "test_train.py",
               "test_convert.py", "faults/test_signals.py", "test_loader.py", "test_configs.py", "test_zero_compare.py",
               "test_compile_check.py", "faults/test_data_faults.py", "test_state_bytes.py", "test_compile.py",
