@@ -392,6 +392,32 @@ def test_shared_memory_mirror_follows_the_header_per_vendor():
             assert smem <= c["kSmemBudget"] or name == "scan_bwd<fp64,npl8>", (name, smem)
 
 
+def test_shared_memory_mirror_picks_the_launchers_chunk(request):
+    """The mirror's chunk must be the one the launcher (the emulator's build of selective_scan_cuda.cu, CUDA's
+    budget) picks for every d_state and dtype. The mirror had kept the rows' first layout (no odd row strides, no
+    sums stride) and would have gone on without the B, C rows' group width (bc_cols): at d_state 18-21 it then
+    picks a chunk of 32 where the launcher's is 16 for float32 (the negative control below)."""
+    reason = emulator_skip_reason(dict(os.environ), IN_CI)
+    if reason:
+        pytest.skip(reason)
+    from vim_ds.cli.bench import scan_counts
+
+    cuda = kr.kernel_constants(kr.read_headers(REPO / "csrc"), hip=False)
+    lib = scan_counts.load(os.path.join(request.getfixturevalue("kernel_emu_build"), "libscan_emu.so"))
+    sizes = {"float32": 4, "bfloat16": 4, "float16": 4, "float64": 8}
+    picked = {(N, dtype): lib.emu_chunk_length(N, scan_counts.DTYPE_CODE[dtype])
+              for N in range(1, 257) for dtype in sizes}
+    mirrored = {(N, dtype): kr.layout(cuda, N, sizes[dtype])[2] for N, dtype in picked}
+    assert mirrored == picked, [(key, mirrored[key], picked[key]) for key in picked if mirrored[key] != picked[key]][:8]
+    # negative control: B and C rows of N columns (the rows before bc_cols) pick another chunk somewhere
+    bc_cols = kr.bc_cols
+    try:
+        kr.bc_cols = lambda dstate, group: dstate
+        assert {key: kr.layout(cuda, key[0], sizes[key[1]])[2] for key in picked} != picked
+    finally:
+        kr.bc_cols = bc_cols
+
+
 @pytest.mark.slow
 def test_gpu_kernels_emulated_on_the_cpu_match_the_reference(request):
     env = dict(os.environ)

@@ -25,7 +25,6 @@ import torch
 
 from vim_ds.cli.bench import scan_counts, scan_layouts, scan_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (1, 128, 64, 16)  # one segment (2 chunks), 16 blocks of 8 channels
 DTYPES = ["float32", "bfloat16"]
 
@@ -39,38 +38,6 @@ def build(request):
 
 def counted(build, dtype, shape=SHAPE):
     return scan_counts.compare(*shape, dtype, lib_path=os.path.join(build, scan_counts.LIB_NAME))
-
-
-def _kernel_report():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kernel_report", os.path.join(REPO, "tools", "kernel_report.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_compile_checks_shared_memory_mirror_picks_the_launchers_chunk(build):
-    """tools/kernel_report.py mirrors the launcher's shared-memory formulas (for the occupancy it reports): its chunk
-    must be the one the launcher (the emulator's build of selective_scan_cuda.cu, CUDA's budget) picks for every
-    d_state and dtype. The mirror had kept the rows' first layout (no odd row strides, no sums stride) and would
-    have gone on without the B, C rows' group width (bc_cols): at d_state 18-21 it then picks a chunk of 32 where
-    the launcher's is 16 for float32 (the negative control below)."""
-    kr = _kernel_report()
-    cuda = kr.kernel_constants(kr.read_headers(os.path.join(REPO, "csrc")), hip=False)
-    lib = scan_counts.load(os.path.join(build, "libscan_emu.so"))
-    sizes = {"float32": 4, "bfloat16": 4, "float16": 4, "float64": 8}
-    picked = {(N, dtype): lib.emu_chunk_length(N, scan_counts.DTYPE_CODE[dtype])
-              for N in range(1, 257) for dtype in sizes}
-    mirrored = {(N, dtype): kr.layout(cuda, N, sizes[dtype])[2] for N, dtype in picked}
-    assert mirrored == picked, [(key, mirrored[key], picked[key]) for key in picked if mirrored[key] != picked[key]][:8]
-    # negative control: B and C rows of N columns (the rows before bc_cols) pick another chunk somewhere
-    bc_cols = kr.bc_cols
-    try:
-        kr.bc_cols = lambda dstate, group: dstate
-        assert {key: kr.layout(cuda, key[0], sizes[key[1]])[2] for key in picked} != picked
-    finally:
-        kr.bc_cols = bc_cols
 
 
 def test_the_counting_build_computes_what_the_checking_build_does(build):
