@@ -141,7 +141,7 @@ const char* last_error() {
 
 // One launch of the scan kernel (pass 0 or 1 of the forward or backward), over every (batch, channel block,
 // segment).
-template <typename input_t, int kNPL>
+template <typename input_t, int kNPL, int kG>
 const char* launch_scan(const KernelParams& p, bool backward, int acc_bytes, cudaStream_t stream) {
   const int64_t blocks = int64_t(p.batch) * p.blocks_per_batch * p.n_seg;
   if (blocks > 2147483647) return "selective_scan: too many blocks";
@@ -149,10 +149,10 @@ const char* launch_scan(const KernelParams& p, bool backward, int acc_bytes, cud
   const dim3 block(ssk::kThreads);
   if (backward) {
     const size_t smem = size_t(ssk::bwd_smem_elems(p.chunk, p.dstate, p.group, kNPL)) * acc_bytes;
-    ssk::scan_bwd_kernel<input_t, kNPL><<<grid, block, smem, stream>>>(p);
+    ssk::scan_bwd_kernel<input_t, kNPL, kG><<<grid, block, smem, stream>>>(p);
   } else {
     const size_t smem = size_t(ssk::fwd_smem_elems(p.chunk, p.dstate, p.group)) * acc_bytes;
-    ssk::scan_fwd_kernel<input_t, kNPL><<<grid, block, smem, stream>>>(p);
+    ssk::scan_fwd_kernel<input_t, kNPL, kG><<<grid, block, smem, stream>>>(p);
   }
   return last_error();
 }
@@ -178,31 +178,40 @@ enum class Kind { kForward, kBackward, kH0Grad };
 
 // Forward: [pass 0, combine,] pass 1. Backward: [pass 0, combine,] pass 1, reduce. (Bracketed: n_seg > 1 only.)
 // The initial state's gradient alone: the backward's pass 0 over one segment (p1 says so, see run).
-template <typename input_t, int kNPL>
+template <typename input_t, int kNPL, int kG>
 const char* launch(const KernelParams& p1, Kind kind, int acc_bytes, cudaStream_t stream) {
   using acc_t = typename ssk::AccType<input_t>::type;
-  if (kind == Kind::kH0Grad) return launch_scan<input_t, kNPL>(p1, true, acc_bytes, stream);
+  if (kind == Kind::kH0Grad) return launch_scan<input_t, kNPL, kG>(p1, true, acc_bytes, stream);
   const bool backward = kind == Kind::kBackward;
   const char* err = nullptr;
   if (p1.n_seg > 1) {
     KernelParams p0 = p1;
     p0.pass = 0;
-    if ((err = launch_scan<input_t, kNPL>(p0, backward, acc_bytes, stream))) return err;
+    if ((err = launch_scan<input_t, kNPL, kG>(p0, backward, acc_bytes, stream))) return err;
     p0.pass = backward ? 1 : 0;
     if ((err = launch_aux<acc_t>(p0, false, stream))) return err;
   }
-  if ((err = launch_scan<input_t, kNPL>(p1, backward, acc_bytes, stream))) return err;
+  if ((err = launch_scan<input_t, kNPL, kG>(p1, backward, acc_bytes, stream))) return err;
   if (backward) err = launch_aux<acc_t>(p1, true, stream);
   return err;
 }
 
+// The instance for the layout: with one state a lane, one per group size (the group a template constant, see
+// group_size in the kernel header); with more, the group is kSeg lanes and the instance is per states a lane.
 template <typename input_t>
 const char* dispatch_npl(const KernelParams& p, int npl, Kind kind, int acc_bytes, cudaStream_t stream) {
+  static_assert(ssk::kMinGroup == 8 && ssk::kSeg == 32, "one instance per group size 8, 16, 32");
   switch (npl) {
-    case 1: return launch<input_t, 1>(p, kind, acc_bytes, stream);
-    case 2: return launch<input_t, 2>(p, kind, acc_bytes, stream);
-    case 4: return launch<input_t, 4>(p, kind, acc_bytes, stream);
-    case 8: return launch<input_t, 8>(p, kind, acc_bytes, stream);
+    case 1:
+      switch (p.group) {
+        case 8: return launch<input_t, 1, 8>(p, kind, acc_bytes, stream);
+        case 16: return launch<input_t, 1, 16>(p, kind, acc_bytes, stream);
+        case 32: return launch<input_t, 1, 32>(p, kind, acc_bytes, stream);
+        default: return "selective_scan: unsupported d_state";
+      }
+    case 2: return launch<input_t, 2, 0>(p, kind, acc_bytes, stream);
+    case 4: return launch<input_t, 4, 0>(p, kind, acc_bytes, stream);
+    case 8: return launch<input_t, 8, 0>(p, kind, acc_bytes, stream);
     default: return "selective_scan: unsupported d_state";
   }
 }

@@ -17,6 +17,7 @@
 //   * Each channel is owned by a "group" of G consecutive lanes, G = next power of two >= d_state, at least
 //     kMinGroup = 8 and at most kSeg = 32. Lane g of a group holds the states n = g, g+G, g+2G, ... (kNPL
 //     "states per lane", a template parameter, 1/2/4/8 so that d_state up to 256 fits). cpb = kThreads / G.
+//     With one state a lane G is a template parameter too (kG, one instance per group size: group_size).
 //   * Every thread runs the recurrence of its states sequentially over time. Sums over n (y, and in the
 //     backward the gradients of u and delta) are xor-shuffle reductions inside the group, several at once
 //     (scatter_sum: the forward's y of 8 steps, the backward's three sums of 2 steps).
@@ -155,11 +156,13 @@
 //   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
 //   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
 //   Spills: none on any target to memory; none of SGPRs into VGPR lanes (AMD) but in the instances named here,
-//   and the check fails on either. Exempt from the scalar-register check: scan_bwd<fp64,npl1>
+//   and the check fails on either. Exempt from the scalar-register check:
 //   scan_bwd<fp64,npl2> scan_bwd<fp64,npl4> scan_bwd<fp64,npl8> scan_bwd<fp16,npl8> on gfx90a gfx942. The scatter
 //   sums' slots and the epilogue that finishes du, ddelta and dz (issue 51) cost them 2-14 SGPRs parked in VGPR
 //   lanes (v_writelane / v_readlane around the chunk loop, no memory traffic): the float64 backward used 105 of
-//   gfx942's 106 before, and it is the gradient-checking dtype; fp16 with d_state > 128 parks 2 on gfx942.
+//   gfx942's 106 before, and it is the gradient-checking dtype; fp16 with d_state > 128 parked 2 on gfx942. Now
+//   (2026-11-30) only scan_bwd<fp64,npl8> parks any (2 on gfx90a, 6 on gfx942); the float64 instances with one
+//   state a lane, exempt until their group became a template constant (three instances instead of one), park none.
 //
 // Registers on AMD. A value the same for the whole wavefront (pointers, sizes, offsets, loop bounds, and the
 //   64-bit lane masks of per-lane conditions) lives in scalar registers, of which a wavefront addresses 102
@@ -493,13 +496,16 @@ __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int gro
          int64_t(2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
 }
 
-// G, the lanes per channel. More than one state per lane only when d_state > kSeg, and then the group is kSeg
-// lanes (make_layout): on AMD a constant there, so that every k * G is an immediate instead of one more uniform
-// value in a scalar register. NVIDIA keeps the runtime value: with the constant, ptxas (13.0) unrolled more and
-// spilled 24 bytes in scan_bwd<fp64,npl8> on sm_100, and registers are not what is short there.
-template <int kNPL>
+// G, the lanes per channel: kG, the instance's template constant, where it has one. With one state a lane (d_state
+// <= kSeg) the launcher picks an instance per group, kG = 8, 16 or 32: the group's loops and shuffle offsets
+// (the dB/dC sums over a segment's channels, the scatter sums) then unroll into constants, which took the backward's
+// reverse step from 92 to 74.5-76 instructions a step on sm_90. More than one state per lane only when d_state >
+// kSeg, and then the group is kSeg lanes (make_layout), kG = 0: on AMD the constant kSeg, so that every k * G is an
+// immediate instead of one more uniform value in a scalar register; NVIDIA keeps the runtime value there: with the
+// constant, ptxas (13.0) unrolled more and spilled 24 bytes in scan_bwd<fp64,npl8> on sm_100.
+template <int kNPL, int kG>
 __host__ __device__ __forceinline__ int group_size(const KernelParams& p) {
-  return (SS_HIP && kNPL > 1) ? kSeg : p.group;
+  return kG > 0 ? kG : (SS_HIP && kNPL > 1) ? kSeg : p.group;
 }
 
 // Which (batch, channel, lane) a thread works on (in a block's first channel tile; see bwd_tiles).
@@ -702,10 +708,10 @@ __device__ inline void store_segment_summary(int G, int ok_slots, acc_t* v_out, 
 
 // ------------------------------------------------------------------ forward --------------------------------
 
-template <typename input_t, int kNPL>
+template <typename input_t, int kNPL, int kG>
 __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
-  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
+  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
   const int cpb = kThreads / G, NB = bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int tid = threadIdx.x;
@@ -936,14 +942,14 @@ struct BwdState {
   }
 };
 
-template <typename input_t, int kNPL>
+template <typename input_t, int kNPL, int kG>
 __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   constexpr int kTiles = bwd_max_tiles(kNPL, sizeof(input_t) == 8 ? 8 : 4);
   // The sums over n of kSteps steps in one scatter sum; one step for float64 on AMD, the gradient-checking dtype,
   // whose backward used 105 of gfx942's 106 scalar registers before: two steps parked 8-21 in vector lanes.
   constexpr int kSums = SS_HIP && sizeof(acc_t) == 8 ? kBwdSlots : kBwdSums;
-  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL>(p);
+  const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
   const ThreadMap m(p, p.tiles);  // this thread's channel in tile 0; in tile g it is g * cpb further

@@ -142,7 +142,7 @@ def test_resource_report_covers_every_target_and_instance_within_bounds(compile_
     header = (REPO / "csrc" / "selective_scan_kernel.cuh").read_text()
     assert floor == kr.occupancy_floor(header) and floor >= 12.5
     instances = kr.expected_instances()
-    assert len(instances) == 46 and report["instances"] == instances  # the scan's 36, the conv's 10
+    assert len(instances) == 62 and report["instances"] == instances  # the scan's 52, the conv's 10
     targets = report["targets"]
     # every expected target is named: compiled with one report line per instance, or not compiled with a reason
     assert set(targets) == set(NVIDIA_TARGETS + AMD_TARGETS), sorted(targets)
@@ -179,8 +179,7 @@ def test_resource_report_covers_every_target_and_instance_within_bounds(compile_
     assert {e.split()[1] for e in report["exempt_from_floor"]} <= {"scan_bwd<fp64,npl8>"}
     # and from the scalar-register check: the float64 backward and fp16's at d_state > 128, on AMD
     assert {e.split()[1] for e in report["exempt_from_sgpr_check"]} <= {
-        "scan_bwd<fp64,npl1>", "scan_bwd<fp64,npl2>", "scan_bwd<fp64,npl4>", "scan_bwd<fp64,npl8>",
-        "scan_bwd<fp16,npl8>"}
+        "scan_bwd<fp64,npl2>", "scan_bwd<fp64,npl4>", "scan_bwd<fp64,npl8>", "scan_bwd<fp16,npl8>"}
 
 
 # A compiler's output as tools/kernel_report.py parses it, for the negative controls below.
@@ -199,9 +198,10 @@ x.cuh:1:1: remark:     SGPRs Spill: {sspill} [-Rpass-analysis=kernel-resource-us
 x.cuh:1:1: remark:     VGPRs Spill: {vspill} [-Rpass-analysis=kernel-resource-usage]
 x.cuh:1:1: remark:     LDS Size [bytes/block]: 0 [-Rpass-analysis=kernel-resource-usage]
 """
-_MANGLED = {"scan_fwd<fp32,npl1>": "_ZN3ssk15scan_fwd_kernelIfLi1EEEvNS_12KernelParamsE",
-            "scan_bwd<bf16,npl8>": "_ZN3ssk15scan_bwd_kernelI13__nv_bfloat16Li8EEEvNS_12KernelParamsE",
-            "scan_bwd<fp16,npl4>": "_ZN3ssk15scan_bwd_kernelI6__halfLi4EEEvNS_12KernelParamsE",
+_MANGLED = {"scan_fwd<fp32,npl1,g16>": "_ZN3ssk15scan_fwd_kernelIfLi1ELi16EEEvNS_12KernelParamsE",
+            "scan_bwd<bf16,npl1,g8>": "_ZN3ssk15scan_bwd_kernelI13__nv_bfloat16Li1ELi8EEEvNS_12KernelParamsE",
+            "scan_bwd<bf16,npl8>": "_ZN3ssk15scan_bwd_kernelI13__nv_bfloat16Li8ELi0EEEvNS_12KernelParamsE",
+            "scan_bwd<fp16,npl4>": "_ZN3ssk15scan_bwd_kernelI6__halfLi4ELi0EEEvNS_12KernelParamsE",
             "scan_reduce<fp64>": "_ZN3ssk18scan_reduce_kernelIdEEvNS_12KernelParamsE",
             # the conv's, as ptxas and clang name them (sm_90, gfx942 logs of 2026-11-29)
             "conv_bwd<bf16>": "_ZN3ssk15conv_bwd_kernelI13__nv_bfloat16EEvNS_10ConvParamsE",
@@ -225,11 +225,11 @@ def _fake_log(template, spill_instance=None, missing=(), **fields):
 
 
 def _mangle(name):
-    op, kind, dt, npl = re.match(r"(scan|conv)_(\w+)<(\w+)(?:,npl(\d+))?>", name).groups()
+    op, kind, dt, npl, g = re.match(r"(scan|conv)_(\w+)<(\w+)(?:,npl(\d+))?(?:,g(\d+))?>", name).groups()
     code = {"fp32": "f", "fp64": "d", "fp16": "6__half", "bf16": "12hip_bfloat16"}[dt]
     kernel = f"{op}_{kind}_kernel"
     params = "12KernelParams" if op == "scan" else "10ConvParams"
-    return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}E' if npl else ''}EEvNS_{params}E"
+    return f"_ZN3ssk{len(kernel)}{kernel}I{code}{f'Li{npl}ELi{g or 0}E' if npl else ''}EEvNS_{params}E"
 
 
 @pytest.mark.slow
@@ -284,7 +284,7 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
             (0x50, "@!P0 FFMA.FTZ R5, R3, R4, R5", 1023), (0x60, "MUFU.EX2 R6, R5", 1023),
             (0x70, "SHFL.BFLY PT, R7, R6, 0x10, 0x1f", 1024), (0x80, "@P1 BRA `(.L_x_2)", 1025),
             (0x90, "STS [R0], R7", 1041), (0xa0, "BRA `(.L_x_1)", 1042), (0xb0, "EXIT", 1043)]
-    functions, labels = sl.parse(_listing(("_ZN3ssk15scan_bwd_kernelIfLi1EEEvNS_12KernelParamsE", body)))
+    functions, labels = sl.parse(_listing(("_ZN3ssk15scan_bwd_kernelIfLi1ELi16EEEvNS_12KernelParamsE", body)))
     assert labels == {".L_x_1": 0x10, ".L_x_2": 0x20}
     (instructions,) = functions.values()
     assert instructions[1][2] == [12, 1012] and len(instructions) == 12
@@ -295,7 +295,7 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
     assert inner["section"] == "reverse recurrence over the chunk" and inner["lines"] == [1021, 1025]
     assert inner["classes"] == {"fp32": 2, "sfu": 2, "integer": 1, "shuffle": 1, "control": 1}
     assert inner["per_step"] == 3.5  # 7 instructions, 2 exps
-    result = {"scan_bwd_kernel<float, 1>": found}
+    result = {"scan_bwd_kernel<float, 1, 16>": found}
     assert sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.5}) == []
     over = sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.0})
     assert len(over) == 1 and "3.5 instructions a step, over its budget of 3.0" in over[0], over
@@ -307,13 +307,17 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
 def test_report_parsers_name_every_instance():
     for name, mangled in _MANGLED.items():
         assert kr.instance_name(mangled) == name
-    assert kr.instance_name("_ZN3ssk15scan_fwd_kernelI12hip_bfloat16Li2EEEvNS_12KernelParamsE") == "scan_fwd<bf16,npl2>"
+    hip_npl2 = "_ZN3ssk15scan_fwd_kernelI12hip_bfloat16Li2ELi0EEEvNS_12KernelParamsE"
+    assert kr.instance_name(hip_npl2) == "scan_fwd<bf16,npl2>"
+    # before the group was a template parameter: no longer one of the launcher's instances
+    assert kr.instance_name("_ZN3ssk15scan_fwd_kernelIfLi1EEEvNS_12KernelParamsE") is None
     assert kr.instance_name("_Z6otherv") is None
     # a conv kernel of another parameter struct is not one of ours
     assert kr.instance_name("_ZN3ssk15conv_fwd_kernelIfEEvNS_12KernelParamsE") is None
     header = kr.read_headers(REPO / "csrc")
     rows, problems = kr.target_rows("sm_90", _fake_log(_PTXAS), header)
-    assert problems == [] and len(rows) == 46 and all(r["spills"] == 0 for r in rows)
+    # 4 dtypes x (3 group sizes with one state a lane + 3 wider layouts) x fwd, bwd; combine, reduce; the conv's
+    assert problems == [] and len(rows) == 4 * 6 * 2 + 4 + 10 and all(r["spills"] == 0 for r in rows)
     assert kr.check_rows(rows, 12.5) == []
 
 
@@ -328,7 +332,7 @@ def test_report_check_fails_on_spills_scratch_missing_instances_and_low_occupanc
     rows, _ = kr.target_rows("gfx942", _fake_log(_REMARKS, spill_instance="scan_bwd<fp16,npl4>"), header)
     bad = kr.check_rows(rows, 12.5, exempt)
     assert len(bad) == 1 and "scan_bwd<fp16,npl4>" in bad[0] and "spilled" in bad[0]
-    rows, _ = kr.target_rows("gfx90a", _fake_log(_REMARKS, spill_instance="scan_fwd<fp32,npl1>", scratch=True),
+    rows, _ = kr.target_rows("gfx90a", _fake_log(_REMARKS, spill_instance="scan_fwd<fp32,npl1,g16>", scratch=True),
                              header)
     bad = kr.check_rows(rows, 12.5, exempt)
     assert len(bad) == 1 and "scratch" in bad[0]
@@ -345,7 +349,7 @@ def test_report_check_fails_on_spills_scratch_missing_instances_and_low_occupanc
     # only; any other still fails, beside them
     sgpr_exempt = kr.sgpr_exemptions(header)
     assert sgpr_exempt == {(t, f"scan_bwd<{k}>") for t in ("gfx90a", "gfx942")
-                           for k in ("fp64,npl1", "fp64,npl2", "fp64,npl4", "fp64,npl8", "fp16,npl8")}
+                           for k in ("fp64,npl2", "fp64,npl4", "fp64,npl8", "fp16,npl8")}
     rows, _ = kr.target_rows("gfx942", _fake_log(_REMARKS, spill_instance="scan_bwd<fp64,npl4>", sgpr=True), header)
     assert len(kr.check_rows(rows, 12.5, exempt)) == 1 and kr.check_rows(rows, 12.5, exempt, sgpr_exempt) == []
     rows, _ = kr.target_rows("gfx942", _fake_log(_REMARKS, spill_instance="scan_bwd<bf16,npl8>", sgpr=True), header)

@@ -34,13 +34,19 @@ from pathlib import Path
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel instances the launcher can pick (csrc/selective_scan_cuda.cu: run -> dispatch_npl -> launch ->
 # launch_scan / launch_aux). Reverse mode, softplus, D, z and delta_bias are run-time flags, not instances.
+# One state a lane: an instance per group size (npl1,g8 / g16 / g32); more: an instance per states a lane, whose
+# group (kSeg lanes) is no template constant (g0, left out of the name).
 DTYPES = ("fp32", "fp64", "fp16", "bf16")
-NPLS = (1, 2, 4, 8)
+LAYOUTS = ((1, 8), (1, 16), (1, 32), (2, 0), (4, 0), (8, 0))
 ACC_BYTES = {"fp32": 4, "fp64": 8, "fp16": 4, "bf16": 4}
 
 
+def scan_name(kind, dt, npl, group):
+    return f"scan_{kind}<{dt},npl{npl},g{group}>" if group else f"scan_{kind}<{dt},npl{npl}>"
+
+
 def expected_instances():
-    names = [f"scan_{kind}<{dt},npl{npl}>" for dt in DTYPES for npl in NPLS for kind in ("fwd", "bwd")]
+    names = [scan_name(kind, dt, npl, g) for dt in DTYPES for npl, g in LAYOUTS for kind in ("fwd", "bwd")]
     names += [f"scan_{kind}<{acc}>" for acc in ("fp32", "fp64") for kind in ("combine", "reduce")]
     # the depthwise causal conv (csrc/causal_conv1d_kernel.cuh, launched by launch_conv)
     names += [f"conv_{kind}<{dt}>" for dt in DTYPES for kind in ("fwd", "bwd")]
@@ -52,20 +58,21 @@ _TYPE_NAMES = {"float": "fp32", "double": "fp64", "__half": "fp16", "__nv_bfloat
 
 
 def instance_name(mangled):
-    """Itanium-mangled kernel name -> report name, e.g. _ZN3ssk15scan_fwd_kernelIfLi4EEEvNS_12KernelParamsE ->
-    scan_fwd<fp32,npl4>. Only the kernels of namespace ssk; anything else -> None."""
+    """Itanium-mangled kernel name -> report name, e.g. _ZN3ssk15scan_fwd_kernelIfLi4ELi0EEEvNS_12KernelParamsE ->
+    scan_fwd<fp32,npl4>, _ZN3ssk15scan_bwd_kernelIfLi1ELi16EEEvNS_12KernelParamsE -> scan_bwd<fp32,npl1,g16>. Only
+    the kernels of namespace ssk; anything else -> None."""
     m = (re.match(r"_ZN3ssk\d+(scan)_(fwd|bwd|combine|reduce)_kernelI(.*)EEvNS_12KernelParamsE$", mangled)
          or re.match(r"_ZN3ssk\d+(conv)_(fwd|bwd|reduce)_kernelI(.*)EEvNS_10ConvParamsE$", mangled))
     if not m:
         return None
     op, kind, args = m.groups()
-    m_type = re.match(r"(f|d|\d+(?:__half|__nv_bfloat16|hip_bfloat16))(?:Li(\d+)E)?$", args)
+    m_type = re.match(r"(f|d|\d+(?:__half|__nv_bfloat16|hip_bfloat16))(?:Li(\d+)ELi(\d+)E)?$", args)
     if not m_type:
         return None
-    code, npl = m_type.groups()
+    code, npl, group = m_type.groups()
     dtype = {"f": "float", "d": "double"}.get(code) or re.sub(r"^\d+", "", code)
     dt = _TYPE_NAMES[dtype]
-    return f"{op}_{kind}<{dt},npl{npl}>" if npl else f"{op}_{kind}<{dt}>"
+    return scan_name(kind, dt, npl, int(group)) if npl else f"{op}_{kind}<{dt}>"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -139,15 +146,15 @@ def dynamic_smem(c, instance, max_dstate=256):
         staged = c["kConvItems"] * c["kThreads"] + c["kMaxWidth"] - 1
         elems = staged if m.group(1) == "fwd" else 2 * staged + (c["kMaxWidth"] + 1) * c["kThreads"]
         return elems * ACC_BYTES[m.group(2)]
-    m = re.match(r"scan_(fwd|bwd)<(\w+),npl(\d+)>$", instance)
+    m = re.match(r"scan_(fwd|bwd)<(\w+),npl(\d+)(?:,g(\d+))?>$", instance)
     if not m:
         return 0  # combine / reduce: no shared memory
-    kind, dt, npl = m.group(1), m.group(2), int(m.group(3))
+    kind, dt, npl, g = m.group(1), m.group(2), int(m.group(3)), int(m.group(4) or 0)
     acc = ACC_BYTES[dt]
     best = 0
     for dstate in range(1, max_dstate + 1):
         group, n, chunk = layout(c, dstate, acc)
-        if n != npl:
+        if n != npl or (g and group != g):
             continue
         elems = (fwd_smem_elems(c, chunk, dstate, group) if kind == "fwd"
                  else bwd_smem_elems(c, chunk, dstate, group, npl))
@@ -291,7 +298,8 @@ def sgpr_exemptions(header_text):
     "Exempt from the scalar-register check: KERNEL KERNEL ... on TARGET TARGET ...", with its reason there."""
     text = comment_text(header_text)
     out = set()
-    for kernels, targets in re.findall(r"Exempt from the scalar-register check: ((?:scan_\w+<\w+,npl\d+> ?)+) on "
+    instance = r"scan_\w+<\w+,npl\d+(?:,g\d+)?>"
+    for kernels, targets in re.findall(rf"Exempt from the scalar-register check: ((?:{instance} ?)+) on "
                                        r"((?:gfx\w+,? ?)+)", text):
         out |= {(t.strip(","), k) for t in targets.split() for k in kernels.split()}
     return out
