@@ -1251,13 +1251,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             if (what == 1) st.dbias[0] += v * dsp_s[s];
           };
           // The sums of kSteps steps at once, in one scatter sum: its lane of slot j finishes sum j % kBwdSlots of
-          // step j / kBwdSlots of the batch.
+          // step j / kBwdSlots of the batch, steps tb, tb - 1, ..; a batch of fewer steps (`steps`) leaves the
+          // others' slots zero.
           constexpr int kSteps = kSums / kBwdSlots;
-          for (int tb = len - 1; tb >= 0; tb -= kSteps) {
+          const auto batch = [&](int tb, int steps) {
             acc_t sums[kSums];
 #pragma unroll
             for (int i = 0; i < kSteps; ++i) {
-              const Parts r = tb - i >= 0 ? step(tb - i) : Parts{acc_t(0), acc_t(0), acc_t(0)};
+              const Parts r = i < steps ? step(tb - i) : Parts{acc_t(0), acc_t(0), acc_t(0)};
               sums[i * kBwdSlots] = r.du;
               sums[i * kBwdSlots + 1] = r.ddl;
               sums[i * kBwdSlots + 2] = r.y;
@@ -1266,9 +1267,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             int j;
             const acc_t v = scatter_sum(sums, G, lane_g, j);
             // (unsigned: a shift and a mask; j = -1, no slot, fails the first test)
-            const int t = tb - int(unsigned(j) / kBwdSlots), what = int(unsigned(j) % kBwdSlots);
-            if (j >= 0 && what < 3 && t >= 0) finish(t, what, v);
-          }
+            const int i = int(unsigned(j) / kBwdSlots), what = int(unsigned(j) % kBwdSlots);
+            if (j >= 0 && what < 3 && i < steps) finish(tb - i, what, v);
+          };
+          // Full batches without a guard around their steps (kSteps, a constant), then the chunk's first steps
+          // that do not fill one (an odd chunk length: the last chunk of an odd sequence).
+          int tb = len - 1;
+          for (; tb >= kSteps - 1; tb -= kSteps) batch(tb, kSteps);
+          if (tb >= 0) batch(tb, tb + 1);
           __syncthreads();  // the tile's outputs complete (and dBC_s after the last tile)
 
           // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
