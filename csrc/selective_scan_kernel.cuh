@@ -151,7 +151,7 @@
 //   compilers' register counts and the launcher's shared memory (formulas and sources of the limits there).
 //   Measured (nvcc 13.0; gfx90a: hipcc 5.2 / clang 15; gfx942: clang 19.1.7; docs/selective-scan.md has the
 //   table): backward 18.75% on sm_80 (3 blocks per SM, shared memory), 25% on sm_90 and sm_100 (4 blocks),
-//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-50% on NVIDIA, 25-87.5% on AMD.
+//   12.5% on gfx90a and gfx942 (2 blocks per CU, LDS); forward 25-50% on NVIDIA, 25-100% on AMD.
 //   Exempt from the floor: scan_bwd<fp64,npl8> on gfx90a gfx942. For d_state 256 its shared memory at the
 //   shortest chunk (one step) is 37,120 bytes, over the 32 KiB that let two blocks share a CU's 64 KiB of LDS:
 //   one block (6.25%). float64 is the gradient-checking dtype, not a training one.
@@ -261,11 +261,23 @@ constexpr int kMinBlocksPerSM = 4;
 // sm_100 a float64 instance that takes more than 128 registers runs 3 blocks instead of 4.
 template <typename input_t> struct BwdMinBlocks { static constexpr int value = kMinBlocksPerSM; };
 template <> struct BwdMinBlocks<double> { static constexpr int value = 3; };
+// The forward's recurrence runs its full batches of steps without a guard (see there) in the instances training
+// uses, one state a lane and float accumulation; the second copy of the steps that takes (for a chunk's last,
+// partial batch) cost the others 10-56 registers and up to a third of their occupancy, so they keep one guarded
+// copy. Those instances ask for 8 blocks, so 64 registers: the 32 warps an SM they had before. Uncapped, ptxas
+// (13.0) took 77-80 registers for 8-12 % fewer instructions a step on sm_80 / sm_90 (none fewer on sm_100), at 6
+// blocks an SM instead of 8.
+template <typename input_t, int kNPL> struct FwdBatches {
+  static constexpr bool unguarded = kNPL == 1 && sizeof(input_t) < 8;
+  static constexpr int min_blocks = unguarded ? 8 : kMinBlocksPerSM;
+};
 #if SS_HIP
 #define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads)
+#define SS_LAUNCH_BOUNDS_FWD(input_t, npl) __launch_bounds__(kThreads)
 #define SS_LAUNCH_BOUNDS_BWD(input_t) __launch_bounds__(kThreads)
 #else
 #define SS_LAUNCH_BOUNDS __launch_bounds__(kThreads, kMinBlocksPerSM)
+#define SS_LAUNCH_BOUNDS_FWD(input_t, npl) __launch_bounds__(kThreads, (FwdBatches<input_t, npl>::min_blocks))
 #define SS_LAUNCH_BOUNDS_BWD(input_t) __launch_bounds__(kThreads, BwdMinBlocks<input_t>::value)
 #endif
 
@@ -709,7 +721,7 @@ __device__ inline void store_segment_summary(int G, int ok_slots, acc_t* v_out, 
 // ------------------------------------------------------------------ forward --------------------------------
 
 template <typename input_t, int kNPL, int kG>
-__global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
+__global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const KernelParams p) {
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
@@ -861,16 +873,27 @@ __global__ void SS_LAUNCH_BOUNDS scan_fwd_kernel(const KernelParams p) {
       }
       return y;
     };
-    // y of kFwdSums steps at once, in one scatter sum: step tb + j ends on the lane of slot j.
-    for (int tb = 0; tb < len; tb += kFwdSums) {
+    // y of kFwdSums steps at once, in one scatter sum: step tb + j ends on the lane of slot j; a batch of fewer
+    // steps (`steps`) leaves the others' slots zero.
+    const auto batch = [&](int tb, int steps) {
       acc_t ys[kFwdSums];
 #pragma unroll
-      for (int j = 0; j < kFwdSums; ++j) ys[j] = tb + j < len ? step(tb + j) : acc_t(0);
+      for (int j = 0; j < kFwdSums; ++j) ys[j] = j < steps ? step(tb + j) : acc_t(0);
       int j;
       const acc_t y = scatter_sum(ys, G, m.lane_g, j);
-      if (j >= 0 && tb + j < len) {
+      if (j >= 0 && j < steps) {
         y_s[(tb + j) * RC + m.c_local] = y + D_d * du_s[2 * ((tb + j) * RC + m.c_local) + 1];
       }
+    };
+    // Full batches without a guard around their steps, then the chunk's last steps that do not fill one; or, in
+    // the instances that keep one copy of the steps (FwdBatches), every batch guarded. (With two copies float64
+    // also parked 6 scalar registers in vector lanes on gfx90a.)
+    if constexpr (FwdBatches<input_t, kNPL>::unguarded) {
+      int tb = 0;
+      for (; tb + kFwdSums <= len; tb += kFwdSums) batch(tb, kFwdSums);
+      if (tb < len) batch(tb, len - tb);
+    } else {
+      for (int tb = 0; tb < len; tb += kFwdSums) batch(tb, min(kFwdSums, len - tb));
     }
 
     // Checkpoint: the state at the start of the next chunk, inside the segment only (the combine kernel has
