@@ -175,11 +175,33 @@ def test_resource_report_covers_every_target_and_instance_within_bounds(compile_
             assert targets[target]["compiled"], (target, targets[target])
         assert targets["sm_100"]["compiled"] == nvcc_knows("sm_100"), targets["sm_100"]
     assert report["failures"] == []
+    assert _vim_occupancy_changes(targets) == []
     # the exemptions are few and named: only the float64 backward with d_state > 128 on AMD
     assert {e.split()[1] for e in report["exempt_from_floor"]} <= {"scan_bwd<fp64,npl8>"}
     # and from the scalar-register check: the float64 backward and fp16's at d_state > 128, on AMD
     assert {e.split()[1] for e in report["exempt_from_sgpr_check"]} <= {
         "scan_bwd<fp64,npl2>", "scan_bwd<fp64,npl4>", "scan_bwd<fp64,npl8>", "scan_bwd<fp16,npl8>"}
+
+
+# The occupancy of the instances Vim trains with (d_state 16, fp32 and bf16 inputs), forward and backward, as of
+# 2026-11-30: the forward 8 blocks an SM on NVIDIA (FwdBatches' launch bound: uncapped, its unguarded batches of
+# steps took 77-80 registers and 6 blocks), the backward as many blocks as its shared memory lets an SM or CU hold.
+VIM_OCCUPANCY = {"sm_80": (0.5, 0.1875), "sm_90": (0.5, 0.25), "sm_100": (0.5, 0.25), "gfx90a": (1.0, 0.125),
+                 "gfx942": (1.0, 0.125)}
+
+
+def _vim_occupancy_changes(targets) -> list:
+    """(target, dtype, (forward, backward) occupancy) where a compiled target's differs from VIM_OCCUPANCY."""
+    changes = []
+    for target, expected in VIM_OCCUPANCY.items():
+        if not targets.get(target, {}).get("compiled"):
+            continue
+        occupancy = {r["kernel"]: r["occupancy"] for r in targets[target]["kernels"]}
+        for dt in ("fp32", "bf16"):
+            got = (occupancy[f"scan_fwd<{dt},npl1,g16>"], occupancy[f"scan_bwd<{dt},npl1,g16>"])
+            if got != expected:
+                changes.append((target, dt, got))
+    return changes
 
 
 # A compiler's output as tools/kernel_report.py parses it, for the negative controls below.
