@@ -86,6 +86,8 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
   p.dstate = int(a.dstate);
   p.group = lay.group;
   p.chunk = lay.chunk;
+  p.chunk_log2 = 0;
+  while ((1 << p.chunk_log2) < p.chunk) ++p.chunk_log2;
   p.n_chunks = int((a.seqlen + lay.chunk - 1) / lay.chunk);
   const int cpb = ssk::kThreads / lay.group;
   p.tiles = backward ? backward_tiles(a, lay) : 1;

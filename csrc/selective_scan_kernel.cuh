@@ -161,7 +161,7 @@
 //   sums' slots and the epilogue that finishes du, ddelta and dz (issue 51) cost them 2-14 SGPRs parked in VGPR
 //   lanes (v_writelane / v_readlane around the chunk loop, no memory traffic): the float64 backward used 105 of
 //   gfx942's 106 before, and it is the gradient-checking dtype; fp16 with d_state > 128 parked 2 on gfx942. Now
-//   (2026-11-30) only scan_bwd<fp64,npl8> parks any (2 on gfx90a, 6 on gfx942); the float64 instances with one
+//   (2026-11-30) only scan_bwd<fp64,npl8> parks any (4 on gfx942, none on gfx90a); the float64 instances with one
 //   state a lane, exempt until their group became a template constant (three instances instead of one), park none.
 //
 // Registers on AMD. A value the same for the whole wavefront (pointers, sizes, offsets, loop bounds, and the
@@ -401,7 +401,8 @@ extern __shared__ double ss_smem_raw[];
 struct KernelParams {
   int batch, dim, seqlen, dstate;
   int group;           // G: lanes per channel
-  int chunk;           // T: time steps per chunk
+  int chunk;           // T: time steps per chunk, a power of two
+  int chunk_log2;      // log2(T): the staging loops split an index into (row, step) with a shift and a mask
   int n_chunks;        // ceil(seqlen / chunk)
   int blocks_per_batch;
   int n_seg;           // S: segments along the sequence (see "Sequence parallelism")
@@ -803,7 +804,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 
     // ---- 1. stage the chunk. Consecutive threads take consecutive time steps: coalesced global loads.
     for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i / T, t = i % T, dd = m.d0 + cl;
+      const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + cl;
       acc_t uv = acc_t(0), dv = acc_t(0);
       if (dd < p.dim && t < len) {
         const int64_t off = blk_off(p, rows0, cl, t0 + t);
@@ -816,7 +817,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
       smem_store(du_s + 2 * (t * RC + cl), pair);
     }
     for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
-      const int n = i / T, t = i % T;
+      const int n = i >> p.chunk_log2, t = i & (T - 1);
       acc_t bc[2] = {acc_t(0), acc_t(0)};
       if (t < len && n < N) {
         const int64_t off = blk_off(p, bc0, n, t0 + t);
@@ -908,7 +909,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 
     // ---- 4. epilogue: gate and store, coalesced.
     for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i / T, t = i % T, dd = m.d0 + cl;
+      const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + cl;
       if (dd < p.dim && t < len) {
         const int64_t off = blk_off(p, rows0, cl, t0 + t);
         acc_t y = y_s[t * RC + cl];
@@ -1111,7 +1112,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
 
     // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence)
     for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
-      const int n = i / T, t = i % T;
+      const int n = i >> p.chunk_log2, t = i & (T - 1);
       acc_t bc[2] = {acc_t(0), acc_t(0)};
       if (t < len && n < N) {
         const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
@@ -1132,7 +1133,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
 
         // ---- 1. stage the tile's channels for the chunk (zeros outside the sequence and for channels past dim)
         for (int i = tid; i < cpb * T; i += kThreads) {
-          const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
+          const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + row0 + cl;
           acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
           if (dd < p.dim && t < len) {
             const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
@@ -1303,7 +1304,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
           // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z)
           for (int i = tid; i < cpb * T; i += kThreads) {
-            const int cl = i / T, t = i % T, dd = m.d0 + row0 + cl;
+            const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + row0 + cl;
             if (dd < p.dim && t < len) {
               const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
               const int s = t * RC + cl;
@@ -1323,7 +1324,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
 
     // ---- 5. the chunk's dB, dC: each (b, n, time) belongs to one segment, so to exactly one block of this row
     for (int i = tid; i < N * T; i += kThreads) {
-      const int n = i / T, t = i % T;
+      const int n = i >> p.chunk_log2, t = i & (T - 1);
       if (t < len) {
         const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
         acc_t sb = acc_t(0), sc = acc_t(0);
