@@ -1039,6 +1039,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   acc_t* sums_o = smem + in_vgpr(o2 + TC);                   // [3][TS]  the sums over n of du, ddl, y, whose
                                                              // outputs the tile's epilogue finishes
   const int wseg = tid / kSeg;
+  acc_t* const dBC_lane = dBC_s + 2 * (wseg * T * RN + m.lane_g);  // this lane's column of its segment's dB, dC sums
   const acc_t* D_l = per_lane(Dg);  // AMD: in vector registers across the chunk loop (see "Registers on AMD")
 
   // Pass 0: the adjoint carry leaving the segment at its first step, from a zero carry-in (the last segment: from
@@ -1253,7 +1254,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 dC_v += shfl_xor(dC_v, off);
               }
               if (k < lead) {
-                acc_t* e = dBC_s + 2 * ((wseg * T + t) * RN + n);
+                acc_t* e = dBC_lane + 2 * (t * RN + k * G);
                 acc_t dbc[2] = {dB_v, dC_v};
                 if (kTiles > 1 && g > 0) {
                   acc_t before[2];
