@@ -27,7 +27,8 @@
 //   * Time is processed in chunks of T steps (T = "chunk length", <= 64, chosen by the host so that the
 //     backward's shared memory stays under kSmemBudget: 48 KiB on NVIDIA, 32 KiB on AMD). Per chunk the block
 //     first stages the chunk's inputs in shared memory with coalesced loads (converted to the accumulation
-//     type), then every thread steps through the chunk reading only shared memory.
+//     type; each thread issues a round of items' loads before it uses them, see StageRound), then every thread
+//     steps through the chunk reading only shared memory.
 //
 // Channel tiles (backward). A backward block owns `tiles` (KernelParams::tiles, bwd_tiles(): up to kMaxTiles = 4
 //   when a lane holds one state of a float accumulation) tiles of cpb channels, d0 .. d0 + tiles*cpb - 1, and
@@ -161,8 +162,9 @@
 //   sums' slots and the epilogue that finishes du, ddelta and dz (issue 51) cost them 2-14 SGPRs parked in VGPR
 //   lanes (v_writelane / v_readlane around the chunk loop, no memory traffic): the float64 backward used 105 of
 //   gfx942's 106 before, and it is the gradient-checking dtype; fp16 with d_state > 128 parked 2 on gfx942. Now
-//   (2026-11-30) only scan_bwd<fp64,npl8> parks any (4 on gfx942, none on gfx90a); the float64 instances with one
-//   state a lane, exempt until their group became a template constant (three instances instead of one), park none.
+//   (2026-11-30, the staging rounds) scan_bwd<fp64,npl8> parks 4 on gfx90a and 10 on gfx942, scan_bwd<fp64,npl4> 2
+//   on gfx942 (that morning: 0, 4 and 0); the float64 instances with one state a lane, exempt until their group
+//   became a template constant (three instances instead of one), park none.
 //
 // Registers on AMD. A value the same for the whole wavefront (pointers, sizes, offsets, loop bounds, and the
 //   64-bit lane masks of per-lane conditions) lives in scalar registers, of which a wavefront addresses 102
@@ -316,16 +318,18 @@ __device__ __forceinline__ T shfl_xor(T v, int mask) {
 template <typename T> struct AccType { using type = SS_ACC_FLOAT; };
 template <> struct AccType<double> { using type = SS_ACC_DOUBLE; };
 
-// Load an input element as the accumulation type, and store an accumulation value as the input type.
-// Explicit intrinsics only: torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __HIP_NO_HALF_CONVERSIONS__ etc.
-__device__ __forceinline__ float load_acc(const float* p) { return *p; }
-__device__ __forceinline__ double load_acc(const double* p) { return *p; }
-__device__ __forceinline__ float load_acc(const half_t* p) { return __half2float(*p); }
+// An input element as the accumulation type (to_acc; load_acc from memory), and an accumulation value stored as
+// the input type. Explicit intrinsics only: torch builds with __CUDA_NO_HALF_CONVERSIONS__ etc.
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(half_t v) { return __half2float(v); }
 #if SS_HIP
-__device__ __forceinline__ float load_acc(const bf16_t* p) { return static_cast<float>(*p); }
+__device__ __forceinline__ float to_acc(bf16_t v) { return static_cast<float>(v); }
 #else
-__device__ __forceinline__ float load_acc(const bf16_t* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float to_acc(bf16_t v) { return __bfloat162float(v); }
 #endif
+template <typename T>
+__device__ __forceinline__ auto load_acc(const T* p) { return to_acc(*p); }
 
 __device__ __forceinline__ void store_from_acc(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_from_acc(double* p, double v) { *p = v; }
@@ -588,6 +592,94 @@ template <bool kBases = kBlockBases>
 __device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start, int row, int s) {
   return kBases ? int64_t(row_off(p, row, s)) : start + int64_t(row) * p.seqlen + p.time(s);
 }
+// The same at the time index ts = p.time(s), for loops that reach several rows at one step (the staging rounds).
+template <bool kBases = kBlockBases>
+__device__ __forceinline__ int64_t blk_at(const KernelParams& p, int64_t start, int row, int ts) {
+  return kBases ? int64_t(uint32_t(row) * uint32_t(p.seqlen) + uint32_t(ts)) : start + int64_t(row) * p.seqlen + ts;
+}
+
+// The loops that stage a chunk's inputs in shared memory (and the backward's finish, which reads D) go in rounds of
+// a few items a thread (StageRound): first every item's global loads, then every item's use (conversion,
+// arithmetic, the stores). An item at a time, as before, each item's use waited for its own loads and the next
+// item's loads came after that use: a memory round trip per item, while the block's other warps waited at the
+// barrier after the loop. With d_state 16 (chunks of 32 steps) that was 8 round trips a chunk in the forward (2
+// items of u, delta; 4 of B, C; 2 of z in the epilogue) and 28 in the backward (4 items of B, C; then for each of 4
+// tiles 2 of its channels, z apart from the rest, and 2 of its finish); now 2 + 2 and 2 + 4 x (1 + 1)
+// (tools/sass_loops.py counts the loads each wait finds in flight and holds them: LOADS_IN_FLIGHT). Item i of a
+// loop over rows x steps is (row i / T, step i % T): consecutive threads take consecutive steps (coalesced), and as
+// kThreads is a multiple of T the items of a round share their step (StageAt), rows R = kThreads / T apart.
+// Items a round, of a (channel, step) (3-5 values) and of a (state, step) (B and C): as many as ptxas (13.0) gives
+// registers for without spilling or lengthening a step. The forward has 64 (see FwdBatches): with 2 (channel, step)
+// items or 4 (state, step)s a round, or z's in rounds too, it spilled 8-40 bytes on sm_80/90, and sm_100's groups of
+// 8 spilled with 2 (state, step)s. The backward with 4 (state, step)s took 69.0 instructions a reverse step instead
+// of 67.0. With several states a lane (d_state > 32) the registers go to the states, and float64 (the
+// gradient-checking dtype) has the fewest: one item at a time there (with rounds the instances with 8 states a lane
+// spilled on sm_80/90 and parked SGPRs on gfx90a/gfx942, and sm_90's float64 backward took 160 registers, 18.75 %
+// occupancy instead of 25 %).
+template <typename input_t, int kNPL, int kG> struct StageItems {
+  static constexpr bool rounds = kNPL == 1 && sizeof(input_t) < 8;
+  static constexpr int fwd_channel = 1, fwd_state = rounds && kG >= 16 ? 2 : 1;
+  static constexpr int bwd_channel = rounds ? 2 : 1, bwd_state = rounds ? 2 : 1;
+};
+static_assert(kThreads % kMaxChunk == 0, "a thread stages one step of a chunk");
+// A round's items, from its first item i (made from the loop's counter in each round, not once before the loops:
+// so nothing of it stays live across the recurrences, where registers are scarcest).
+struct StageAt {
+  int t, row, R;  // the items' step in the chunk, the first item's row, the rows between items
+  int ts;         // the time index of that step in the chunk starting at step t0
+  bool in_seq;    // whether that step lies in the sequence (the chunk holds len steps)
+  __device__ StageAt(const KernelParams& p, int i, int t0, int len)
+      : t(i & (p.chunk - 1)), row(i >> p.chunk_log2), R(kThreads >> p.chunk_log2), ts(p.time(t0 + t)),
+        in_seq(t < len) {}
+};
+// A round of a staging loop over rows r, r + R, .. (kItems of them): load() issues every item's global loads, use()
+// then converts, computes and stores each. The loop gives three functions of a row: inside(row), whether the item
+// lies in the sequence and the block's rows (false past the loop's end; outside, zeros are staged); fetch(row, raw),
+// its global loads (only inside); use(row, get, inside), the rest, which calls get() for the item's inputs (only
+// inside). With one item a round, load() does nothing and get() fetches: the loads sit inside the use, as in a
+// plain loop, which takes the fewest registers (loads first spilled 8-32 bytes in scan_*<fp64,npl8> on sm_80/90).
+template <typename Raw, int kItems>
+struct StageRound {
+  Raw raw[kItems];  // the items' inputs as loaded (the input type: converted when used)
+  bool in[kItems];
+  template <typename Inside, typename Fetch>
+  __device__ __forceinline__ void load(int r, int R, Inside&& inside, Fetch&& fetch) {
+    if constexpr (kItems > 1) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        in[j] = inside(r + j * R);
+        if (in[j]) fetch(r + j * R, raw[j]);
+      }
+    }
+  }
+  template <typename Inside, typename Fetch, typename Use>
+  __device__ __forceinline__ void use(int r, int R, int rows, Inside&& inside, Fetch&& fetch, Use&& f) {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int row = r + j * R;
+      if (row >= rows) continue;
+      if constexpr (kItems == 1) {
+        f(row, [&] { Raw v; fetch(row, v); return v; }, inside(row));
+      } else {
+        f(row, [&] { return raw[j]; }, in[j]);
+      }
+    }
+  }
+};
+template <typename input_t> struct BCInputs { input_t B, C; };  // of a (state, step)
+// A (state, step)'s B and C into their pair of shared memory at dst (zeros outside), for StageRound's use().
+template <typename acc_t, typename input_t, typename Get>
+__device__ __forceinline__ void stage_bc(acc_t* dst, Get&& get, bool inside) {
+  acc_t bc[2] = {acc_t(0), acc_t(0)};
+  if (inside) {
+    const BCInputs<input_t> v = get();
+    bc[0] = to_acc(v.B);
+    bc[1] = to_acc(v.C);
+  }
+  smem_store(dst, bc);
+}
+template <typename input_t, typename acc_t> struct FwdInputs { input_t u, delta; acc_t bias; };  // (channel, step)
+template <typename input_t, typename acc_t> struct BwdInputs { input_t u, delta, dout, z; acc_t bias; };
 
 // Channel tiles a backward block walks in turn (see "Channel tiles" at the top): kMaxTiles when a lane holds one
 // state (d_state <= 32) of a float accumulation, where each tile's A, carry and running sums cost the thread five
@@ -802,29 +894,43 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 
     __syncthreads();  // everybody is done with the previous chunk (cheap: once per chunk)
 
-    // ---- 1. stage the chunk. Consecutive threads take consecutive time steps: coalesced global loads.
-    for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + cl;
-      acc_t uv = acc_t(0), dv = acc_t(0);
-      if (dd < p.dim && t < len) {
-        const int64_t off = blk_off(p, rows0, cl, t0 + t);
-        uv = load_acc(u + off);
-        dv = load_acc(delta + off);
-        if (bias != nullptr) dv += bias[dd];
-        if (p.softplus) dv = softplus(dv);
-      }
-      const acc_t pair[2] = {dv, uv};
-      smem_store(du_s + 2 * (t * RC + cl), pair);
-    }
-    for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
-      const int n = i >> p.chunk_log2, t = i & (T - 1);
-      acc_t bc[2] = {acc_t(0), acc_t(0)};
-      if (t < len && n < N) {
-        const int64_t off = blk_off(p, bc0, n, t0 + t);
-        bc[0] = load_acc(Bg + off);
-        bc[1] = load_acc(Cg + off);
-      }
-      smem_store(BC_s + 2 * (t * RB + n), bc);
+    // ---- 1. stage the chunk, in rounds (StageRound): each (channel, step)'s dl, u, each (state, step)'s B, C.
+    // Consecutive threads take consecutive time steps: coalesced global loads.
+    constexpr int kDU = StageItems<input_t, kNPL, kG>::fwd_channel, kBC = StageItems<input_t, kNPL, kG>::fwd_state;
+    for (int i = tid, j = tid; i < cpb * T || j < NB * T; i += kDU * kThreads, j += kBC * kThreads) {
+      const StageAt at(p, i, t0, len), bt(p, j, t0, len);
+      const auto du_in = [&](int cl) { return cl < cpb && m.d0 + cl < p.dim && at.in_seq; };
+      const auto du_fetch = [&](int cl, FwdInputs<input_t, acc_t>& v) {
+        const int64_t off = blk_at(p, rows0, cl, at.ts);
+        v.u = u[off];
+        v.delta = delta[off];
+        if (bias != nullptr) v.bias = bias[m.d0 + cl];
+      };
+      const auto bc_in = [&](int n) { return n < N && bt.in_seq; };  // (zeros for the lanes n >= N: see bc_cols)
+      const auto bc_fetch = [&](int n, BCInputs<input_t>& v) {
+        const int64_t off = blk_at(p, bc0, n, bt.ts);
+        v.B = Bg[off];
+        v.C = Cg[off];
+      };
+      StageRound<FwdInputs<input_t, acc_t>, kDU> du_r;
+      StageRound<BCInputs<input_t>, kBC> bc_r;
+      du_r.load(at.row, at.R, du_in, du_fetch);
+      bc_r.load(bt.row, bt.R, bc_in, bc_fetch);
+      du_r.use(at.row, at.R, cpb, du_in, du_fetch, [&](int cl, auto get, bool inside) {
+        acc_t uv = acc_t(0), dv = acc_t(0);
+        if (inside) {
+          const FwdInputs<input_t, acc_t> v = get();
+          uv = to_acc(v.u);
+          dv = to_acc(v.delta);
+          if (bias != nullptr) dv += v.bias;
+          if (p.softplus) dv = softplus(dv);
+        }
+        const acc_t pair[2] = {dv, uv};
+        smem_store(du_s + 2 * (at.t * RC + cl), pair);
+      });
+      bc_r.use(bt.row, bt.R, NB, bc_in, bc_fetch, [&](int n, auto get, bool inside) {
+        stage_bc<acc_t, input_t>(BC_s + 2 * (bt.t * RB + n), get, inside);
+      });
     }
     __syncthreads();
 
@@ -907,17 +1013,18 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
     }
     __syncthreads();  // y_s complete
 
-    // ---- 4. epilogue: gate and store, coalesced.
+    // ---- 4. epilogue: gate and store, coalesced
     for (int i = tid; i < cpb * T; i += kThreads) {
-      const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + cl;
-      if (dd < p.dim && t < len) {
-        const int64_t off = blk_off(p, rows0, cl, t0 + t);
-        acc_t y = y_s[t * RC + cl];
+      const StageAt at(p, i, t0, len);
+      const int cl = at.row;
+      if (m.d0 + cl < p.dim && at.in_seq) {
+        const int s = at.t * RC + cl;
+        acc_t y = y_s[s];
         if (z != nullptr) {
-          const acc_t zv = load_acc(z + off);
+          const acc_t zv = load_acc(z + blk_at(p, rows0, cl, at.ts));
           y *= zv * sigmoid(zv);
         }
-        store_from_acc(out + off, y);
+        store_from_acc(out + blk_at(p, rows0, cl, at.ts), y);
       }
     }
   }
@@ -1111,16 +1218,21 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     // The previous (later) chunk's epilogue must be done with the shared arrays before they are restaged.
     __syncthreads();
 
-    // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence)
-    for (int i = tid; i < NB * T; i += kThreads) {  // (zeros for the lanes n >= N: see bc_cols)
-      const int n = i >> p.chunk_log2, t = i & (T - 1);
-      acc_t bc[2] = {acc_t(0), acc_t(0)};
-      if (t < len && n < N) {
-        const int64_t off = blk_off<kBases>(p, bc0, n, t0 + t);
-        bc[0] = load_acc(Bg + off);
-        bc[1] = load_acc(Cg + off);
-      }
-      smem_store(BC_s + 2 * (t * RB + n), bc);
+    // ---- 1. stage the chunk's B and C, which every tile uses (zeros outside the sequence), in rounds (StageRound)
+    constexpr int kBC = StageItems<input_t, kNPL, kG>::bwd_state;
+    for (int i = tid; i < NB * T; i += kBC * kThreads) {
+      const StageAt at(p, i, t0, len);
+      const auto bc_in = [&](int n) { return n < N && at.in_seq; };  // (zeros for the lanes n >= N: see bc_cols)
+      const auto bc_fetch = [&](int n, BCInputs<input_t>& v) {
+        const int64_t off = blk_at<kBases>(p, bc0, n, at.ts);
+        v.B = Bg[off];
+        v.C = Cg[off];
+      };
+      StageRound<BCInputs<input_t>, kBC> bc_r;
+      bc_r.load(at.row, at.R, bc_in, bc_fetch);
+      bc_r.use(at.row, at.R, NB, bc_in, bc_fetch, [&](int n, auto get, bool inside) {
+        stage_bc<acc_t, input_t>(BC_s + 2 * (at.t * RB + n), get, inside);
+      });
     }
 
 #pragma unroll 1  // one body for every tile (rotate() brings each one's state to set 0)
@@ -1132,31 +1244,46 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
         // The previous tile's epilogue must be done with the channel arrays (tiles with channels come first).
         if (g > 0) __syncthreads();
 
-        // ---- 1. stage the tile's channels for the chunk (zeros outside the sequence and for channels past dim)
-        for (int i = tid; i < cpb * T; i += kThreads) {
-          const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + row0 + cl;
-          acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
-          if (dd < p.dim && t < len) {
-            const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
-            uv = load_acc(u + off);
-            acc_t raw = load_acc(delta + off);
-            if (bias != nullptr) raw += bias[dd];
-            dl = p.softplus ? softplus(raw) : raw;
-            dsp = p.softplus ? softplus_grad(raw) : acc_t(1);
-            const acc_t gv = load_acc(dout + off);
-            if (z != nullptr) {
-              const acc_t zv = load_acc(z + off);
-              const acc_t sg = sigmoid(zv);
-              dy = gv * zv * sg;                                 // dout * silu(z)
-              gz = gv * sg * (acc_t(1) + zv * (acc_t(1) - sg));  // dout * silu'(z)
-            } else {
-              dy = gv;
+        // ---- 1. stage the tile's channels for the chunk (zeros outside the sequence and for channels past dim),
+        // in rounds (StageRound)
+        constexpr int kRows = StageItems<input_t, kNPL, kG>::bwd_channel;
+        for (int i = tid; i < cpb * T; i += kRows * kThreads) {
+          const StageAt at(p, i, t0, len);
+          const auto row_in = [&](int cl) { return cl < cpb && m.d0 + row0 + cl < p.dim && at.in_seq; };
+          const auto row_fetch = [&](int cl, BwdInputs<input_t, acc_t>& v) {
+            const int64_t off = blk_at<kBases>(p, rows0, row0 + cl, at.ts);
+            v.u = u[off];
+            v.delta = delta[off];
+            v.dout = dout[off];
+            if (z != nullptr) v.z = z[off];
+            if (bias != nullptr) v.bias = bias[m.d0 + row0 + cl];
+          };
+          StageRound<BwdInputs<input_t, acc_t>, kRows> r_in;
+          r_in.load(at.row, at.R, row_in, row_fetch);
+          r_in.use(at.row, at.R, cpb, row_in, row_fetch, [&](int cl, auto get, bool inside) {
+            acc_t uv = acc_t(0), dl = acc_t(0), dsp = acc_t(0), dy = acc_t(0), gz = acc_t(0);
+            if (inside) {
+              const BwdInputs<input_t, acc_t> v = get();
+              uv = to_acc(v.u);
+              acc_t raw = to_acc(v.delta);
+              if (bias != nullptr) raw += v.bias;
+              dl = p.softplus ? softplus(raw) : raw;
+              dsp = p.softplus ? softplus_grad(raw) : acc_t(1);
+              const acc_t gv = to_acc(v.dout);
+              if (z != nullptr) {
+                const acc_t zv = to_acc(v.z);
+                const acc_t sg = sigmoid(zv);
+                dy = gv * zv * sg;                                 // dout * silu(z)
+                gz = gv * sg * (acc_t(1) + zv * (acc_t(1) - sg));  // dout * silu'(z)
+              } else {
+                dy = gv;
+              }
             }
-          }
-          const int s = t * RC + cl;
-          const acc_t row[kRec] = {dl, uv, dy, gz};
-          smem_store(rec_s + kRec * s, row);
-          dsp_s[s] = dsp;
+            const int s = at.t * RC + cl;
+            const acc_t row[kRec] = {dl, uv, dy, gz};
+            smem_store(rec_s + kRec * s, row);
+            dsp_s[s] = dsp;
+          });
         }
         __syncthreads();
 
@@ -1303,19 +1430,24 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           __syncthreads();  // the tile's outputs complete (and dBC_s after the last tile)
 
           // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
-          // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z)
-          for (int i = tid; i < cpb * T; i += kThreads) {
-            const int cl = i >> p.chunk_log2, t = i & (T - 1), dd = m.d0 + row0 + cl;
-            if (dd < p.dim && t < len) {
-              const int64_t off = blk_off<kBases>(p, rows0, row0 + cl, t0 + t);
-              const int s = t * RC + cl;
+          // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z); in rounds (StageRound: D)
+          for (int i = tid; i < cpb * T; i += kRows * kThreads) {
+            const StageAt at(p, i, t0, len);
+            const auto row_in = [&](int cl) { return cl < cpb && m.d0 + row0 + cl < p.dim && at.in_seq; };
+            const auto D_fetch = [&](int cl, acc_t& D) { D = D_l != nullptr ? D_l[m.d0 + row0 + cl] : acc_t(0); };
+            StageRound<acc_t, kRows> D_r;
+            D_r.load(at.row, at.R, row_in, D_fetch);
+            D_r.use(at.row, at.R, cpb, row_in, D_fetch, [&](int cl, auto get, bool inside) {
+              if (!inside) return;
+              const int64_t off = blk_at<kBases>(p, rows0, row0 + cl, at.ts);
+              const int s = at.t * RC + cl;
               acc_t r[kRec];  // dl, u, dy, gz
               smem_load(rec_s + kRec * s, r);
-              const acc_t D_d = D_l != nullptr ? D_l[dd] : acc_t(0);
+              const acc_t D_d = get();
               store_from_acc(du + off, sums_o[s] + D_d * r[2]);
               store_from_acc(ddelta + off, sums_o[TS + s] * dsp_s[s]);
               if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * r[1]) * r[3]);  // dz: null iff z
-            }
+            });
           }
         }
       }

@@ -259,7 +259,8 @@ def test_the_scan_loops_issue_at_most_their_budget_of_instructions_a_step(compil
     """sm_90's SASS of the instances Vim trains with (tools/sass_loops.py, step 5 of the compile check): every loop
     of a recurrence is found, named after its section of the kernel source, and issues no more instructions a step
     than tools/sass_loops.py's BUDGETS allow (the counts of 2026-11-30: a growth in addressing, branches or
-    conversions fails here as a spill fails the resource report). Without nvcc or nvdisasm outside CI: skipped."""
+    conversions fails here as a spill fails the resource report); the loops that stage a chunk keep at least
+    LOADS_IN_FLIGHT global loads in flight at each wait. Without nvcc or nvdisasm outside CI: skipped."""
     returncode, log, _, sass = compile_check
     if sass is None:
         assert not IN_CI, log[-6000:]
@@ -318,12 +319,36 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
     assert inner["classes"] == {"fp32": 2, "sfu": 2, "integer": 1, "shuffle": 1, "control": 1}
     assert inner["per_step"] == 3.5  # 7 instructions, 2 exps
     result = {"scan_bwd_kernel<float, 1, 16>": found}
-    assert sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.5}) == []
-    over = sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.0})
+    assert sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.5}, {}) == []
+    over = sl.check(result, {("scan_bwd_kernel", "^reverse"): 3.0}, {})
     assert len(over) == 1 and "3.5 instructions a step, over its budget of 3.0" in over[0], over
-    missing = sl.check(result, {("scan_bwd_kernel", "^recompute"): 99.0})
+    missing = sl.check(result, {("scan_bwd_kernel", "^recompute"): 99.0}, {})
     assert len(missing) == 1 and "no loop of section /^recompute/" in missing[0], missing
-    assert sl.check(result, {("scan_fwd_kernel", "^reverse"): 1.0}) == []  # another kernel's budget
+    assert sl.check(result, {("scan_fwd_kernel", "^reverse"): 1.0}, {}) == []  # another kernel's budget
+
+
+def test_loads_in_flight_are_the_loads_a_wait_finds_and_the_floor_catches_an_item_at_a_time():
+    """tools/sass_loops.py's load_waits on hand-written loop bodies: the global loads issued before the first
+    instruction that reads (or overwrites) a register one of them writes form a group, the loads a memory round
+    trip serves at once; a 64-bit load writes two registers. A round (StageRound in the kernel: every load, then
+    every use) is one group; an item at a time (load, use, load, use), groups of one, which the floor flags (the
+    negative control); a floor whose loop is missing is a problem too."""
+    def body(*instructions):
+        return [(16 * k, ins, []) for k, ins in enumerate(instructions)]
+    a_round = body("LDG.E R4, desc[UR8][R2.64]", "LDG.E.64 R6, desc[UR8][R8.64]", "@P0 LDG.E R10, desc[UR8][R12.64]",
+                   "IMAD R13, R0, 0x4, RZ", "FADD R5, R4, R7", "STS.64 [R13], R10")
+    assert sl.load_waits(a_round) == [3]  # the FADD needs R4 and R7 (R6's pair): three loads were in flight
+    one_at_a_time = body("LDG.E R4, desc[UR8][R2.64]", "FADD R5, R4, R4", "LDG.E R6, desc[UR8][R8.64]",
+                         "STS [R1], R6", "LDG.E R4, desc[UR8][R2.64+0x80]")
+    assert sl.load_waits(one_at_a_time) == [1, 1, 1]  # the last one's wait is past the body: a group of its own
+    assert sl.load_waits(body("IMAD R4, R3, 0x4, RZ", "STS [R4], R3")) == []
+    loop = {"section": "stage the tile's channels for the chunk", "lines": [1, 9], "nested": 0, "per_step": None}
+    floor = {("scan_bwd_kernel", "^stage the tile's channels"): 3}
+    assert sl.check({"scan_bwd_kernel<float, 1, 16>": [dict(loop, load_waits=[3])]}, {}, floor) == []
+    low = sl.check({"scan_bwd_kernel<float, 1, 16>": [dict(loop, load_waits=[1, 1, 1])]}, {}, floor)
+    assert len(low) == 1 and "waits with 1 global load(s) in flight, fewer than 3" in low[0], low
+    gone = sl.check({"scan_bwd_kernel<float, 1, 16>": [dict(loop, load_waits=[])]}, {}, floor)
+    assert len(gone) == 1 and "no loop of section /^stage the tile's channels/ with global loads" in gone[0], gone
 
 
 def test_report_parsers_name_every_instance():

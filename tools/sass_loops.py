@@ -54,21 +54,43 @@ CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 
 # What the loops of the recurrences may issue per step at most, on sm_90, for the instances listed by default (the
 # counts of 2026-11-30, nvcc 13.0, once the group is a template constant and the batches of steps that share a
-# scatter sum run unguarded: the backward's reverse step 66.5, its recompute 10.6-12.2, its pass 0 11.8, the
-# forward's step 19.6-19.9 and its pass 0 15.0; with the group a runtime value and every step guarded, that
-# morning, 92.0, 11.4-12.5, 11.8, 29.1-29.2 and 16.0; before every lane ran the step without the `k < ok` branch
-# 96.5 / 97.0, 18.2, 17.8, 32.9 and 20.8; before the rows of shared memory 112.0 / 113.0, 18.7-19.2, 21.5, 35.0 /
-# 38.4 and 18.2-21.8): a change that makes them issue more instructions fails tools/compile_check.sh, as a spill
-# does. (kernel kind, section pattern) -> instructions a step.
+# scatter sum run unguarded: the backward's reverse step 66.5 (67.0 with the staging rounds, that evening), its
+# recompute 10.6-12.2, its pass 0 11.8, the forward's step 19.6-19.9 (19.2-19.6) and its pass 0 15.0; with the
+# group a runtime value and every step guarded, that morning, 92.0, 11.4-12.5, 11.8, 29.1-29.2 and 16.0; before
+# every lane ran the step without the `k < ok` branch 96.5 / 97.0, 18.2, 17.8, 32.9 and 20.8; before the rows of
+# shared memory 112.0 / 113.0, 18.7-19.2, 21.5, 35.0 / 38.4 and 18.2-21.8): a change that makes them issue more
+# instructions fails tools/compile_check.sh, as a spill does. (kernel kind, section pattern) -> instructions a step.
 BUDGETS = {("scan_bwd_kernel", r"^reverse recurrence"): 67.0, ("scan_bwd_kernel", r"^recompute"): 12.5,
            ("scan_bwd_kernel", r"^pass 0"): 12.5, ("scan_fwd_kernel", r"^the recurrence"): 20.0,
            ("scan_fwd_kernel", r"^pass 0"): 15.5}
 
+# The global loads the staging loops keep in flight together, at least (load_waits: the fewest a wait finds), for
+# the instances listed by default on sm_90: a round's loads come before its uses (StageRound in the kernel). The
+# forward's round: u, delta and delta_bias of one (channel, step) and B, C of two (state, step)s, 7; the backward's
+# B, C of two (state, step)s, 4; its tile's u, delta, dout, z and delta_bias of two (channel, step)s, 10; its finish
+# D of two channels, 2. An item at a time, before (2026-11-30 morning), each wait found 2-3, 2, 1 and 1: a round
+# trip to memory per item. (kernel kind, section pattern) -> loads.
+LOADS_IN_FLIGHT = {("scan_fwd_kernel", r"^stage the chunk"): 7, ("scan_bwd_kernel", r"^stage the chunk's B and C"): 4,
+                   ("scan_bwd_kernel", r"^stage the tile's channels"): 10, ("scan_bwd_kernel", r"^finish"): 2}
 
-def check(result: dict, budgets=None) -> list[str]:
-    """One line per problem: a recurrence loop over its budget, or a budget whose loop is missing."""
+
+def check(result: dict, budgets=None, in_flight=None) -> list[str]:
+    """One line per problem: a recurrence loop over its budget, a staging loop whose loads wait with fewer in
+    flight than its floor, or a budget or floor whose loop is missing."""
     budgets = BUDGETS if budgets is None else budgets
+    in_flight = LOADS_IN_FLIGHT if in_flight is None else in_flight
     problems = []
+    for kernel, found in result.items():
+        for (kind, pattern), least in in_flight.items():
+            if not kernel.startswith(kind + "<"):
+                continue
+            matched = [loop for loop in found if loop["load_waits"] and re.search(pattern, loop["section"])
+                       and loop["nested"] <= MAX_NESTED]
+            if not matched:
+                problems.append(f"{kernel}: no loop of section /{pattern}/ with global loads")
+            problems += [f"{kernel}: {loop['section']} (lines {loop['lines'][0]}-{loop['lines'][1]}) waits with "
+                         f"{min(loop['load_waits'])} global load(s) in flight, fewer than {least}"
+                         for loop in matched if min(loop["load_waits"]) < least]
     for kernel, found in result.items():
         for (kind, pattern), most in budgets.items():
             if not kernel.startswith(kind + "<"):
@@ -170,6 +192,38 @@ def opcode(instruction: str) -> str:
     return text.split()[0] if text else ""
 
 
+def registers(operands: str) -> list[str]:
+    """The general registers an operand list names (R4.64 and [R4.64] name R4 and R5; RZ is none)."""
+    regs = []
+    for name, wide in re.findall(r"\bR(\d+)(\.64|\.128)?\b", operands):
+        count = {".64": 2, ".128": 4}.get(wide, 1)
+        regs += [f"R{int(name) + k}" for k in range(count)]
+    return regs
+
+
+def load_waits(body) -> list[int]:
+    """The global loads of a loop body grouped by the first instruction that waits for one of them: how many loads
+    were in flight when the first result was needed (one pass through the body, in program order). A load's
+    destination registers are written when it completes; an instruction that reads one (or writes it again) waits
+    for it, and then (conservatively) for every load before it."""
+    groups, pending, issued = [], set(), 0
+    for _, ins, _ in body:
+        op = opcode(ins)
+        operands = re.sub(r"^@!?U?P[T0-9]+\s+", "", ins.strip()).split(None, 1)
+        operands = operands[1] if len(operands) > 1 else ""
+        regs = registers(operands)
+        if pending and set(regs) & pending:
+            groups.append(issued)
+            pending, issued = set(), 0
+        if op.startswith("LDG"):
+            first = operands.split(",")[0]
+            pending |= set(registers(first))
+            issued += 1
+    if issued:
+        groups.append(issued)
+    return groups
+
+
 def loops(instructions, labels, marks) -> list[dict]:
     out = []
     for offset, ins, _ in instructions:
@@ -187,7 +241,7 @@ def loops(instructions, labels, marks) -> list[dict]:
             exps += op.startswith("MUFU.EX2")
         lines = [line for _, _, src in body for line in src[-1:]]  # the kernel's own line (outermost)
         out.append({"first": target, "last": offset, "instructions": len(body), "classes": dict(classes),
-                    "exp": exps, "lines": [min(lines), max(lines)] if lines else None,
+                    "exp": exps, "load_waits": load_waits(body), "lines": [min(lines), max(lines)] if lines else None,
                     "section": collections.Counter(section_of(line, marks) for line in lines).most_common(1)[0][0]
                     if lines else "?"})
     out.sort(key=lambda loop: (loop["first"], -loop["last"]))
@@ -229,6 +283,8 @@ def text(result: dict) -> str:
             if loop["nested"] > MAX_NESTED:
                 continue  # the chunk and tile loops: their bodies are the loops below
             per = f", {loop['per_step']:.1f} a step" if loop["per_step"] else ""
+            if loop["load_waits"]:
+                per += f", global loads in flight {'+'.join(map(str, loop['load_waits']))}"
             mix = " ".join(f"{c} {loop['classes'][c]}" for c in order if loop["classes"].get(c))
             indent = "  " * min(loop["depth"], 3)
             lines.append(f"  {indent}{loop['section'][:44]:44s} lines {loop['lines'][0]}-{loop['lines'][1]}: "
@@ -254,7 +310,8 @@ def main(argv=None) -> int:
     problems = check(result)
     for problem in problems:
         print(f"PROBLEM: {problem}")
-    print(f"sass: {len(result)} instance(s), {len(problems)} problem(s) against the budgets a step")
+    print(f"sass: {len(result)} instance(s), {len(problems)} problem(s) against the budgets a step and the loads "
+          f"in flight")
     return 1 if problems else 0
 
 
