@@ -176,7 +176,7 @@
 //       passed through vary() (an empty asm statement) at the top of the loop body: one v_cmp there, no mask
 //       kept (lane_slots, vary);
 //     * 64-bit element offsets (batch * dim * L, ...) and their products, one set per tensor: now one 64-bit
-//       base per tensor and block and 32-bit offsets inside it (block_ptr, blk_off; the launcher caps
+//       base per tensor and block and 32-bit offsets inside it (block_ptr, blk_at; the launcher caps
 //       seqlen at 8,388,607 so that they fit);
 //     * with kNPL > 1, k * G for each slot: G is the constant kSeg there (group_size);
 //     * the shared-memory arrays' 13 addresses and the addresses of the stores after the loop (workspace
@@ -563,7 +563,7 @@ __device__ __forceinline__ T* per_lane(T* ptr) {
 
 // Global-memory addressing of a block's rows: its cpb <= kThreads channel rows of u, delta, z, out, dout, du,
 // ddelta, dz (starting at element row_base) and the N <= 256 state rows of B, C (bc_base of its batch element) or
-// of its dB, dC partials. An element is (start of the block's rows) + row_off(row, step), the latter below
+// of its dB, dC partials. An element is (start of the block's rows) + (row, time index) (blk_at), the latter below
 // kMaxRows * L, which the launcher keeps within int32 (check_args). AMD (kBlockBases): one 64-bit base per
 // tensor and block, computed once (block_ptr), plus the unsigned 32-bit offset, so that the compiler uses the
 // 32-bit offset form of global loads and stores (base in SGPRs, offset in one VGPR) and keeps no 64-bit offsets.
@@ -578,21 +578,14 @@ __device__ __forceinline__ int64_t row_base(const KernelParams& p, const ThreadM
 __device__ __forceinline__ int64_t bc_base(const KernelParams& p, int64_t row) {
   return row * p.dstate * p.seqlen;
 }
-// Offset of (row, scan step s) inside a block's rows.
-__device__ __forceinline__ uint32_t row_off(const KernelParams& p, int row, int s) {
-  return uint32_t(row) * uint32_t(p.seqlen) + uint32_t(p.time(s));
-}
-// The pointer to index with blk_off(start, ...): with kBases (AMD's default) ptr + start, where per_lane<kMove>
+// The pointer to index with blk_at(start, ...): with kBases (AMD's default) ptr + start, where per_lane<kMove>
 // decides where it lives, else ptr itself.
 template <bool kMove = false, bool kBases = kBlockBases, typename T>
 __device__ __forceinline__ T* block_ptr(T* ptr, int64_t start) {
   return kBases ? per_lane<kMove>(ptr + start) : ptr;
 }
-template <bool kBases = kBlockBases>
-__device__ __forceinline__ int64_t blk_off(const KernelParams& p, int64_t start, int row, int s) {
-  return kBases ? int64_t(row_off(p, row, s)) : start + int64_t(row) * p.seqlen + p.time(s);
-}
-// The same at the time index ts = p.time(s), for loops that reach several rows at one step (the staging rounds).
+// The offset of (row, time index ts) from the pointer block_ptr gives: with kBases inside the block's rows, as 32
+// bits; else from the tensor's start (ts = p.time(s) for scan step s).
 template <bool kBases = kBlockBases>
 __device__ __forceinline__ int64_t blk_at(const KernelParams& p, int64_t start, int row, int ts) {
   return kBases ? int64_t(uint32_t(row) * uint32_t(p.seqlen) + uint32_t(ts)) : start + int64_t(row) * p.seqlen + ts;
@@ -1459,7 +1452,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i >> p.chunk_log2, t = i & (T - 1);
       if (t < len) {
-        const int64_t off = blk_off<kBases>(p, part0, n, t0 + t);
+        const int64_t off = blk_at<kBases>(p, part0, n, p.time(t0 + t));
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
           acc_t v[2];
