@@ -187,8 +187,13 @@ def parse(listing: str) -> tuple[dict[str, list[tuple[int, str, list[int]]]], di
     return functions, labels
 
 
+def unpredicated(instruction: str) -> str:
+    """The instruction without its guard predicate (@P0, @!UP1, ...)."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction.strip())
+
+
 def opcode(instruction: str) -> str:
-    text = re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction.strip())
+    text = unpredicated(instruction)
     return text.split()[0] if text else ""
 
 
@@ -209,7 +214,7 @@ def load_waits(body) -> list[int]:
     groups, pending, issued = [], set(), 0
     for _, ins, _ in body:
         op = opcode(ins)
-        operands = re.sub(r"^@!?U?P[T0-9]+\s+", "", ins.strip()).split(None, 1)
+        operands = unpredicated(ins).split(None, 1)
         operands = operands[1] if len(operands) > 1 else ""
         regs = registers(operands)
         if pending and set(regs) & pending:
