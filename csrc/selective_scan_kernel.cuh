@@ -283,6 +283,15 @@ template <typename input_t, int kNPL> struct FwdBatches {
 #define SS_LAUNCH_BOUNDS_BWD(input_t) __launch_bounds__(kThreads, BwdMinBlocks<input_t>::value)
 #endif
 
+// `#pragma unroll n` for nvcc alone: clang does not unroll the time loops it is put on, and says so in a "loop not
+// unrolled" warning for every instance of every HIP build.
+#define SS_PRAGMA(x) _Pragma(#x)
+#if SS_HIP
+#define SS_NV_UNROLL(n)
+#else
+#define SS_NV_UNROLL(n) SS_PRAGMA(unroll n)
+#endif
+
 // Longest chunk between two stored states.
 constexpr int kMaxChunk = 64;
 
@@ -489,8 +498,19 @@ __host__ __device__ constexpr int smem_row(int words) { return words | 1; }
 // step without the per-lane test `k < ok` (see computes: a divergent branch, with which a step issued 4.5 more
 // instructions in the reverse recurrence, 6 in the recompute and in the backward's pass 0, 5 in the forward's,
 // 3.5 in the forward's recurrence, on sm_90). With G = N (d_state 8, 16, 32; Vim's 16) the rows are as before.
-// The backward's dB, dC sums keep N columns: only the lanes with a state store them (the `k < lead` test).
+// With one state a lane that is G columns whatever d_state, and kernels take it as the constant kNPL == 1 ? G : ..
+// (G is their template constant there): a step's B, C address is then an immediate offset from the previous
+// step's, where a runtime row cost ptxas a multiply and two address instructions a step (sm_90: the forward's
+// step 19.2 -> 17.5 in bf16, the reverse step 67.0 -> 65.5, with dbc_cols below 64.0).
 __host__ __device__ constexpr int bc_cols(int dstate, int group) { return dstate > group ? dstate : group; }
+
+// Columns of the backward's dB, dC sums ([seg][t][state]): only the lanes with a state store them (the `k < lead`
+// test), so N columns would do; with one state a lane and G <= 16 they are G, a constant for the same reason as
+// bc_cols (d_state 9-16 share the rows of 16; the chunk the shared memory allows does not change). Not for
+// G = 32: rows of 33 instead of 17-31 would halve the chunk at d_state 17 on NVIDIA and 17-31 in float64 on AMD.
+__host__ __device__ constexpr int dbc_cols(int npl, int dstate, int group) {
+  return npl == 1 && group <= 16 ? group : dstate;
+}
 
 // The backward's three arrays of sums over n (du, ddl, y of a step, written by the lanes that finish a scatter sum)
 // lie sums_stride words apart: [T][RC] and cpb / 4 words more, so that one scatter sum's writes (three sums of two
@@ -510,7 +530,7 @@ __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int gro
   // sums over n; B, C per state and step; dB, dC per 32-lane segment, state and step
   return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) +
          int64_t(3) * sums_stride(chunk, cpb) + int64_t(2) * chunk * smem_row(bc_cols(dstate, group)) +
-         int64_t(2 * (kThreads / kSeg)) * chunk * smem_row(dstate);
+         int64_t(2 * (kThreads / kSeg)) * chunk * smem_row(dbc_cols(npl, dstate, group));
 }
 
 // G, the lanes per channel: kG, the instance's template constant, where it has one. With one state a lane (d_state
@@ -811,7 +831,8 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
-  const int cpb = kThreads / G, NB = bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
+  const int cpb = kThreads / G, NB = kNPL == 1 ? G : bc_cols(N, G);
+  const int RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int tid = threadIdx.x;
   const ThreadMap m(p);
 
@@ -931,7 +952,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
     if (local) {
       // (two steps a pass: unrolled by four, as nvcc does unasked, the forward took 72-79 registers on sm_90 instead
       // of 63-64, and 6 blocks an SM instead of 8)
-#pragma unroll 2
+      SS_NV_UNROLL(2)
       for (int t = 0; t < len; ++t) {
         vary(ok);
         acc_t r[2];  // dl, u
@@ -1119,7 +1140,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   constexpr int kRec = 4;                  // values of a (time, channel) row: dl, u, dy, gz
   // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
   // lacks) and the stride of sums_o's three arrays (sums_stride).
-  const int NB = bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB)), RN = in_vgpr(smem_row(N));
+  const int NB = kNPL == 1 ? G : bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
+  const int RN = in_vgpr(smem_row(dbc_cols(kNPL, N, G)));
   const int TC = T * RC, TB = T * RB, TN = T * RN;
   const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
@@ -1140,6 +1162,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                                                              // outputs the tile's epilogue finishes
   const int wseg = tid / kSeg;
   acc_t* const dBC_lane = dBC_s + 2 * (wseg * T * RN + m.lane_g);  // this lane's column of its segment's dB, dC sums
+  // Where the time loops read a step's row of rec_s (this thread's channel) and B, C of the lane's slot k: from
+  // pointers to the thread's columns, made once, so that a step's address is one multiply-add (sm_90: the reverse
+  // step 64.0 -> 62.5 instructions, the recompute 9.8 -> 9.6). B, C that way only with one state a lane: with 8,
+  // sm_80's float64 backward spilled (its 8 slots' addresses).
+  const acc_t* const rec_c = rec_s + kRec * m.c_local;
+  const acc_t* const BC_lane = BC_s + 2 * m.lane_g;
+  const auto bc_at = [&](int t, int k) {
+    return kNPL == 1 ? BC_lane + 2 * t * RB : BC_s + 2 * (t * RB + k * G + m.lane_g);
+  };
   const acc_t* D_l = per_lane(Dg);  // AMD: in vector registers across the chunk loop (see "Registers on AMD")
 
   // Pass 0: the adjoint carry leaving the segment at its first step, from a zero carry-in (the last segment: from
@@ -1285,14 +1316,14 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           for (int t = len - 1; t >= 0; --t) {
             vary(ok);
             acc_t r[kRec];
-            smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+            smem_load(rec_c + kRec * RC * t, r);
             const acc_t dl = r[0], dy = r[2];
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               if (computes<kNPL>(k, ok)) {
                 const acc_t a = ss_exp(dl * st.A[0][k]);
                 acc_t bc[2];  // (the pair, not C alone: with G = 32 a warp's C alone hit each bank twice)
-                smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
+                smem_load(bc_at(t, k), bc);
                 st.carry[0][k] = a * (st.carry[0][k] + bc[1] * dy);
                 st.sum[0][k] *= a;
               }
@@ -1312,17 +1343,20 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               h[k] = k < ok ? saved_g[c * N + k * G] : acc_t(0);
               hist[k * kThreads + tid] = h[k];
             }
+            // (with one state a lane 16 steps a pass: nvcc's own choice there, 4, issued 12.0 instructions a step
+            // on sm_90 against 9.8, once the B, C rows were a constant)
+            SS_NV_UNROLL((kNPL == 1 ? 16 : 4))
             for (int t = 0; t < len; ++t) {
               vary(ok);
               acc_t r[2];  // dl, u
-              smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+              smem_load(rec_c + kRec * RC * t, r);
               const acc_t dl = r[0];
               const acc_t dlu = dl * r[1];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
                 if (computes<kNPL>(k, ok)) {
                   acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
-                  smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
+                  smem_load(bc_at(t, k), bc);
                   h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * bc[0];
                 }
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
@@ -1342,16 +1376,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             vary(lead);
             vary(lane_g);
             acc_t r[kRec];
-            smem_load(rec_s + kRec * (t * RC + m.c_local), r);
+            smem_load(rec_c + kRec * RC * t, r);
             const acc_t dl = r[0], uv = r[1], dy = r[2];
             acc_t y_p = acc_t(0), ddl_p = acc_t(0), du_p = acc_t(0);  // this lane's part of the sums over n
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
-              const int n = k * G + m.lane_g;
               acc_t dB_v = acc_t(0), dC_v = acc_t(0);
               if (computes<kNPL>(k, ok)) {
                 acc_t bc[2];
-                smem_load(BC_s + 2 * (t * RB + n), bc);
+                smem_load(bc_at(t, k), bc);
                 const acc_t Bv = bc[0], Cv = bc[1];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
                 const acc_t h_cur = h_hi[k];  // the history's entry t + 1 (steps run t = len-1 .. 0)

@@ -108,6 +108,10 @@ def bc_cols(dstate, group):
     return max(dstate, group)
 
 
+def dbc_cols(npl, dstate, group):
+    return group if npl == 1 and group <= 16 else dstate
+
+
 def sums_stride(chunk, cpb):
     return chunk * smem_row(cpb) + cpb // 4
 
@@ -121,7 +125,8 @@ def bwd_smem_elems(c, chunk, dstate, group, npl):
     cpb = c["kThreads"] // group
     segments = c["kThreads"] // c["kSeg"]
     return ((chunk + 1) * c["kThreads"] * npl + 5 * chunk * smem_row(cpb) + 3 * sums_stride(chunk, cpb)
-            + 2 * chunk * smem_row(bc_cols(dstate, group)) + 2 * segments * chunk * smem_row(dstate))
+            + 2 * chunk * smem_row(bc_cols(dstate, group))
+            + 2 * segments * chunk * smem_row(dbc_cols(npl, dstate, group)))
 
 
 def layout(c, dstate, acc_bytes):
