@@ -346,3 +346,46 @@ def test_single_mixer_matches_equations(timm_vim, width):
     want = pv.bimamba_v2_mixer(sd, "layers.0.mixer.", x, cfg.d_state)
     assert got.shape == want.shape == (2, 17, width)
     assert rel_err(got, want) <= F64_TOL, f"mixer rel err {rel_err(got, want):.3e}"
+
+
+# ================================================================================================================
+# 5. The norm through torch's fused op
+# ================================================================================================================
+
+def _rms_norm_spelled_out(x, weight, eps, eps_inside=True):
+    """The formula as the model spelled it before it called F.rms_norm (in >= fp32, out in the weight's dtype);
+    eps_inside=False adds eps after the root instead: the negative control."""
+    x = x.to(pv._acc(x.dtype))
+    ms = x.pow(2).mean(-1, keepdim=True)
+    y = x * torch.rsqrt(ms + eps) if eps_inside else x / (torch.sqrt(ms) + eps)
+    return (y * weight.to(pv._acc(weight.dtype))).to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(F32, F32), (F32, torch.bfloat16), (F64, F64)])
+def test_rms_norm_gives_the_bits_of_the_formula_on_cpu(dtype, weight_dtype):
+    """On CPU F.rms_norm runs the same operations as the formula it replaced (its fused kernel is the GPUs'), so
+    the model's numbers there do not move: output, dx and dweight bitwise equal, with a bf16 weight too (as under
+    DeepSpeed's bf16, the residual stream in fp32). Negative control: eps added after the root differs."""
+    from vim_ds.models import RMSNorm
+
+    g = torch.Generator().manual_seed(70)
+    norm = RMSNorm(384).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(384, generator=g, dtype=F64) + 1)
+    x = torch.randn(3, 41, 384, generator=g, dtype=F64).to(dtype) * 3
+    dy = torch.randn(3, 41, 384, generator=g, dtype=F64).to(weight_dtype)
+
+    def run(fn, weight):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, weight.grad
+
+    got = run(norm, norm.weight)
+    w = norm.weight.detach().clone().requires_grad_()
+    want = run(lambda xi: _rms_norm_spelled_out(xi, w, norm.eps), w)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    w = norm.weight.detach().clone().requires_grad_()
+    control = run(lambda xi: _rms_norm_spelled_out(xi, w, norm.eps, eps_inside=False), w)
+    assert not torch.equal(got[0], control[0]) and not torch.equal(got[1], control[1])
