@@ -204,7 +204,10 @@ def nvidia_occupancy(target, regs, smem, threads):
 # and LLVM's AMDGPU backend (AMDGPUUsage: the same register granules; at most 16 workgroups that use barriers per
 # CU). The compiler's own "Occupancy [waves/SIMD]" remark is the first min() below without LDS (the test checks
 # that they agree):
-#   waves_simd  = min(8, floor(512 / roundup(roundup(vgpr, 4) + agpr, 8)), floor(800 / roundup(sgpr, 16)))
+#   waves_simd  = min(8, floor(512 / roundup(roundup(vgpr, 4) + agpr, 8)), sgpr_waves(sgpr))
+# where sgpr_waves is LLVM's table for these GFX9-generation targets (GCNSubtarget::getOccupancyWithNumSGPRs:
+# <= 80 SGPRs 10 waves, <= 88 9, <= 100 8, else 7; 800 / roundup(sgpr, 16) gave 7 at 97-100, where the compiler
+# says 8: the fp64 conv backward's 98 on gfx942)
 #   blocks      = min(16, floor(4 * waves_simd / wpb), floor(lds_cu / roundup(lds, 512)))
 #   occupancy   = blocks * wpb / 32                  (wpb = wavefronts per block = kThreads / 64)
 AMD_LIMITS = {
@@ -212,15 +215,17 @@ AMD_LIMITS = {
     "gfx942": {"lds_per_cu": 64 * 1024},
     "gfx950": {"lds_per_cu": 160 * 1024},
 }
-AMD_SIMDS, AMD_WAVES_SIMD, AMD_VGPRS, AMD_VGPR_UNIT, AMD_SGPRS, AMD_SGPR_UNIT, AMD_LDS_UNIT, AMD_MAX_WG = (
-    4, 8, 512, 8, 800, 16, 512, 16)
+AMD_SIMDS, AMD_WAVES_SIMD, AMD_VGPRS, AMD_VGPR_UNIT, AMD_LDS_UNIT, AMD_MAX_WG = 4, 8, 512, 8, 512, 16
+
+
+def amd_sgpr_waves(sgpr):
+    return 10 if sgpr <= 80 else 9 if sgpr <= 88 else 8 if sgpr <= 100 else 7
 
 
 def amd_waves_per_simd(vgpr, agpr, sgpr):
     unified = -(-(-(-vgpr // 4) * 4 + agpr) // AMD_VGPR_UNIT) * AMD_VGPR_UNIT
     w_v = AMD_VGPRS // unified if unified else AMD_WAVES_SIMD
-    w_s = AMD_SGPRS // (-(-sgpr // AMD_SGPR_UNIT) * AMD_SGPR_UNIT) if sgpr else AMD_WAVES_SIMD
-    return min(AMD_WAVES_SIMD, w_v, w_s)
+    return min(AMD_WAVES_SIMD, w_v, amd_sgpr_waves(sgpr))
 
 
 def amd_occupancy(target, vgpr, agpr, sgpr, lds, threads):
