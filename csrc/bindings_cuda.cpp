@@ -237,8 +237,9 @@ vim_ds_scan::ConvArgs check_conv(const at::Tensor& x, const at::Tensor& weight, 
   return a;
 }
 
-at::Tensor conv_fwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, bool reverse) {
+at::Tensor conv_fwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias, bool reverse, bool silu) {
   vim_ds_scan::ConvArgs a = check_conv(x, weight, bias, reverse);
+  a.silu = silu;
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor out = at::empty(x.sizes(), x.options());
   a.out = out.data_ptr();
@@ -248,8 +249,9 @@ at::Tensor conv_fwd(const at::Tensor& x, const at::Tensor& weight, const OptTens
 }
 
 std::vector<at::Tensor> conv_bwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                                 const at::Tensor& dout, bool reverse) {
+                                 const at::Tensor& dout, bool reverse, bool silu) {
   vim_ds_scan::ConvArgs a = check_conv(x, weight, bias, reverse);
+  a.silu = silu;
   check_tensor(dout, "dout", x.device(), x.scalar_type(), {a.batch, a.dim, a.seqlen});
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor dx = at::empty(x.sizes(), x.options());  // contiguous
@@ -284,10 +286,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the gradient of the initial state alone (bwd's dh0 without dlast), from one reverse pass -> dh0",
         py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("z"),
         py::arg("delta_bias"), py::arg("dout"), py::arg("delta_softplus"), py::arg("reverse") = false);
-  m.def("conv_fwd", &conv_fwd, "depthwise causal conv1d forward", py::arg("x"), py::arg("weight"),
-        py::arg("bias"), py::arg("reverse") = false);
-  m.def("conv_bwd", &conv_bwd, "depthwise causal conv1d backward -> [dx, dweight, dbias]", py::arg("x"),
-        py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false);
+  m.def("conv_fwd", &conv_fwd, "depthwise causal conv1d forward (silu: -> silu(conv))", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("reverse") = false, py::arg("silu") = false);
+  m.def("conv_bwd", &conv_bwd,
+        "depthwise causal conv1d backward -> [dx, dweight, dbias] (silu: dout is the gradient of silu(conv))",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false,
+        py::arg("silu") = false);
   m.def(
       "set_tuning",
       [](int64_t chunk, int64_t tiles, int64_t target_blocks) {

@@ -19,6 +19,7 @@ struct ConvArgs {
   int64_t batch = 0, dim = 0, seqlen = 0, width = 0, x_batch_stride = 0;
   ScanDType dtype = ScanDType::kFloat32;
   bool reverse = false;  // the conv of the time-reversed sequence, in the original order (anti-causal)
+  bool silu = false;     // SiLU fused: the forward writes silu(c), the backward's dout is the gradient of silu(c)
   const void* x = nullptr;
   const void* w = nullptr;
   const void* bias = nullptr;

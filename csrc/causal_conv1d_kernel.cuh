@@ -16,6 +16,11 @@
 // K-1 steps before it) and, backward, dout (with the K-1 steps after it) in shared memory with coalesced loads,
 // converted to the accumulation type; then each thread computes the steps i = threadIdx.x + j * kThreads.
 //
+// With p.silu the kernels fuse the branch's SiLU: the forward writes u = silu(c) instead of c, and the backward
+// takes du (the gradient of u) and recomputes c from x to turn it into dc = du * silu'(c), the dout below. c is
+// never written or read back: per branch 2 passes over (batch, d, L) fewer forward and 5 in the backward (its
+// recompute and the SiLU's gradient pass). Its x tile then reaches K-1 steps further, to the last c it needs.
+//
 // Backward: dx[s] = sum_k w[k] * dout[s+(K-1)-k] (dout = 0 past the end); dw[k] = sum over rows of the batch and
 // steps of dout[s] * x[s-(K-1)+k]; dbias = sum of dout. Each block sums its tile's K + 1 weight terms in a fixed
 // tree over its threads (shared memory, no shuffles: the same order on 32- and 64-lane hardware) and stores them
@@ -42,12 +47,13 @@ struct ConvParams {
   int tile;     // steps a block owns (<= kMaxConvTile)
   int n_tiles;  // tiles a row: ceil(seqlen / tile)
   bool reverse;
+  bool silu;               // fused SiLU: forward out = silu(c); backward dout is d silu(c) (see above)
   int64_t x_batch_stride;  // elements between batch rows of x (x may be a channel slice of a wider tensor)
   const void* x;           // (batch, dim, seqlen) rows contiguous, input type
   const void* w;           // (dim, width), accumulation type
   const void* bias;        // (dim,), accumulation type, or null
-  const void* dout;        // backward: (batch, dim, seqlen) contiguous, input type
-  void* out;               // forward: (batch, dim, seqlen) contiguous, input type
+  const void* dout;        // backward: (batch, dim, seqlen) contiguous, input type (with silu: du)
+  void* out;               // forward: (batch, dim, seqlen) contiguous, input type (with silu: u)
   void* dx;                // backward: as out
   void* dw;                // backward: (dim, width), accumulation type
   void* dbias;             // backward: (dim,), accumulation type, or null
@@ -56,12 +62,27 @@ struct ConvParams {
   __host__ __device__ int time(int s) const { return reverse ? seqlen - 1 - s : s; }
 };
 
-// Shared memory a block uses, in accumulation-type elements: x of the tile and the K-1 steps before it; backward
-// also dout of the tile and the K-1 steps after it, and K+1 sums a thread. Dynamic shared memory (ss_smem_raw), as
-// the scan's, so the kernel emulator sees it as block-wide memory that starts as NaN.
+// Steps of x a block stages: its tile and the K-1 steps before it; the backward with silu also the K-1 after it.
+__host__ __device__ inline int conv_x_steps(const ConvParams& p, bool backward) {
+  return p.tile + (p.width - 1) * (backward && p.silu ? 2 : 1);
+}
+
+// Shared memory a block uses, in accumulation-type elements: x (conv_x_steps); backward also dout of the tile and
+// the K-1 steps after it, and K+1 sums a thread. Dynamic shared memory (ss_smem_raw), as the scan's, so the kernel
+// emulator sees it as block-wide memory that starts as NaN.
 __host__ __device__ inline int conv_smem_elems(const ConvParams& p, bool backward) {
-  const int staged = p.tile + p.width - 1;
-  return backward ? 2 * staged + (p.width + 1) * kThreads : staged;
+  const int xs = conv_x_steps(p, backward);
+  return backward ? xs + p.tile + p.width - 1 + (p.width + 1) * kThreads : xs;
+}
+
+// c of step s0 + i from the staged x (xs[j]: step s0 - (K-1) + j): bias, then the taps in order.
+template <typename acc_t>
+__device__ __forceinline__ acc_t conv_at(const acc_t (&w)[kMaxWidth], int K, acc_t bias, const acc_t* xs, int i) {
+  acc_t c = bias;
+#pragma unroll
+  for (int k = 0; k < kMaxWidth; ++k)
+    if (k < K) c += w[k] * xs[i + k];
+  return c;
 }
 
 // Where the backward block of row (b, d) and tile `tile` stores its partial of weight term k (k == width: dbias):
@@ -111,11 +132,8 @@ __global__ void SS_LAUNCH_BOUNDS conv_fwd_kernel(const ConvParams p) {
   __syncthreads();
   input_t* out = static_cast<input_t*>(p.out) + t.row;
   for (int i = threadIdx.x; i < p.tile && t.s0 + i < p.seqlen; i += kThreads) {
-    acc_t c = bias;
-#pragma unroll
-    for (int k = 0; k < kMaxWidth; ++k)
-      if (k < K) c += w[k] * xs[i + k];
-    store_from_acc(out + p.time(t.s0 + i), c);
+    const acc_t c = conv_at(w, K, bias, xs, i);
+    store_from_acc(out + p.time(t.s0 + i), p.silu ? c * sigmoid(c) : c);
   }
 }
 
@@ -124,10 +142,10 @@ __global__ void SS_LAUNCH_BOUNDS conv_bwd_kernel(const ConvParams p) {
   using acc_t = typename AccType<input_t>::type;
   const ConvTile t = conv_tile(p);
   const int K = p.width;
-  acc_t* xs = reinterpret_cast<acc_t*>(ss_smem_raw);  // x at steps s0-(K-1) .. s0+tile-1
-  acc_t* gs = xs + p.tile + K - 1;                     // dout at steps s0 .. s0+tile+K-2
+  acc_t* xs = reinterpret_cast<acc_t*>(ss_smem_raw);  // x from step s0-(K-1) (conv_x_steps)
+  acc_t* gs = xs + conv_x_steps(p, true);              // dout at steps s0 .. s0+tile+K-2
   acc_t* sums = gs + p.tile + K - 1;                   // each thread's K+1 weight terms, then the tree's
-  conv_stage(p, static_cast<const input_t*>(p.x) + t.x_row, t.s0 - (K - 1), p.tile + K - 1, xs);
+  conv_stage(p, static_cast<const input_t*>(p.x) + t.x_row, t.s0 - (K - 1), conv_x_steps(p, true), xs);
   conv_stage(p, static_cast<const input_t*>(p.dout) + t.row, t.s0, p.tile + K - 1, gs);
   acc_t w[kMaxWidth], part[kMaxWidth], gsum = acc_t(0);  // part: the tile's dw terms, gsum: its dbias term
   const acc_t* wrow = static_cast<const acc_t*>(p.w) + int64_t(t.d) * K;
@@ -137,6 +155,14 @@ __global__ void SS_LAUNCH_BOUNDS conv_bwd_kernel(const ConvParams p) {
     part[k] = acc_t(0);
   }
   __syncthreads();
+  if (p.silu) {  // dout = du -> dc = du * silu'(c), c recomputed (0 past the end stays 0)
+    const acc_t bias = p.bias ? static_cast<const acc_t*>(p.bias)[t.d] : acc_t(0);
+    for (int i = threadIdx.x; i < p.tile + K - 1; i += kThreads) {
+      const acc_t c = conv_at(w, K, bias, xs, i), sg = sigmoid(c);
+      gs[i] *= sg * (acc_t(1) + c * (acc_t(1) - sg));
+    }
+    __syncthreads();
+  }
   input_t* dx = static_cast<input_t*>(p.dx) + t.row;
   for (int i = threadIdx.x; i < p.tile && t.s0 + i < p.seqlen; i += kThreads) {
     acc_t g = acc_t(0);

@@ -327,6 +327,7 @@ ssk::ConvParams conv_params(const ConvArgs& a) {
   const int64_t per_tile = (a.seqlen + p.n_tiles - 1) / p.n_tiles;
   p.tile = int((per_tile + 31) / 32 * 32);
   p.reverse = a.reverse;
+  p.silu = a.silu;
   p.x_batch_stride = a.x_batch_stride;
   p.x = a.x;
   p.w = a.w;

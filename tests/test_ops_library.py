@@ -150,11 +150,12 @@ CONV_TOLERANCE = {torch.float64: (1e-12, 1e-12, 1e-12), torch.float32: (2e-6, 3e
                   torch.bfloat16: (8e-3, 3e-5, 3e-5)}
 
 
-def _check_conv_kernel(module, dtype, reverse, length, device="cpu", dim=6):
+def _check_conv_kernel(module, dtype, reverse, length, device="cpu", dim=6, silu=False):
     """A compiled conv kernel (module.conv_fwd / conv_bwd) against F.conv1d in float64: output and the gradients of
     x, the taps and the bias. x is the x half of a wider (batch, 2 * dim, L) tensor, as the mixer passes it.
-    Negative control: taps shifted by one step (the off-by-one a padding or a reversed window would make) are far
-    outside the tolerance."""
+    ``silu`` (the GPU kernel's fused SiLU): the reference is silu(conv), dout the gradient of that. Negative
+    controls: taps shifted by one step (the off-by-one a padding or a reversed window would make) are far outside
+    the tolerance, and with silu so is dx without silu'."""
     width = 4
     xz = torch.randn(3, 2 * dim, length, dtype=torch.float64).to(device, dtype)
     x = xz[:, :dim]
@@ -163,11 +164,13 @@ def _check_conv_kernel(module, dtype, reverse, length, device="cpu", dim=6):
     b = torch.randn(dim, dtype=torch.float64).to(device, wide)
     dout = torch.randn(3, dim, length, dtype=torch.float64).to(device, dtype)
 
-    out = module.conv_fwd(x, w, b, reverse)
-    dx, dw, db = module.conv_bwd(x, w, b, dout, reverse)
+    fused = {"silu": True} if silu else {}
+    out = module.conv_fwd(x, w, b, reverse, **fused)
+    dx, dw, db = module.conv_bwd(x, w, b, dout, reverse, **fused)
 
     x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
-    ref = _conv_reference(x64, w64, b64, reverse)
+    act = torch.nn.functional.silu if silu else (lambda c: c)
+    ref = act(_conv_reference(x64, w64, b64, reverse))
     ref.backward(dout.double())
     value_tol, dw_tol, db_tol = CONV_TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref.detach(), rtol=value_tol, atol=value_tol)
@@ -175,9 +178,14 @@ def _check_conv_kernel(module, dtype, reverse, length, device="cpu", dim=6):
     torch.testing.assert_close(dw.double(), w64.grad, rtol=dw_tol, atol=dw_tol)
     torch.testing.assert_close(db.double(), b64.grad, rtol=db_tol, atol=db_tol)
 
-    shifted = _conv_reference(x64.detach(), torch.roll(w64.detach(), 1, dims=-1), b64.detach(), reverse)
+    shifted = act(_conv_reference(x64.detach(), torch.roll(w64.detach(), 1, dims=-1), b64.detach(), reverse))
     with pytest.raises(AssertionError):
         torch.testing.assert_close(out.double(), shifted, rtol=value_tol, atol=value_tol)
+    if silu and length > 1:
+        plain = x64.detach().requires_grad_(True)
+        _conv_reference(plain, w64.detach(), b64.detach(), reverse).backward(dout.double())
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(dx.double(), plain.grad, rtol=value_tol, atol=value_tol)
     return out, dx, dw, db
 
 
@@ -191,17 +199,19 @@ def test_cpu_conv_matches_the_float64_reference_in_every_variant(dtype, reverse,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("length", [1, 197, 785, 1100])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_gpu_conv_matches_the_float64_reference_and_repeats_its_bits(dtype, reverse, length, seed):
+def test_gpu_conv_matches_the_float64_reference_and_repeats_its_bits(dtype, reverse, length, silu, seed):
     """The GPU conv kernel (csrc/causal_conv1d_kernel.cuh) as the CPU one is checked, at Vim's lengths, one tile
-    (<= 512 steps) and several; then a second run gives the same bits (no atomics in the weight gradients)."""
+    (<= 512 steps) and several, with and without its fused SiLU (the branch's way); then a second run gives the
+    same bits (no atomics in the weight gradients)."""
     module = backends.load("cuda").backend.module
     torch.manual_seed(seed)
-    first = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40)
+    first = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40, silu=silu)
     torch.manual_seed(seed)
-    again = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40)
+    again = _check_conv_kernel(module, dtype, reverse, length, device="cuda", dim=40, silu=silu)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
 

@@ -23,15 +23,12 @@ def weights(d_inner=8, dt_rank=3, d_state=16, d_conv=4, dtype=torch.float64):
     ]
 
 
-@pytest.mark.parametrize("backend", ["ref", "cpu"])
-@pytest.mark.parametrize("seqlen", [1, 5, 65])
-def test_fused_branch_matches_unfused_float64(backend, seqlen, monkeypatch, seed):
-    monkeypatch.setenv("VIM_DS_SCAN", backend)
+def _check_fused_branch(seqlen, device="cpu"):
     x, z = torch.randn(2, 8, seqlen, dtype=torch.float64), torch.randn(2, 8, seqlen, dtype=torch.float64)
-    args = [x, z] + weights()
+    args = [t.to(device) for t in [x, z] + weights()]
     leaves_a = [a.clone().requires_grad_(True) for a in args]
     leaves_b = [a.clone().requires_grad_(True) for a in args]
-    dout = torch.randn(2, 8, seqlen, dtype=torch.float64)
+    dout = torch.randn(2, 8, seqlen, dtype=torch.float64).to(device)
     out_a = ssm_branch_fn(*leaves_a)
     out_a.backward(dout)
     out_b = unfused(*leaves_b)
@@ -40,6 +37,22 @@ def test_fused_branch_matches_unfused_float64(backend, seqlen, monkeypatch, seed
     names = ["x", "z", "conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight", "A", "D", "delta_bias"]
     for name, a, b in zip(names, leaves_a, leaves_b):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-11, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["ref", "cpu"])
+@pytest.mark.parametrize("seqlen", [1, 5, 65])
+def test_fused_branch_matches_unfused_float64(backend, seqlen, monkeypatch, seed):
+    monkeypatch.setenv("VIM_DS_SCAN", backend)
+    _check_fused_branch(seqlen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [1, 5, 65, 785])
+def test_fused_branch_on_the_gpu_matches_unfused_float64(seqlen, monkeypatch, seed):
+    """The branch on the GPU kernels, its conv's SiLU fused in the kernel (forward: silu(conv); backward: silu'
+    from the conv's output recomputed in the kernel), against autograd through the unfused composition."""
+    monkeypatch.delenv("VIM_DS_SCAN", raising=False)
+    _check_fused_branch(seqlen, device="cuda")
 
 
 def test_fused_branch_keeps_only_its_inputs_for_backward(monkeypatch):

@@ -147,9 +147,10 @@ def layout(c, dstate, acc_bytes):
 def dynamic_smem(c, instance, max_dstate=256):
     """Largest dynamic shared memory (bytes) the launcher requests for `instance` over the d_state it serves."""
     m = re.match(r"conv_(fwd|bwd)<(\w+)>$", instance)
-    if m:  # conv_smem_elems at the longest tile and the widest conv
+    if m:  # conv_smem_elems at the longest tile and the widest conv (the backward with silu: x K-1 steps longer)
         staged = c["kConvItems"] * c["kThreads"] + c["kMaxWidth"] - 1
-        elems = staged if m.group(1) == "fwd" else 2 * staged + (c["kMaxWidth"] + 1) * c["kThreads"]
+        elems = (staged if m.group(1) == "fwd"
+                 else 2 * staged + c["kMaxWidth"] - 1 + (c["kMaxWidth"] + 1) * c["kThreads"])
         return elems * ACC_BYTES[m.group(2)]
     m = re.match(r"scan_(fwd|bwd)<(\w+),npl(\d+)(?:,g(\d+))?>$", instance)
     if not m:

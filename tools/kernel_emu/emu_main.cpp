@@ -168,10 +168,10 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
 }
 
 // The depthwise causal conv1d (causal_conv1d_cuda.h): backward 0 the forward (writes out), 1 the backward (writes
-// dx, dw, dbias). x has x_batch_stride elements between batch rows; bias/dbias may be null. Outputs start as NaN
+// dx, dw, dbias); silu 1: the SiLU fused (ConvArgs::silu). x has x_batch_stride elements between batch rows; bias/dbias may be null. Outputs start as NaN
 // bytes, the workspace too. Returns nullptr or the launcher's error.
 const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, long long L, long long K,
-                     int reverse, long long x_batch_stride, const void* x, const void* w, const void* bias,
+                     int reverse, int silu, long long x_batch_stride, const void* x, const void* w, const void* bias,
                      const void* dout, void* out, void* dx, void* dw, void* dbias) {
   EMU_COUNT_HOOK(emu::count_clear_globals());
   const ScanDType dt = ScanDType(dtype_i);
@@ -181,6 +181,7 @@ const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, 
   std::vector<Buf> bufs;
   bufs.reserve(8);
   vim_ds_scan::ConvArgs a = vim_ds_scan::conv_args(batch, dim, L, K, x_batch_stride, dt, reverse != 0);
+  a.silu = silu != 0;
   a.x = put(bufs, x, x_elems * is, false, -1);
   a.w = put(bufs, w, size_t(dim * K) * as, false, -1);
   a.bias = put(bufs, bias, size_t(dim) * as, false, -1);

@@ -52,8 +52,8 @@ lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
 lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
 
 lib.emu_conv.restype = ctypes.c_char_p
-lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong] \
-    + [ctypes.c_void_p] * 8
+lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 \
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [ctypes.c_void_p] * 8
 
 DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
@@ -234,9 +234,10 @@ def conv_ref(x, w, bias, reverse):
     return F.conv1d(F.pad(x, (K - 1, 0)), w.unsqueeze(1), bias, groups=x.shape[1])
 
 
-def conv_case(dtype, batch, dim, L, K, has_bias, reverse, seed, order=0, sliced=False):
+def conv_case(dtype, batch, dim, L, K, has_bias, reverse, seed, order=0, sliced=False, silu=False):
     """The GPU conv's forward and backward (dx, dw, dbias) against autograd on conv_ref. `sliced`: x is the first
-    half of a (batch, 2 dim, L) tensor, as the x half of in_proj's output would be. -> (out, grads, errors)."""
+    half of a (batch, 2 dim, L) tensor, as the x half of in_proj's output would be; `silu`: the SiLU fused (the
+    reference is silu(conv_ref), dout the gradient of that). -> (out, grads, errors)."""
     lib.emu_config(order, seed, seed % 2)
     g = torch.Generator().manual_seed(seed)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -248,13 +249,14 @@ def conv_case(dtype, batch, dim, L, K, has_bias, reverse, seed, order=0, sliced=
     out, dx = torch.empty(batch, dim, L, dtype=dtype), torch.empty(batch, dim, L, dtype=dtype)
     dw, dbias = torch.empty_like(w), torch.empty_like(bias) if has_bias else None
     stride = wide.stride(0)
-    common = (DT[dtype], batch, dim, L, K, int(reverse), stride, ptr(wide), ptr(w), ptr(bias))
+    common = (DT[dtype], batch, dim, L, K, int(reverse), int(silu), stride, ptr(wide), ptr(w), ptr(bias))
     err = lib.emu_conv(0, *common, None, ptr(out), None, None, None)
     assert err is None, err
     err = lib.emu_conv(1, *common, ptr(dout), None, ptr(dx), ptr(dw), ptr(dbias))
     assert err is None, err
     ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, bias)]
     ref = conv_ref(*ref_in, reverse)
+    ref = F.silu(ref) if silu else ref
     ref.backward(dout.double())
     errors = {}
     tol = TOL[dtype]
@@ -267,31 +269,44 @@ def conv_case(dtype, batch, dim, L, K, has_bias, reverse, seed, order=0, sliced=
         assert errors[name] < tol, f"conv {name}: rel err {errors[name]:.3g} > {tol} ({dtype}, L={L}, K={K})"
     if L > 1 and K > 1:  # negative control: the other direction's conv must fail the same check
         other = conv_ref(x.double(), w.double(), None if bias is None else bias.double(), not reverse)
+        other = F.silu(other) if silu else other
         e = ((out.double() - other).abs().max() / other.abs().max()).item()
         assert e > 2 * tol, f"conv: the other direction passes too (rel err {e:.3g})"
         CONTROL["conv other direction"] = min(CONTROL.get("conv other direction", float("inf")), e)
+    if silu:  # negative control: the gradients without silu' (dout taken as dc) must fail
+        plain = [t.double().requires_grad_() if t is not None else None for t in (x, w, bias)]
+        conv_ref(*plain, reverse).backward(dout.double())
+        e = ((dx.double() - plain[0].grad).abs().max() / plain[0].grad.abs().max()).item()
+        assert e > 2 * tol, f"conv: dx without silu' passes too (rel err {e:.3g})"
+        CONTROL["conv silu'"] = min(CONTROL.get("conv silu'", float("inf")), e)
     return out, (dx, dw, dbias), errors
 
 
 def conv_cases(quick):
     """Every dtype, both directions, with and without bias, widths 1-4 and 8, lengths around the tile sizes (one
-    tile is at most 512 steps), x as a channel slice; then the same bits under another thread/block order."""
+    tile is at most 512 steps), x as a channel slice, with and without the fused SiLU (every other case: the
+    branch's way; its random pre-activations fall on both sides of the sigmoid's x >= 0 branch); then the same
+    bits under another thread/block order."""
     worst = {}
     Ls = [1, 3, 5, 33, 197, 513, 1100] if not quick else [1, 5, 197, 513]
     n = 0
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         for L in Ls if dtype in (torch.float64, torch.float32) else [7, 197]:
             for K in ((4, 1, 2, 3, 8) if dtype == torch.float64 and L in (5, 197) else (4,)):
-                _, _, res = conv_case(dtype, 2, 3, L, K, n % 2 == 0, n % 4 >= 2, seed=3000 + n, order=n % 3,
-                                      sliced=n % 3 == 1)
-                for k, v in res.items():
-                    worst[(dtype, "conv " + k)] = max(worst.get((dtype, "conv " + k), 0), v)
-                n += 1
-    a = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=0)
-    b = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=1)
-    for x, y in zip((a[0], *a[1]), (b[0], *b[1])):
-        assert torch.equal(x, y), "conv: results depend on the thread/block order"
-    return n + 2, worst
+                m = n // 2  # the configuration's number: each runs with and without the SiLU
+                for silu in (False, True):
+                    _, _, res = conv_case(dtype, 2, 3, L, K, m % 2 == 0, m % 4 >= 2, seed=3000 + n, order=m % 3,
+                                          sliced=m % 3 == 1, silu=silu)
+                    for k, v in res.items():
+                        name = ("conv+silu " if silu else "conv ") + k
+                        worst[(dtype, name)] = max(worst.get((dtype, name), 0), v)
+                    n += 1
+    for silu in (False, True):
+        a = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=0, silu=silu)
+        b = conv_case(torch.float32, 3, 2, 700, 4, True, True, seed=99, order=1, silu=silu)
+        for x, y in zip((a[0], *a[1]), (b[0], *b[1])):
+            assert torch.equal(x, y), "conv: results depend on the thread/block order"
+    return n + 4, worst
 
 
 def check_deterministic(*args, **kw):

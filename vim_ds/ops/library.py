@@ -163,16 +163,21 @@ selective_scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup_c
 # Depthwise causal conv1d
 # ---------------------------------------------------------------------------------------------------------------
 
-# The dtypes and widest conv of each compiled conv kernel (csrc/causal_conv1d_cpu.cpp, csrc/causal_conv1d_kernel.cuh).
-_CONV_KERNELS = {"cpu": ((torch.float32, torch.float64, torch.bfloat16), None),
-                 "cuda": ((torch.float32, torch.float64, torch.bfloat16, torch.float16), 8)}
+# The dtypes and widest conv of each compiled conv kernel (csrc/causal_conv1d_cpu.cpp, csrc/causal_conv1d_kernel.cuh),
+# and whether it fuses the branch's SiLU (the GPU kernel's `silu`).
+_CONV_KERNELS = {"cpu": ((torch.float32, torch.float64, torch.bfloat16), None, False),
+                 "cuda": ((torch.float32, torch.float64, torch.bfloat16, torch.float16), 8, True)}
 
 
 def _conv_uses_kernel(backend_obj, x: Tensor, width: int) -> bool:
     # The compiled kernel of the scan's backend (`cpu`, or `cuda`: the GPU kernel, for CUDA and ROCm alike); else
     # PyTorch's conv (the `ref` backend, and mamba_ssm's, whose module has no conv).
-    dtypes, widest = _CONV_KERNELS.get(getattr(backend_obj, "name", None), ((), None))
+    dtypes, widest, _ = _CONV_KERNELS.get(getattr(backend_obj, "name", None), ((), None, False))
     return x.dtype in dtypes and (widest is None or width <= widest)
+
+
+def _conv_fuses_silu(backend_obj, x: Tensor, width: int) -> bool:
+    return _conv_uses_kernel(backend_obj, x, width) and _CONV_KERNELS[backend_obj.name][2]
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -180,13 +185,23 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] else x.contiguous()
 
 
-def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend_obj) -> Tensor:
-    """Conv output (before SiLU) in x's dtype; plain computation, no autograd (op implementations use it)."""
+def _conv_kernel_args(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
+    """x, the taps and the bias as the compiled kernels take them (rows contiguous; the accumulation type)."""
+    wide = _wide(x.dtype)
+    return (_rows_contiguous(x), weight.reshape(-1, weight.shape[-1]).to(wide).contiguous(),
+            None if bias is None else bias.to(wide).contiguous())
+
+
+def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend_obj,
+                 silu: bool = False) -> Tensor:
+    """Conv output in x's dtype, with ``silu`` its SiLU (in the same kernel on GPUs); plain computation, no autograd
+    (op implementations use it)."""
     k = weight.shape[-1]
+    if silu and not _conv_fuses_silu(backend_obj, x, k):
+        return F.silu(conv_forward(x, weight, bias, reverse, backend_obj))
     if _conv_uses_kernel(backend_obj, x, k):
-        wide = _wide(x.dtype)
-        return backend_obj.module.conv_fwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
-                                           None if bias is None else bias.to(wide).contiguous(), reverse)
+        fused = {"silu": True} if silu else {}  # (the CPU kernel's binding has no silu argument)
+        return backend_obj.module.conv_fwd(*_conv_kernel_args(x, weight, bias), reverse, **fused)
     w = weight.to(x.dtype)
     b = None if bias is None else bias.to(x.dtype)
     if reverse:  # y[t] = sum_j w[j] x[t + K-1 - j]: the flipped taps over a window starting at t
@@ -194,14 +209,18 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: boo
     return F.conv1d(x, w, b, padding=k - 1, groups=x.shape[1])[..., :x.shape[-1]]
 
 
-def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj):
-    """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes."""
+def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj,
+                  silu: bool = False):
+    """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes. With ``silu`` dout is
+    the gradient of the SiLU's output: on GPUs the kernel recomputes the conv's output for silu' and never stores
+    it; elsewhere the conv runs again first."""
     k = weight.shape[-1]
+    fused = silu and _conv_fuses_silu(backend_obj, x, k)
+    if silu and not fused:
+        dout = torch.ops.aten.silu_backward(dout.to(x.dtype), conv_forward(x, weight, bias, reverse, backend_obj))
     if _conv_uses_kernel(backend_obj, x, k):
-        wide = _wide(x.dtype)
-        dx, dw, db = backend_obj.module.conv_bwd(_rows_contiguous(x), weight.reshape(-1, k).to(wide).contiguous(),
-                                                 None if bias is None else bias.to(wide).contiguous(),
-                                                 dout.to(x.dtype).contiguous(), reverse)
+        dx, dw, db = backend_obj.module.conv_bwd(*_conv_kernel_args(x, weight, bias), dout.to(x.dtype).contiguous(),
+                                                 reverse, **({"silu": True} if fused else {}))
     else:
         w = weight.to(x.dtype)
         # the output is the full convolution's last L steps, computed with the flipped taps
@@ -284,25 +303,25 @@ def _with_halo(x: Tensor, halo: Optional[Tensor], reverse: bool) -> Tensor:
 
 def branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, reverse, backend_obj,
                       halo=None):
-    """Conv pre-activation c, then u = silu(c), x_dbl, and the scan's delta, B, C (contiguous), for x's tokens; no
+    """u = silu(conv(x)) (one kernel on GPUs), x_dbl, and the scan's delta, B, C (contiguous), for x's tokens; no
     autograd (the fused branch and the sequence split build on it).
 
     ``halo`` (batch, d, K-1), optional: the tokens the conv reads beyond x, those before it (with ``reverse``, after
     it), which a chunk of a split sequence takes from its neighbours; without it the conv pads with zeros."""
-    c = conv_forward(_with_halo(x, halo, reverse), conv_weight, conv_bias, reverse, backend_obj)
+    u = conv_forward(_with_halo(x, halo, reverse), conv_weight, conv_bias, reverse, backend_obj, silu=True)
     if halo is not None:
-        c = (c[..., :x.shape[-1]] if reverse else c[..., halo.shape[-1]:]).contiguous()
-    u = F.silu(c)
+        u = u[..., :x.shape[-1]] if reverse else u[..., halo.shape[-1]:]
+    u = u.contiguous()
     dt_rank = dt_proj_weight.shape[1]
     x_dbl = project(x_proj_weight.to(u.dtype), u)  # (batch, dt_rank + 2 * d_state, L)
     # dt_proj's bias is added inside the scan
     delta = project(dt_proj_weight.to(u.dtype), x_dbl[:, :dt_rank])
     B = x_dbl[:, dt_rank:dt_rank + d_state].contiguous()
     C = x_dbl[:, dt_rank + d_state:].contiguous()
-    return c, u.contiguous(), x_dbl, delta.contiguous(), B, C
+    return u, x_dbl, delta.contiguous(), B, C
 
 
-def branch_inputs_bwd(x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+def branch_inputs_bwd(x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
                       reverse, backend_obj, halo=None):
     """The scan's input gradients chained back through dt_proj, x_proj, SiLU and the conv: (dx, dhalo or None,
     dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight), from what ``branch_inputs_fwd`` gave.
@@ -313,13 +332,13 @@ def branch_inputs_bwd(x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias
     dx_proj_w = _weight_grad(dx_dbl, u)
     # du + x_proj^T @ dx_dbl in one pass: the GEMM adds into du instead of a separate add over (batch, d, L).
     du = torch.baddbmm(du, x_proj_weight.to(u.dtype).t().expand(du.shape[0], -1, -1), dx_dbl)
-    dc = torch.ops.aten.silu_backward(du, c)
     dhalo = None
-    if halo is not None:
+    if halo is not None:  # the halo's steps have no output here: a zero gradient
         h = halo.shape[-1]
-        dc = F.pad(dc, (0, h) if reverse else (h, 0))
-    dx, dconv_w, dconv_b = conv_backward(_with_halo(x, halo, reverse), conv_weight, conv_bias, dc, reverse,
-                                         backend_obj)
+        du = F.pad(du, (0, h) if reverse else (h, 0))
+    # through the SiLU and the conv (one kernel on GPUs, which recomputes the conv's output for silu')
+    dx, dconv_w, dconv_b = conv_backward(_with_halo(x, halo, reverse), conv_weight, conv_bias, du, reverse,
+                                         backend_obj, silu=True)
     if halo is not None:
         length = x.shape[-1]
         dx, dhalo = (dx[..., :length], dx[..., length:]) if reverse else (dx[..., h:], dx[..., :h])
@@ -332,8 +351,8 @@ def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optiona
                    backend: str) -> tuple[Tensor, Tensor]:
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
-        _, u, _, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                 A.shape[1], reverse, impl)
+        u, _, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
+                                              reverse, impl)
         out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
     return out.contiguous(), _absent(u) if saved is None else saved
 
@@ -352,12 +371,12 @@ def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
         # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
-        c, u, x_dbl, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                     A.shape[1], reverse, impl)
+        u, x_dbl, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                  A.shape[1], reverse, impl)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
                                                                dout.to(u.dtype).contiguous(), saved, True, reverse)
         dx, _, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
-            x, c, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl)
+            x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl)
     return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b, dx_proj_w,
             ddt_proj_w, dA.to(A.dtype), dD.to(D.dtype), ddelta_bias.to(delta_bias.dtype))
 

@@ -98,8 +98,8 @@ def load(path: str):
     lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
     lib.emu_set_reverse.argtypes = [ctypes.c_int]
     lib.emu_conv.restype = ctypes.c_char_p
-    lib.emu_conv.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_longlong]
-                             + [ctypes.c_void_p] * 8)
+    lib.emu_conv.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4
+                             + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [ctypes.c_void_p] * 8)
     lib.emu_set_tuning.restype = ctypes.c_char_p
     lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
     lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
@@ -183,9 +183,10 @@ def _emulate(lib, batch, dim, seqlen, d_state, dtype, seed) -> dict:
     return {"out": out, "saved": saved, "grads": tuple(grads), "fwd": fwd, "bwd": _launches(lib)}
 
 
-def emulate_conv(lib, batch, dim, seqlen, dtype="float32", width=4, seed=0) -> dict:
-    """The branch's depthwise causal conv on the emulated GPU kernels, forward and backward with a bias, once, on
-    random inputs. -> {"out", "grads": (dx, dw, dbias), "fwd": launches, "bwd": launches}."""
+def emulate_conv(lib, batch, dim, seqlen, dtype="float32", width=4, seed=0, silu=True) -> dict:
+    """The branch's depthwise causal conv on the emulated GPU kernels (with its SiLU fused, as the branch runs it,
+    unless silu=False), forward and backward with a bias, once, on random inputs. -> {"out", "grads": (dx, dw,
+    dbias), "fwd": launches, "bwd": launches}."""
     lib.emu_config(0, seed, 0)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -194,7 +195,7 @@ def emulate_conv(lib, batch, dim, seqlen, dtype="float32", width=4, seed=0) -> d
         w, bias = 0.5 * torch.randn(dim, width, dtype=acc), torch.randn(dim, dtype=acc)
         dout = torch.randn_like(x)
     out, dx, dw, dbias = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w), torch.empty_like(bias)
-    common = (DTYPE_CODE[dtype], batch, dim, seqlen, width, 0, dim * seqlen, x.data_ptr(), w.data_ptr(),
+    common = (DTYPE_CODE[dtype], batch, dim, seqlen, width, 0, int(silu), dim * seqlen, x.data_ptr(), w.data_ptr(),
               bias.data_ptr())
     runs = []
     for backward, outputs in ((0, (None, out.data_ptr(), None, None, None)),
