@@ -361,12 +361,18 @@ def _rms_norm_spelled_out(x, weight, eps, eps_inside=True):
     return (y * weight.to(pv._acc(weight.dtype))).to(weight.dtype)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("dtype, weight_dtype", [(F32, F32), (F32, torch.bfloat16), (F64, F64)])
-def test_rms_norm_gives_the_bits_of_the_formula_on_cpu(dtype, weight_dtype):
+def test_rms_norm_gives_the_bits_of_the_formula_on_cpu(dtype, weight_dtype, fused, monkeypatch):
     """On CPU F.rms_norm runs the same operations as the formula it replaced (its fused kernel is the GPUs'), so
     the model's numbers there do not move: output, dx and dweight bitwise equal, with a bf16 weight too (as under
-    DeepSpeed's bf16, the residual stream in fp32). Negative control: eps added after the root differs."""
-    from vim_ds.models import RMSNorm
+    DeepSpeed's bf16, the residual stream in fp32); so does the formula the model keeps for torch without the
+    fused op (fused=False). Negative control: eps added after the root differs."""
+    from vim_ds.models import RMSNorm, vim
+
+    if fused and not vim._TORCH_FUSES_RMS_NORM:
+        pytest.skip("this torch has no fused RMSNorm op")
+    monkeypatch.setattr(vim, "_TORCH_FUSES_RMS_NORM", fused)
 
     g = torch.Generator().manual_seed(70)
     norm = RMSNorm(384).to(weight_dtype)

@@ -37,13 +37,18 @@ def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+# Whether torch has a fused RMSNorm kernel (``aten::_fused_rms_norm``, CUDA and ROCm) behind ``F.rms_norm``. Older
+# torch (2.4 among the supported) has ``F.rms_norm`` as the formula itself, and its export then fixes the batch size.
+_TORCH_FUSES_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (or wider), returned in the weight's dtype.
 
-    Through ``F.rms_norm``: one fused kernel forward and one backward on GPUs (torch's ``_fused_rms_norm``, when x
-    and the weight share a dtype, hence the weight's cast), where the formula spelled out took three full-size
-    elementwise passes and a reduction over the (batch, tokens, dim) fp32 stream forward, about twice that backward.
-    On CPU the same operations as that formula: the same bits (tests/test_model_reference.py)."""
+    Where torch has it, through ``F.rms_norm``: one fused kernel forward and one backward on GPUs (when x and the
+    weight share a dtype, hence the weight's cast), where the formula spelled out takes three full-size elementwise
+    passes and a reduction over the (batch, tokens, dim) fp32 stream forward, about twice that backward. On CPU
+    ``F.rms_norm`` runs the same operations as the formula: the same bits (tests/test_model_reference.py)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -52,7 +57,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _at_least_fp32(x)
-        y = F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+        w = self.weight.to(x.dtype)
+        if _TORCH_FUSES_RMS_NORM:
+            y = F.rms_norm(x, self.weight.shape, w, self.eps)
+        else:
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
         return y.to(self.weight.dtype)
 
 
