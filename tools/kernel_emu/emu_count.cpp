@@ -25,7 +25,8 @@ struct LaunchCount {
   int pass = -1;
   long long blocks = 0, threads = 0, barriers = 0, shuffles = 0;
   long long read_bytes = 0, write_bytes = 0;      // per warp instruction: 32 x its distinct sectors
-  long long read_unique = 0, write_unique = 0;    // 32 x the distinct sectors of the whole launch
+  long long read_unique = 0, write_unique = 0;    // 32 x the distinct sectors of the whole launch (reads: those
+                                                  // not written in full by the launch before, see access)
   long long exp = 0, fma = 0, chain = 0;
   long long smem_accesses = 0;   // warp instructions that load or store shared memory
   long long smem_wavefronts = 0; // what they take at 32 banks of 4 bytes: per instruction, the most distinct words
@@ -119,6 +120,7 @@ struct Counter {
   std::unordered_map<AccessKey, std::vector<uint64_t>, AccessKeyHash> round;
   std::unordered_map<AccessKey, std::vector<uint64_t>, AccessKeyHash> smem_round;  // -> 4-byte words
   std::unordered_set<uint64_t> read_sectors, write_sectors;
+  std::unordered_map<uint64_t, uint32_t> written;  // sector -> the bytes of it the launch has written so far
 };
 Counter& C() {
   static Counter c;
@@ -176,7 +178,20 @@ void access(const void* p, size_t size, bool write, const void* site) {
     return;
   }
   auto& sectors = C().round[key];
-  for (uint64_t s = a / 32; s <= (a + size - 1) / 32; ++s) sectors.push_back(s);
+  for (uint64_t s = a / 32; s <= (a + size - 1) / 32; ++s) {
+    sectors.push_back(s);
+    // the bytes of sector s this access touches
+    const uint64_t lo = std::max<uint64_t>(a, s * 32) - s * 32, hi = std::min<uint64_t>(a + size, s * 32 + 32) - s * 32;
+    const uint32_t bytes = uint32_t(((uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1));
+    if (write) {
+      C().written[s] |= bytes;
+    } else {
+      // What an ideal cache fetches: a read of bytes the launch wrote before (a sum another block stored, read back
+      // by the next: the backward's chain) finds them in the cache; any other read fetches the sector.
+      auto it = C().written.find(s);
+      if (it == C().written.end() || (it->second & bytes) != bytes) C().read_sectors.insert(s);
+    }
+  }
 }
 
 // An arithmetic result: `cost` FMA-pipe operations, a chain of `depth`, remembered for the subexpression rule.
@@ -249,6 +264,7 @@ void count_launch_begin(const void* kernel, int pass, unsigned blocks, unsigned 
   C().shadow.clear();  // values loaded by this launch start their chains here
   C().read_sectors.clear();
   C().write_sectors.clear();
+  C().written.clear();
 }
 
 void count_launch_end() {
@@ -256,6 +272,7 @@ void count_launch_end() {
   cur().write_unique = 32 * (long long)C().write_sectors.size();
   C().read_sectors.clear();
   C().write_sectors.clear();
+  C().written.clear();
   C().in_launch = false;
 }
 
@@ -265,8 +282,7 @@ void count_round_end() {
     std::sort(s.begin(), s.end());
     s.erase(std::unique(s.begin(), s.end()), s.end());
     (kv.first.write ? cur().write_bytes : cur().read_bytes) += 32 * (long long)s.size();
-    auto& all = kv.first.write ? C().write_sectors : C().read_sectors;
-    all.insert(s.begin(), s.end());
+    if (kv.first.write) C().write_sectors.insert(s.begin(), s.end());  // (reads: see access)
   }
   C().round.clear();
   for (auto& kv : C().smem_round) {
