@@ -294,28 +294,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("silu") = false);
   m.def(
       "set_tuning",
-      [](int64_t chunk, int64_t tiles, int64_t target_blocks) {
+      [](int64_t chunk, int64_t tiles, int64_t target_blocks, int64_t partials) {
         const vim_ds_scan::ScanTuning before = vim_ds_scan::scan_tuning();
         vim_ds_scan::ScanTuning t;
         t.chunk = chunk;
         t.tiles = tiles;
         t.target_blocks = target_blocks;
+        t.partials = partials;
         const char* err = vim_ds_scan::scan_set_tuning(t);
         TORCH_CHECK(err == nullptr, err);
-        return std::vector<int64_t>{before.chunk, before.tiles, before.target_blocks};
+        return std::vector<int64_t>{before.chunk, before.tiles, before.target_blocks, before.partials};
       },
       "cap the launcher's layout (selective_scan_cuda.h, ScanTuning; 0: its own choice) -> the caps before, "
-      "[chunk, tiles, target_blocks]",
-      py::arg("chunk") = 0, py::arg("tiles") = 0, py::arg("target_blocks") = 0);
+      "[chunk, tiles, target_blocks, partials]",
+      py::arg("chunk") = 0, py::arg("tiles") = 0, py::arg("target_blocks") = 0, py::arg("partials") = 0);
   m.def(
       "layout",
       [](int64_t batch, int64_t dim, int64_t seqlen, int64_t dstate, int64_t dtype, bool backward) {
         const auto a = vim_ds_scan::scan_args(batch, dim, seqlen, dstate, ScanDType(dtype));
         const vim_ds_scan::ScanLayout l = vim_ds_scan::scan_layout(a, backward);
-        return std::vector<int64_t>{l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg};
+        return std::vector<int64_t>{l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg,
+                                    l.partials};
       },
       "what the launcher picks under the current tuning -> [chunk, tiles, channels per block, blocks per batch "
-      "element, segments]; dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16",
+      "element, segments, partials (1: the backward writes per-block partial sums of dB, dC)]; dtype: 0 float32, "
+      "1 float64, 2 float16, 3 bfloat16",
       py::arg("batch"), py::arg("dim"), py::arg("seqlen"), py::arg("d_state"), py::arg("dtype"),
       py::arg("backward"));
   m.def(

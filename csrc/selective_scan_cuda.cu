@@ -107,6 +107,10 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
   p.seg_chunks = int(seg_chunks);
   p.n_seg = int((p.n_chunks + seg_chunks - 1) / seg_chunks);
   p.pass = 1;
+  // several blocks of channels a batch row sum dB, dC in place, in turn, unless tuned to write partial sums (or the
+  // instance has no chain: ssk::bwd_chains)
+  p.chain = backward && p.blocks_per_batch > 1 && g_tuning.partials == 0 &&
+            ssk::bwd_chains(lay.npl, acc_size(a.dtype));
   p.softplus = a.delta_softplus;
   p.reverse = a.reverse;
   p.u = a.u;
@@ -133,6 +137,11 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
   p.dD = a.dD;
   p.ddelta_bias = a.ddelta_bias;
   p.ws = a.workspace;
+  // the chain's flags and ticket counter, where ws_layout puts them
+  p.flags = p.chain && a.workspace != nullptr
+                ? reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) +
+                                              ssk::ws_layout(p).flags * acc_size(a.dtype))
+                : nullptr;
   return p;
 }
 
@@ -193,6 +202,10 @@ const char* launch(const KernelParams& p1, Kind kind, int acc_bytes, cudaStream_
     p0.pass = backward ? 1 : 0;
     if ((err = launch_aux<acc_t>(p0, false, stream))) return err;
   }
+  if (p1.chain) {  // the chain's flags and ticket counter start at zero
+    const size_t bytes = size_t(ssk::chain_flag_count(p1)) * acc_bytes;
+    if (cudaMemsetAsync(p1.flags, 0, bytes, stream) != cudaSuccess) return last_error();
+  }
   if ((err = launch_scan<input_t, kNPL, kG>(p1, backward, acc_bytes, stream))) return err;
   if (backward) err = launch_aux<acc_t>(p1, true, stream);
   return err;
@@ -227,6 +240,7 @@ KernelParams h0_grad_params(const ScanArgs& a, const Layout& lay) {
   p.seg_chunks = p.n_chunks;
   p.n_seg = 1;
   p.pass = 0;
+  p.chain = false;
   p.dlast = nullptr;
   return p;
 }
@@ -279,6 +293,7 @@ const char* scan_set_tuning(const ScanTuning& t) {
   if (t.tiles < 0 || t.tiles > ssk::kMaxTiles) return "selective_scan: the tile cap must be 0 (the launcher's) to 4";
   if (t.target_blocks < 0 || t.target_blocks > 2147483647)
     return "selective_scan: the target block count must be 0 (the launcher's) or positive";
+  if (t.partials != 0 && t.partials != 1) return "selective_scan: partials must be 0 (the launcher's chain) or 1";
   g_tuning = t;
   return nullptr;
 }
@@ -295,6 +310,7 @@ ScanLayout scan_layout(const ScanArgs& a, bool backward) {
   r.channels_per_block = int64_t(ssk::kThreads / lay.group) * p.tiles;
   r.blocks_per_batch = p.blocks_per_batch;
   r.n_seg = p.n_seg;
+  r.partials = p.blocks_per_batch > 1 && !p.chain;
   return r;
 }
 

@@ -99,10 +99,13 @@ int64_t scan_workspace_bytes(const ScanArgs& args, bool backward);
 //                 under the same chunk (it sets `saved`'s shape, which the binding checks);
 //   tiles         the most channel tiles a backward block walks (1 .. 4; fewer where the instance has fewer);
 //   target_blocks the blocks a launch aims at: below it the sequence is split into segments (default 1024; 1:
-//                 never split).
+//                 never split);
+//   partials      1: where several blocks of channels share a batch row, the backward's blocks write their sums
+//                 of dB, dC as partials that a reduction adds (0, the launcher's: they add them into dB, dC in
+//                 turn, a chain; the same bits either way).
 // Process-wide, not thread-safe (set it between calls, as a benchmark does).
 struct ScanTuning {
-  int64_t chunk = 0, tiles = 0, target_blocks = 0;
+  int64_t chunk = 0, tiles = 0, target_blocks = 0, partials = 0;
 };
 // Set the tuning; returns nullptr, or a static message naming the field out of range (then nothing changes).
 const char* scan_set_tuning(const ScanTuning& tuning);
@@ -111,6 +114,7 @@ ScanTuning scan_tuning();
 // What the launcher picks for these shapes under the current tuning (forward or backward launch).
 struct ScanLayout {
   int64_t chunk = 0, tiles = 0, channels_per_block = 0, blocks_per_batch = 0, n_seg = 0;
+  int64_t partials = 0;  // backward: 1 when its blocks write per-block partial sums of dB, dC
 };
 ScanLayout scan_layout(const ScanArgs& args, bool backward);
 

@@ -55,13 +55,23 @@
 //   with segments of at least 2 chunks: batch 1, D 384, N 16, L 4097 -> 48 x 22 blocks; B 64, D 384, L 197 ->
 //   3072 blocks and one segment (then pass 0 and the combine are skipped: the single-pass mapping of before).
 //
-// Determinism: no float atomics. Every output element is written by one thread, and every sum has a fixed
-//   order: over n by the xor-shuffle trees of scatter_sum (and of group_sum: ddelta_bias over the lanes that
-//   summed it), dB/dC over the channels of a 32-lane segment by shuffles, then over
-//   the block's channel tiles in order and its 32-lane segments in index order (shared memory), then over blocks
-//   of channels by scan_reduce_kernel in index order (per-block partials in the workspace; direct store when one
-//   block holds all channels); dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and
-//   segments in order. So the same inputs give the same bits run after run, on any block schedule.
+// Determinism: no float atomics. Every output element is written by one thread at a time, and every sum has a
+//   fixed order: over n by the xor-shuffle trees of scatter_sum (and of group_sum: ddelta_bias over the lanes that
+//   summed it), dB/dC over the channels of a 32-lane segment by shuffles, then over the block's channel tiles in
+//   order and its 32-lane segments in index order (shared memory), then over blocks of channels in index order;
+//   dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and segments in order.
+//   So the same inputs give the same bits run after run, on any block schedule.
+//   dB/dC over blocks of channels (KernelParams::chain, in the instances that have it: bwd_chains): a chain. For
+//   each chunk the blocks
+//   of a batch row's channels add their sums to dB, dC in turn, block 0 storing its own, block k adding its own to
+//   what blocks 0 .. k-1 stored, after a flag per (batch row, chunk) says they have (chain_wait, chain_release;
+//   integer atomics only). Its order is the reduction's, so its bits are too; its traffic is dB, dC's, where
+//   per-block partial sums were written and read back (fp32, 2 x 2 x N x 4 bytes per channel block and step: at
+//   Vim-small-stride-8's shape 310 MB a backward, more than half its minimum in bf16). The blocks of a row run
+//   side by side, each a chunk's store behind the one before at most. A block takes its work by ticket
+//   (block_ticket), so that it only waits for blocks that have started. Without a chain (the other instances, or
+//   tuned so: ScanTuning::partials) the blocks write per-block partials and scan_reduce_kernel adds them in index
+//   order (the same bits); when one block holds all channels it stores dB, dC directly.
 //
 // Reverse mode (KernelParams::reverse, Vim's backward direction): the kernels walk scan steps s = 0, 1, ... as
 //   always, and every global-memory index of a time-indexed tensor goes through p.time(s) = L-1-s. Chunks, stored
@@ -134,13 +144,13 @@
 //   What sets them: fp32 is memory-bound on all three (16 bytes per (b, d, t) forward); in bf16 the bytes halve and
 //   the exps take over the forward (N + 4 = 20 special-function ops per (b, d, t) at 1/8 or 1/4 of the FMA rate)
 //   and the FMAs the backward (13 N + 21 = 229 per (b, d, t)), so bf16 gains little over fp32 on paper (H100, B=64
-//   L=197: 0.112 vs 0.129 ms). This kernel moves more than the minimum: the backward's per-block-of-channels
-//   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (tiles x 128 / G)) x N
-//   x L x 4 bytes each) are 78 MB at B=64 D=768 L=197 with 4 channel tiles a block (310 MB with one, before the
-//   tiles: more than the 275 MB (fp32) / 137 MB (bf16) of the minimum), and the stored states (`saved`, N floats
-//   per chunk of T steps, written forward, read backward) 22 MB: H100 0.11 / 0.071 ms of backward traffic against
-//   bounds of 0.082 / 0.066 ms, fp32 / bf16 (0.18 / 0.14 ms before the tiles); with segments, pass 0 reads its
-//   inputs once more. The kernel emulator counts what each launch moves (tools/kernel_emu, scan_counts.py).
+//   L=197: 0.112 vs 0.129 ms). This kernel moves more than the minimum: the stored states (`saved`, N floats per
+//   chunk of T steps, written forward, read backward; 22 MB at B=64 D=768 L=197), dB and dC in fp32, the
+//   per-segment sums of dA, and with segments pass 0 reads its inputs once more. Its backward's per-block-of-channels
+//   dB/dC partials (fp32, written and read back by scan_reduce_kernel; batch x ceil(dim / (tiles x 128 / G)) x N x
+//   L x 4 bytes each) were 310 MB at that shape with one tile a block, more than the 275 MB (fp32) / 137 MB (bf16)
+//   of its minimum, 78 MB with 4 tiles, and none since the chain (in the instances without one they remain). The
+//   kernel emulator counts what each launch moves (tools/kernel_emu, scan_counts.py).
 //
 // Occupancy floor (tools/compile_check.sh fails below it): 12.5%, that is 8 of an SM's 64 warps (two per
 //   scheduler: two 128-thread blocks) on NVIDIA, and 4 of a CDNA CU's 32 wavefronts (one per SIMD: two blocks) on
@@ -407,6 +417,46 @@ __device__ __forceinline__ T group_sum(T v, int G) {
 // Dynamic shared memory, declared once as double so that it is 8-byte aligned for float and double use.
 extern __shared__ double ss_smem_raw[];
 
+// Blocks that add to one sum in turn (the backward's chain, see "Determinism"). A block's turn comes when a flag in
+// global memory reaches its place: one lane waits for it (chain_wait) and the block then reads what the blocks before
+// it stored; a block passes the turn on after its stores (chain_release). The pattern of a serial split-K
+// reduction: every thread's stores are made visible device-wide (__threadfence) before the flag says so, and the
+// sums are read with volatile loads, which go past the SM's L1 cache (other SMs' stores do not update it).
+__device__ __forceinline__ float load_fresh(const float* p) { return *static_cast<const volatile float*>(p); }
+__device__ __forceinline__ double load_fresh(const double* p) { return *static_cast<const volatile double*>(p); }
+// A pause between two reads of a flag, so that the waiting lane leaves the memory system to the others. (The kernel
+// emulator runs blocks one after another: there any wait that is not over at once is a block waiting for one that
+// has not run, which on a GPU could hang, and the emulator's stand-ins stop with a message.)
+__device__ __forceinline__ void spin_pause() {
+#if SS_HIP
+  __builtin_amdgcn_s_sleep(1);
+#elif !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+  __nanosleep(64);
+#endif
+}
+__device__ __forceinline__ void chain_wait(const unsigned* flag, unsigned turn) {
+  if (threadIdx.x == 0) {
+    while (*static_cast<const volatile unsigned*>(flag) < turn) spin_pause();
+    __threadfence();
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void chain_release(unsigned* flag, unsigned next) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(flag, next);
+}
+// The block's index for the work mapping when it waits for others: a ticket, taken in the order blocks start (an
+// atomic counter), so that the blocks it waits for have started: a GPU may start a grid's blocks in any order, and
+// a block that waits for one that has not started, holding the place that one needs, would wait forever. (The
+// shared memory's next use is after the chunk loop's first barrier.)
+__device__ __forceinline__ unsigned block_ticket(unsigned* counter) {
+  unsigned* const slot = reinterpret_cast<unsigned*>(ss_smem_raw);
+  if (threadIdx.x == 0) *slot = atomicAdd(counter, 1u);
+  __syncthreads();
+  return *slot;
+}
+
 // ------------------------------------------------------------------ parameters -----------------------------
 
 // What the kernels need, with 32-bit sizes (the launcher checks they fit). Pointers are untyped; each kernel
@@ -423,6 +473,8 @@ struct KernelParams {
   int pass;            // which pass of a multi-pass launch (set by the launcher, see each kernel)
   bool softplus;
   bool reverse;        // scan t = L-1 .. 0: step s of the scan is time L-1-s (see time())
+  bool chain;          // backward, several blocks of channels a batch row: pass 1 sums dB, dC in place, block after
+                       // block (see "Determinism"); else per-block partials that scan_reduce_kernel adds
 
   // Position in memory of scan step s: the kernels walk steps 0, 1, ...; in reverse mode they map to times L-1,
   // L-2, ..., so the reversed direction needs no flipped copies and runs exactly the forward's arithmetic.
@@ -450,12 +502,13 @@ struct KernelParams {
   void* ddelta;
   void* dz;                // null iff z is null
   void* dA;                // accumulation type; dA .. ddelta_bias written by scan_reduce_kernel (dB, dC by the
-                           // backward itself when blocks_per_batch == 1)
+                           // backward itself when blocks_per_batch == 1 or chain)
   void* dB;
   void* dC;
   void* dD;                // null iff D is null
   void* ddelta_bias;       // null iff delta_bias is null
   void* ws;                // workspace (see ws_layout), accumulation type, no initialisation needed
+  unsigned* flags;         // backward with chain: the chain's flags and ticket counter in ws (chain_flags), zeroed
   int tiles;               // channel tiles of cpb channels a block walks in turn: 1 forward, bwd_tiles() backward
 };
 
@@ -465,14 +518,22 @@ struct KernelParams {
 //   seg_P [BD][S][N]  product of exp(dl*A) over the segment
 //   dA_p  [BD][S][N]  backward: per-segment partial sums of dA
 //   dD_p, dbias_p [BD][S]
-//   dB_p, dC_p [batch][NC][N][L]  per-block-of-channels partial sums (only when NC > 1; else written to dB, dC)
+//   dB_p, dC_p [batch][NC][N][L]  per-block-of-channels partial sums (only when NC > 1 and not chain; else the
+//                     backward writes dB, dC)
+//   flags          chain only, as int: [batch][n_chunks] how many blocks of channels have added their sums of a
+//                     chunk into dB, dC, then the ticket counter (chain_flags); one element each, zeroed by the
+//                     launcher before pass 1
 struct WsLayout {
-  int64_t seg_v, seg_P, dA_p, dD_p, dbias_p, dB_p, dC_p, fwd_total, bwd_total;
+  int64_t seg_v, seg_P, dA_p, dD_p, dbias_p, dB_p, dC_p, flags, fwd_total, bwd_total;
 };
+__host__ __device__ inline int64_t chain_flag_count(const KernelParams& p) {
+  return p.chain ? int64_t(p.batch) * p.n_chunks + 1 : 0;
+}
 __host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
   WsLayout w;
   const int64_t bd = int64_t(p.batch) * p.dim, s = bd * p.n_seg * p.dstate;
-  const int64_t part = p.blocks_per_batch > 1 ? int64_t(p.batch) * p.blocks_per_batch * p.dstate * p.seqlen : 0;
+  const int64_t part = p.blocks_per_batch > 1 && !p.chain
+                           ? int64_t(p.batch) * p.blocks_per_batch * p.dstate * p.seqlen : 0;
   w.seg_v = 0;
   w.seg_P = s;
   w.dA_p = 2 * s;
@@ -480,8 +541,9 @@ __host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
   w.dbias_p = w.dD_p + bd * p.n_seg;
   w.dB_p = w.dbias_p + bd * p.n_seg;
   w.dC_p = w.dB_p + part;
+  w.flags = w.dC_p + part;
   w.fwd_total = p.n_seg > 1 ? 2 * s : 0;
-  w.bwd_total = w.dC_p + part;
+  w.bwd_total = w.flags + chain_flag_count(p);
   return w;
 }
 
@@ -546,16 +608,16 @@ __host__ __device__ __forceinline__ int group_size(const KernelParams& p) {
 }
 
 // Which (batch, channel, lane) a thread works on (in a block's first channel tile; see bwd_tiles).
-// Block index = (b * blocks_per_batch + chb) * n_seg + seg.
+// Block index = (b * blocks_per_batch + chb) * n_seg + seg: blockIdx.x, or the block's ticket (block_ticket).
 struct ThreadMap {
   int b, chb, seg, c_begin, c_end, d0, c_local, lane_g, d;
   int64_t bd;  // b * dim + d
   bool ch_ok;
   // tiles: the channel tiles of a block, p.tiles in the backward (the forward's constant 1 spares it registers)
-  __device__ ThreadMap(const KernelParams& p, int tiles = 1) {
+  __device__ ThreadMap(const KernelParams& p, int tiles, unsigned block) {
     const int cpb = kThreads / p.group;
-    seg = blockIdx.x % p.n_seg;
-    const int bc = blockIdx.x / p.n_seg;
+    seg = block % p.n_seg;
+    const int bc = block / p.n_seg;
     b = bc / p.blocks_per_batch;
     chb = bc % p.blocks_per_batch;
     d0 = chb * cpb * tiles;
@@ -706,6 +768,11 @@ constexpr int kMaxTiles = 4;
 __host__ __device__ constexpr int bwd_max_tiles(int npl, int acc_bytes) {
   return npl == 1 && acc_bytes == 4 ? kMaxTiles : 1;
 }
+// Whether the instance's blocks of channels can sum dB, dC in a chain (see "Determinism"): those that walk several
+// tiles, Vim's. The others (several states a lane, float64) write per-block partial sums for scan_reduce_kernel: the
+// chain's code in their backward cost ptxas and the AMD compilers registers they lack (sm_80 / sm_90 spilled 4-5
+// bytes in scan_bwd<fp64,npl8>, gfx942 parked 2-4 scalar registers in scan_bwd<fp32,npl8> and <bf16,npl8>).
+__host__ __device__ constexpr bool bwd_chains(int npl, int acc_bytes) { return bwd_max_tiles(npl, acc_bytes) > 1; }
 __host__ __device__ inline int bwd_tiles(int npl, int acc_bytes, int group) {
   const int cpb = kThreads / group, most = bwd_max_tiles(npl, acc_bytes);
   return most * cpb <= kMaxRows ? most : kMaxRows / cpb;
@@ -837,7 +904,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
   const int cpb = kThreads / G, NB = kNPL == 1 ? G : bc_cols(N, G);
   const int RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int tid = threadIdx.x;
-  const ThreadMap m(p);
+  const ThreadMap m(p, 1, blockIdx.x);
 
   // The block's rows of each tensor (see block_ptr).
   const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
@@ -1100,7 +1167,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   const int cpb = kThreads / G;
   const int tid = threadIdx.x;
-  const ThreadMap m(p, p.tiles);  // this thread's channel in tile 0; in tile g it is g * cpb further
+  // Pass 1 of a chain (several blocks of channels a batch row sum dB, dC in place, in turn) maps its work by ticket.
+  constexpr bool kChain = bwd_chains(kNPL, sizeof(acc_t));
+  const bool chained = kChain && p.chain && p.pass == 1;
+  // this thread's channel in tile 0; in tile g it is g * cpb further
+  const ThreadMap m(p, p.tiles,
+                    chained ? block_ticket(p.flags + int64_t(p.batch) * p.n_chunks) : blockIdx.x);
 
   // The block's rows of each tensor (see block_ptr).
   const int64_t rows0 = row_base(p, m), bc0 = bc_base(p, m.b);
@@ -1126,14 +1198,13 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   input_t* __restrict__ dz = p.dz != nullptr ? block_ptr<true, kBases>(static_cast<input_t*>(p.dz), rows0) : nullptr;
   acc_t* __restrict__ ws = static_cast<acc_t*>(p.ws);
   const WsLayout w = ws_layout(p);
-  // The block's sums of dB, dC over its channels: straight into dB, dC when one block holds all channels (then
-  // [batch][1][N][L] is their layout), else into per-block partials that scan_reduce_kernel adds in order; this
-  // block's rows of them start at row (b * blocks_per_batch + chb) * N.
-  const int64_t part0 = bc_base(p, int64_t(m.b) * p.blocks_per_batch + m.chb);
-  acc_t* __restrict__ dB =
-      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dB_p : static_cast<acc_t*>(p.dB), part0);
-  acc_t* __restrict__ dC =
-      block_ptr<false, kBases>(p.blocks_per_batch > 1 ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
+  // The block's sums of dB, dC over its channels: into dB, dC when one block holds all channels or the blocks of
+  // channels add them there in turn (chain), else into per-block partials that scan_reduce_kernel adds in order;
+  // this block's rows of them start at row (b * blocks_per_batch + chb) * N.
+  const bool partials = p.blocks_per_batch > 1 && !p.chain;
+  const int64_t part0 = bc_base(p, partials ? int64_t(m.b) * p.blocks_per_batch + m.chb : int64_t(m.b));
+  acc_t* __restrict__ dB = block_ptr<false, kBases>(partials ? ws + w.dB_p : static_cast<acc_t*>(p.dB), part0);
+  acc_t* __restrict__ dC = block_ptr<false, kBases>(partials ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
 
   // Shared memory layout (see bwd_smem_elems): one tile's channels at a time. The arrays' offsets go through
   // in_vgpr: 12 uniform LDS addresses held in scalar registers for the whole kernel were the largest use of them
@@ -1209,6 +1280,10 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   }
   // This thread's tile stride of `saved` (a per-lane value, see in_vgpr), the tiles of the block with channels.
   const int saved_tile = kTiles == 1 ? 0 : in_vgpr(cpb * p.n_chunks * N);
+  // The chain (step 5): this block's place among its batch row's blocks of channels (-1: no chain) and the row's
+  // flags, per lane on AMD (in_vgpr, per_lane): as uniform values they parked scalar registers in vector lanes.
+  const int turn = kChain ? in_vgpr(chained ? m.chb : -1) : -1;
+  unsigned* const flag_row = kChain ? per_lane(chained ? p.flags + m.b * p.n_chunks : p.flags) : nullptr;
   const int tiles = kTiles == 1 ? 1 : min(p.tiles, (p.dim - m.d0 + cpb - 1) / cpb);
   // The first group of each 32-lane segment stores the segment's dB, dC sums: slots k < lead of this lane.
   int lead = (tid % kSeg) < G ? slots : 0;
@@ -1484,11 +1559,19 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     }
     if (carries_only) continue;  // uniform over the block; the next chunk starts with a barrier
 
-    // ---- 5. the chunk's dB, dC: each (b, n, time) belongs to one segment, so to exactly one block of this row
+    // ---- 5. the chunk's dB, dC: each (b, n, time) belongs to one segment, so to exactly one block of this row,
+    // or in a chain to the row's blocks of channels in turn, each adding its sums to what the ones before stored
+    const bool adds = turn > 0;  // (uniform over the block)
+    if (adds) chain_wait(flag_row + c, turn);
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i >> p.chunk_log2, t = i & (T - 1);
       if (t < len) {
         const int64_t off = blk_at<kBases>(p, part0, n, p.time(t0 + t));
+        // what the blocks before stored (chain; else nothing): the order of scan_reduce_kernel's sums, and the same
+        // bits for a block that adds nothing (0 + the block's sum, which is never -0, is that sum). (A select, not a
+        // branch around the add: with the branch ptxas issued the reverse step 63.0 instructions instead of 62.5.)
+        const acc_t before_b = adds ? load_fresh(dB + off) : acc_t(0);
+        const acc_t before_c = adds ? load_fresh(dC + off) : acc_t(0);
         acc_t sb = acc_t(0), sc = acc_t(0);
         for (int j = 0; j < kSegs; ++j) {
           acc_t v[2];
@@ -1496,10 +1579,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           sb += v[0];
           sc += v[1];
         }
-        dB[off] = sb;
-        dC[off] = sc;
+        dB[off] = before_b + sb;
+        dC[off] = before_c + sc;
       }
     }
+    if (turn >= 0 && turn + 1 < p.blocks_per_batch) chain_release(flag_row + c, turn + 1);
   }
 
   // ---- 6. after the chunks: the segment's sums and stores.
@@ -1567,16 +1651,16 @@ __global__ void SS_LAUNCH_BOUNDS scan_combine_kernel(const KernelParams p) {
   }
 }
 
-// Ordered sums of the backward's partials (no atomics, so the same bits on every run): one thread per output
-// element of dA (dim, N), dD (dim), ddelta_bias (dim), and when several blocks share a batch row, dB and dC
-// (batch, N, L). Each sums over batch then segments, or over blocks of channels, in index order.
+// Ordered sums of the backward's partials (no float atomics, so the same bits on every run): one thread per output
+// element of dA (dim, N), dD (dim), ddelta_bias (dim), and when several blocks share a batch row without a chain,
+// dB and dC (batch, N, L). Each sums over batch then segments, or over blocks of channels, in index order.
 template <typename acc_t>
 __global__ void SS_LAUNCH_BOUNDS scan_reduce_kernel(const KernelParams p) {
   const int64_t i0 = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int N = p.dstate, S = p.n_seg, NC = p.blocks_per_batch;
   const acc_t* ws = static_cast<const acc_t*>(p.ws);
   const WsLayout w = ws_layout(p);
-  const int64_t nA = int64_t(p.dim) * N, nBC = NC > 1 ? int64_t(p.batch) * N * p.seqlen : 0;
+  const int64_t nA = int64_t(p.dim) * N, nBC = NC > 1 && !p.chain ? int64_t(p.batch) * N * p.seqlen : 0;
   int64_t i = i0;
   if (i < nA) {
     const int64_t d = i / N, n = i % N;
@@ -1613,7 +1697,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_reduce_kernel(const KernelParams p) {
 
 // Threads the reduce kernel needs.
 __host__ __device__ inline int64_t reduce_elems(const KernelParams& p) {
-  const int64_t nBC = p.blocks_per_batch > 1 ? int64_t(p.batch) * p.dstate * p.seqlen : 0;
+  const int64_t nBC = p.blocks_per_batch > 1 && !p.chain ? int64_t(p.batch) * p.dstate * p.seqlen : 0;
   return int64_t(p.dim) * p.dstate + 2 * int64_t(p.dim) + 2 * nBC;
 }
 

@@ -4,12 +4,13 @@ shape with the bench shapes' layout: one segment along the sequence, several blo
 
 - The counting build computes the same bits as the checking build (its accumulation type only reports).
 - Its distinct-sector bytes are exactly the model's minimum plus the traffic the kernels' design adds (the stored
-  states, the backward's per-block dB/dC partials and per-segment parameter sums, dB/dC in fp32), each from the
-  shapes and the launch's own block count: nothing missed, nothing counted twice.
-- Against the minimum (issue 51, item 3; the goal is 1.3x for the bytes): the forward's distinct bytes are within
-  it; the backward's are not yet, and the test holds them at what the kernel does now (its dB/dC partials, a
-  quarter of what they were, are most of the excess). The exp of the forward is the model's exactly; the chains
-  are the serial walk over the sequence.
+  states, the backward's chain flags and per-segment parameter sums, dB/dC in fp32; with per-block dB/dC partials
+  instead of the chain, those), each from the shapes and the launch's own layout: nothing missed, nothing counted
+  twice.
+- Against the minimum (issue 51, item 3; the goal is 1.3x for the bytes): the forward's and the backward's distinct
+  bytes are within it, the backward's since its blocks of channels add their dB/dC sums in a chain (with the
+  per-block partials of before: 1.38x fp32, 1.74x bf16, the negative control). The exp of the forward is the
+  model's exactly; the chains are the serial walk over the sequence.
 
 The library comes from the `kernel_emu_build` fixture (tests/conftest.py), built once per test run.
 """
@@ -56,28 +57,37 @@ def test_the_counting_build_computes_what_the_checking_build_does(build):
         "void ssk::scan_reduce_kernel"]
 
 
-def design_bytes(lib, shape, dtype, bwd_launches) -> dict:
+def design_bytes(lib, shape, dtype, bwd_launches, partials=False) -> dict:
     """The bytes the kernels move beyond the model's minimum by design: the forward writes each chunk's start state
     (N fp32 per (b, d, chunk)), the backward reads them back, writes dB and dC in fp32 (the model: the input
-    dtype), and writes and reads back per block of channels its dB/dC partial sums (scan_model's account of them,
-    whose block count must be the launch's) and per (b, d, segment) its dA, dD, ddelta_bias sums (one segment)."""
+    dtype), and writes and reads back per (b, d, segment) its dA, dD, ddelta_bias sums (one segment). Its blocks of
+    channels add their dB/dC sums in a chain, whose flags (an int per (b, chunk) and the ticket counter, zeroed
+    before the launch) it fetches and writes back; tuned to `partials`, they write per-block partial sums that the
+    reduction reads back instead (scan_model's account of them, whose block count must be the launch's)."""
     batch, dim, L, N = shape
     e = scan_model.ELEM_BYTES[dtype]
     chunk = lib.emu_chunk_length(N, scan_counts.DTYPE_CODE[dtype])
-    saved = batch * dim * -(-L // chunk) * N * 4
-    # the model's account of the partials, from the launcher's layout, and the launch's own block count
-    assert bwd_launches[0]["blocks"] == batch * scan_model.kernel_backward_blocks(batch, dim, N, dtype)
-    partials = scan_model.kernel_partials_bytes(batch, dim, L, N, dtype)  # written and read back
+    n_chunks = -(-L // chunk)
+    saved = batch * dim * n_chunks * N * 4
+    assert bwd_launches[0]["blocks"] == batch * scan_model.kernel_backward_blocks(batch, dim, N, dtype) > batch
+    if partials:
+        sums = scan_model.kernel_partials_bytes(batch, dim, L, N, dtype)  # written and read back
+    else:
+        sums = 2 * 32 * -(-4 * (batch * n_chunks + 1) // 32)
     params = batch * dim * (N + 2) * 4
-    return {"fwd": saved, "bwd": saved + 2 * batch * N * L * (4 - e) + partials + 2 * params}
+    return {"fwd": saved, "bwd": saved + 2 * batch * N * L * (4 - e) + sums + 2 * params}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_distinct_bytes_are_the_minimum_plus_what_the_design_adds(build, dtype):
-    row = counted(build, dtype)
-    assert [len(row[k]["launches"]) for k in ("fwd", "bwd")] == [1, 2]  # one segment: no pass 0, no combine
+@pytest.mark.parametrize("partials", [False, True], ids=["chain", "partials"])
+def test_distinct_bytes_are_the_minimum_plus_what_the_design_adds(build, dtype, partials):
     lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
-    extra = design_bytes(lib, SHAPE, dtype, row["bwd"]["launches"])
+    tuning = (0, 0, 0, int(partials))
+    row = scan_counts.compare(*SHAPE, dtype, lib_path=os.path.join(build, scan_counts.LIB_NAME), tuning=tuning)
+    with scan_counts.tuned(lib, tuning):
+        assert scan_counts.layout(lib, *SHAPE, dtype)[3:] == (4, 1, int(partials))  # 4 blocks of channels
+    assert [len(row[k]["launches"]) for k in ("fwd", "bwd")] == [1, 2]  # one segment: no pass 0, no combine
+    extra = design_bytes(lib, SHAPE, dtype, row["bwd"]["launches"], partials)
     for kind in ("fwd", "bwd"):
         k = row[kind]
         assert k["unique_bytes"] == k["minimum"]["bytes"] + extra[kind], kind
@@ -88,18 +98,23 @@ def test_distinct_bytes_are_the_minimum_plus_what_the_design_adds(build, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_counts_against_the_models_minimum(build, dtype):
     """The issue's goal is 1.3x for the bytes. The forward meets it (distinct sectors: 1.11x fp32, 1.21x bf16 here,
-    the stored states being the excess). The backward does not yet: its blocks walk 4 tiles of 8 channels, so its
-    dB/dC partials (fp32, written and read back) are 2 x 2 x N / 32 x 4 bytes per (b, d, t), 8 for N = 16, against
-    a minimum of 7 x e (1.38x fp32, 1.74x bf16 here; with one tile of 8 channels a block, before, 32 bytes: 2.12x,
-    3.13x). Held at what the kernel does now, so that a change shows."""
+    the stored states being the excess), and the backward (1.13x, 1.28x: the stored states, dB/dC in fp32 and the
+    per-segment parameter sums, the last large at 64 steps). The backward met it once its blocks of channels (4
+    blocks of 4 tiles of 8 channels here) summed dB, dC in a chain: with per-block partials (fp32, written and read
+    back: 2 x 2 x N / 32 x 4 bytes per (b, d, t), 8 for N = 16, against a minimum of 7 x e) it moves 1.38x, 1.74x,
+    the negative control (with one tile a block, before the tiles, 2.12x, 3.13x). Held at what the kernels do now,
+    so that a change shows."""
     row = counted(build, dtype)
     f, b = row["fwd"]["ratio"], row["bwd"]["ratio"]
-    assert f["unique_bytes"] <= 1.3
-    assert b["unique_bytes"] == pytest.approx({"float32": 1.38, "bfloat16": 1.74}[dtype], abs=0.01)
+    assert f["unique_bytes"] <= 1.3 and b["unique_bytes"] <= 1.3
+    assert b["unique_bytes"] == pytest.approx({"float32": 1.13, "bfloat16": 1.28}[dtype], abs=0.01)
+    tuned = scan_counts.compare(*SHAPE, dtype, lib_path=os.path.join(build, scan_counts.LIB_NAME), tuning=(0, 0, 0, 1))
+    assert tuned["bwd"]["ratio"]["unique_bytes"] == pytest.approx({"float32": 1.38, "bfloat16": 1.74}[dtype], abs=0.01)
     # per warp access the forward re-reads B and C in each of the 16 blocks of 8 channels, the backward in each of
-    # its 4 blocks of 32, and its epilogue reads D once per element (each warp access one sector of its channel)
+    # its 4 blocks of 32 (and dB, dC where the blocks after the first add to them), and its epilogue reads D once
+    # per element (each warp access one sector of its channel)
     assert f["bytes"] == pytest.approx({"float32": 2.00, "bfloat16": 2.10}[dtype], abs=0.01)
-    assert b["bytes"] == pytest.approx({"float32": 1.54, "bfloat16": 1.96}[dtype], abs=0.01)
+    assert b["bytes"] == pytest.approx({"float32": 1.48, "bfloat16": 1.85}[dtype], abs=0.01)
     # one exp(dl*A) per (b, d, t, n) and the model's per-row ones: the forward's exactly; the backward computes
     # exp(dl*A) twice (its state recompute and its reverse step) and softplus' apart from softplus
     assert row["fwd"]["exp"] == row["fwd"]["minimum"]["exp"]
@@ -164,7 +179,9 @@ def test_shared_memory_has_no_bank_conflicts_but_the_forwards_scatter_stores(bui
     # 4,096 + 15,360; the recompute reads dl, u in one (4,096 warp-steps: 4,096); a tile's staging stores 5 arrays
     # in 2 (3 x 16 instructions of 32 lanes, 16 tiles: 768), its epilogue reads 3 in 1 (2 x 16 x 16: 512); a block
     # stages B, C in one (32 x 4 blocks: 128) and sums the 4 segments' dB, dC pairs (4 x 32 x 4: 512). Total 25,472.
-    assert b["smem_accesses"] == 63872 - 25472
+    # Since the blocks of channels sum dB, dC in a chain, a block takes its ticket through shared memory: one store,
+    # a load per warp (4 blocks x 5: 20).
+    assert b["smem_accesses"] == 63872 - 25472 + 20
     warps = batch * dim // 2  # forward: one tile of 8 channels a block, 4 warps of 2 channels
     assert f["smem_conflicts"] == warps * 2 * (L // 8)
     # beyond those, the staging's pair stores (32 lanes x 8 bytes: two wavefronts, no conflict), 256 + 512 below
@@ -250,28 +267,37 @@ def test_the_layout_bench_refuses_in_one_line_what_it_cannot_do(monkeypatch, cap
 def test_the_layout_bench_counts_what_each_layout_adds(build):
     """`vim-ds bench scan --layouts` without a GPU: the emulator's counts per layout, and the bytes the bench says a
     layout adds by design (scan_layouts.design_bytes, from the layout the launcher reports). Checked where one
-    choice alone changes, from first principles: with the sequence in one segment, one channel tile instead of
-    four changes only the backward's dB/dC partials (8 blocks of channels instead of 2: the distinct bytes grow by
-    exactly the partials' difference, the forward is untouched), and chunks of 16 instead of 32 steps only the
-    stored states (the forward writes twice as many, the backward reads them: each grows by half the difference
-    design_bytes gives for both)."""
+    choice alone changes, from first principles, with the sequence in one segment: one channel tile instead of four
+    (8 blocks of channels instead of 2) changes no distinct byte while the blocks sum dB, dC in a chain (its flags
+    are per batch row and chunk, whatever the blocks); with per-block partials instead, the distinct bytes grow by
+    exactly the partials less the chain's flags, 4 times as much with one tile as with four, and the forward is
+    untouched; chunks of 16 instead of 32 steps change only the stored states (the forward writes twice as many,
+    the backward reads them: each grows by half the difference design_bytes gives for both)."""
     shape = (1, 64, 64, 16)
-    layouts = (("own", (0, 0, 1)), ("1 tile", (0, 1, 1)), ("chunk <= 16", (16, 0, 1)))
+    layouts = (("own", (0, 0, 1, 0)), ("1 tile", (0, 1, 1, 0)), ("chunk <= 16", (16, 0, 1, 0)),
+               ("partials", (0, 0, 1, 1)), ("1 tile, partials", (0, 1, 1, 1)))
     rows = scan_layouts.run_counts(shape, "float32", layouts, os.path.join(build, scan_counts.LIB_NAME))
-    own, one_tile, short = rows
-    assert [r["bwd_layout"] for r in rows] == [[32, 4, 32, 2, 1], [32, 1, 8, 8, 1], [16, 4, 32, 2, 1]]
+    own, one_tile, short, partials, one_tile_partials = rows
+    assert [r["bwd_layout"] for r in rows] == [[32, 4, 32, 2, 1, 0], [32, 1, 8, 8, 1, 0], [16, 4, 32, 2, 1, 0],
+                                               [32, 4, 32, 2, 1, 1], [32, 1, 8, 8, 1, 1]]
     extra = [r["design_bytes"] for r in rows]
-    assert extra[0]["partials"] == 2 * 2 * 2 * 16 * 64 * 4 and extra[1]["partials"] == 4 * extra[0]["partials"]
+    assert extra[0]["partials"] == extra[1]["partials"] == 0 and extra[0]["chain_flags"] == 2 * 32  # 3 ints
+    assert extra[3]["partials"] == 2 * 2 * 2 * 16 * 64 * 4 and extra[4]["partials"] == 4 * extra[3]["partials"]
+    assert extra[3]["chain_flags"] == extra[4]["chain_flags"] == 0
     assert extra[2]["saved"] == 2 * extra[0]["saved"] == 2 * 2 * 64 * 2 * 16 * 4
-    assert one_tile["fwd"] == own["fwd"]
-    assert one_tile["bwd"]["unique_bytes"] - own["bwd"]["unique_bytes"] == extra[1]["partials"] - extra[0]["partials"]
+    assert one_tile["fwd"] == partials["fwd"] == one_tile_partials["fwd"] == own["fwd"]
+    assert one_tile["bwd"]["unique_bytes"] == own["bwd"]["unique_bytes"]
+    for row, e in ((partials, extra[3]), (one_tile_partials, extra[4])):
+        assert row["bwd"]["unique_bytes"] - own["bwd"]["unique_bytes"] == e["partials"] - extra[0]["chain_flags"]
     half = (extra[2]["saved"] - extra[0]["saved"]) // 2
     assert short["fwd"]["unique_bytes"] - own["fwd"]["unique_bytes"] == half
     assert short["bwd"]["unique_bytes"] - own["bwd"]["unique_bytes"] == half
     # the launcher's own layout is back after the sweep (uncapped, 197 steps are 7 chunks in 4 segments)
     lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
-    assert scan_counts.layout(lib, 1, 64, 197, 16) == (32, 4, 32, 2, 4)
-    assert "1 tile(s) = 8 channels a block, 8 blocks of channels, 1 segment(s)" in scan_layouts.count_row(one_tile)
+    assert scan_counts.layout(lib, 1, 64, 197, 16) == (32, 4, 32, 2, 4, 0)
+    assert ("1 tile(s) = 8 channels a block, 8 blocks of channels, 1 segment(s), dB/dC in a chain"
+            in scan_layouts.count_row(one_tile))
+    assert "8 blocks of channels, 1 segment(s), dB/dC partials" in scan_layouts.count_row(one_tile_partials)
 
 
 def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monkeypatch, tmp_path, capsys):
@@ -284,16 +310,16 @@ def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monke
     from vim_ds.cli.bench import gpu_report
 
     lib = scan_counts.load(os.path.join(build, scan_counts.LIB_NAME))
-    state = {"caps": (0, 0, 0)}
+    state = {"caps": (0, 0, 0, 0)}
 
     class Module:
-        def set_tuning(self, chunk=0, tiles=0, target_blocks=0):
-            before, state["caps"] = state["caps"], (chunk, tiles, target_blocks)
-            assert lib.emu_set_tuning(chunk, tiles, target_blocks) is None
+        def set_tuning(self, chunk=0, tiles=0, target_blocks=0, partials=0):
+            before, state["caps"] = state["caps"], (chunk, tiles, target_blocks, partials)
+            assert lib.emu_set_tuning(chunk, tiles, target_blocks, partials) is None
             return list(before)
 
         def layout(self, batch, dim, seqlen, d_state, dtype, backward):
-            out = (ctypes.c_longlong * 5)()
+            out = (ctypes.c_longlong * 6)()
             lib.emu_layout(batch, dim, seqlen, d_state, dtype, int(backward), out)
             return list(out)
 
@@ -318,22 +344,26 @@ def test_the_layout_bench_on_a_gpu_times_each_layout_under_its_caps(build, monke
     rows = json.loads(out.read_text())
     assert len(rows) == len(timed) == 2 * 2 * len(scan_layouts.LAYOUTS)
     assert [tuple(c) for _, c in timed] == [tuple(c) for _, c in scan_layouts.LAYOUTS] * 4  # each under its caps
-    assert state["caps"] == (0, 0, 0) and scan_counts.layout(lib, 64, 768, 785, 16) == (32, 4, 32, 24, 1)
+    assert state["caps"] == (0, 0, 0, 0) and scan_counts.layout(lib, 64, 768, 785, 16) == (32, 4, 32, 24, 1, 0)
     by = {(r["shape"], r["dtype"], r["layout"]): r for r in rows}
     big = "B=64 D=768 L=785 N=16"
     # at Vim-small-stride-8's shape: the launcher's own layout (one segment: 64 x 24 blocks are above 1024), one
-    # tile (96 blocks of 8 channels), chunks of at most 8 steps, and 4x the blocks (4096 aimed at: 4 tiles give
-    # 64 x 24 = 1536 blocks, 2 tiles 3072, so one tile, 6144 blocks, and no segments)
-    assert by[(big, "float32", "own")]["bwd_layout"] == [32, 4, 32, 24, 1]
-    assert by[(big, "float32", "1 tile")]["bwd_layout"] == [32, 1, 8, 96, 1]
-    assert by[(big, "bfloat16", "chunk <= 8")]["bwd_layout"] == [8, 4, 32, 24, 1]
-    assert by[(big, "float32", "4x the blocks")]["bwd_layout"] == [32, 1, 8, 96, 1]
+    # tile (96 blocks of 8 channels), chunks of at most 8 steps, 4x the blocks (4096 aimed at: 4 tiles give
+    # 64 x 24 = 1536 blocks, 2 tiles 3072, so one tile, 6144 blocks, and no segments), and dB/dC partials
+    assert by[(big, "float32", "own")]["bwd_layout"] == [32, 4, 32, 24, 1, 0]
+    assert by[(big, "float32", "1 tile")]["bwd_layout"] == [32, 1, 8, 96, 1, 0]
+    assert by[(big, "bfloat16", "chunk <= 8")]["bwd_layout"] == [8, 4, 32, 24, 1, 0]
+    assert by[(big, "float32", "4x the blocks")]["bwd_layout"] == [32, 1, 8, 96, 1, 0]
+    assert by[(big, "float32", "dB/dC partials")]["bwd_layout"] == [32, 4, 32, 24, 1, 1]
     assert by[(big, "float32", "1 tile")]["vs_own_fwd_bwd"] == pytest.approx(1.25)
     own = by[(big, "float32", "own")]
-    assert own["design_bytes"] == scan_layouts.design_bytes(64, 768, 785, 16, [32, 4, 32, 24, 1])
+    assert own["design_bytes"] == scan_layouts.design_bytes(64, 768, 785, 16, [32, 4, 32, 24, 1, 0])
+    assert by[(big, "float32", "dB/dC partials")]["design_bytes"]["partials"] == 2 * 2 * 64 * 24 * 16 * 785 * 4
     assert "[cuda] B=64 D=768 L=785 N=16 float32 1 tile" in capsys.readouterr().out
     report = "\n".join(gpu_report._layouts_section(rows, "missing"))
-    assert "| B=64 D=768 L=785 N=16 | float32 | 1 tile | 32 | 1 (8) | 96 | 1 (1) |" in report
+    assert "| B=64 D=768 L=785 N=16 | float32 | 1 tile | 32 | 1 (8) | 96 | 1 (1) | 157 | chain |" in report
+    assert "| B=64 D=768 L=785 N=16 | float32 | dB/dC partials | 32 | 4 (32) | 24 | 1 (1) | 157 | partials 309 MB |" \
+        in report
     # an extension built before the caps existed: one line, exit 2, nothing timed
     Loaded.backend = type("Backend", (), {"module": object()})()
     timed.clear()

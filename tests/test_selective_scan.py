@@ -266,7 +266,7 @@ def test_gpu_every_bench_layout_matches_reference(caps, seed):
     assert_close("out", out, ref_out, 1e-10)
     for name in grads:
         assert_close(f"d{name}", grads[name], ref_grads[name], 1e-9)
-    assert module.layout(2, 100, 1025, 16, 1, True) == own and module.set_tuning() == [0, 0, 0]
+    assert module.layout(2, 100, 1025, 16, 1, True) == own and module.set_tuning() == [0, 0, 0, 0]
 
 
 def test_public_op_picks_the_cpu_kernel_and_matches(seed):

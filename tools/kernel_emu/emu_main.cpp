@@ -39,10 +39,11 @@ void* put(std::vector<Buf>& bufs, const void* host, size_t bytes, bool copy_back
 }
 
 // A launch's workspace: `bytes` of scratch that start as NaN bytes, so that reading an entry nobody wrote shows up
-// in the results; empty (null) for 0 bytes.
+// in the results; empty (null) for 0 bytes. It starts on 256 bytes, as torch's allocations on a GPU do, so that its
+// regions lie on 32-byte sectors as there (the counting build counts sectors).
 void* scratch(emu::Guarded& ws, size_t bytes) {
   if (bytes == 0) return nullptr;
-  ws = emu::Guarded(bytes);
+  ws = emu::Guarded(bytes, 256);
   std::memset(ws.ptr, 0xff, bytes);
   EMU_COUNT_HOOK(emu::count_global(ws.ptr, bytes));
   return ws.ptr;
@@ -80,19 +81,21 @@ long long emu_num_checkpoints(long long L, long long N, int dtype) {
 long long emu_chunk_length(long long N, int dtype) { return vim_ds_scan::scan_chunk_length(N, ScanDType(dtype)); }
 long long emu_sync_points() { return emu::sched().sync_points; }
 // The launcher's tuning caps (ScanTuning; 0: its own choice); returns nullptr or the launcher's message.
-const char* emu_set_tuning(long long chunk, long long tiles, long long target_blocks) {
+const char* emu_set_tuning(long long chunk, long long tiles, long long target_blocks, long long partials) {
   vim_ds_scan::ScanTuning t;
   t.chunk = chunk;
   t.tiles = tiles;
   t.target_blocks = target_blocks;
+  t.partials = partials;
   return vim_ds_scan::scan_set_tuning(t);
 }
-// What the launcher picks (scan_layout): out[0..4] = chunk, tiles, channels per block, blocks per batch, segments.
+// What the launcher picks (scan_layout): out[0..5] = chunk, tiles, channels per block, blocks per batch, segments,
+// partials (1: per-block partial sums of dB, dC).
 void emu_layout(long long batch, long long dim, long long L, long long N, int dtype, int backward, long long* out) {
   const vim_ds_scan::ScanLayout l =
       vim_ds_scan::scan_layout(vim_ds_scan::scan_args(batch, dim, L, N, ScanDType(dtype)), backward != 0);
-  const long long v[] = {l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg};
-  for (int i = 0; i < 5; ++i) out[i] = v[i];
+  const long long v[] = {l.chunk, l.tiles, l.channels_per_block, l.blocks_per_batch, l.n_seg, l.partials};
+  for (int i = 0; i < 6; ++i) out[i] = v[i];
 }
 // Segments along the sequence the launcher picks for these shapes (1: no sequence parallelism).
 long long emu_num_segments(long long batch, long long dim, long long L, long long N, int dtype) {

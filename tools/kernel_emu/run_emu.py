@@ -48,7 +48,7 @@ lib.emu_num_segments.restype = ctypes.c_longlong
 lib.emu_num_segments.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int]
 lib.emu_config.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
 lib.emu_set_tuning.restype = ctypes.c_char_p
-lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
+lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 4
 lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
 
 lib.emu_conv.restype = ctypes.c_char_p
@@ -345,22 +345,24 @@ def lengths():
 
 
 def layout(batch, dim, L, N, dtype, backward):
-    """(chunk, tiles, channels per block, blocks per batch element, segments) the launcher picks now."""
-    out = (ctypes.c_longlong * 5)()
+    """(chunk, tiles, channels per block, blocks per batch element, segments, partials) the launcher picks now."""
+    out = (ctypes.c_longlong * 6)()
     lib.emu_layout(batch, dim, L, N, DT[dtype], int(backward), out)
     return tuple(out)
 
 
-# (chunk cap, tile cap, target blocks) and the backward layout each must give at batch 2, dim 40, L 197, N 16 in
-# float32 (8 channels a tile): (chunk, tiles, channels per block, blocks per batch element, segments); None: the
-# launcher's own chunk (32 with 32 lanes, 48 KiB of shared memory; 16 with 64, 32 KiB), and as many segments as
-# segments of two chunks give, ceil(ceil(197 / chunk) / 2), where 4 blocks (batch x blocks of channels) are far
-# below the 1024 aimed at.
+# (chunk cap, tile cap, target blocks, partials) and the backward layout each must give at batch 2, dim 40, L 197,
+# N 16 in float32 (8 channels a tile): (chunk, tiles, channels per block, blocks per batch element, segments,
+# partials); None: the launcher's own chunk (32 with 32 lanes, 48 KiB of shared memory; 16 with 64, 32 KiB), and as
+# many segments as segments of two chunks give, ceil(ceil(197 / chunk) / 2), where 4 blocks (batch x blocks of
+# channels) are far below the 1024 aimed at. Several blocks of channels a row sum dB, dC in a chain, or (partials 1)
+# write partials that the reduction adds.
 LAYOUTS = [
-    ((8, 0, 0), (8, 4, 32, 2, None)),      # short chunks: 25 of them, so 13 segments (two chunks each)
-    ((16, 1, 0), (16, 1, 8, 5, 7)),        # one tile a block: dB/dC partials over 5 blocks of channels
-    ((0, 2, 1), (None, 2, 16, 3, 1)),      # two tiles, one segment (the whole sequence in one block)
-    ((32, 0, 100000), (None, 4, 32, 2, None)),  # as many segments as two chunks each allow
+    ((8, 0, 0, 0), (8, 4, 32, 2, None, 0)),      # short chunks: 25 of them, so 13 segments (two chunks each)
+    ((16, 1, 0, 0), (16, 1, 8, 5, 7, 0)),        # one tile a block: a chain of 5 blocks of channels
+    ((16, 1, 0, 1), (16, 1, 8, 5, 7, 1)),        # the same with dB/dC partials over the 5 blocks
+    ((0, 2, 1, 0), (None, 2, 16, 3, 1, 0)),      # two tiles, one segment (the whole sequence in one block)
+    ((32, 0, 100000, 1), (None, 4, 32, 2, None, 1)),  # as many segments as two chunks each allow, partials
 ]
 
 
@@ -375,7 +377,8 @@ def layouts():
             got = layout(2, 40, 197, 16, torch.float32, True)
             chunk = want[0] or min(own_chunk, caps[0] or own_chunk)
             n_seg = want[4] or -(-(-(-197 // chunk)) // 2)  # segments of kMinSegChunks = 2 chunks
-            assert got == (chunk, *want[1:4], n_seg), f"caps {caps}: layout {got}, wanted {(chunk, *want[1:4], n_seg)}"
+            assert got == (chunk, *want[1:4], n_seg, want[5]), \
+                f"caps {caps}: layout {got}, wanted {(chunk, *want[1:4], n_seg, want[5])}"
             for dtype in (torch.float64, torch.float32):
                 _, _, res = case(dtype, 2, 40, 197, 16, True, True, True, True, seed=300 + j, order=j % 3,
                                  reverse=j % 2 == 1, last_state=True, state=j % 2 == 0)
@@ -383,13 +386,15 @@ def layouts():
                     worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             check_deterministic(torch.float32, 2, 40, 197, 16, True, True, True, True, seed=400 + j,
                                 reverse=j % 2 == 0, state=True)
-            print(f"  warp {WARP} caps chunk={caps[0]} tiles={caps[1]} blocks={caps[2]}: chunk {got[0]}, "
-                  f"{got[1]} tile(s) of {got[2] // got[1]} channels, {got[3]} blocks of channels, {got[4]} segments: "
+            print(f"  warp {WARP} caps chunk={caps[0]} tiles={caps[1]} blocks={caps[2]} partials={caps[3]}: chunk "
+                  f"{got[0]}, {got[1]} tile(s) of {got[2] // got[1]} channels, {got[3]} blocks of channels, "
+                  f"{got[4]} segments, {'partials' if got[5] else 'chain' if got[3] > 1 else 'direct'}: "
                   f"worst rel err {max(res.values()):.2e}, same bits in another order ({time.time() - t_start:.0f}s)",
                   flush=True)
-        assert lib.emu_set_tuning(3, 0, 0) is not None and lib.emu_set_tuning(0, 5, 0) is not None
+        assert lib.emu_set_tuning(3, 0, 0, 0) is not None and lib.emu_set_tuning(0, 5, 0, 0) is not None
+        assert lib.emu_set_tuning(0, 0, 0, 2) is not None
     finally:
-        lib.emu_set_tuning(0, 0, 0)
+        lib.emu_set_tuning(0, 0, 0, 0)
     assert layout(2, 40, 197, 16, torch.float32, True)[0] == own_chunk
     print("worst over layouts: " + ", ".join(f"{str(d).replace('torch.', '')} {k} {v:.1e}"
                                              for (d, k), v in sorted(worst.items(), key=str)))

@@ -337,17 +337,23 @@ inline emu::Acc<T> __shfl_xor_sync(unsigned mask, emu::Acc<T> v, int lanemask, i
 }
 #endif
 
-// One OS thread runs everything, so plain read-modify-write is atomic here.
-inline float atomicAdd(float* p, float v) {
-  const float o = *p;
+// One OS thread runs everything, so plain read-modify-write is atomic here, and every store is seen at once. (The
+// kernels use integer atomics only: the backward's chain, see csrc/selective_scan_kernel.cuh.)
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned o = *p;
   *p = o + v;
   return o;
 }
-inline double atomicAdd(double* p, double v) {
-  const double o = *p;
-  *p = o + v;
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+  const unsigned o = *p;
+  *p = v;
   return o;
 }
+inline void __threadfence() {}
+// A lane waiting for another block (the backward's chain): blocks run one after another here, so a wait that is
+// not over at once waits for a block that has not run. On a GPU that can hang (the blocks it waits for need not
+// have started), so it is a failure.
+inline void __nanosleep(unsigned) { emu::fatal("a block waits for a block that has not run (the kernel would hang)"); }
 
 inline cudaError_t cudaGetLastError() {
   const cudaError_t e = emu::error().code;
@@ -355,3 +361,7 @@ inline cudaError_t cudaGetLastError() {
   return e;
 }
 inline const char* cudaGetErrorString(cudaError_t) { return emu::error().msg.c_str(); }
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}

@@ -117,6 +117,12 @@ EMU_INLINE Acc<T> ss_log1p(const Acc<T>& x) {
   return r;
 }
 
+// The kernel's read of a sum other blocks stored (load_fresh): a global load, so a fresh value (chain 0).
+template <typename T>
+EMU_INLINE Acc<T> load_fresh(const Acc<T>* p) {
+  return Acc<T>(*reinterpret_cast<const volatile T*>(p));
+}
+
 // The kernel's rows of shared memory (smem_load / smem_store), more specialised than its templates, so that a row
 // counts as the one access it is on a GPU rather than one per value (the values' own loads are not instrumented:
 // they are made in emu_count.cpp).

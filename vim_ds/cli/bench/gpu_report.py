@@ -144,17 +144,19 @@ def _layouts_section(data, missing) -> list:
     if not rows:
         return lines + [missing, ""]
     lines += ["Each layout changes one choice of the launcher (csrc/selective_scan_cuda.h, ScanTuning): chunk length "
-              "(stored states, shared memory per block), channel tiles a backward block walks (dB/dC partial sums), "
-              "blocks aimed at (segments along the sequence); the bytes are what the layout adds to the minimum by "
-              "design; medians in ms, and fwd+bwd against the launcher's own layout.", "",
+              "(stored states, shared memory per block), channel tiles a backward block walks, blocks aimed at "
+              "(segments along the sequence), how the blocks of channels sum dB, dC (in a chain, or as partial sums "
+              "a reduction adds); the bytes are what the layout adds to the minimum by design; medians in ms, and "
+              "fwd+bwd against the launcher's own layout.", "",
               "| shape | dtype | layout | chunk | tiles (channels a block) | blocks of channels | segments bwd (fwd) | "
-              "stored states MB | dB/dC partials MB | fwd | fwd+bwd | x own |",
+              "stored states MB | dB/dC over blocks | fwd | fwd+bwd | x own |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+        chunk, tiles, cpb, blocks, n_seg, partials = r["bwd_layout"]
         extra = r["design_bytes"]
+        sums = f"partials {extra['partials'] / 1e6:.0f} MB" if partials else "chain" if blocks > 1 else "—"
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['layout']} | {chunk} | {tiles} ({cpb}) | {blocks} | "
-                     f"{n_seg} ({r['fwd_layout'][4]}) | {extra['saved'] / 1e6:.0f} | {extra['partials'] / 1e6:.0f} | "
+                     f"{n_seg} ({r['fwd_layout'][4]}) | {extra['saved'] / 1e6:.0f} | {sums} | "
                      f"{_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | {_x(r['vs_own_fwd_bwd'])} |")
     return lines + [""]
 

@@ -101,7 +101,7 @@ def load(path: str):
     lib.emu_conv.argtypes = ([ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4
                              + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [ctypes.c_void_p] * 8)
     lib.emu_set_tuning.restype = ctypes.c_char_p
-    lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 3
+    lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 4
     lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
     if hasattr(lib, "emu_count_launch"):
         lib.emu_count_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p,
@@ -110,22 +110,22 @@ def load(path: str):
 
 
 @contextlib.contextmanager
-def tuned(lib, caps=(0, 0, 0)):
-    """The emulated launcher capped by `caps` (chunk, tiles, target blocks: ScanTuning, 0 its own choice) inside
-    the block, uncapped after."""
+def tuned(lib, caps=(0, 0, 0, 0)):
+    """The emulated launcher capped by `caps` (chunk, tiles, target blocks, partials: ScanTuning, 0 its own choice)
+    inside the block, uncapped after."""
     err = lib.emu_set_tuning(*caps)
     if err is not None:
         raise ValueError(err.decode())
     try:
         yield
     finally:
-        lib.emu_set_tuning(0, 0, 0)
+        lib.emu_set_tuning(0, 0, 0, 0)
 
 
 def layout(lib, batch, dim, seqlen, d_state, dtype="float32", backward=True) -> tuple:
-    """(chunk, tiles, channels per block, blocks of channels per batch element, segments) the emulated launcher
-    picks now."""
-    out = (ctypes.c_longlong * 5)()
+    """(chunk, tiles, channels per block, blocks of channels per batch element, segments, partials) the emulated
+    launcher picks now (partials: 1 when the backward's blocks write per-block partial sums of dB, dC)."""
+    out = (ctypes.c_longlong * 6)()
     lib.emu_layout(batch, dim, seqlen, d_state, DTYPE_CODE[dtype], int(backward), out)
     return tuple(out)
 
@@ -141,7 +141,7 @@ def _launches(lib) -> list:
     return out
 
 
-def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0, tuning=(0, 0, 0)) -> dict:
+def emulate(lib, batch, dim, seqlen, d_state, dtype="float32", seed=0, tuning=(0, 0, 0, 0)) -> dict:
     """The forward (no last state, as Vim calls it) and the backward on the emulated GPU kernels, once, on random
     inputs (`bench scan`'s, seeded) with D, z, delta_bias and softplus. -> {"out", "saved", "grads": (du, ddelta,
     dz, dA, dB, dC, dD, ddelta_bias), "fwd": launches, "bwd": launches} (launches: [] but from the counting
@@ -227,7 +227,7 @@ def _kernel(launches: list) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0, tuning=(0, 0, 0)) -> dict:
+def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0, tuning=(0, 0, 0, 0)) -> dict:
     """What emulate() counted, per kernel: {"fwd": counts, "bwd": counts}, each the totals (bytes, unique_bytes,
     exp, fma, chain, barriers, shuffles) and its "launches" (the same inputs and launcher caps give the same
     counts: cached)."""
@@ -235,10 +235,10 @@ def count(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, seed=0, t
     return {"fwd": _kernel(run["fwd"]), "bwd": _kernel(run["bwd"])}
 
 
-def compare(batch, dim, seqlen, d_state, dtype="float32", lib_path=None) -> dict:
+def compare(batch, dim, seqlen, d_state, dtype="float32", lib_path=None, tuning=(0, 0, 0, 0)) -> dict:
     """count() beside the model's minimum at the same shape: per kernel each counted total, the minimum (bytes
-    for both byte counts) and counted / minimum."""
-    counted = count(batch, dim, seqlen, d_state, dtype, str(lib_path) if lib_path else None)
+    for both byte counts) and counted / minimum. `tuning`: the launcher's caps (tuned())."""
+    counted = count(batch, dim, seqlen, d_state, dtype, str(lib_path) if lib_path else None, tuning=tuning)
     row = {"shape": scan_model.shape_text(batch, dim, seqlen, d_state), "shape_tuple": [batch, dim, seqlen, d_state],
            "dtype": dtype}
     for kind, cost in (("fwd", scan_model.forward_cost), ("bwd", scan_model.backward_cost)):

@@ -21,15 +21,16 @@ from vim_ds.ops import backends
 from . import scan_counts, scan_model
 from .scan_model import scan_inputs
 
-# (name, (chunk cap, tile cap, target blocks)); 0: the launcher's own choice (ScanTuning)
+# (name, (chunk cap, tile cap, target blocks, partials)); 0: the launcher's own choice (ScanTuning)
 LAYOUTS = (
-    ("own", (0, 0, 0)),
-    ("1 tile", (0, 1, 0)),
-    ("2 tiles", (0, 2, 0)),
-    ("chunk <= 16", (16, 0, 0)),
-    ("chunk <= 8", (8, 0, 0)),
-    ("no segments", (0, 0, 1)),
-    ("4x the blocks", (0, 0, 4096)),
+    ("own", (0, 0, 0, 0)),
+    ("1 tile", (0, 1, 0, 0)),
+    ("2 tiles", (0, 2, 0, 0)),
+    ("chunk <= 16", (16, 0, 0, 0)),
+    ("chunk <= 8", (8, 0, 0, 0)),
+    ("no segments", (0, 0, 1, 0)),
+    ("4x the blocks", (0, 0, 4096, 0)),
+    ("dB/dC partials", (0, 0, 0, 1)),
 )
 # the model's first three shapes, timed on a GPU in both dtypes: Vim-small at 224 (stride 16 and 8), and one image
 # of 4097 tokens (Vim-tiny at 1024, where the sequence is split into segments)
@@ -51,13 +52,17 @@ def tuned(module, caps):
 
 def design_bytes(batch, dim, seqlen, d_state, layout) -> dict:
     """Bytes a layout's backward adds to the model's minimum by design, from the layout the launcher reports
-    (chunk, tiles, channels per block, blocks per batch element, segments): the stored states (N fp32 per (b, d,
-    chunk), written by the forward and read back) and the dB/dC partial sums (fp32, written and read back; none when
-    one block holds every channel)."""
-    chunk, _, _, blocks, _ = layout
-    saved = batch * dim * -(-seqlen // chunk) * d_state * 4
-    partials = 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * 4
-    return {"saved": 2 * saved, "partials": partials}
+    (chunk, tiles, channels per block, blocks per batch element, segments, partials): the stored states (N fp32 per
+    (b, d, chunk), written by the forward and read back), the dB/dC partial sums (fp32, written and read back; only
+    when the blocks of channels of a batch row write partials, not when they add their sums in a chain or one block
+    holds every channel) and the chain's flags (an int per (b, chunk) and the ticket counter, zeroed before the
+    launch: fetched and written back, whole 32-byte sectors)."""
+    chunk, _, _, blocks, _, partials = layout
+    n_chunks = -(-seqlen // chunk)
+    saved = batch * dim * n_chunks * d_state * 4
+    part = 2 * 2 * batch * blocks * d_state * seqlen * 4 if partials else 0
+    flags = 2 * 32 * -(-4 * (batch * n_chunks + 1) // 32) if blocks > 1 and not partials else 0
+    return {"saved": 2 * saved, "partials": part, "chain_flags": flags}
 
 
 def run_gpu(repeat, time_backend) -> list:
@@ -93,9 +98,10 @@ def run_gpu(repeat, time_backend) -> list:
 
 def layout_text(r) -> str:
     """A row's backward layout in words."""
-    chunk, tiles, cpb, blocks, n_seg = r["bwd_layout"]
+    chunk, tiles, cpb, blocks, n_seg, partials = r["bwd_layout"]
+    sums = "dB/dC partials" if partials else "dB/dC in a chain" if blocks > 1 else "dB/dC stored"
     return (f"{r['shape']} {r['dtype']} {r['layout']:14s}: chunk {chunk}, {tiles} tile(s) = {cpb} channels a block, "
-            f"{blocks} blocks of channels, {n_seg} segment(s)")
+            f"{blocks} blocks of channels, {n_seg} segment(s), {sums}")
 
 
 def gpu_row(r) -> str:

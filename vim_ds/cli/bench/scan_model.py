@@ -10,7 +10,8 @@ the "Performance model" paragraph of ``csrc/selective_scan_kernel.cuh``):
   fp32) and writes out (batch x dim x L); the backward (which recomputes the forward's states, as mamba_ssm's and
   ours do) reads the same inputs plus dout and writes du, ddelta, dz, dB, dC in the input dtype and dA, dD,
   ddelta_bias in fp32. Stored states, workspaces and partial sums are the design's cost, not the problem's, so
-  they are left out (``kernel_partials_bytes`` gives our backward's dB/dC partials separately).
+  they are left out (``kernel_partials_bytes`` gives what per-block dB/dC partials would add, a tuning of our
+  backward's launcher).
 * **exp** — special-function-unit operations: one exp(delta'*A) per (b, d, t, n) in each kernel (the backward
   keeps the one of its state recompute), plus per (b, d, t) softplus (exp, log) and silu (exp, reciprocal) in the
   forward, and softplus (exp, log), its derivative (reciprocal) and silu (exp, reciprocal) in the backward.
@@ -191,9 +192,10 @@ def kernel_backward_blocks(batch, dim, d_state, dtype="float32") -> int:
 
 
 def kernel_partials_bytes(batch, dim, seqlen, d_state, dtype="float32") -> int:
-    """Our GPU backward's extra traffic beyond the minimum: per-block-of-channels partial sums of dB and dC in the
+    """The traffic per-block-of-channels partial sums of dB and dC would add to our GPU backward: in the
     accumulation type (fp32 but for float64 input), written by the scan and read back by the ordered reduction
-    (none when one block holds every channel)."""
+    (none when one block holds every channel). Only under tuning (ScanTuning::partials): the launcher's own
+    backward adds the blocks' sums into dB, dC in a chain, which moves dB, dC alone."""
     blocks = kernel_backward_blocks(batch, dim, d_state, dtype)
     acc = 8 if dtype == "float64" else 4
     return 0 if blocks == 1 else 2 * 2 * batch * blocks * d_state * seqlen * acc
@@ -205,8 +207,7 @@ def predict(batch, dim, seqlen, d_state, dtype) -> dict:
     fwd, bwd = forward_cost(batch, dim, seqlen, d_state, dtype), backward_cost(batch, dim, seqlen, d_state, dtype)
     row = {"shape": shape_text(batch, dim, seqlen, d_state), "dtype": dtype,
            "fwd": {"bytes": fwd.bytes, "exp": fwd.exp, "fma": fwd.fma, "chain": fwd.chain},
-           "bwd": {"bytes": bwd.bytes, "exp": bwd.exp, "fma": bwd.fma, "chain": bwd.chain,
-                   "kernel_partials_bytes": kernel_partials_bytes(batch, dim, seqlen, d_state, dtype)},
+           "bwd": {"bytes": bwd.bytes, "exp": bwd.exp, "fma": bwd.fma, "chain": bwd.chain},
            "bounds": {}}
     for gpu in GPUS:
         f, b = fwd.bound(gpu), bwd.bound(gpu)

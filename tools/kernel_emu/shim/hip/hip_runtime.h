@@ -26,3 +26,5 @@ inline emu::Acc<T> __shfl_xor(emu::Acc<T> v, int lanemask, int width = __AMDGCN_
   return r;
 }
 #endif
+// HIP's pause between two reads of a flag (see __nanosleep in the CUDA shim).
+inline void __builtin_amdgcn_s_sleep(int) { __nanosleep(0); }
