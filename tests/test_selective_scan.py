@@ -251,6 +251,32 @@ def test_gpu_low_precision_against_float64(dtype, rtol, seqlen, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_chain_gives_the_bits_of_the_partials_run_after_run(dtype, seed):
+    """The backward's blocks of channels add their dB, dC sums in a chain (each waits for the block before it,
+    reads what that one stored and adds its own: chain_wait in csrc/selective_scan_kernel.cuh), in the order in
+    which the reduction adds per-block partial sums (ScanTuning::partials): the two must give the same bits, run
+    after run. On a GPU this checks what the CPU emulator cannot, the chain's fences, volatile loads and flags under
+    real concurrency: a block that read a stale sum would change dB's or dC's bits. B=8, D=768 (24 blocks of 32
+    channels a batch row), L=785 (25 chunks, in segments)."""
+    module = compiled("cuda").module
+    code = scan_layouts.DTYPE_CODE[str(dtype).replace("torch.", "")]
+    chain = module.layout(8, 768, 785, 16, code, True)
+    assert chain[3] == 24 and chain[5] == 0, chain
+    inputs = make_inputs(8, 768, 785, 16, dtype, "cuda")
+    dout = torch.randn(8, 768, 785, dtype=dtype, device="cuda")
+    runs = [run(on_backend(compiled("cuda")), inputs, True, dout) for _ in range(3)]
+    with scan_layouts.tuned(module, (0, 0, 0, 1)):
+        assert module.layout(8, 768, 785, 16, code, True)[5] == 1
+        runs.append(run(on_backend(compiled("cuda")), inputs, True, dout))
+    out0, grads0 = runs[0]
+    for out, grads in runs[1:]:
+        assert torch.equal(out, out0)
+        for name in grads0:
+            assert torch.equal(grads[name], grads0[name]), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("caps", [c for _, c in scan_layouts.LAYOUTS])
 def test_gpu_every_bench_layout_matches_reference(caps, seed):
     """`vim-ds bench scan --layouts` times the kernel under other layouts than the launcher's own: each must compute
