@@ -560,11 +560,15 @@ __host__ __device__ constexpr int smem_row(int words) { return words | 1; }
 // step without the per-lane test `k < ok` (see computes: a divergent branch, with which a step issued 4.5 more
 // instructions in the reverse recurrence, 6 in the recompute and in the backward's pass 0, 5 in the forward's,
 // 3.5 in the forward's recurrence, on sm_90). With G = N (d_state 8, 16, 32; Vim's 16) the rows are as before.
-// With one state a lane that is G columns whatever d_state, and kernels take it as the constant kNPL == 1 ? G : ..
-// (G is their template constant there): a step's B, C address is then an immediate offset from the previous
-// step's, where a runtime row cost ptxas a multiply and two address instructions a step (sm_90: the forward's
-// step 19.2 -> 17.5 in bf16, the reverse step 67.0 -> 65.5, with dbc_cols below 64.0).
+// With one state a lane that is G columns whatever d_state, and the kernels take it so (bc_row_cols; G is their
+// template constant there): a step's B, C address is then an immediate offset from the previous step's, where a
+// runtime row cost ptxas a multiply and two address instructions a step (sm_90: the forward's step 19.2 -> 17.5 in
+// bf16, the reverse step 67.0 -> 65.5, with dbc_cols below 64.0).
 __host__ __device__ constexpr int bc_cols(int dstate, int group) { return dstate > group ? dstate : group; }
+template <int kNPL>
+__host__ __device__ constexpr int bc_row_cols(int dstate, int group) {
+  return kNPL == 1 ? group : bc_cols(dstate, group);
+}
 
 // Columns of the backward's dB, dC sums ([seg][t][state]): only the lanes with a state store them (the `k < lead`
 // test), so N columns would do; with one state a lane and G <= 16 they are G, a constant for the same reason as
@@ -901,7 +905,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
   using acc_t = typename AccType<input_t>::type;
   const int N = p.dstate, L = p.seqlen, T = p.chunk, G = group_size<kNPL, kG>(p);
   // (the row strides per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernels lack)
-  const int cpb = kThreads / G, NB = kNPL == 1 ? G : bc_cols(N, G);
+  const int cpb = kThreads / G, NB = bc_row_cols<kNPL>(N, G);
   const int RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int tid = threadIdx.x;
   const ThreadMap m(p, 1, blockIdx.x);
@@ -1214,7 +1218,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   constexpr int kRec = 4;                  // values of a (time, channel) row: dl, u, dy, gz
   // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
   // lacks) and the stride of sums_o's three arrays (sums_stride).
-  const int NB = kNPL == 1 ? G : bc_cols(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
+  const int NB = bc_row_cols<kNPL>(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
   const int RN = in_vgpr(smem_row(dbc_cols(kNPL, N, G)));
   const int TC = T * RC, TB = T * RB, TN = T * RN;
   const int TS = in_vgpr(sums_stride(T, cpb)), o = (T + 1) * kSlots;
