@@ -65,6 +65,36 @@ def test_fused_branch_keeps_only_its_inputs_for_backward(monkeypatch):
     assert big == sorted([x.data_ptr(), z.data_ptr()])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "ref"])
+def test_unfused_branch_backward_runs_the_conv_once(backend, monkeypatch, seed):
+    """Where the conv kernel does not fuse the SiLU (the CPU kernel, PyTorch's conv of the `ref` and `mamba`
+    backends), the branch's backward recomputes the conv once, for u and for the SiLU's gradient alike (the
+    pre-activation from branch_inputs_fwd): it ran it twice, the second time inside conv_backward. Same bits as
+    that second run: the gradients equal those with the pre-activation dropped (conv_backward recomputes it)."""
+    from vim_ds.ops import library
+
+    monkeypatch.setenv("VIM_DS_SCAN", backend)
+    calls = []
+    conv_forward = library.conv_forward
+    monkeypatch.setattr(library, "conv_forward", lambda *a, **kw: calls.append(kw) or conv_forward(*a, **kw))
+    x, z = torch.randn(2, 8, 50, requires_grad=True), torch.randn(2, 8, 50, requires_grad=True)
+    w = [t.float().requires_grad_(True) for t in weights()]
+    out = ssm_branch_fn(x, z, *w)
+    assert len(calls) == 1
+    out.sum().backward()
+    assert len(calls) == 2 and not any(kw.get("silu") for kw in calls)  # the CPU kernel and ref: no fused SiLU
+    grads = [t.grad.clone() for t in (x, z, *w) if t.grad is not None]
+    # the gradients when conv_backward recomputes the conv itself (the pre-activation not passed on)
+    branch_bwd = library.branch_inputs_bwd
+    monkeypatch.setattr(library, "branch_inputs_bwd", lambda *a, **kw: branch_bwd(*a, **{**kw, "pre": None}))
+    for t in (x, z, *w):
+        t.grad = None
+    ssm_branch_fn(x, z, *w).sum().backward()
+    assert len(calls) == 5  # forward 1, backward 2: the recompute and conv_backward's
+    for before, t in zip(grads, [t for t in (x, z, *w) if t.grad is not None]):
+        assert torch.equal(before, t.grad)
+
+
 def test_bad_branch_input_shapes():
     with pytest.raises(ValueError, match=r"x and z must both be \(batch, d_inner, seqlen\)"):
         ssm_branch_fn(torch.randn(2, 8, 5), torch.randn(2, 8, 4), *weights(dtype=torch.float32))

@@ -270,7 +270,7 @@ class _MixerScans(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # every cast below is explicit, as in the fused ops
             prepared, pairs = [], []
             for reverse, halo, w in ((False, before, weights[:7]), (True, after, weights[7:])):
-                u, _, delta, B, C = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
+                u, _, delta, B, C, _ = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
                 A, D, bias = _scan_params(w, x)
                 # S does not depend on D or the gate: the first pass leaves them out
                 _, _, S = impl.fwd_state(u, delta, A, B, C, None, None, bias, True, reverse, None)
@@ -298,19 +298,19 @@ class _MixerScans(torch.autograd.Function):
             runs = []
             for reverse, halo, h0, kept in ((False, before, h_f, saved_f), (True, after, h_b, saved_b)):
                 w = _direction_weights(mixer, reverse)
-                u, x_dbl, delta, B, C = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
+                u, x_dbl, delta, B, C, pre = branch_inputs_fwd(x, *w[:4], d_state, reverse, impl, halo)
                 A, D, bias = _scan_params(w, x)
                 g = impl.h0_grad(u, delta, A, B, C, z, bias, dout, kept, True, reverse, h0.contiguous())
-                runs.append((reverse, halo, h0, kept, w, u, x_dbl, delta, B, C, A, D, bias, g))
+                runs.append((reverse, halo, h0, kept, w, u, x_dbl, delta, B, C, A, D, bias, pre, g))
             grads = _all_gather(torch.stack([r[-1].to(decays.dtype) for r in runs]), group)
             last_grads = _last_state_grads(decays, grads, rank)
             dx, dz, dhalos, dweights = 0, 0, [], []
-            for (reverse, halo, h0, kept, w, u, x_dbl, delta, B, C, A, D, bias, _), dlast in zip(runs, last_grads):
+            for (reverse, halo, h0, kept, w, u, x_dbl, delta, B, C, A, D, bias, pre, _), dlast in zip(runs, last_grads):
                 du, ddelta, dA, dB, dC, dD, dz_r, dbias, _ = impl.bwd_state(
                     u, delta, A, B, C, D, z, bias, dout, kept, True, reverse, h0.contiguous(),
                     dlast.to(A.dtype).contiguous())
                 dx_r, dhalo, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
-                    x, u, x_dbl, du, ddelta, dB, dC, *w[:4], reverse, impl, halo)
+                    x, u, x_dbl, du, ddelta, dB, dC, *w[:4], reverse, impl, halo, pre)
                 conv_w, conv_b, _, _, dt_bias, A_log, D_param = w
                 dx, dz = dx + dx_r, dz + dz_r
                 dhalos.append(dhalo)

@@ -210,14 +210,17 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: boo
 
 
 def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj,
-                  silu: bool = False):
+                  silu: bool = False, pre: Optional[Tensor] = None):
     """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes. With ``silu`` dout is
     the gradient of the SiLU's output: on GPUs the kernel recomputes the conv's output for silu' and never stores
-    it; elsewhere the conv runs again first."""
+    it; elsewhere the SiLU's gradient takes the conv's output ``pre`` (conv_forward without silu), or runs the
+    conv again without it."""
     k = weight.shape[-1]
     fused = silu and _conv_fuses_silu(backend_obj, x, k)
     if silu and not fused:
-        dout = torch.ops.aten.silu_backward(dout.to(x.dtype), conv_forward(x, weight, bias, reverse, backend_obj))
+        if pre is None:
+            pre = conv_forward(x, weight, bias, reverse, backend_obj)
+        dout = torch.ops.aten.silu_backward(dout.to(x.dtype), pre)
     if _conv_uses_kernel(backend_obj, x, k):
         dx, dw, db = backend_obj.module.conv_bwd(*_conv_kernel_args(x, weight, bias), dout.to(x.dtype).contiguous(),
                                                  reverse, **({"silu": True} if fused else {}))
@@ -303,12 +306,20 @@ def _with_halo(x: Tensor, halo: Optional[Tensor], reverse: bool) -> Tensor:
 
 def branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_state, reverse, backend_obj,
                       halo=None):
-    """u = silu(conv(x)) (one kernel on GPUs), x_dbl, and the scan's delta, B, C (contiguous), for x's tokens; no
-    autograd (the fused branch and the sequence split build on it).
+    """u = silu(conv(x)) (one kernel on GPUs), x_dbl, the scan's delta, B, C (contiguous), for x's tokens, and the
+    conv's output before the SiLU where the conv kernel does not fuse it (else None: the GPU kernel recomputes it in
+    the backward), which ``branch_inputs_bwd`` takes so that the conv does not run a third time; no autograd (the
+    fused branch and the sequence split build on it).
 
     ``halo`` (batch, d, K-1), optional: the tokens the conv reads beyond x, those before it (with ``reverse``, after
     it), which a chunk of a split sequence takes from its neighbours; without it the conv pads with zeros."""
-    u = conv_forward(_with_halo(x, halo, reverse), conv_weight, conv_bias, reverse, backend_obj, silu=True)
+    xh = _with_halo(x, halo, reverse)
+    pre = None
+    if _conv_fuses_silu(backend_obj, xh, conv_weight.shape[-1]):
+        u = conv_forward(xh, conv_weight, conv_bias, reverse, backend_obj, silu=True)
+    else:
+        pre = conv_forward(xh, conv_weight, conv_bias, reverse, backend_obj)
+        u = F.silu(pre)
     if halo is not None:
         u = u[..., :x.shape[-1]] if reverse else u[..., halo.shape[-1]:]
     u = u.contiguous()
@@ -318,14 +329,14 @@ def branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, 
     delta = project(dt_proj_weight.to(u.dtype), x_dbl[:, :dt_rank])
     B = x_dbl[:, dt_rank:dt_rank + d_state].contiguous()
     C = x_dbl[:, dt_rank + d_state:].contiguous()
-    return u, x_dbl, delta.contiguous(), B, C
+    return u, x_dbl, delta.contiguous(), B, C, pre
 
 
 def branch_inputs_bwd(x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                      reverse, backend_obj, halo=None):
+                      reverse, backend_obj, halo=None, pre=None):
     """The scan's input gradients chained back through dt_proj, x_proj, SiLU and the conv: (dx, dhalo or None,
-    dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight), from what ``branch_inputs_fwd`` gave.
-    ``du`` is added into (it holds the skip term's share)."""
+    dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight), from what ``branch_inputs_fwd`` gave
+    (``pre``: its conv output before the SiLU, or None). ``du`` is added into (it holds the skip term's share)."""
     dt_rank = dt_proj_weight.shape[1]
     ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
     dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
@@ -338,7 +349,7 @@ def branch_inputs_bwd(x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x
         du = F.pad(du, (0, h) if reverse else (h, 0))
     # through the SiLU and the conv (one kernel on GPUs, which recomputes the conv's output for silu')
     dx, dconv_w, dconv_b = conv_backward(_with_halo(x, halo, reverse), conv_weight, conv_bias, du, reverse,
-                                         backend_obj, silu=True)
+                                         backend_obj, silu=True, pre=pre)
     if halo is not None:
         length = x.shape[-1]
         dx, dhalo = (dx[..., :length], dx[..., length:]) if reverse else (dx[..., h:], dx[..., :h])
@@ -351,8 +362,8 @@ def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optiona
                    backend: str) -> tuple[Tensor, Tensor]:
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
-        u, _, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
-                                              reverse, impl)
+        u, _, delta, B, C, _ = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                 A.shape[1], reverse, impl)
         out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
     return out.contiguous(), _absent(u) if saved is None else saved
 
@@ -371,12 +382,13 @@ def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
         # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
-        u, x_dbl, delta, B, C = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                  A.shape[1], reverse, impl)
+        u, x_dbl, delta, B, C, pre = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                       A.shape[1], reverse, impl)
         du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
                                                                dout.to(u.dtype).contiguous(), saved, True, reverse)
         dx, _, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
-            x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl)
+            x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl,
+            pre=pre)
     return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b, dx_proj_w,
             ddt_proj_w, dA.to(A.dtype), dD.to(D.dtype), ddelta_bias.to(delta_bias.dtype))
 
