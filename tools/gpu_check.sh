@@ -9,8 +9,8 @@
 # model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The
 # split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28, not yet run on a GPU)
 # and the profile step (8 steps, 3 profiled; added 2026-11-29, not yet run on a GPU) should take about a minute each,
-# the layouts step (our scan under 7 work layouts at 3 shapes, 2 dtypes; added 2026-11-29, not yet run on a GPU) well
-# under one; with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests
+# the layouts step (our scan under 8 work layouts at 3 shapes, 2 dtypes, among them the backward's dB/dC partials
+# against its chain; added 2026-11-29, not yet run on a GPU) well under one; with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests
 # scan layouts train profile split", then STEPS=model).
 #
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
@@ -131,8 +131,9 @@ if step scan; then
     fi
 fi
 if step layouts; then
-    # Our kernel under other work layouts than the launcher's own (chunk length, channel tiles, segments): which of
-    # the kernel's design choices, all made without a GPU, matter on this one. Seconds of GPU time.
+    # Our kernel under other work layouts than the launcher's own (chunk length, channel tiles, segments, dB/dC
+    # partials or chain): which of the kernel's design choices, all made without a GPU, matter on this one. Seconds
+    # of GPU time.
     if [ "$HAVE_GPU" = 1 ]; then
         run_step layouts 150 bench_layouts.log "$PYTHON" -m vim_ds.bench scan --layouts --json "$OUT/bench_layouts.json"
     else
