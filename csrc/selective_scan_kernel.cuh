@@ -62,10 +62,9 @@
 //   dA, dD, ddelta_bias per (b, d, segment) in registers, then scan_reduce_kernel sums batch and segments in order.
 //   So the same inputs give the same bits run after run, on any block schedule.
 //   dB/dC over blocks of channels (KernelParams::chain, in the instances that have it: bwd_chains): a chain. For
-//   each chunk the blocks
-//   of a batch row's channels add their sums to dB, dC in turn, block 0 storing its own, block k adding its own to
-//   what blocks 0 .. k-1 stored, after a flag per (batch row, chunk) says they have (chain_wait, chain_release;
-//   integer atomics only). Its order is the reduction's, so its bits are too; its traffic is dB, dC's, where
+//   each chunk the blocks of a batch row's channels add their sums to dB, dC in turn, block 0 storing its own,
+//   block k adding its own to what blocks 0 .. k-1 stored, after a flag per (batch row, chunk) says they have
+//   (chain_wait, chain_release; integer atomics only). Its order is the reduction's, so its bits are too; its traffic is dB, dC's, where
 //   per-block partial sums were written and read back (fp32, 2 x 2 x N x 4 bytes per channel block and step: at
 //   Vim-small-stride-8's shape 310 MB a backward, more than half its minimum in bf16). The blocks of a row run
 //   side by side, each a chunk's store behind the one before at most. A block takes its work by ticket
@@ -508,7 +507,7 @@ struct KernelParams {
   void* dD;                // null iff D is null
   void* ddelta_bias;       // null iff delta_bias is null
   void* ws;                // workspace (see ws_layout), accumulation type, no initialisation needed
-  unsigned* flags;         // backward with chain: the chain's flags and ticket counter in ws (chain_flags), zeroed
+  unsigned* flags;         // backward with chain: the chain's flags and ticket counter in ws (ws_layout), zeroed
   int tiles;               // channel tiles of cpb channels a block walks in turn: 1 forward, bwd_tiles() backward
 };
 
@@ -520,9 +519,9 @@ struct KernelParams {
 //   dD_p, dbias_p [BD][S]
 //   dB_p, dC_p [batch][NC][N][L]  per-block-of-channels partial sums (only when NC > 1 and not chain; else the
 //                     backward writes dB, dC)
-//   flags          chain only, as int: [batch][n_chunks] how many blocks of channels have added their sums of a
-//                     chunk into dB, dC, then the ticket counter (chain_flags); one element each, zeroed by the
-//                     launcher before pass 1
+//   flags          chain only, as unsigned: [batch][n_chunks] how many blocks of channels have added their sums
+//                     of a chunk into dB, dC, then the ticket counter (block_ticket); one element each, zeroed by
+//                     the launcher before pass 1 (KernelParams::flags points here)
 struct WsLayout {
   int64_t seg_v, seg_P, dA_p, dD_p, dbias_p, dB_p, dC_p, flags, fwd_total, bwd_total;
 };
@@ -1285,7 +1284,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // This thread's tile stride of `saved` (a per-lane value, see in_vgpr), the tiles of the block with channels.
   const int saved_tile = kTiles == 1 ? 0 : in_vgpr(cpb * p.n_chunks * N);
   // The chain (step 5): this block's place among its batch row's blocks of channels (-1: no chain) and the row's
-  // flags, per lane on AMD (in_vgpr, per_lane): as uniform values they parked scalar registers in vector lanes.
+  // flags, made here and per lane on AMD (in_vgpr, per_lane): as uniform values they parked scalar registers in
+  // vector lanes there, and made in step 5 from the ticket's map they cost ptxas (13.0) half an instruction a
+  // reverse step on sm_90 and half of the B, C staging's loads in flight.
   const int turn = kChain ? in_vgpr(chained ? m.chb : -1) : -1;
   unsigned* const flag_row = kChain ? per_lane(chained ? p.flags + m.b * p.n_chunks : p.flags) : nullptr;
   const int tiles = kTiles == 1 ? 1 : min(p.tiles, (p.dim - m.d0 + cpb - 1) / cpb);
@@ -1572,8 +1573,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
       if (t < len) {
         const int64_t off = blk_at<kBases>(p, part0, n, p.time(t0 + t));
         // what the blocks before stored (chain; else nothing): the order of scan_reduce_kernel's sums, and the same
-        // bits for a block that adds nothing (0 + the block's sum, which is never -0, is that sum). (A select, not a
-        // branch around the add: with the branch ptxas issued the reverse step 63.0 instructions instead of 62.5.)
+        // bits for a block that adds nothing (0 + the block's sum, which is never -0, is that sum)
         const acc_t before_b = adds ? load_fresh(dB + off) : acc_t(0);
         const acc_t before_c = adds ? load_fresh(dC + off) : acc_t(0);
         acc_t sb = acc_t(0), sc = acc_t(0);

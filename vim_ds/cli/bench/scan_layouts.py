@@ -2,9 +2,11 @@
 design choice of the kernel costs on the GPU at hand (csrc/selective_scan_cuda.h, ScanTuning).
 
 The launcher picks a chunk length (the longest that fits the backward's shared memory: it sets the stored states'
-traffic and how many blocks an SM holds), the channel tiles a backward block walks (fewer tiles: more dB/dC
-partial sums written and read back), and how many blocks it aims at (below that it splits the sequence into
-segments: a second pass over their inputs). These choices were made from the performance model and the kernel
+traffic and how many blocks an SM holds), the channel tiles a backward block walks (fewer tiles: more blocks of
+channels, each re-reading B and C and each a link more in the chain that sums dB and dC), how many blocks it aims
+at (below that it splits the sequence into segments: a second pass over their inputs), and whether the backward's
+blocks of channels add their dB/dC sums in that chain or write partial sums that a reduction adds (more bytes, no
+waiting). These choices were made from the performance model and the kernel
 emulator's counts, without a GPU; each layout below changes one of them, so one GPU call shows which of them
 matter there. On a GPU each layout is timed at the model's first three shapes, beside the launcher's own; without
 one, the kernel emulator counts what each layout moves and computes at a small shape (the same layouts, so that
