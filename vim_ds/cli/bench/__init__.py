@@ -75,8 +75,8 @@ def _add_scan(sub) -> None:
                    "(they build and run the kernel emulator: a C++ compile the first time, then seconds)")
     p.add_argument("--layouts", action="store_true",
                    help="time only our GPU kernel, under each work layout of scan_layouts.LAYOUTS (chunk length, "
-                   "channel tiles, segments, dB/dC partials or chain) beside the launcher's own, at the model's first three shapes; without a "
-                   "GPU, the kernel emulator's counts per layout instead")
+                   "channel tiles, segments, dB/dC partials or chain) beside the launcher's own, at the model's first "
+                   "three shapes; without a GPU, the kernel emulator's counts per layout instead")
     p.add_argument("--mamba", action="store_true",
                    help="also time mamba_ssm's kernel (an error if it is not installed or there is no GPU) "
                    "[timed on a GPU whenever installed]; VIM_DS_SCAN=mamba asks the same")
