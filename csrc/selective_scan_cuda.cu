@@ -65,8 +65,9 @@ const char* check_args(const ScanArgs& a) {
 // Channel tiles per backward block (see "Channel tiles" in the kernel header): the most the instance has
 // (ssk::bwd_tiles) when the sequence is split into segments anyway, else the most that keep kTargetBlocks blocks
 // with one segment. Splitting costs the backward its pass 0 over part of the inputs (their bytes and the
-// exponentials again) and a combine launch; a tile fewer costs partial sums of dB and dC: at B 64, D 384, L 197,
-// N 16 in fp32 about the same bytes (two tiles and one segment, or four and two segments), so no split.
+// exponentials again) and a combine launch; a tile fewer costs re-reads of B and C (L2 traffic) and one more block
+// in each chain of dB/dC sums (with partial sums instead of a chain, their bytes: at B 64, D 384, L 197, N 16 in
+// fp32 about those of the split), so no split.
 int backward_tiles(const ScanArgs& a, const Layout& lay) {
   const int64_t cpb = ssk::kThreads / lay.group;
   int tiles = ssk::bwd_tiles(lay.npl, acc_size(a.dtype), lay.group);
