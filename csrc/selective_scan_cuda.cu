@@ -311,7 +311,7 @@ ScanLayout scan_layout(const ScanArgs& a, bool backward) {
   r.channels_per_block = int64_t(ssk::kThreads / lay.group) * p.tiles;
   r.blocks_per_batch = p.blocks_per_batch;
   r.n_seg = p.n_seg;
-  r.partials = p.blocks_per_batch > 1 && !p.chain;
+  r.partials = ssk::writes_partials(p);
   return r;
 }
 

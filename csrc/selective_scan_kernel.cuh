@@ -525,14 +525,16 @@ struct KernelParams {
 struct WsLayout {
   int64_t seg_v, seg_P, dA_p, dD_p, dbias_p, dB_p, dC_p, flags, fwd_total, bwd_total;
 };
+// Whether the backward's blocks of channels write per-block partial sums of dB, dC (several blocks a batch row and
+// no chain; scan_reduce_kernel adds them).
+__host__ __device__ inline bool writes_partials(const KernelParams& p) { return p.blocks_per_batch > 1 && !p.chain; }
 __host__ __device__ inline int64_t chain_flag_count(const KernelParams& p) {
   return p.chain ? int64_t(p.batch) * p.n_chunks + 1 : 0;
 }
 __host__ __device__ inline WsLayout ws_layout(const KernelParams& p) {
   WsLayout w;
   const int64_t bd = int64_t(p.batch) * p.dim, s = bd * p.n_seg * p.dstate;
-  const int64_t part = p.blocks_per_batch > 1 && !p.chain
-                           ? int64_t(p.batch) * p.blocks_per_batch * p.dstate * p.seqlen : 0;
+  const int64_t part = writes_partials(p) ? int64_t(p.batch) * p.blocks_per_batch * p.dstate * p.seqlen : 0;
   w.seg_v = 0;
   w.seg_P = s;
   w.dA_p = 2 * s;
@@ -1204,7 +1206,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // The block's sums of dB, dC over its channels: into dB, dC when one block holds all channels or the blocks of
   // channels add them there in turn (chain), else into per-block partials that scan_reduce_kernel adds in order;
   // this block's rows of them start at row (b * blocks_per_batch + chb) * N.
-  const bool partials = p.blocks_per_batch > 1 && !p.chain;
+  const bool partials = writes_partials(p);
   const int64_t part0 = bc_base(p, partials ? int64_t(m.b) * p.blocks_per_batch + m.chb : int64_t(m.b));
   acc_t* __restrict__ dB = block_ptr<false, kBases>(partials ? ws + w.dB_p : static_cast<acc_t*>(p.dB), part0);
   acc_t* __restrict__ dC = block_ptr<false, kBases>(partials ? ws + w.dC_p : static_cast<acc_t*>(p.dC), part0);
@@ -1664,7 +1666,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_reduce_kernel(const KernelParams p) {
   const int N = p.dstate, S = p.n_seg, NC = p.blocks_per_batch;
   const acc_t* ws = static_cast<const acc_t*>(p.ws);
   const WsLayout w = ws_layout(p);
-  const int64_t nA = int64_t(p.dim) * N, nBC = NC > 1 && !p.chain ? int64_t(p.batch) * N * p.seqlen : 0;
+  const int64_t nA = int64_t(p.dim) * N, nBC = writes_partials(p) ? int64_t(p.batch) * N * p.seqlen : 0;
   int64_t i = i0;
   if (i < nA) {
     const int64_t d = i / N, n = i % N;
@@ -1701,7 +1703,7 @@ __global__ void SS_LAUNCH_BOUNDS scan_reduce_kernel(const KernelParams p) {
 
 // Threads the reduce kernel needs.
 __host__ __device__ inline int64_t reduce_elems(const KernelParams& p) {
-  const int64_t nBC = p.blocks_per_batch > 1 && !p.chain ? int64_t(p.batch) * p.dstate * p.seqlen : 0;
+  const int64_t nBC = writes_partials(p) ? int64_t(p.batch) * p.dstate * p.seqlen : 0;
   return int64_t(p.dim) * p.dstate + 2 * int64_t(p.dim) + 2 * nBC;
 }
 
