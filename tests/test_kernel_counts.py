@@ -57,6 +57,28 @@ def test_the_counting_build_computes_what_the_checking_build_does(build):
         "void ssk::scan_reduce_kernel"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_chain_gives_the_bits_of_the_partials(build, dtype):
+    """The backward's blocks of channels add their dB, dC sums in a chain, in the order in which the reduction adds
+    per-block partials (ScanTuning::partials): every output and gradient bit for bit the same, here with 4 blocks
+    of channels a batch row and 3 chunks in 2 segments. The comparison's resolution: one tile a block (16 blocks,
+    the sums over channels grouped otherwise) changes dB's and dC's bits, and nothing else's."""
+    lib = scan_counts.load(os.path.join(build, "libscan_emu.so"))
+    shape = (2, 128, 70, 16)
+    runs = {}
+    for tuning in ((0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0)):
+        with scan_counts.tuned(lib, tuning):
+            layout = scan_counts.layout(lib, *shape, dtype)
+        runs[tuning] = (layout, scan_counts.emulate(lib, *shape, dtype, seed=3, tuning=tuning))
+    (chain_layout, chain), (part_layout, part), (_, one_tile) = runs.values()
+    assert chain_layout[3:] == (4, 2, 0) and part_layout[3:] == (4, 2, 1)
+    assert torch.equal(chain["out"], part["out"])
+    assert all(torch.equal(a, b) for a, b in zip(chain["grads"], part["grads"]))
+    # du ddelta dz dA dB dC dD ddelta_bias
+    same = [torch.equal(a, b) for a, b in zip(chain["grads"], one_tile["grads"])]
+    assert same == [True, True, True, True, False, False, True, True]
+
+
 def design_bytes(lib, shape, dtype, bwd_launches, partials=False) -> dict:
     """The bytes the kernels move beyond the model's minimum by design: the forward writes each chunk's start state
     (N fp32 per (b, d, chunk)), the backward reads them back, writes dB and dC in fp32 (the model: the input
