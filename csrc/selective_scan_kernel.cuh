@@ -815,6 +815,21 @@ __device__ __forceinline__ int in_vgpr(int v) {
 template <int kNPL>
 __device__ __forceinline__ bool computes(int k, int ok) { return kNPL == 1 || k < ok; }
 
+// c ? a : b. NVIDIA, float: as one selp (FSEL) each. scatter_sum<kPick> swaps its values so (Vim's instances, one
+// state a lane): written as C++ selects, its level swaps came out of ptxas (13.0) as three moves a pair, two of them
+// predicated (sm_90: the backward's reverse step 1 instruction, the forward's recurrence 1.2 a step more); the
+// others keep the selects of the array's elements, which pick(), even as that same select, made take 3 registers
+// more in scan_fwd<npl2> (occupancy 56.25% -> 50% on sm_80 and sm_90) and 10 in scan_bwd<fp64,npl4> on sm_90.
+template <typename T>
+__device__ __forceinline__ T pick(bool c, T a, T b) { return c ? a : b; }
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ float pick(bool c, float a, float b) {
+  float r;
+  asm("{ .reg .pred q; setp.ne.b32 q, %3, 0; selp.f32 %0, %1, %2, q; }" : "=f"(r) : "f"(a), "f"(b), "r"(int(c)));
+  return r;
+}
+#endif
+
 // Sums over the G lanes of a group of kV values at once (kV a power of two <= G): a reduce-scatter butterfly.
 // Each level halves the values a lane holds: the lanes with the level's offset bit set keep the upper half and
 // send the lower, the others the reverse, so the pair ends with one half each, summed. After log2(kV) levels a
@@ -823,8 +838,8 @@ __device__ __forceinline__ bool computes(int k, int ok) { return kNPL == 1 || k 
 // lane bits below G / kV are zero), the others -1, so that each total has one writer. It costs
 // kV - 1 + log2(G / kV) shuffles and as many adds for the kV sums, where group_sum takes log2(G) for each one
 // (16 x 4 = 64 against 15 at G = kV = 16). A fixed order: the same bits on every run. The slot is a per-lane value
-// made from the lane bits (no division by the runtime G).
-template <int kV, typename T>
+// made from the lane bits (no division by the runtime G). kPick: the swaps through pick() (see there).
+template <bool kPick, int kV, typename T>
 __device__ __forceinline__ T scatter_sum(T (&v)[kV], int G, int lane_g, int& slot) {
   int off = G >> 1, j = 0;
   // AMD: the offsets in vector registers, and the lane tests (`upper`) made here, not hoisted out of the time
@@ -836,8 +851,14 @@ __device__ __forceinline__ T scatter_sum(T (&v)[kV], int G, int lane_g, int& slo
     const bool upper = (lane_g & off) != 0;
 #pragma unroll
     for (int i = 0; i < half; ++i) {
-      const T keep = upper ? v[i + half] : v[i];
-      const T send = upper ? v[i] : v[i + half];
+      T keep, send;
+      if constexpr (kPick) {
+        keep = pick(upper, v[i + half], v[i]);
+        send = pick(upper, v[i], v[i + half]);
+      } else {
+        keep = upper ? v[i + half] : v[i];
+        send = upper ? v[i] : v[i + half];
+      }
       v[i] = keep + shfl_xor(send, off);
     }
     j += upper ? half : 0;
@@ -851,6 +872,18 @@ __device__ __forceinline__ T scatter_sum(T (&v)[kV], int G, int lane_g, int& slo
   slot = rest == 0 ? j : -1;
   vary(slot);
   return v[0];
+}
+
+// The slot scatter_sum<kV> gives lane lane_g of a group of G, made alone (for a lane constant): the upper halves
+// its levels kept, or -1 where a lane bit below them is set. (scatter_sum makes it beside its sums: computed there
+// through this function, scan_bwd<fp64,npl8> spilled 16 bytes on sm_90.)
+template <int kV>
+__device__ __forceinline__ int scatter_slot(int G, int lane_g) {
+  int off = G >> 1, j = 0, rest = 0;
+#pragma unroll
+  for (int half = kV / 2; half >= 1; half /= 2, off >>= 1) j += (lane_g & off) != 0 ? half : 0;
+  for (; off > 0; off >>= 1) rest |= lane_g & off;
+  return rest == 0 ? j : -1;
 }
 
 // Where this thread's slot 0 of segment summary row (b, d, seg) of the workspace lies, for the arrays at offset
@@ -1076,7 +1109,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 #pragma unroll
       for (int j = 0; j < kFwdSums; ++j) ys[j] = j < steps ? step(tb + j) : acc_t(0);
       int j;
-      const acc_t y = scatter_sum(ys, G, m.lane_g, j);
+      const acc_t y = scatter_sum<kNPL == 1>(ys, G, m.lane_g, j);
       if (j >= 0 && j < steps) {
         y_s[(tb + j) * RC + m.c_local] = y + D_d * du_s[2 * ((tb + j) * RC + m.c_local) + 1];
       }
@@ -1247,6 +1280,19 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // sm_80's float64 backward spilled (its 8 slots' addresses).
   const acc_t* const rec_c = rec_s + kRec * m.c_local;
   const acc_t* const BC_lane = BC_s + 2 * m.lane_g;
+  // Which total of the reverse recurrence's scatter sums this lane finishes (scatter_slot; a lane constant): sum
+  // `what` (0: du, 1: ddl, 2: y; 3: none) of the batch's step tb - i, which goes to sum[tb * RC] (and ddl's lanes
+  // read softplus' at dsp[tb * RC]).
+  struct Fin {
+    acc_t* sum;
+    const acc_t* dsp;
+    int what, i;
+  };
+  const auto lane_fin = [&](int slot) {
+    const int i = slot < 0 ? 0 : slot / kBwdSlots, what = slot < 0 ? kBwdSlots - 1 : slot % kBwdSlots;
+    const int at = m.c_local - i * RC;
+    return Fin{sums_o + what * TS + at, dsp_s + at, what, i};
+  };
   const auto bc_at = [&](int t, int k) {
     return kNPL == 1 ? BC_lane + 2 * t * RB : BC_s + 2 * (t * RB + k * G + m.lane_g);
   };
@@ -1294,6 +1340,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const int tiles = kTiles == 1 ? 1 : min(p.tiles, (p.dim - m.d0 + cpb - 1) / cpb);
   // The first group of each 32-lane segment stores the segment's dB, dC sums: slots k < lead of this lane.
   int lead = (tid % kSeg) < G ? slots : 0;
+  // With one state a lane and G <= 16 every lane reads what the lanes of the first group add to (the same columns,
+  // G of them: dbc_cols), so that only the store is conditional: one predicated instruction, not a branch around
+  // the read, the adds and the store (sm_90: 3 instructions a reverse step). Only the first group stores: a lane
+  // of another storing the same value would race with the first group's reads.
+  constexpr bool kEveryLaneReads = kNPL == 1 && kG <= 16;
   int lane_g = m.lane_g;  // a copy that vary() may touch
 
   // Addresses of the stores after the loop (see kEarlyAddresses), per tile: pass 0 the segment summary (a, b),
@@ -1491,7 +1542,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 dB_v += shfl_xor(dB_v, off);
                 dC_v += shfl_xor(dC_v, off);
               }
-              if (k < lead) {
+              if (kEveryLaneReads || k < lead) {
                 acc_t* e = dBC_lane + 2 * (t * RN + k * G);
                 acc_t dbc[2] = {dB_v, dC_v};
                 if (kTiles > 1 && g > 0) {
@@ -1500,23 +1551,20 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                   dbc[0] = before[0] + dB_v;
                   dbc[1] = before[1] + dC_v;
                 }
-                smem_store(e, dbc);
+                if (k < lead) smem_store(e, dbc);
               }
             }
             if (lane_g == 0) st.dD[0] += dy * uv;
             return Parts{y_p, ddl_p, du_p};
           };
-          // A step's sum over n, total `v` of sum `what` (0: du, 1: ddl, 2: y), into sums_o for the epilogue; the
-          // lane that holds ddl's also adds the step's ddelta to ddelta_bias.
-          const auto finish = [&](int t, int what, acc_t v) {
-            const int s = t * RC + m.c_local;
-            sums_o[what * TS + s] = v;
-            if (what == 1) st.dbias[0] += v * dsp_s[s];
-          };
           // The sums of kSteps steps at once, in one scatter sum: its lane of slot j finishes sum j % kBwdSlots of
           // step j / kBwdSlots of the batch, steps tb, tb - 1, ..; a batch of fewer steps (`steps`) leaves the
           // others' slots zero.
           constexpr int kSteps = kSums / kBwdSlots;
+          // Where this lane's totals go: made once a chunk with one state a lane (in the loop, their addresses cost
+          // ptxas 2.5 instructions a step on sm_90), in each batch with more (kept across the loop, they made
+          // scan_bwd<fp64,npl8> spill on sm_80 and sm_90).
+          const Fin fin_chunk = kNPL == 1 ? lane_fin(scatter_slot<kSums>(G, m.lane_g)) : Fin{};
           const auto batch = [&](int tb, int steps) {
             acc_t sums[kSums];
 #pragma unroll
@@ -1528,10 +1576,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               sums[i * kBwdSlots + 3] = acc_t(0);
             }
             int j;
-            const acc_t v = scatter_sum(sums, G, lane_g, j);
-            // (unsigned: a shift and a mask; j = -1, no slot, fails the first test)
-            const int i = int(unsigned(j) / kBwdSlots), what = int(unsigned(j) % kBwdSlots);
-            if (j >= 0 && what < 3 && i < steps) finish(tb - i, what, v);
+            const acc_t v = scatter_sum<kNPL == 1>(sums, G, lane_g, j);
+            // This lane's total into sums_o for the epilogue; the lanes of ddl's also add the step's ddelta to
+            // ddelta_bias.
+            Fin f = kNPL == 1 ? fin_chunk : lane_fin(j);
+            vary(f.what);
+            if (f.what < 3 && f.i < steps) {
+              f.sum[tb * RC] = v;
+              if (f.what == 1) st.dbias[0] += v * f.dsp[tb * RC];
+            }
           };
           // Full batches without a guard around their steps (kSteps, a constant), then the chunk's first steps
           // that do not fill one (an odd chunk length: the last chunk of an odd sequence).
