@@ -1,4 +1,4 @@
-"""`vim-ds bench scan|model|train|convert|profile|data|split`: how fast the kernels, the model and the trainer
+"""`vim-ds bench scan|model|train|convert|profile|anatomy|data|split`: how fast the kernels, the model and the trainer
 are, beside baselines.
 
 scan   the selective scan at a Vim layer shape: compiled kernel vs the pure-PyTorch reference, forward and
@@ -17,6 +17,8 @@ split  a training step with each image's tokens split over N ranks (sequence par
        model: peak memory per rank, forward and backward time, communication per block, logits agreement.
 profile  where a training step's time goes: a run's `vim-ds train --profile-steps` profile, its top kernels and
          each large operator beside its roofline on the GPU that ran it.
+anatomy  a training step on paper, without a GPU: every operator of one forward and backward (traced on the meta
+         device) and the optimizer step, each beside its roofline on a modelled GPU, by kind and costliest first.
 data   the input pipeline alone (decode, transform, collate, Mixup, hand-over to the training process) on a folder
        of JPEGs: the trainer's loader vs timm's create_loader, images/s and per core, and where the time goes.
 """
@@ -30,7 +32,7 @@ import sys
 from ...runtime import env_vars
 from ...runtime.errors import report_error
 from ..run_options import add_model_kwargs
-from . import convert, data, model, scan, split, step_profile, train
+from . import convert, data, model, scan, split, step_anatomy, step_profile, train
 from ...runtime.launched_runs import REPO_DIR, error_line, run_train_config, summarise_metrics
 from .train import (DEFAULT_TRAIN_CONFIGS, LOOP_OVERHEAD_GOAL, MI210_FP32_FINETUNE_IMAGES_PER_SEC_PER_GPU,
                     REFERENCE_SPEEDUP_GOAL, reference_lines)
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_parser(sub)
     sub.choices["data"].set_defaults(run=data.run_data, check=data.check_args)
     split.add_parser(sub)
+    step_anatomy.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,103 @@
+"""`vim-ds bench anatomy` (cli/bench/step_anatomy.py): a training step on paper, each operator of one forward and
+backward (traced on the meta device) and the optimizer step beside its roofline on a modelled GPU (issue 51, item
+2's rooflines for every operator, not only the matrix products, scans and convs a profile names). Checked on a small
+Vim against byte and FLOP counts worked out here by hand from the shapes, and against the H200's datasheet rates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+from vim_ds.cli.bench import main as bench_main
+from vim_ds.cli.bench import scan_model, step_anatomy
+from vim_ds.models import vim
+
+SMALL = dict(depth=2, embed_dim=32, patch_size=8, stride=8, num_classes=10)  # 16 patches + the class token
+BATCH, SIZE, TOKENS, D_INNER = 4, 32, 17, 64
+H200 = {g.name: g for g in scan_model.GPUS}["H200 SXM"]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    with torch.device("meta"):
+        model = timm.create_model("vim_tiny", img_size=SIZE, **SMALL)
+    return step_anatomy.trace(model.train(), BATCH, SIZE, "fp32", H200)
+
+
+def _named(ops, name, shape=None):
+    return [o for o in ops if o.name == name and (shape is None or o.shape == shape)]
+
+
+def test_every_operator_beside_its_roofline_from_the_shapes(ops):
+    # views and allocations move nothing and are not listed; every listed op has a kind and a positive cost
+    assert step_anatomy.classify("aten.transpose.int") is None and step_anatomy.classify("aten.view.default") is None
+    assert step_anatomy.classify("aten.add.Tensor") == "elementwise"
+    assert all(o.kind in step_anatomy.KINDS and o.bytes > 0 and o.seconds > 0 for o in ops)
+    assert not [o for o in ops if o.name.startswith(("aten.transpose", "aten.view", "aten.expand", "aten.detach"))]
+    # the head: addmm(bias, x, W^T) reads bias, the class tokens and the weight, writes the logits; 2 B C K FLOPs
+    head = _named(ops, "aten.addmm.default", (BATCH, 10))
+    assert len(head) == 1
+    assert head[0].bytes == (10 + BATCH * 32 + 32 * 10 + BATCH * 10) * 4
+    assert head[0].flops == 2 * BATCH * 32 * 10
+    assert head[0].seconds == pytest.approx(max(head[0].bytes / 4.8e12, head[0].flops / 67e12))
+    # the mixer's two directions summed forward, and their gradients of x and z summed backward: each add reads two
+    # (batch, d_inner, L) fp32 tensors and writes one, three per block
+    adds = _named(ops, "aten.add.Tensor", (BATCH, D_INNER, TOKENS))
+    assert len(adds) == 3 * SMALL["depth"] and all(o.bytes == 3 * BATCH * D_INNER * TOKENS * 4 for o in adds)
+    # the optimizer: 28 bytes a parameter
+    n_params = sum(p.numel() for p in timm.create_model("vim_tiny", img_size=SIZE, **SMALL).parameters())
+    adam = _named(ops, "AdamW step (fused, analytic)")
+    assert len(adam) == 1 and adam[0].bytes == 28 * n_params
+
+
+def test_the_branch_ops_are_their_parts_and_the_norms_one_kernel_each_way(ops):
+    blocks = 2 * SMALL["depth"]  # two directions a block
+    fwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_fwd")]
+    bwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_bwd")]
+    assert len(fwd) == 5 * blocks and len(bwd) == 9 * blocks
+    scan = _named(ops, "vim_ds.ssm_branch_fwd: scan")
+    cost = scan_model.forward_cost(BATCH, D_INNER, TOKENS, 16, "float32")
+    assert len(scan) == blocks and scan[0].bytes == cost.bytes
+    assert scan[0].seconds == pytest.approx(cost.bound(H200)["seconds"])
+    # the conv reads x and writes u: two (batch, d_inner, L) tensors; backward x and du in, dx out
+    bdl = BATCH * D_INNER * TOKENS
+    assert _named(ops, "vim_ds.ssm_branch_fwd: conv + SiLU")[0].bytes == 2 * bdl * 4
+    assert _named(ops, "vim_ds.ssm_branch_bwd: conv + SiLU backward")[0].bytes == 3 * bdl * 4
+    # x_proj: u in, x_dbl (dt_rank 2 + 2 x 16 rows) out, 2 x rows FLOPs a (b, d, t)
+    x_proj = _named(ops, "vim_ds.ssm_branch_fwd: x_proj")[0]
+    assert x_proj.bytes == (bdl + BATCH * 34 * TOKENS) * 4 and x_proj.flops == 2 * bdl * 34
+    norms = [o for o in ops if o.kind == "norms"]
+    if vim._TORCH_FUSES_RMS_NORM:  # each block's norm and the final one: one kernel forward, one backward
+        rows, dim = BATCH * TOKENS, 32
+        forward = _named(ops, "aten._fused_rms_norm")
+        assert len(forward) == SMALL["depth"] + 1 == len(_named(ops, "aten._fused_rms_norm_backward"))
+        assert forward[0].bytes == (2 * rows * dim + dim + rows) * 4  # x, weight in; y, rstd out
+        assert len(norms) == 2 * (SMALL["depth"] + 1) and not _named(ops, "aten.rsqrt.default")
+    else:  # older torch: the model's formula, traced as its operators
+        assert not norms and _named(ops, "aten.rsqrt.default")
+
+
+def test_bench_anatomy_prints_the_step_by_kind_and_writes_json(tmp_path, capsys):
+    out_json = tmp_path / "a.json"
+    assert bench_main(["anatomy", "--model", "vim_tiny", "--model-kwargs", "depth=2", "embed_dim=32",
+                       "patch_size=8", "stride=8", "num_classes=10", "--input-size", str(SIZE), "--batch-size",
+                       str(BATCH), "--precision", "bf16", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("A training step of vim_tiny depth=2 embed_dim=32 patch_size=8 stride=8 num_classes=10 "
+                          "on paper: batch 4 at 32 px, bf16")
+    assert "| kind | ops | GB | GFLOP | roofline ms | share |" in out and "The costliest operators" in out
+    result = json.loads(out_json.read_text())
+    kinds = {k["kind"]: k for k in result["kinds"]}
+    assert set(kinds) <= set(step_anatomy.KINDS) and "Vim's branch (scan, conv, projections)" in kinds
+    assert sum(k["ms"] for k in result["kinds"]) == pytest.approx(result["total_ms"])
+    assert result["images_per_s"] == pytest.approx(BATCH / result["total_ms"] * 1e3)
+    assert result["settings"]["matrix_TFLOPS"] == pytest.approx(989.4)  # bf16's dense tensor-core peak
+    # bad input: one line, exit 2
+    for argv, message in ((["--gpu", "A100"], "--gpu must be one of"),
+                          (["--model", "no_such_model"], "cannot build 'no_such_model'"),
+                          (["--model-kwargs", "img_size=64"], "give the image size as --input-size")):
+        assert bench_main(["anatomy", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
