@@ -32,8 +32,13 @@ def _named(ops, name, shape=None):
 
 def test_every_operator_beside_its_roofline_from_the_shapes(ops):
     # views and allocations move nothing and are not listed; every listed op has a kind and a positive cost
-    assert step_anatomy.classify("aten.transpose.int") is None and step_anatomy.classify("aten.view.default") is None
-    assert step_anatomy.classify("aten.add.Tensor") == "elementwise"
+    # the same kinds for a traced op and a profiled one (`vim-ds bench profile`'s names)
+    classify = step_anatomy.classify
+    assert classify("aten.transpose.int") is None and classify("aten.view.default") is None is classify("aten::t")
+    assert classify("aten.add.Tensor") == "elementwise" == classify("aten::add")
+    assert classify("aten.bmm.default") == "matrix products" == classify("aten::baddbmm")
+    assert classify("aten._to_copy.default") == "casts and copies" == classify("aten::copy_")
+    assert classify("vim_ds.ssm_branch_bwd.default") == step_anatomy.BRANCH_KIND == classify("vim_ds::causal_conv1d")
     assert all(o.kind in step_anatomy.KINDS and o.bytes > 0 and o.seconds > 0 for o in ops)
     assert not [o for o in ops if o.name.startswith(("aten.transpose", "aten.view", "aten.expand", "aten.detach"))]
     # the head: addmm(bias, x, W^T) reads bias, the class tokens and the weight, writes the logits; 2 B C K FLOPs
@@ -57,6 +62,10 @@ def test_the_branch_ops_are_their_parts_and_the_norms_one_kernel_each_way(ops):
     fwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_fwd")]
     bwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_bwd")]
     assert len(fwd) == 5 * blocks and len(bwd) == 9 * blocks
+    # a GPU profile gives the projections' and copies' kernels to the bmm and copy inside the op: so does the trace
+    assert {o.name.split(": ")[1]: o.kind for o in fwd} == {
+        "conv + SiLU": step_anatomy.BRANCH_KIND, "x_proj": "matrix products", "dt_proj": "matrix products",
+        "B, C copies": "casts and copies", "scan": step_anatomy.BRANCH_KIND}
     scan = _named(ops, "vim_ds.ssm_branch_fwd: scan")
     cost = scan_model.forward_cost(BATCH, D_INNER, TOKENS, 16, "float32")
     assert len(scan) == blocks and scan[0].bytes == cost.bytes
@@ -90,7 +99,7 @@ def test_bench_anatomy_prints_the_step_by_kind_and_writes_json(tmp_path, capsys)
     assert "| kind | ops | GB | GFLOP | roofline ms | share |" in out and "The costliest operators" in out
     result = json.loads(out_json.read_text())
     kinds = {k["kind"]: k for k in result["kinds"]}
-    assert set(kinds) <= set(step_anatomy.KINDS) and "Vim's branch (scan, conv, projections)" in kinds
+    assert set(kinds) <= set(step_anatomy.KINDS) and step_anatomy.BRANCH_KIND in kinds
     assert sum(k["ms"] for k in result["kinds"]) == pytest.approx(result["total_ms"])
     assert result["images_per_s"] == pytest.approx(BATCH / result["total_ms"] * 1e3)
     assert result["settings"]["matrix_TFLOPS"] == pytest.approx(989.4)  # bf16's dense tensor-core peak

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from vim_ds.cli.bench import main as bench_main
-from vim_ds.cli.bench import scan_model, step_profile
+from vim_ds.cli.bench import scan_model, step_anatomy, step_profile
 from vim_ds.cli.run_options import parse_config
 from vim_ds.config.run_config import RunConfig
 from vim_ds.config.run_rules import profile_steps, validate
@@ -59,6 +59,14 @@ def test_a_profiled_run_writes_its_trace_and_top_kernels(config_run, capsys, tmp
     assert bench_main(["profile", run, "--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "Operators beside their rooflines (roofline GPU: none on a CPU; float32)" in out
+    # every operator's own time, by kind; the run's model and batch for the step on paper (not drawn on a CPU)
+    assert summary["run"] == {"model": summary["run"]["model"], "model_kwargs": summary["run"]["model_kwargs"],
+                              "num_classes": summary["run"]["num_classes"], "input_size": summary["run"]["input_size"],
+                              "micro_batch": 8, "micro_steps": 2}
+    names = {op["name"] for op in summary["op_times"]}
+    assert {"vim_ds::ssm_branch_fwd", "vim_ds::ssm_branch_bwd", "aten::bmm"} <= names and summary[
+        "device_ms_per_step"] is None
+    assert "| Vim's branch kernels (scan, conv) | " in out and "| total | " in out
     assert "| `vim_ds::ssm_branch_fwd` | 8x64x65" in out
     assert json.loads((tmp_path / "p.json").read_text())["summary"]["steps"] == [2, 3]
 
@@ -88,6 +96,36 @@ def _h200_summary(precision):
                  "ms": 9.6, "ms_per_step": 4.8, "flops": 0},
                 {"name": "aten::add", "shapes": [[64, 785, 384], [64, 785, 384]], "calls": 48, "ms": 4.8,
                  "ms_per_step": 2.4, "flops": 0}]}
+
+
+def test_each_kind_of_operator_beside_the_step_on_paper():
+    """The by-kind table: the operators' own times added up by kind (aten::view moves nothing: no kind), the device
+    time no operator launched beside the optimizer's step on paper, and the paper's kinds from `vim-ds bench
+    anatomy` for the run's model and batch, the operators' times the micro steps of an optimizer step."""
+    run = {"model": "vim_tiny", "model_kwargs": {"depth": 2, "embed_dim": 32, "patch_size": 8, "stride": 8},
+           "num_classes": 10, "input_size": 32, "micro_batch": 4, "micro_steps": 2}
+    times = {"aten::bmm": 3.0, "aten::addmm": 1.0, "vim_ds::ssm_branch_fwd": 2.0, "aten::add": 1.0,
+             "aten::_to_copy": 0.5, "aten::view": 0.25}
+    summary = dict(_h200_summary("bf16"), run=run, device_ms_per_step=9.0,
+                   op_times=[{"name": k, "calls": 2, "ms_per_step": v} for k, v in times.items()])
+    text, _ = step_profile.report(summary)
+    rows = {r["kind"]: r for r in step_profile.by_kind(summary, scan_model.gpu_for_device("NVIDIA H200"))}
+    measured = {k: r["ms_per_step"] for k, r in rows.items()}
+    assert measured == {"matrix products": 4.0, "Vim's branch kernels (scan, conv)": 2.0, "norms": 0.0,
+                        "elementwise": 1.0, "reductions": 0.0, "casts and copies": 0.5,
+                        step_profile.OUTSIDE: 1.5, "total": 9.0}
+    kwargs = dict(run["model_kwargs"], num_classes=10)
+    paper = {k["kind"]: k["ms"] for k in step_anatomy.anatomy("vim_tiny", 4, 32, "bf16", "H200 SXM", kwargs)["kinds"]}
+    assert rows["matrix products"]["paper_ms_per_step"] == pytest.approx(2 * paper["matrix products"])
+    assert rows[step_profile.OUTSIDE]["paper_ms_per_step"] == pytest.approx(paper["optimizer (AdamW)"])
+    assert rows["total"]["paper_ms_per_step"] == pytest.approx(
+        2 * sum(paper.values()) - paper["optimizer (AdamW)"])
+    line = next(x for x in text.splitlines() if x.startswith("| matrix products |"))
+    assert line == (f"| matrix products | 4.000 | {2 * paper['matrix products']:.3f} | "
+                    f"{4.0 / (2 * paper['matrix products']):.1f}x |")
+    # a summary from before op_times: no such table; a GPU that is not modelled: measured only
+    assert "by kind of operator" not in step_profile.report(_h200_summary("bf16"))[0]
+    assert all(r["paper_ms_per_step"] is None for r in step_profile.by_kind(summary, None))
 
 
 def test_rooflines_on_an_h200_from_the_datasheets():

@@ -3,9 +3,11 @@
 
 Rank 0 writes to OUTPUT_DIR/profile/:
 - ``trace.json.gz``: the Chrome trace (chrome://tracing or https://ui.perfetto.dev open it as it is);
-- ``summary.json``: the top kernels by device time (by CPU time on a CPU), and the operators whose cost can be put
-  beside a roofline (matrix products with their FLOPs, the scan's and the branch's ops with their shapes), as
-  `vim-ds bench profile` reads them (and puts each beside its roofline);
+- ``summary.json``: the top kernels by device time (by CPU time on a CPU), the operators whose cost can be put
+  beside a roofline (matrix products with their FLOPs, the scan's and the branch's ops with their shapes), every
+  operator's own time (``op_times``: the kernels it launched itself) and the device's total, and the run's model and
+  batch, as `vim-ds bench profile` reads them (and puts each beside its roofline, and each kind of operator beside
+  `vim-ds bench anatomy`'s step on paper);
 - ``top_kernels.md``: the top kernels as a markdown table.
 
 The profiler starts when the optimizer step FIRST - 1 is done (at the start of training for FIRST = 1) and stops when
@@ -26,6 +28,8 @@ TOP = 30
 # Operators put beside a roofline: matrix products (the profiler counts their FLOPs) and the model's own ops.
 ROOFLINE_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "aten::matmul",
                 "aten::convolution", "vim_ds::")
+# Profiler keys that are operators (the rest: kernels, copies, the profiler's own ranges).
+OPERATOR_NAMESPACES = ("aten::", "vim_ds::")
 
 
 def _device_time(event) -> float:
@@ -43,6 +47,10 @@ def _total_device_time(event) -> float:
     return 0.0
 
 
+def _is_operator(key: str) -> bool:
+    return key.startswith(OPERATOR_NAMESPACES)
+
+
 def summarize(prof, steps: int, wall_s: float, on_gpu: bool, device_name: str, first_last) -> dict:
     """What summary.json holds, from a stopped profiler."""
     events = prof.key_averages()
@@ -50,6 +58,12 @@ def summarize(prof, steps: int, wall_s: float, on_gpu: bool, device_name: str, f
         timed = [(e.key, e.count, _device_time(e)) for e in events if _device_time(e) > 0]
     else:
         timed = [(e.key, e.count, float(e.self_cpu_time_total)) for e in events if e.self_cpu_time_total > 0]
+    # Each operator's own time (on a GPU the kernels it launched itself, so that the operators' times add up without
+    # counting a kernel twice), and on a GPU the device's whole time (the kernels and copies themselves): what is
+    # not any operator's is the optimizer's fused kernels, communication and the like.
+    op_times = [{"name": key, "calls": calls, "ms_per_step": us / 1e3 / steps}
+                for key, calls, us in timed if _is_operator(key)]
+    device_ms = sum(us for key, _, us in timed if not _is_operator(key)) / 1e3 / steps if on_gpu else None
     timed.sort(key=lambda t: -t[2])
     total_us = sum(t[2] for t in timed)
     kernels = [{"name": name, "calls": calls, "ms": us / 1e3, "ms_per_step": us / 1e3 / steps,
@@ -65,7 +79,7 @@ def summarize(prof, steps: int, wall_s: float, on_gpu: bool, device_name: str, f
     return {"device": "cuda" if on_gpu else "cpu", "device_name": device_name, "steps": list(first_last),
             "profiled_steps": steps, "wall_ms_per_step": wall_s * 1e3 / steps,
             "time": "device (self)" if on_gpu else "CPU (self)", "timed_ms": total_us / 1e3,
-            "kernels": kernels, "ops": ops}
+            "kernels": kernels, "ops": ops, "op_times": op_times, "device_ms_per_step": device_ms}
 
 
 def table(summary: dict) -> str:
@@ -83,9 +97,11 @@ class StepProfiler:
     """Profiles optimizer steps first..last when `after_step` is called with each finished step's number (and once
     with the step the run starts from)."""
 
-    def __init__(self, steps, folder: str, device: torch.device, enabled: bool, precision: str = ""):
+    def __init__(self, steps, folder: str, device: torch.device, enabled: bool, precision: str = "",
+                 run: dict | None = None):
         self.first, self.last = steps if steps else (0, -1)
         self.folder, self.device, self.precision = folder, device, precision
+        self.run = run or {}  # the model and the batch (bench profile's step on paper)
         self.enabled = enabled and steps is not None
         self._prof = None
         self._started = 0.0
@@ -138,7 +154,7 @@ class StepProfiler:
         self._prof.export_chrome_trace(os.path.join(self.folder, TRACE))
         name = torch.cuda.get_device_name(self.device) if on_gpu else "CPU"
         summary = {**summarize(self._prof, steps, wall, on_gpu, name, (self.first, self.last)),
-                   "precision": self.precision}
+                   "precision": self.precision, "run": self.run}
         with open(os.path.join(self.folder, SUMMARY), "w") as f:
             json.dump(summary, f, indent=1)
         with open(os.path.join(self.folder, TABLE), "w") as f:

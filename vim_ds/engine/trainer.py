@@ -393,8 +393,11 @@ class Trainer:
             self._announce()
         record = None
         p.started_at = p.step
+        model = self.parts.model.config
+        run = dict(model=model.name, model_kwargs=dict(model.kwargs), num_classes=model.num_classes,
+                   input_size=settings.input_size, micro_batch=self.batch.micro, micro_steps=self.batch.accum)
         self.profiler = StepProfiler(settings.profile_steps, os.path.join(settings.output_dir, PROFILE_FOLDER),
-                                     self.dist.device, self.dist.is_main, self.parts.ds.precision)
+                                     self.dist.device, self.dist.is_main, self.parts.ds.precision, run)
         self.profiler.after_step(p.step)  # --profile-steps from the run's first step: starts now
         try:
             stopping.before_training(p)  # a signal while the run was being built

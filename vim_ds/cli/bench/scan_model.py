@@ -94,6 +94,14 @@ GPUS = (
 )
 
 
+# Dense bf16 matrix peak of each modelled GPU (tensor cores / matrix cores), as the datasheets state it (without
+# sparsity): the rate of matrix products in bf16 runs (`vim-ds bench profile`, `vim-ds bench anatomy`).
+BF16_MATMUL_FLOPS = {"H100 SXM": 989.4e12, "H200 SXM": 989.4e12, "MI250X (one GCD)": 383e12 / 2,
+                     "MI300X": 1307.4e12}
+BF16_SOURCES = ("NVIDIA H100 / H200 datasheets: BF16 Tensor Core 1,979 TFLOPS with sparsity, 989.4 dense; AMD "
+                "MI250X: 383 TFLOPS bf16 for two GCDs; AMD MI300X: 1,307.4 TFLOPS bf16 dense")
+
+
 def gpu_for_device(device_name: str):
     """The modelled GPU that a torch.cuda device name denotes, or None (an H100 PCIe or NVL, an MI210, ... are
     not modelled: their bandwidth and rates differ)."""

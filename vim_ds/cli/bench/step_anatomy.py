@@ -8,7 +8,7 @@ model calls it only where torch has them). Per operator:
 
 - its bytes: every tensor it reads and writes, as an unfused kernel moves them (views move nothing);
 - its FLOPs: matrix products (``torch.utils.flop_counter``'s formulas) at the dtype's dense matrix peak
-  (``step_profile.BF16_MATMUL_FLOPS``; FP32 otherwise);
+  (``scan_model.BF16_MATMUL_FLOPS``; FP32 otherwise);
 - Vim's own ops (``vim_ds::ssm_branch_fwd`` / ``_bwd``): what ``ops/library.py`` runs inside them on a GPU, each
   part as its own kernel: the scan at the performance model's bound (``scan_model``), the conv, the projections
   and the copies by their bytes and FLOPs (``branch_parts``);
@@ -27,23 +27,27 @@ from dataclasses import dataclass
 
 import torch
 
-from . import scan_model, step_profile
+from . import scan_model
 
-# What a traced op is, for the table by kind.
-KINDS = ("matrix products", "Vim's branch (scan, conv, projections)", "norms", "elementwise", "reductions",
-         "casts and copies", "optimizer (AdamW)")
-MATMUL_OPS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default",
-              "aten.convolution.default", "aten.convolution_backward.default"}
-NORM_PREFIXES = ("aten._fused_rms_norm", "aten.native_layer_norm")
-REDUCTIONS = ("aten.sum.", "aten.mean.", "aten.amax.", "aten.max.", "aten._log_softmax.", "aten._softmax.")
-COPIES = ("aten._to_copy.", "aten.copy_.", "aten.clone.", "aten.cat.", "aten.slice_backward.", "aten.select_backward.",
-          "aten.contiguous.", "aten.constant_pad_nd.", "aten.index_put", "aten.new_zeros.", "aten.zeros_like.")
-# Ops that only make a view or a tensor's metadata: no bytes (an empty tensor's allocation moves none either).
-NO_TRAFFIC = ("aten.view.", "aten._unsafe_view.", "aten.transpose.", "aten.t.", "aten.expand.", "aten.permute.",
-              "aten.split.", "aten.split_with_sizes.", "aten.slice.", "aten.select.", "aten.detach.", "aten.alias.",
-              "aten.unsqueeze.", "aten.squeeze.", "aten.as_strided.", "aten.unbind.", "aten.empty", "aten.new_empty",
-              "aten.promote_types.", "aten.lift_fresh.", "aten.is_same_size.", "aten._has_compatible_shallow_copy",
-              "aten.sym_", "aten.zeros.", "aten.ones_like.", "aten.empty_like.")
+# What an operator is, for the table by kind; the same kinds for a traced op (`aten.add.Tensor`) and for a profiled
+# one (`aten::add`), by the op's base name. A GPU profile gives a kernel's time to the innermost operator that
+# launched it, so the fused branch ops own their scan and conv kernels, and the projections and copies inside them
+# are matrix products and copies there: here too (branch_parts).
+BRANCH_KIND = "Vim's branch kernels (scan, conv)"
+KINDS = ("matrix products", BRANCH_KIND, "norms", "elementwise", "reductions", "casts and copies",
+         "optimizer (AdamW)")
+MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_convolution"}
+NORMS = {"_fused_rms_norm", "_fused_rms_norm_backward", "native_layer_norm", "native_layer_norm_backward"}
+REDUCTIONS = {"sum", "mean", "amax", "max", "_log_softmax", "_softmax", "_log_softmax_backward_data",
+              "_softmax_backward_data"}
+COPIES = {"_to_copy", "copy_", "clone", "cat", "slice_backward", "select_backward", "contiguous", "constant_pad_nd",
+          "index_put_", "new_zeros", "zeros", "zeros_like", "ones_like", "fill_", "zero_"}
+# Operators that only make a view or read a tensor's metadata, or allocate without writing: no bytes.
+NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "t", "expand", "permute", "split", "split_with_sizes", "slice",
+              "select", "detach", "alias", "unsqueeze", "squeeze", "as_strided", "unbind", "empty", "empty_strided",
+              "new_empty", "new_empty_strided", "empty_like", "promote_types", "lift_fresh", "is_same_size",
+              "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+              "resolve_conj", "resolve_neg"}
 BRANCH_OPS = {"vim_ds.ssm_branch_fwd.default": False, "vim_ds.ssm_branch_bwd.default": True}
 ADAM_BYTES_PER_PARAM = 28
 
@@ -71,44 +75,47 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def branch_parts(batch, dim, seqlen, d_state, dt_rank, dtype, backward):
-    """[(part, bytes, flops, scan KernelCost or None)] of one fused branch op (`ops/library.py`, GPU backend): the
-    conv (SiLU fused), x_proj and dt_proj, the B and C copies, the scan; the backward recomputes the forward's
-    inputs to the scan, then runs the scan's backward, the projections' gradients and the conv's backward."""
+    """[(part, kind, bytes, flops, scan KernelCost or None)] of one fused branch op (`ops/library.py`, GPU
+    backend): the conv (SiLU fused), x_proj and dt_proj, the B and C copies, the scan; the backward recomputes the
+    forward's inputs to the scan, then runs the scan's backward, the projections' gradients and the conv's
+    backward. The projections are matrix products (aten::bmm and baddbmm inside the op), the copies copies."""
     e = scan_model.ELEM_BYTES[dtype]
     bdl, bnl, rows = batch * dim * seqlen, batch * d_state * seqlen, dt_rank + 2 * d_state
     dbl = batch * rows * seqlen
-    fwd_inputs = [("conv + SiLU", 2 * bdl * e, 0, None),                                   # x -> u
-                  ("x_proj", (bdl + dbl) * e, 2 * bdl * rows, None),                       # u -> x_dbl
-                  ("dt_proj", (batch * dt_rank * seqlen + bdl) * e, 2 * bdl * dt_rank, None),  # -> delta
-                  ("B, C copies", 4 * bnl * e, 0, None)]
+    mat, copies = "matrix products", "casts and copies"
+    fwd_inputs = [("conv + SiLU", BRANCH_KIND, 2 * bdl * e, 0, None),                           # x -> u
+                  ("x_proj", mat, (bdl + dbl) * e, 2 * bdl * rows, None),                       # u -> x_dbl
+                  ("dt_proj", mat, (batch * dt_rank * seqlen + bdl) * e, 2 * bdl * dt_rank, None),  # -> delta
+                  ("B, C copies", copies, 4 * bnl * e, 0, None)]
     if not backward:
-        return fwd_inputs + [("scan", 0, 0, scan_model.forward_cost(batch, dim, seqlen, d_state, dtype))]
-    return [(f"{name} (recomputed)", b, f, c) for name, b, f, c in fwd_inputs] + [
-        ("scan backward", 0, 0, scan_model.backward_cost(batch, dim, seqlen, d_state, dtype)),
-        ("dt_proj gradients", (2 * bdl + 2 * batch * dt_rank * seqlen) * e, 4 * bdl * dt_rank, None),
-        ("dx_dbl (cat)", 2 * dbl * e, 0, None),
-        ("x_proj gradients", (2 * bdl + 2 * dbl + bdl) * e, 4 * bdl * rows, None),  # dW; du += W^T dx_dbl
-        ("conv + SiLU backward", 3 * bdl * e, 0, None)]                             # x, du -> dx
+        return fwd_inputs + [("scan", BRANCH_KIND, 0, 0, scan_model.forward_cost(batch, dim, seqlen, d_state, dtype))]
+    return [(f"{name} (recomputed)", *rest) for name, *rest in fwd_inputs] + [
+        ("scan backward", BRANCH_KIND, 0, 0, scan_model.backward_cost(batch, dim, seqlen, d_state, dtype)),
+        ("dt_proj gradients", mat, (2 * bdl + 2 * batch * dt_rank * seqlen) * e, 4 * bdl * dt_rank, None),
+        ("dx_dbl (cat)", copies, 2 * dbl * e, 0, None),
+        ("x_proj gradients", mat, (2 * bdl + 2 * dbl + bdl) * e, 4 * bdl * rows, None),  # dW; du += W^T dx_dbl
+        ("conv + SiLU backward", BRANCH_KIND, 3 * bdl * e, 0, None)]                     # x, du -> dx
 
 
 def _matmul_rate(gpu, dtype: torch.dtype) -> float:
     if dtype in (torch.bfloat16, torch.float16):
-        return step_profile.BF16_MATMUL_FLOPS[gpu.name]
+        return scan_model.BF16_MATMUL_FLOPS[gpu.name]
     return gpu.fp32_flops
 
 
 def classify(name: str) -> str | None:
-    """The kind of an aten op's name (torch's `aten.add.Tensor` form), or None for one that moves no bytes."""
-    if name.startswith(NO_TRAFFIC):
+    """The kind of an operator, traced (`aten.add.Tensor`) or profiled (`aten::add`), or None for one that moves
+    no bytes; Vim's ops (`vim_ds::...`) are the branch's kernels."""
+    namespace, _, rest = name.replace("::", ".", 1).partition(".")
+    if namespace == "vim_ds":
+        return BRANCH_KIND
+    base = rest.split(".")[0]
+    if base in NO_TRAFFIC:
         return None
-    if name in MATMUL_OPS:
-        return "matrix products"
-    if name.startswith(NORM_PREFIXES):
-        return "norms"
-    if name.startswith(REDUCTIONS):
-        return "reductions"
-    if name.startswith(COPIES):
-        return "casts and copies"
+    for kind, names in (("matrix products", MATMULS), ("norms", NORMS), ("reductions", REDUCTIONS),
+                        ("casts and copies", COPIES)):
+        if base in names:
+            return kind
     return "elementwise"
 
 
@@ -134,6 +141,8 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
 
     def record(name, kind, ins, outs, flops=0.0):
         nbytes = sum(_nbytes(t) for t in ins + outs)
+        if nbytes == 0:  # (an empty tensor's fill)
+            return
         rate = _matmul_rate(gpu, ins[0].dtype if ins else dtype)
         ops.append(Op(name, kind, nbytes, flops, max(nbytes / gpu.hbm_bytes_per_s, flops / rate),
                       tuple(outs[0].shape) if outs else ()))
@@ -200,13 +209,13 @@ def _branch_ops(name: str, args, scan_dtype: str, gpu) -> list[Op]:
     x, dt_proj_w, A = args[backward], args[backward + 5], args[backward + 6]
     batch, dim, seqlen = x.shape
     ops = []
-    for part, nbytes, flops, scan in branch_parts(batch, dim, seqlen, A.shape[1], dt_proj_w.shape[1], scan_dtype,
-                                                  backward):
+    for part, kind, nbytes, flops, scan in branch_parts(batch, dim, seqlen, A.shape[1], dt_proj_w.shape[1],
+                                                        scan_dtype, backward):
         if scan is not None:
             nbytes, seconds = scan.bytes, scan.bound(gpu)["seconds"]
         else:
             seconds = max(nbytes / gpu.hbm_bytes_per_s, flops / _matmul_rate(gpu, x.dtype))
-        ops.append(Op(f"{name.rsplit('.', 1)[0]}: {part}", KINDS[1], nbytes, flops, seconds, tuple(x.shape)))
+        ops.append(Op(f"{name.rsplit('.', 1)[0]}: {part}", kind, nbytes, flops, seconds, tuple(x.shape)))
     return ops
 
 

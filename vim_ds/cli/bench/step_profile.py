@@ -12,20 +12,19 @@ Rooflines (the least time the hardware allows, per step):
   forward + backward bound less the forward's;
 - the depthwise conv (vim_ds::causal_conv1d/_bwd): its bytes (x and out forward; x, dout and dx backward) / HBM
   bandwidth.
-Everything else (elementwise ops, norms, copies, the optimizer) has no roofline here: the table says so ("—").
+Everything else (elementwise ops, norms, copies, the optimizer) has no roofline in that table ("—"); a second table
+puts each kind of operator (step_anatomy.KINDS, by each operator's own time: the kernels it launched itself) beside
+the same kind in `vim-ds bench anatomy`'s step on paper for the run's model and batch (every operator at its
+roofline, times the micro steps an optimizer step takes), and the device time no operator launched (the
+optimizer's fused kernels, communication) beside the optimizer's.
 """
 from __future__ import annotations
 
 import json
 import os
 
-from . import scan_model
+from . import scan_model, step_anatomy
 
-# Dense bf16 matrix peak (tensor cores / matrix cores), as the datasheets state it (without sparsity).
-BF16_MATMUL_FLOPS = {"H100 SXM": 989.4e12, "H200 SXM": 989.4e12, "MI250X (one GCD)": 383e12 / 2,
-                     "MI300X": 1307.4e12}
-BF16_SOURCES = ("NVIDIA H100 / H200 datasheets: BF16 Tensor Core 1,979 TFLOPS with sparsity, 989.4 dense; AMD "
-                "MI250X: 383 TFLOPS bf16 for two GCDs; AMD MI300X: 1,307.4 TFLOPS bf16 dense")
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "aten::matmul")
 SCAN_OPS = {"vim_ds::selective_scan_fwd": (0, 2, "fwd"), "vim_ds::selective_scan_bwd": (0, 2, "bwd"),
             "vim_ds::ssm_branch_fwd": (0, 6, "fwd"), "vim_ds::ssm_branch_bwd": (1, 7, "bwd")}  # (x or u, A) index
@@ -63,7 +62,7 @@ def roofline_ms(op: dict, gpu, dtype: str):
     """(least ms per call on `gpu`, what it is bound by), or (None, why not) for an op without one."""
     name, shapes, e = op["name"], op["shapes"], scan_model.ELEM_BYTES.get(dtype, 4)
     if name in MATMULS and op.get("flops"):
-        rate = BF16_MATMUL_FLOPS[gpu.name] if dtype == "bfloat16" else gpu.fp32_flops
+        rate = scan_model.BF16_MATMUL_FLOPS[gpu.name] if dtype == "bfloat16" else gpu.fp32_flops
         flops = op["flops"] / max(op["calls"], 1)
         operands = [s for s in shapes if s][:3]
         moved = sum(_numel(s) for s in operands) * e
@@ -124,9 +123,54 @@ def report(summary: dict, dtype: str | None = None, limit: int = 15) -> tuple[st
         lines.append(f"| `{row['name']}` | {shapes} | {row['calls'] / n:g} | {row['ms_per_step']:.3f} | "
                      f"{'—' if roof is None else f'{roof:.3f}'} | {'—' if ratio is None else f'{ratio:.1f}x'} | "
                      f"{row.get('bound_by', '—')} |")
+    kinds = by_kind(summary, gpu)
+    if kinds:
+        lines += ["", f"Where the step's time goes, by kind of operator (each operator's own time), beside the step "
+                  f"on paper (`vim-ds bench anatomy`; roofline GPU: {where}):", "",
+                  "| kind | measured ms per step | on paper ms per step | measured / paper |", "|---|---|---|---|"]
+        for k in kinds:
+            measured, paper = k["ms_per_step"], k.get("paper_ms_per_step")
+            ratio = "—" if measured is None or not paper else f"{measured / paper:.1f}x"
+            lines.append(f"| {k['kind']} | {_ms(measured)} | {_ms(paper)} | {ratio} |")
     if gpu:
-        lines += ["", "Peak rates: " + BF16_SOURCES + "; " + gpu.source]
+        lines += ["", "Peak rates: " + scan_model.BF16_SOURCES + "; " + gpu.source]
     return "\n".join(lines) + "\n", rows
+
+
+def _ms(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+OUTSIDE = "no operator's (optimizer, communication, ...)"
+
+
+def by_kind(summary: dict, gpu) -> list:
+    """[{kind, ms_per_step, paper_ms_per_step}]: the operators' own times by kind (op_times), the device time no
+    operator launched beside the optimizer's step on paper, and the total; the paper's column where `gpu` is a
+    modelled GPU and the summary names the run's model and batch (runs from before it have neither: [])."""
+    op_times, run = summary.get("op_times"), summary.get("run") or {}
+    if not op_times:
+        return []
+    measured = dict.fromkeys(step_anatomy.KINDS[:-1], 0.0)
+    for op in op_times:
+        kind = step_anatomy.classify(op["name"])
+        if kind is not None:
+            measured[kind] += op["ms_per_step"]
+    device = summary.get("device_ms_per_step")
+    outside = None if device is None else max(device - sum(measured.values()), 0.0)
+    paper = {}
+    if gpu is not None and run.get("model"):
+        kwargs = dict(run.get("model_kwargs") or {}, num_classes=run.get("num_classes", 1000))
+        step = step_anatomy.anatomy(run["model"], run["micro_batch"], run["input_size"],
+                                    "bf16" if summary.get("precision") == "bf16" else "fp32", gpu.name, kwargs, top=0)
+        micro = run.get("micro_steps", 1)
+        paper = {k["kind"]: k["ms"] * (1 if k["kind"] == step_anatomy.KINDS[-1] else micro) for k in step["kinds"]}
+    rows = [{"kind": kind, "ms_per_step": ms, "paper_ms_per_step": paper.get(kind)} for kind, ms in measured.items()]
+    rows.append({"kind": OUTSIDE, "ms_per_step": outside, "paper_ms_per_step": paper.get(step_anatomy.KINDS[-1])})
+    total = None if outside is None else sum(measured.values()) + outside
+    rows.append({"kind": "total", "ms_per_step": total if total is not None else sum(measured.values()),
+                 "paper_ms_per_step": sum(paper.values()) if paper else None})
+    return rows
 
 
 def run_profile(args) -> dict:
