@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from vim_ds.cli.bench import main as bench_main
 from vim_ds.cli.bench import scan_model, step_anatomy, step_profile
@@ -126,6 +127,35 @@ def test_each_kind_of_operator_beside_the_step_on_paper():
     # a summary from before op_times: no such table; a GPU that is not modelled: measured only
     assert "by kind of operator" not in step_profile.report(_h200_summary("bf16"))[0]
     assert all(r["paper_ms_per_step"] is None for r in step_profile.by_kind(summary, None))
+
+
+def test_a_gpu_profiles_operators_and_device_time_add_up_without_counting_a_kernel_twice():
+    """summarize() on a GPU profile (a stand-in for torch.profiler's averages: no GPU here): an operator's own device
+    time is the kernels it launched; a host range (the optimizer's step) has its kernels' time too, and the kernels
+    themselves appear as device events: the device's total counts each kernel once, the operators' times only the
+    operators'."""
+    from types import SimpleNamespace
+
+    from vim_ds.engine import profiling
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(key, device_us, kind, count=2):
+        return SimpleNamespace(key=key, count=count, self_device_time_total=device_us, device_time_total=device_us,
+                               self_cpu_time_total=10.0, cpu_time_total=10.0, device_type=kind, input_shapes=[],
+                               flops=0)
+
+    events = [event("aten::add", 2000.0, cpu), event("vim_ds::ssm_branch_fwd", 3000.0, cpu),
+              event("Optimizer.step#AdamW.step", 1000.0, cpu), event("aten::view", 0.0, cpu),
+              event("elementwise_kernel", 2000.0, cuda), event("selective_scan_fwd_kernel", 3000.0, cuda),
+              event("multi_tensor_apply_kernel", 1000.0, cuda)]
+    prof = SimpleNamespace(key_averages=lambda group_by_input_shape=False: events)
+    summary = profiling.summarize(prof, 2, 0.5, True, "NVIDIA H200", (5, 6))
+    assert summary["device_ms_per_step"] == pytest.approx(3.0)  # 6 ms of kernels over 2 steps, each once
+    assert {op["name"]: op["ms_per_step"] for op in summary["op_times"]} == {"aten::add": 1.0,
+                                                                            "vim_ds::ssm_branch_fwd": 1.5}
+    rows = {r["kind"]: r["ms_per_step"] for r in step_profile.by_kind(summary, None)}
+    assert rows[step_profile.OUTSIDE] == pytest.approx(0.5) and rows["total"] == pytest.approx(3.0)
 
 
 def test_rooflines_on_an_h200_from_the_datasheets():

@@ -51,6 +51,13 @@ def _is_operator(key: str) -> bool:
     return key.startswith(OPERATOR_NAMESPACES)
 
 
+def _on_device(event) -> bool:
+    """A kernel or a copy, which runs on the device (not an operator or a range of the host, whose device time is
+    that of the kernels it launched)."""
+    kind = getattr(event, "device_type", None)
+    return kind is not None and kind != torch.autograd.DeviceType.CPU
+
+
 def summarize(prof, steps: int, wall_s: float, on_gpu: bool, device_name: str, first_last) -> dict:
     """What summary.json holds, from a stopped profiler."""
     events = prof.key_averages()
@@ -63,7 +70,7 @@ def summarize(prof, steps: int, wall_s: float, on_gpu: bool, device_name: str, f
     # not any operator's is the optimizer's fused kernels, communication and the like.
     op_times = [{"name": key, "calls": calls, "ms_per_step": us / 1e3 / steps}
                 for key, calls, us in timed if _is_operator(key)]
-    device_ms = sum(us for key, _, us in timed if not _is_operator(key)) / 1e3 / steps if on_gpu else None
+    device_ms = sum(_device_time(e) for e in events if _on_device(e)) / 1e3 / steps if on_gpu else None
     timed.sort(key=lambda t: -t[2])
     total_us = sum(t[2] for t in timed)
     kernels = [{"name": name, "calls": calls, "ms": us / 1e3, "ms_per_step": us / 1e3 / steps,
