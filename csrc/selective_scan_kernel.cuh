@@ -1562,8 +1562,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           // others' slots zero.
           constexpr int kSteps = kSums / kBwdSlots;
           // Where this lane's totals go: made once a chunk with one state a lane (in the loop, their addresses cost
-          // ptxas 2.5 instructions a step on sm_90), in each batch with more (kept across the loop, they made
-          // scan_bwd<fp64,npl8> spill on sm_80 and sm_90).
+          // ptxas 2.5 instructions a step on sm_90), in each batch with more (kept across the loop, they took
+          // sm_90's scan_bwd<fp64,npl4> from 128 to 136 registers, a block an SM fewer).
           const Fin fin_chunk = kNPL == 1 ? lane_fin(scatter_slot<kSums>(G, m.lane_g)) : Fin{};
           const auto batch = [&](int tb, int steps) {
             acc_t sums[kSums];
