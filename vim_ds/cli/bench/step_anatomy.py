@@ -22,6 +22,7 @@ communication.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 from dataclasses import dataclass
 
@@ -295,7 +296,7 @@ def add_parser(sub) -> None:
     from ..run_options import add_model_kwargs
 
     a = sub.add_parser("anatomy", help="a training step on paper: each operator beside its roofline, no GPU needed",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--model", default="vim_small_s8")
     add_model_kwargs(a, default=[], help="model constructor overrides, e.g. depth=2 embed_dim=32")
     a.add_argument("--batch-size", type=int, default=64, help="images a step (one GPU's micro batch)")

@@ -142,6 +142,8 @@ def _ms(value) -> str:
 
 
 OUTSIDE = "no operator's (optimizer, communication, ...)"
+# the run's precision -> the paper step's (autocast's matrix products run in bf16: the bf16 step is the nearer floor)
+PAPER_PRECISION = {"bf16": "bf16", "autocast-bf16": "bf16", "fp32": "fp32"}
 
 
 def by_kind(summary: dict, gpu) -> list:
@@ -162,7 +164,7 @@ def by_kind(summary: dict, gpu) -> list:
     if gpu is not None and run.get("model"):
         kwargs = dict(run.get("model_kwargs") or {}, num_classes=run.get("num_classes", 1000))
         step = step_anatomy.anatomy(run["model"], run["micro_batch"], run["input_size"],
-                                    "bf16" if summary.get("precision") == "bf16" else "fp32", gpu.name, kwargs, top=0)
+                                    PAPER_PRECISION.get(summary.get("precision"), "fp32"), gpu.name, kwargs, top=0)
         micro = run.get("micro_steps", 1)
         paper = {k["kind"]: k["ms"] * (1 if k["kind"] == step_anatomy.KINDS[-1] else micro) for k in step["kinds"]}
     rows = [{"kind": kind, "ms_per_step": ms, "paper_ms_per_step": paper.get(kind)} for kind, ms in measured.items()]
