@@ -105,7 +105,7 @@ def test_bench_anatomy_prints_the_step_by_kind_and_writes_json(tmp_path, capsys)
     assert result["settings"]["matrix_TFLOPS"] == pytest.approx(989.4)  # bf16's dense tensor-core peak
     # bad input: one line, exit 2
     for argv, message in ((["--gpu", "A100"], "--gpu must be one of"),
-                          (["--model", "no_such_model"], "cannot build 'no_such_model'"),
+                          (["--model", "no_such_model"], "unknown model 'no_such_model' (try vim_tiny"),
                           (["--model-kwargs", "img_size=64"], "give the image size as --input-size")):
         assert bench_main(["anatomy", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

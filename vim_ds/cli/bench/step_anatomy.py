@@ -27,7 +27,14 @@ import collections
 from dataclasses import dataclass
 
 import torch
+from timm.loss import SoftTargetCrossEntropy
+from torch.overrides import TorchFunctionMode
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...config.ds_config import DEFAULT_MICRO_BATCH
+from ...models.factory import ModelConfig
+from ..run_options import add_model_kwargs
 from . import scan_model
 
 # What an operator is, for the table by kind; the same kinds for a traced op (`aten.add.Tensor`) and for a profiled
@@ -122,9 +129,7 @@ def classify(name: str) -> str | None:
 
 def _flops(func, args, kwargs, out) -> float:
     """A matrix product's FLOPs by torch's own formulas (those FlopCounterMode counts with)."""
-    from torch.utils.flop_counter import flop_registry
-
-    count = flop_registry.get(getattr(func, "overloadpacket", func))
+    count = getattr(flop_counter, "flop_registry", {}).get(getattr(func, "overloadpacket", func))
     return 0.0 if count is None else float(count(*args, **(kwargs or {}), out_val=out))
 
 
@@ -132,10 +137,6 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
     """The ops of one forward and backward of `model` (built on the meta device) at `batch` images of
     `image_size` with `precision` (bf16: weights and images in bfloat16, as DeepSpeed's bf16 runs; or fp32), each
     at its roofline on `gpu`, then the optimizer step. (Autocast has no meta device: not traced.)"""
-    from timm.loss import SoftTargetCrossEntropy
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     scan_dtype = "bfloat16" if precision == "bf16" else "float32"
     ops: list[Op] = []
@@ -226,22 +227,19 @@ class AnatomyError(ValueError):
 
 def anatomy(model_name: str, batch: int, image_size: int, precision: str, gpu_name: str, model_kwargs=None,
             top: int = 15) -> dict:
-    """The step on paper: the ops by kind, the costliest ops (by name and output shape), the total."""
-    import timm
-
-    from ... import models  # noqa: F401  (registers Vim's names in timm)
-
+    """The step on paper: the ops by kind, the costliest ops (by name and output shape), the total. The model as a
+    run builds it (ModelConfig; `num_classes` among `model_kwargs`, 1000 unless given), its published stochastic
+    depth on."""
     gpus = {g.name: g for g in scan_model.GPUS}
     if gpu_name not in gpus:
         raise AnatomyError(f"--gpu must be one of {', '.join(gpus)}, got {gpu_name!r}")
     gpu = gpus[gpu_name]
     if "img_size" in (model_kwargs or {}):
         raise AnatomyError("give the image size as --input-size, not as img_size= in --model-kwargs")
-    try:
-        with torch.device("meta"):
-            model = timm.create_model(model_name, img_size=image_size, **dict(model_kwargs or {}))
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise AnatomyError(f"cannot build {model_name!r} at {image_size} px: {str(e).splitlines()[0]}") from None
+    kwargs = dict(model_kwargs or {})
+    num_classes = int(kwargs.pop("num_classes", 1000))
+    with torch.device("meta"):
+        model = ModelConfig(model_name, num_classes, image_size, kwargs, drop=None, drop_path=None).build()
     model.train()
     ops = trace(model, batch, image_size, precision, gpu)
     total = sum(o.seconds for o in ops)
@@ -293,13 +291,12 @@ def report(result: dict) -> str:
 
 
 def add_parser(sub) -> None:
-    from ..run_options import add_model_kwargs
-
     a = sub.add_parser("anatomy", help="a training step on paper: each operator beside its roofline, no GPU needed",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--model", default="vim_small_s8")
     add_model_kwargs(a, default=[], help="model constructor overrides, e.g. depth=2 embed_dim=32")
-    a.add_argument("--batch-size", type=int, default=64, help="images a step (one GPU's micro batch)")
+    a.add_argument("--batch-size", type=int, default=DEFAULT_MICRO_BATCH,
+                   help=f"images a step (one GPU's micro batch) [{DEFAULT_MICRO_BATCH}]")
     a.add_argument("--input-size", type=int, default=224)
     a.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                    help="bf16: weights and activations in bfloat16 (DeepSpeed's bf16) [bf16]")
