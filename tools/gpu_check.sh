@@ -154,7 +154,8 @@ fi
 if step profile; then
     # Where a step's time goes: Vim-small stride 8, bf16, ZeRO-2, batch 64, steps 6-8 under torch.profiler
     # (`vim-ds train --profile-steps`); the Chrome trace and the top kernels land in $OUT/profile, and `vim-ds bench
-    # profile` puts each large op beside its roofline ($OUT/bench_profile.json, in the report).
+    # profile` puts each large op beside its roofline and each kind of operator beside the step on paper (`vim-ds
+    # bench anatomy`, computed there: seconds of CPU) ($OUT/bench_profile.json, in the report).
     if [ "$HAVE_GPU" = 1 ]; then
         rm -rf "$OUT/profile_run" "$OUT/profile"
         # shellcheck disable=SC2016  # expanded by the inner bash, under run_step's time limit: $0 PYTHON, $1 OUT
