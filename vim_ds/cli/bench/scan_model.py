@@ -46,7 +46,8 @@ import torch
 # The shapes `vim-ds bench scan` times on a GPU, (batch, dim, seqlen, d_state), with what each stands for.
 BENCH_SHAPES = (
     ((64, 768, 197, 16), "Vim-small, batch 64, 224x224"),
-    ((64, 768, 785, 16), "Vim-small stride 8 (finetune), batch 64, 224x224"),
+    # (28 x 28 patches and the class token: 232x232 at stride 8; at 224x224 the model has 27 x 27 + 1 = 730 tokens)
+    ((64, 768, 785, 16), "Vim-small stride 8, batch 64, 232x232"),
     ((1, 384, 4097, 16), "Vim-tiny, batch 1, 1024x1024 inference"),
     ((8, 384, 6085, 16), "Vim-tiny, batch 8, 1248x1248"),
 )
