@@ -93,6 +93,10 @@ def test_unfused_branch_backward_runs_the_conv_once(backend, monkeypatch, seed):
     assert len(calls) == 5  # forward 1, backward 2: the recompute and conv_backward's
     for before, t in zip(grads, [t for t in (x, z, *w) if t.grad is not None]):
         assert torch.equal(before, t.grad)
+    # the SiLU in the conv only where its kernel fuses it: elsewhere the branch applies it (and keeps the conv's
+    # output), and asking the conv for it is a mistake said in one line
+    with pytest.raises(ValueError, match="silu=True needs a conv kernel that fuses the SiLU"):
+        conv_forward(x.detach(), w[0].detach(), w[1].detach(), False, library.resolve(backend, x.device), silu=True)
 
 
 def test_bad_branch_input_shapes():

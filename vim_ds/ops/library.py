@@ -194,11 +194,12 @@ def _conv_kernel_args(x: Tensor, weight: Tensor, bias: Optional[Tensor]):
 
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: bool, backend_obj,
                  silu: bool = False) -> Tensor:
-    """Conv output in x's dtype, with ``silu`` its SiLU (in the same kernel on GPUs); plain computation, no autograd
-    (op implementations use it)."""
+    """Conv output in x's dtype, with ``silu`` its SiLU in the same kernel (only where the kernel fuses it:
+    _conv_fuses_silu; elsewhere the caller applies it, as branch_inputs_fwd does, keeping the conv's output for the
+    backward); plain computation, no autograd (op implementations use it)."""
     k = weight.shape[-1]
     if silu and not _conv_fuses_silu(backend_obj, x, k):
-        return F.silu(conv_forward(x, weight, bias, reverse, backend_obj))
+        raise ValueError("conv_forward: silu=True needs a conv kernel that fuses the SiLU (_conv_fuses_silu)")
     if _conv_uses_kernel(backend_obj, x, k):
         fused = {"silu": True} if silu else {}  # (the CPU kernel's binding has no silu argument)
         return backend_obj.module.conv_fwd(*_conv_kernel_args(x, weight, bias), reverse, **fused)
