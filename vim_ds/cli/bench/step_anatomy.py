@@ -31,6 +31,7 @@ from timm.loss import SoftTargetCrossEntropy
 from torch.overrides import TorchFunctionMode
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ...config.ds_config import DEFAULT_MICRO_BATCH
 from ...models.factory import ModelConfig
@@ -42,8 +43,8 @@ from . import scan_model
 # launched it, so the fused branch ops own their scan and conv kernels, and the projections and copies inside them
 # are matrix products and copies there: here too (branch_parts).
 BRANCH_KIND = "Vim's branch kernels (scan, conv)"
-KINDS = ("matrix products", BRANCH_KIND, "norms", "elementwise", "reductions", "casts and copies",
-         "optimizer (AdamW)")
+OPTIMIZER_KIND = "optimizer (AdamW)"
+KINDS = ("matrix products", BRANCH_KIND, "norms", "elementwise", "reductions", "casts and copies", OPTIMIZER_KIND)
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_convolution"}
 NORMS = {"_fused_rms_norm", "_fused_rms_norm_backward", "native_layer_norm", "native_layer_norm_backward"}
 REDUCTIONS = {"sum", "mean", "amax", "max", "_log_softmax", "_softmax", "_log_softmax_backward_data",
@@ -70,16 +71,9 @@ class Op:
     shape: tuple
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _tensors(x) -> list:
+    """The tensors among an op's arguments or results, however nested."""
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def branch_parts(batch, dim, seqlen, d_state, dt_rank, dtype, backward):
@@ -142,7 +136,7 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
     ops: list[Op] = []
 
     def record(name, kind, ins, outs, flops=0.0):
-        nbytes = sum(_nbytes(t) for t in ins + outs)
+        nbytes = sum(t.nbytes for t in ins + outs)
         if nbytes == 0:  # (an empty tensor's fill)
             return
         rate = _matmul_rate(gpu, ins[0].dtype if ins else dtype)
@@ -155,9 +149,8 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
             name = str(func)
             if name in BRANCH_OPS:
                 ops.extend(_branch_ops(name, args, scan_dtype, gpu))
-            elif classify(name) is not None:
-                kind = classify(name)
-                record(name, kind, list(_tensors(list(args) + list((kwargs or {}).values()))), list(_tensors(out)),
+            elif (kind := classify(name)) is not None:
+                record(name, kind, _tensors([args, kwargs or {}]), _tensors(out),
                        _flops(func, args, kwargs, out) if kind == "matrix products" else 0.0)
             return out
 
@@ -179,7 +172,8 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
         logits = torch.func.functional_call(model, state, (images,))
         SoftTargetCrossEntropy()(logits.float(), targets).backward()
     adam = n_params * ADAM_BYTES_PER_PARAM
-    ops.append(Op("AdamW step (fused, analytic)", KINDS[-1], adam, 0.0, adam / gpu.hbm_bytes_per_s, (n_params,)))
+    ops.append(Op("AdamW step (fused, analytic)", OPTIMIZER_KIND, adam, 0.0, adam / gpu.hbm_bytes_per_s,
+                  (n_params,)))
     return ops
 
 

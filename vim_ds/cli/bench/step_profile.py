@@ -153,7 +153,7 @@ def by_kind(summary: dict, gpu) -> list:
     op_times, run = summary.get("op_times"), summary.get("run") or {}
     if not op_times:
         return []
-    measured = dict.fromkeys(step_anatomy.KINDS[:-1], 0.0)
+    measured = dict.fromkeys((k for k in step_anatomy.KINDS if k != step_anatomy.OPTIMIZER_KIND), 0.0)
     for op in op_times:
         kind = step_anatomy.classify(op["name"])
         if kind is not None:
@@ -166,9 +166,9 @@ def by_kind(summary: dict, gpu) -> list:
         step = step_anatomy.anatomy(run["model"], run["micro_batch"], run["input_size"],
                                     PAPER_PRECISION.get(summary.get("precision"), "fp32"), gpu.name, kwargs, top=0)
         micro = run.get("micro_steps", 1)
-        paper = {k["kind"]: k["ms"] * (1 if k["kind"] == step_anatomy.KINDS[-1] else micro) for k in step["kinds"]}
+        paper = {k["kind"]: k["ms"] * (1 if k["kind"] == step_anatomy.OPTIMIZER_KIND else micro) for k in step["kinds"]}
     rows = [{"kind": kind, "ms_per_step": ms, "paper_ms_per_step": paper.get(kind)} for kind, ms in measured.items()]
-    rows.append({"kind": OUTSIDE, "ms_per_step": outside, "paper_ms_per_step": paper.get(step_anatomy.KINDS[-1])})
+    rows.append({"kind": OUTSIDE, "ms_per_step": outside, "paper_ms_per_step": paper.get(step_anatomy.OPTIMIZER_KIND)})
     total = None if outside is None else sum(measured.values()) + outside
     rows.append({"kind": "total", "ms_per_step": total if total is not None else sum(measured.values()),
                  "paper_ms_per_step": sum(paper.values()) if paper else None})
