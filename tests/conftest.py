@@ -157,9 +157,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _no_forced_backend(monkeypatch):
-    """Tests choose their backend explicitly; a developer's VIM_DS_SCAN (or VIM_DS_CPU_ISA, for the subprocesses
-    tests start) must not leak in."""
+    """Tests choose their backend explicitly; a developer's VIM_DS_SCAN or VIM_DS_NORM (or VIM_DS_CPU_ISA, for the
+    subprocesses tests start) must not leak in."""
     monkeypatch.delenv("VIM_DS_SCAN", raising=False)
+    monkeypatch.delenv("VIM_DS_NORM", raising=False)
     monkeypatch.delenv("VIM_DS_CPU_ISA", raising=False)
     yield
 

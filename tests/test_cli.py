@@ -31,6 +31,9 @@ def test_env_reports_versions_and_backends():
     assert info["scan_backends"]["cpu"]["available"], info["scan_backends"]["cpu"]["reason"]
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert list(info["scan_backend_in_use"].values()) == [expected]
+    import triton  # (torch's wheel for Linux brings it)
+
+    assert info["add_rms_norm"] == f"one triton {triton.__version__} kernel each way on GPUs (PyTorch's on CPU)"
 
 
 def test_console_script_dispatches_and_rejects_unknown_commands():

@@ -111,7 +111,7 @@ if step tests; then
         run_step tests 420 gpu_tests.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py \
             tests/test_ssm_branch.py tests/test_model.py tests/test_model_reference.py tests/test_mamba_backend.py \
             tests/test_mamba_contract.py tests/test_scan_reverse.py tests/test_ops_library.py tests/test_scan_state.py \
-            tests/test_sequence_parallel.py
+            tests/test_sequence_parallel.py tests/test_rms_norm.py
     else
         no_gpu tests
     fi

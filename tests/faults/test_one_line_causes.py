@@ -329,6 +329,8 @@ def test_a_junk_fault_injection_is_one_line_before_anything_starts(tmp_path):
 
 JUNK = {  # variable: (a value it does not accept, what the one line says it accepts)
     "VIM_DS_SCAN": ("fast", "VIM_DS_SCAN='fast' is not a scan backend; choose one of ref, cpu, cuda, mamba"),
+    "VIM_DS_NORM": ("fused", "VIM_DS_NORM=fused: expected ref (PyTorch's composition) or triton (the fused kernel), "
+                             "or leave it unset"),
     "VIM_DS_CPU_ISA": ("avx9000", "VIM_DS_CPU_ISA=avx9000: selective_scan (cpu): instruction set 'avx9000' is not "
                                   "available on this CPU; choose auto or "),
     "VIM_DS_JIT": ("no", "VIM_DS_JIT=no: expected 0 or 1 (0: never JIT-build a missing kernel), or leave it unset"),
@@ -359,8 +361,9 @@ def test_every_vim_ds_variable_names_what_it_accepts(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(a_file) if junk is None else junk)
         assert words in (env_vars.problem() or ""), name
         monkeypatch.delenv(name)
-    accepted = {"VIM_DS_SCAN": "ref", "VIM_DS_CPU_ISA": "auto", "VIM_DS_JIT": "0", "VIM_DS_JIT_VERBOSE": "1",
-                "VIM_DS_NO_TMPFILE": "1", "VIM_DS_TRACEBACK": "0", "VIM_DS_INJECT": "nan_loss@5,hang@3:1",
+    accepted = {"VIM_DS_SCAN": "ref", "VIM_DS_NORM": "triton", "VIM_DS_CPU_ISA": "auto", "VIM_DS_JIT": "0",
+                "VIM_DS_JIT_VERBOSE": "1", "VIM_DS_NO_TMPFILE": "1", "VIM_DS_TRACEBACK": "0",
+                "VIM_DS_INJECT": "nan_loss@5,hang@3:1",
                 "VIM_DS_INJECT_SIGNAL": "SIGINT:rank", "VIM_DS_CACHE": str(tmp_path / "new"),
                 "VIM_DS_RECORD_BATCHES": str(tmp_path)}
     for name, value in accepted.items():

@@ -1,4 +1,4 @@
-"""`vim-ds env`: versions, accelerator and scan backends, like DeepSpeed's ds_report."""
+"""`vim-ds env`: versions, accelerator, scan backends and the norm kernel, like DeepSpeed's ds_report."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import timm
 import torch
 
 import vim_ds
-from vim_ds.ops import backends
+from vim_ds.ops import backends, rms_norm
 
 from ..engine.run_info import accelerator
 from ..runtime import env_vars
@@ -45,6 +45,7 @@ def collect() -> dict:
         "accelerator": accelerator(),
         "scan_backends": scan,
         "scan_backend_in_use": {str(device): in_use},
+        "add_rms_norm": rms_norm.describe(),
     }
 
 
@@ -59,6 +60,7 @@ def format_report(info: dict) -> str:
         lines.append(f"  {name:<6} {state}")
     for device, name in info["scan_backend_in_use"].items():
         lines.append(f"in use on {device}: {name}")
+    lines.append(f"residual add + RMSNorm: {info['add_rms_norm']}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
-from ..ops import backends
+from ..ops import backends, rms_norm
 from . import faults
 from .errors import report_error
 
@@ -45,6 +45,10 @@ def _scan_backend(name: str, value: str) -> None:
     backends.read_forced_backend(value)
 
 
+def _norm_backend(name: str, value: str) -> None:
+    rms_norm.forced_backend(value)
+
+
 def _cpu_isa(name: str, value: str) -> None:
     # the variants are the CPU kernel's (this CPU's widest and narrower ones): it says which it has
     backends.check_cpu_isa(value)
@@ -54,6 +58,7 @@ def _cpu_isa(name: str, value: str) -> None:
 # docs (docs/failures.md, docs/tests.md)
 VARIABLES: dict[str, Callable[[str, str], None]] = {
     "VIM_DS_SCAN": _scan_backend,
+    "VIM_DS_NORM": _norm_backend,
     "VIM_DS_CPU_ISA": _cpu_isa,
     "VIM_DS_JIT": _switch("0: never JIT-build a missing kernel"),
     "VIM_DS_JIT_VERBOSE": _switch("1: show the compiler's output of a JIT build"),

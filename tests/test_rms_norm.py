@@ -1,0 +1,92 @@
+"""A Vim block's residual add and RMSNorm (vim_ds/ops/rms_norm.py): the fused Triton kernels checked in a process of
+their own (tests/rms_norm_kernels.py: Triton's interpreter on CPU, the GPU where there is one), the model with them
+against the model without, and how the op chooses between kernel and composition."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vim_ds.ops import rms_norm, rms_norm_triton
+from vim_ds.ops.rms_norm import add_rms_norm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHECKS = "tests/rms_norm_kernels.py"
+
+needs_triton = pytest.mark.skipif(not rms_norm_triton.available(), reason="triton is not installed")
+
+
+def _run_checks(env_extra: dict, *select: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env_extra}
+    env.pop("VIM_DS_NORM", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", CHECKS, *select],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@needs_triton
+def test_the_kernels_against_the_float64_reference_in_tritons_interpreter():
+    """Forward and every gradient against the formula in float64, gradcheck, opcheck, compile, the model with and
+    without the kernels: all of tests/rms_norm_kernels.py, run by Triton's interpreter on CPU tensors."""
+    proc = _run_checks({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_kernels_against_the_float64_reference_on_the_gpu():
+    """The same checks compiled for the GPU (gpu_check.sh's tests)."""
+    proc = _run_checks({"TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "skipped" not in proc.stdout.strip().splitlines()[-1]
+
+
+def test_on_cpu_auto_is_the_composition_the_model_had():
+    """Without a GPU, "auto" runs PyTorch's add and norm: the bits of the composition the blocks had before (add,
+    fp32 stream, RMSNorm in fp32, rounded to the weight's dtype), output and every gradient, with DeepSpeed's bf16
+    dtypes; negative control: the norm of the bf16-rounded stream differs."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, 9, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    residual = (torch.randn(2, 9, 64, generator=g) * 3).requires_grad_()
+    weight = (torch.randn(64, generator=g) + 1).to(torch.bfloat16).requires_grad_()
+    dnormed = torch.randn(2, 9, 64, generator=g).to(torch.bfloat16)
+
+    def before(h, r, w, stream_dtype=torch.float32):
+        stream = (r + h).to(stream_dtype).float()
+        y = torch.nn.functional.rms_norm(stream, w.shape, w.float(), 1e-5) if rms_norm.TORCH_FUSES_RMS_NORM else \
+            stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()
+        return y.to(w.dtype), stream
+
+    def run(fn):
+        normed, stream = fn(hidden, residual, weight)
+        grads = torch.autograd.grad((normed, stream), (hidden, residual, weight), (dnormed, torch.ones_like(stream)))
+        return (normed, stream, *grads)
+
+    got = run(lambda h, r, w: add_rms_norm(h, r, w, 1e-5))
+    for a, b in zip(got, run(before)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert not torch.equal(got[0], run(lambda h, r, w: before(h, r, w, torch.bfloat16))[0])
+
+
+def test_the_choice_of_kernel_and_its_refusals(monkeypatch):
+    x, w = torch.ones(2, 8), torch.ones(8)
+    assert rms_norm._kernel_runs(x.to("meta"), None, w.to("meta"), "auto") == rms_norm_triton.available()
+    assert not rms_norm._kernel_runs(x, None, w, "auto")
+    monkeypatch.setenv("VIM_DS_NORM", "ref")
+    assert not rms_norm._kernel_runs(x.to("meta"), None, w.to("meta"), "auto")
+    monkeypatch.setenv("VIM_DS_NORM", "fused")
+    with pytest.raises(ValueError, match=r"^VIM_DS_NORM=fused: expected ref .* or triton"):
+        add_rms_norm(x, None, w, 1e-5)
+    monkeypatch.delenv("VIM_DS_NORM")
+    with pytest.raises(ValueError, match="backend must be auto, ref or triton, got 'cuda'"):
+        add_rms_norm(x, None, w, 1e-5, backend="cuda")
+    if rms_norm_triton.available() and not rms_norm_triton.interpreted():
+        with pytest.raises(ValueError, match="runs on CPU tensors only under TRITON_INTERPRET=1"):
+            add_rms_norm(x, None, w, 1e-5, backend="triton")
+    with pytest.raises(ValueError, match="needs triton, rows of at most"):
+        add_rms_norm(x.long(), None, w, 1e-5, backend="triton")
