@@ -368,11 +368,12 @@ def test_rms_norm_gives_the_bits_of_the_formula_on_cpu(dtype, weight_dtype, fuse
     the model's numbers there do not move: output, dx and dweight bitwise equal, with a bf16 weight too (as under
     DeepSpeed's bf16, the residual stream in fp32); so does the formula the model keeps for torch without the
     fused op (fused=False). Negative control: eps added after the root differs."""
-    from vim_ds.models import RMSNorm, vim
+    from vim_ds.models import RMSNorm
+    from vim_ds.ops import rms_norm
 
-    if fused and not vim._TORCH_FUSES_RMS_NORM:
+    if fused and not rms_norm.TORCH_FUSES_RMS_NORM:
         pytest.skip("this torch has no fused RMSNorm op")
-    monkeypatch.setattr(vim, "_TORCH_FUSES_RMS_NORM", fused)
+    monkeypatch.setattr(rms_norm, "TORCH_FUSES_RMS_NORM", fused)
 
     g = torch.Generator().manual_seed(70)
     norm = RMSNorm(384).to(weight_dtype)

@@ -147,3 +147,69 @@ def test_training_under_autocast_recomputes_with_the_same_casts():
     for name, g in full.items():
         assert torch.isfinite(low[name]).all(), name
         assert (low[name] - g).norm() <= 0.05 * g.norm() + 1e-6, name
+
+
+def _projections_by_autograd(hidden, w_x, w_z, y, w_out):
+    """From first principles: the matrix products spelled out, differentiated by autograd."""
+    x = torch.einsum("dc,blc->bdl", w_x, hidden)
+    z = torch.einsum("dc,blc->bdl", w_z, hidden)
+    return x, z, torch.einsum("bdl,md->blm", y, w_out)
+
+
+def test_the_mixers_projections_give_autograds_gradients_in_the_layouts_the_ops_read():
+    """in_projection and out_projection (their own backward: one GEMM adding into another, outputs in the layouts
+    the next op reads) against autograd of einsum in float64, every gradient, with z's gradient absent too;
+    gradcheck (finite differences); the layouts. Negative control: the input's gradient from x alone fails."""
+    from vim_ds.ops.ssm_branch import in_projection, out_projection
+
+    g = torch.Generator().manual_seed(31)
+    hidden, w_x, w_z = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 7, 8), (12, 8), (12, 8)))
+    y, w_out = torch.randn(2, 12, 7, generator=g, dtype=torch.float64), torch.randn(8, 12, generator=g,
+                                                                                   dtype=torch.float64)
+    dx, dz, dout = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 12, 7), (2, 12, 7), (2, 7, 8)))
+    leaves = [t.clone().requires_grad_() for t in (hidden, w_x, w_z, y, w_out)]
+    x, z = in_projection(*leaves[:3])
+    out = out_projection(*leaves[3:])
+    assert x.is_contiguous() and z.is_contiguous() and out.is_contiguous() and out.shape == (2, 7, 8)
+    got = torch.autograd.grad((x, z, out), leaves, (dx, dz, dout))
+    assert got[0].is_contiguous() and got[3].is_contiguous()  # (batch, L, d_model) and (batch, d_inner, L)
+    ref = [t.clone().requires_grad_() for t in (hidden, w_x, w_z, y, w_out)]
+    want_out = _projections_by_autograd(*ref)
+    want = torch.autograd.grad(want_out, ref, (dx, dz, dout))
+    for a, b, w in zip((x, z, out), want_out, ("x", "z", "out")):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # only x used: z's gradient is None inside, its weight's gradient zero
+    x_only = torch.autograd.grad(in_projection(*leaves[:3])[0], leaves[:3], dx)
+    want_x_only = torch.autograd.grad(_projections_by_autograd(*ref)[0], ref[:3], dx, allow_unused=True)
+    for a, b in zip(x_only, want_x_only[:2] + (torch.zeros_like(w_z),)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(x_only[0], got[0], rtol=1e-6, atol=1e-6)
+    small = [t.detach().contiguous().requires_grad_() for t in (hidden[:, :3], w_x, w_z, y[..., :3], w_out)]
+    assert torch.autograd.gradcheck(lambda h, a, b: in_projection(h, a, b), small[:3])
+    assert torch.autograd.gradcheck(lambda t, w: out_projection(t, w), small[3:])
+
+
+def test_the_mixers_projections_under_autocast():
+    """Under CPU autocast (bf16) the products run in bf16 forward and backward, gradients come back in the
+    inputs' fp32: as autograd through autocast's casts gives them, to bf16's rounding."""
+    from vim_ds.ops.ssm_branch import in_projection, out_projection
+
+    g = torch.Generator().manual_seed(32)
+    hidden, w_x, w_z = (torch.randn(*s, generator=g) for s in ((2, 9, 16), (24, 16), (24, 16)))
+    y, w_out = torch.randn(2, 24, 9, generator=g), torch.randn(16, 24, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (hidden, w_x, w_z, y, w_out)]
+    ref = [t.clone().requires_grad_() for t in (hidden, w_x, w_z, y, w_out)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x, z = in_projection(*leaves[:3])
+        out = out_projection(*leaves[3:])
+        want_out = _projections_by_autograd(*ref)
+    assert x.dtype == z.dtype == out.dtype == torch.bfloat16
+    grads = [torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in (x, z, out)]
+    got = torch.autograd.grad((x, z, out), leaves, grads)
+    want = torch.autograd.grad(want_out, ref, grads)
+    for a, b, t in zip(got, want, leaves):
+        assert a.dtype == t.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())

@@ -12,7 +12,7 @@ import torch
 
 from vim_ds.cli.bench import main as bench_main
 from vim_ds.cli.bench import scan_model, step_anatomy
-from vim_ds.models import vim
+from vim_ds.ops import rms_norm, rms_norm_triton
 
 SMALL = dict(depth=2, embed_dim=32, patch_size=8, stride=8, num_classes=10)  # 16 patches + the class token
 BATCH, SIZE, TOKENS, D_INNER = 4, 32, 17, 64
@@ -77,8 +77,36 @@ def test_the_branch_ops_are_their_parts_and_the_norms_one_kernel_each_way(ops):
     # x_proj: u in, x_dbl (dt_rank 2 + 2 x 16 rows) out, 2 x rows FLOPs a (b, d, t)
     x_proj = _named(ops, "vim_ds.ssm_branch_fwd: x_proj")[0]
     assert x_proj.bytes == (bdl + BATCH * 34 * TOKENS) * 4 and x_proj.flops == 2 * bdl * 34
+    rows, dim = BATCH * TOKENS, 32
+    if rms_norm_triton.available():  # each block's add and norm and the final ones: one kernel forward, one backward
+        forward = _named(ops, "vim_ds.add_rms_norm_fwd.default")
+        backward = _named(ops, "vim_ds.add_rms_norm_bwd.default")
+        assert len(forward) == SMALL["depth"] + 1 == len(backward)
+        assert {o.kind for o in forward + backward} == {"norms"}
+        # the first block's has no residual: x, weight in; y, the stream, rstd out; the others read the residual too
+        assert forward[0].bytes == (3 * rows * dim + dim + rows) * 4
+        assert forward[1].bytes == forward[2].bytes == (4 * rows * dim + dim + rows) * 4
+        # backward (in reverse order): the final norm's stream has no gradient from downstream; the blocks' do
+        assert backward[0].bytes == (4 * rows * dim + 2 * dim + rows) * 4
+        assert backward[1].bytes == (5 * rows * dim + 2 * dim + rows) * 4
+        # no separate add, norm or cast over the (batch, tokens, dim) stream is left but the embedding's position
+        # add (forward: the mixers' outputs join the stream inside the op; backward: the stream's gradients too)
+        stream_ops = [o.name for o in ops if o.shape == (BATCH, TOKENS, dim) and (
+            o.kind == "norms" or o.name.startswith(("aten.add", "aten._to_copy")))]
+        assert stream_ops == ["aten.add.Tensor"] + ["vim_ds.add_rms_norm_fwd.default"] * (SMALL["depth"] + 1) + [
+            "vim_ds.add_rms_norm_bwd.default"] * (SMALL["depth"] + 1)
+
+
+def test_without_the_fused_kernel_the_norms_are_torchs(monkeypatch):
+    """VIM_DS_NORM=ref (and a torch without triton): the add, then torch's fused RMSNorm, one kernel forward and one
+    backward, or on older torch the formula as its operators."""
+    monkeypatch.setenv("VIM_DS_NORM", "ref")
+    with torch.device("meta"):
+        model = timm.create_model("vim_tiny", img_size=SIZE, **SMALL)
+    ops = step_anatomy.trace(model.train(), BATCH, SIZE, "fp32", H200)
+    assert not [o for o in ops if o.name.startswith("vim_ds.add_rms_norm")]
     norms = [o for o in ops if o.kind == "norms"]
-    if vim._TORCH_FUSES_RMS_NORM:  # each block's norm and the final one: one kernel forward, one backward
+    if rms_norm.TORCH_FUSES_RMS_NORM:
         rows, dim = BATCH * TOKENS, 32
         forward = _named(ops, "aten._fused_rms_norm")
         assert len(forward) == SMALL["depth"] + 1 == len(_named(ops, "aten._fused_rms_norm_backward"))

@@ -77,10 +77,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..ops.library import branch_inputs_bwd, branch_inputs_fwd, resolve
+from ..ops.rms_norm import at_least_fp32
 from ..ops.scan_chunks import decay_product, initial_states
 from ..ops.scan_state import selective_scan_with_state
 from ..ops.ssm_branch import branch_inputs, project
-from .vim import BiMambaMixer, VisionMamba, _at_least_fp32
+from .vim import BiMambaMixer, VisionMamba
 
 __all__ = ["average_gradients", "sequence_parallel_forward", "split_bounds", "split_error", "split_over"]
 
@@ -385,9 +386,10 @@ _MIXER = _mixer  # tests swap in _mixer_autograd
 
 
 def _block_step(model: VisionMamba, i: int, stream: torch.Tensor, ctx: _Context) -> torch.Tensor:
-    """VisionMamba._block_step on this rank's chunk of the residual stream."""
+    """Block i on this rank's chunk of the residual stream: the stream after it (VisionMamba's loop, the add at the
+    block's end instead of the next one's start: the same arithmetic and random draws)."""
     layer = model.layers[i]
-    residual = _at_least_fp32(stream)
+    residual = at_least_fp32(stream)
     hidden = _MIXER(layer.mixer, layer.norm(residual), ctx)
     join = model.layers[i + 1].drop_path if i + 1 < len(model.layers) else model.drop_path
     return residual + join(hidden)

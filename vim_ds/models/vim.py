@@ -20,35 +20,25 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._features import feature_take_indices
 
 from ..ops import ssm_branch_fn
-from ..ops.ssm_branch import project
+from ..ops.rms_norm import add_rms_norm, at_least_fp32, rms_norm
+from ..ops.ssm_branch import in_projection, out_projection
 
 # torch.fx records calls to these names in this module as single graph nodes instead of tracing into them, for
-# every fx tracer (timm's and torchvision's create_feature_extractor alike): the fused SSM branch is one op whose
-# Python dispatch cannot run on fx proxies, and the image-size check must run on real shapes when the graph runs.
+# every fx tracer (timm's and torchvision's create_feature_extractor alike): the fused SSM branch and the fused add
+# and norm are ops whose Python dispatch cannot run on fx proxies, the projections autograd Functions (their
+# backward is their own), and the image-size check must run on real shapes when the graph runs.
 torch.fx.wrap("ssm_branch_fn")
-torch.fx.wrap("project")
+torch.fx.wrap("add_rms_norm")
+torch.fx.wrap("in_projection")
+torch.fx.wrap("out_projection")
 
 TORCHSCRIPT_ERROR = ("Vim does not support TorchScript (torch.jit.script): the selective-scan op and the mixer's "
                      "Python-level dispatch cannot be scripted; use torch.compile, torch.export or torch.fx instead")
 
 
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 for half types, unchanged for fp32/fp64 (the residual stream and norms never run in half precision)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-# Whether torch has a fused RMSNorm kernel (``aten::_fused_rms_norm``, CUDA and ROCm) behind ``F.rms_norm``. Older
-# torch (2.4 among the supported) has ``F.rms_norm`` as the formula itself, and its export then fixes the batch size.
-_TORCH_FUSES_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
-
-
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (or wider), returned in the weight's dtype.
-
-    Where torch has it, through ``F.rms_norm``: one fused kernel forward and one backward on GPUs (when x and the
-    weight share a dtype, hence the weight's cast), where the formula spelled out takes three full-size elementwise
-    passes and a reduction over the (batch, tokens, dim) fp32 stream forward, about twice that backward. On CPU
-    ``F.rms_norm`` runs the same operations as the formula: the same bits (tests/test_model_reference.py)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (or wider), returned in the weight's dtype
+    (``ops.rms_norm``). A block's norm runs fused with the residual add before it (``Block``)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -56,13 +46,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _at_least_fp32(x)
-        w = self.weight.to(x.dtype)
-        if _TORCH_FUSES_RMS_NORM:
-            y = F.rms_norm(x, self.weight.shape, w, self.eps)
-        else:
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
-        return y.to(self.weight.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _check_image_size(x: torch.Tensor, img_size: Tuple[int, int]) -> torch.Tensor:
@@ -192,28 +176,28 @@ class BiMambaMixer(nn.Module):
         """hidden: (batch, L, d_model) -> (batch, L, d_model)."""
         # W @ hidden^T gives x and z directly in the scan's (batch, channels, L) layout, without transposed copies;
         # two half-projections instead of one xz tensor, so that their gradients need no concatenation.
-        hidden_t = hidden.transpose(1, 2)
         w_x, w_z = self.in_proj.weight.chunk(2, dim=0)
-        x, z = project(w_x, hidden_t), project(w_z, hidden_t)  # (batch, d_inner, L) each
+        x, z = in_projection(hidden, w_x, w_z)  # (batch, d_inner, L) each
         if self.in_proj.bias is not None:
             b_x, b_z = self.in_proj.bias.chunk(2)
             x, z = x + b_x[:, None], z + b_z[:, None]
         out_f = ssm_branch_fn(x, z, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                              -torch.exp(_at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
+                              -torch.exp(at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
         # The backward direction runs on the same x and z, scanned back to front in place (no flipped copies).
         out_b = ssm_branch_fn(x, z, self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
-                              self.dt_proj_b.weight, -torch.exp(_at_least_fp32(self.A_b_log)), self.D_b,
+                              self.dt_proj_b.weight, -torch.exp(at_least_fp32(self.A_b_log)), self.D_b,
                               self.dt_proj_b.bias, reverse=True)
         # "Divide out" halves the sum; applied to out_proj's (d_model, d_inner) weight instead of the (batch,
         # d_inner, L) activation, it saves a full pass over y in forward and one in backward. Exact: scaling by a
         # power of two commutes with rounding, so the result is bitwise that of halving y.
         w_out = self.out_proj.weight * 0.5 if self.divide_out else self.out_proj.weight
-        out = project(w_out, out_f + out_b).transpose(1, 2)  # (batch, L, d_model)
+        out = out_projection(out_f + out_b, w_out)  # (batch, L, d_model), rows contiguous
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
 class Block(nn.Module):
-    """Add -> RMSNorm -> mixer, returning (mixer output, residual). The residual stream is kept in fp32."""
+    """Add -> RMSNorm -> mixer, returning (mixer output, residual): the published block. The residual stream is kept
+    in fp32; the add and the norm are one kernel forward and one backward on GPUs (``ops.add_rms_norm``)."""
 
     def __init__(self, dim, mixer: nn.Module, drop_path=0.0, norm_eps=1e-5):
         super().__init__()
@@ -223,9 +207,12 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, hidden, residual: Optional[torch.Tensor] = None):
-        residual = hidden if residual is None else residual + self.drop_path(hidden)
-        residual = _at_least_fp32(residual)
-        return self.mixer(self.norm(residual)), residual
+        """hidden: the previous block's mixer output (the embedded tokens for the first block, with residual None);
+        residual: the stream before it. Returns (this block's mixer output, the stream it normalised)."""
+        if residual is not None:
+            hidden = self.drop_path(hidden)
+        normed, residual = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        return self.mixer(normed), residual
 
 
 class VisionMamba(nn.Module):
@@ -359,27 +346,36 @@ class VisionMamba(nn.Module):
         x = torch.cat((x[:, :pos], cls, x[:, pos:]), dim=1)
         return self.pos_drop(x + pos_embed), grid
 
-    def _block_step(self, i: int, stream: torch.Tensor) -> torch.Tensor:
-        """Residual stream before block i -> residual stream after it (fp32 or wider).
+    def _block_step(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]):
+        """Block i on (the previous block's mixer output, the stream before it) -> the same pair after it: the
+        published loop, whose block i adds block i-1's output to the stream through its own stochastic depth."""
+        return self.layers[i](hidden, residual)
 
-        Same arithmetic and random draws as the published loop, where block i+1 adds block i's mixer output to the
-        stream with its own stochastic depth (the last block's joins through ``self.drop_path``)."""
-        hidden, residual = self.layers[i](stream)
-        join = self.layers[i + 1].drop_path if i + 1 < len(self.layers) else self.drop_path
-        return residual + join(hidden)
-
-    def _run_block(self, i: int, stream: torch.Tensor) -> torch.Tensor:
+    def _run_block(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]):
         if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
-            return torch.utils.checkpoint.checkpoint(self._block_step, i, stream, use_reentrant=False)
-        return self._block_step(i, stream)
+            return torch.utils.checkpoint.checkpoint(self._block_step, i, hidden, residual, use_reentrant=False)
+        return self._block_step(i, hidden, residual)
+
+    def _join(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], last: int, norm: bool):
+        """(norm_f of the stream or None, the stream after block `last`, fp32 or wider), from that block's pair:
+        its mixer output joins through the next block's stochastic depth (``self.drop_path`` after the last
+        block), as the next block would add it; with ``norm``, the add and norm_f in one kernel on GPUs."""
+        if residual is not None:
+            hidden = (self.layers[last + 1].drop_path if last + 1 < len(self.layers) else self.drop_path)(hidden)
+        if norm and isinstance(self.norm_f, RMSNorm):
+            return add_rms_norm(hidden, residual, self.norm_f.weight, self.norm_f.eps)
+        stream = at_least_fp32(hidden if residual is None else residual + hidden)
+        return (self.norm_f(stream) if norm else None), stream
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (batch, C, H, W) -> normalised tokens (batch, num_patches + 1, embed_dim), class token in the
         middle."""
-        x, _ = self._embed(x)
+        hidden, residual = self._embed(x)[0], None
         for i in range(len(self.layers)):
-            x = self._run_block(i, x)
-        return self.norm_f(x)
+            hidden, residual = self._run_block(i, hidden, residual)
+        # both unpacked, so that torch.fx lists the final stream as a node too (feature extraction)
+        normed, _stream = self._join(hidden, residual, len(self.layers) - 1, norm=True)
+        return normed
 
     def _split_tokens(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(batch, num_patches + 1, C) -> (patch tokens (batch, num_patches, C), class token (batch, 1, C))."""
@@ -423,11 +419,16 @@ class VisionMamba(nn.Module):
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
         last = max_index if stop_early and intermediates_only else len(self.layers) - 1
         intermediates = []
-        x, grid = self._embed(x)
+        hidden, grid = self._embed(x)
+        residual = None
         for i in range(last + 1):
-            x = self._run_block(i, x)
-            if i in take_indices:
-                intermediates.append(self.norm_f(x) if norm else x)
+            hidden, residual = self._run_block(i, hidden, residual)
+            if i - 1 in take_indices:  # block i normalised the stream after block i-1
+                intermediates.append(self.norm_f(residual) if norm else residual)
+        wants_norm = not intermediates_only or (norm and last in take_indices)
+        normed, stream = self._join(hidden, residual, last, norm=wants_norm)
+        if last in take_indices:
+            intermediates.append(normed if norm else stream)
 
         prefix_tokens = []
         maps = []
@@ -440,7 +441,7 @@ class VisionMamba(nn.Module):
         intermediates = list(zip(maps, prefix_tokens)) if return_prefix_tokens else maps
         if intermediates_only:
             return intermediates
-        return self.norm_f(x), intermediates
+        return normed, intermediates
 
     def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
                                   prune_head: bool = True) -> List[int]:
@@ -490,7 +491,7 @@ def resample_pos_embed(pos_embed: torch.Tensor, old_grid, new_grid) -> torch.Ten
     patches = torch.cat((pos_embed[:, :mid], pos_embed[:, mid + 1:]), dim=1)
     dim = patches.shape[-1]
     grid = patches.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
-    grid = F.interpolate(_at_least_fp32(grid), size=new_grid, mode="bicubic", align_corners=False)
+    grid = F.interpolate(at_least_fp32(grid), size=new_grid, mode="bicubic", align_corners=False)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(pos_embed.dtype)
     new_mid = new_grid[0] * new_grid[1] // 2
     return torch.cat((patches[:, :new_mid], cls, patches[:, new_mid:]), dim=1)

@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .library import causal_conv1d, project, ssm_branch_fwd
+from .library import _weight_grad, causal_conv1d, project, ssm_branch_fwd
 
-__all__ = ["branch_inputs", "conv1d_silu", "project", "ssm_branch_fn"]
+__all__ = ["branch_inputs", "conv1d_silu", "in_projection", "out_projection", "project", "ssm_branch_fn"]
 
 
 def _backend_name(backend) -> str:
@@ -46,6 +46,86 @@ def branch_inputs(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, d_st
     B = x_dbl[:, dt_rank:dt_rank + d_state]
     C = x_dbl[:, dt_rank + d_state:]
     return u.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
+
+
+class _InProjection(torch.autograd.Function):
+    """x, z = W_x @ hidden^T, W_z @ hidden^T, in the scan's (batch, channels, L) layout without a transposed copy of
+    hidden. Backward, the input's gradient is dx^T W_x + dz^T W_z: one GEMM, then one that adds into it, written in
+    hidden's own (batch, L, d_model) layout. Autograd's own would be two GEMMs in the transposed layout, their sum and
+    a transposing copy for the norm's backward: 3 extra passes over a (batch, d_model, L) tensor a block.
+
+    Under autocast the products run in autocast's dtype, the one x and z come in, and so do the backward's; the
+    gradients are returned in the inputs' dtypes (as autograd through autocast's casts would)."""
+
+    @staticmethod
+    def compute(hidden, w_x, w_z):
+        hidden_t = hidden.transpose(1, 2)
+        return project(w_x, hidden_t), project(w_z, hidden_t)
+
+    @staticmethod
+    def forward(ctx, hidden, w_x, w_z):
+        x, z = _InProjection.compute(hidden, w_x, w_z)
+        ctx.save_for_backward(hidden, w_x, w_z)
+        ctx.dtype = x.dtype
+        return x, z
+
+    @staticmethod
+    def backward(ctx, dx, dz):
+        hidden, w_x, w_z = ctx.saved_tensors
+        h = hidden.to(ctx.dtype)
+        batch = h.shape[0]
+        dhidden, dw = None, []
+        for dy, w in ((dx, w_x), (dz, w_z)):
+            if dy is None:
+                dw.append(torch.zeros_like(w))
+                continue
+            w_t = w.to(ctx.dtype).expand(batch, -1, -1)
+            dhidden = (torch.bmm(dy.transpose(1, 2), w_t) if dhidden is None
+                       else torch.baddbmm(dhidden, dy.transpose(1, 2), w_t))
+            dw.append(_weight_grad(dy, h.transpose(1, 2)).to(w.dtype))
+        dhidden = torch.zeros_like(hidden) if dhidden is None else dhidden.to(hidden.dtype)
+        return dhidden, dw[0], dw[1]
+
+
+class _OutProjection(torch.autograd.Function):
+    """out = y^T W^T (batch, L, d_model), written in that layout, from y (batch, d_inner, L): what the residual add
+    reads row by row (project(W, y).transpose(1, 2) would be a transposed view, to be copied or read across rows).
+    Backward, dy = W^T dout^T comes back in y's (batch, d_inner, L) layout, as the scan's backward reads it. Autocast
+    as in _InProjection."""
+
+    @staticmethod
+    def compute(y, w):
+        return torch.bmm(y.transpose(1, 2), w.t().expand(y.shape[0], -1, -1))
+
+    @staticmethod
+    def forward(ctx, y, w):
+        out = _OutProjection.compute(y, w)
+        ctx.save_for_backward(y, w)
+        ctx.dtype = out.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, w = ctx.saved_tensors
+        dout_t = dout.transpose(1, 2)  # (batch, d_model, L)
+        dy = project(w.to(ctx.dtype).t(), dout_t)
+        return dy.to(y.dtype), _weight_grad(dout_t, y.to(ctx.dtype)).to(w.dtype)
+
+
+def out_projection(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(batch, L, d_model) from y (batch, d_inner, L) and out_proj's weight (d_model, d_inner), in that layout (see
+    _OutProjection)."""
+    if torch.jit.is_tracing():  # a traced module saves only ops: the forward's, as ops (inference)
+        return _OutProjection.compute(y, w)
+    return _OutProjection.apply(y, w)
+
+
+def in_projection(hidden: torch.Tensor, w_x: torch.Tensor, w_z: torch.Tensor):
+    """(x, z), each (batch, d_inner, L), from hidden (batch, L, d_model) and in_proj's two halves (d_inner, d_model):
+    a Mamba mixer's input projection in the scan's layout (see _InProjection)."""
+    if torch.jit.is_tracing():  # a traced module saves only ops: the forward's, as ops (inference)
+        return _InProjection.compute(hidden, w_x, w_z)
+    return _InProjection.apply(hidden, w_x, w_z)
 
 
 def ssm_branch_fn(

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..models.vim import BiMambaMixer
+from ..models.vim import BiMambaMixer, Block, VisionMamba
 from .errors import first_line
 
 
@@ -114,17 +114,21 @@ def _dynamo_off(off: bool):
 
 
 def _declare_direct_weight_reads(model: torch.nn.Module):
-    """ZeRO-3 gathers a module's parameters when the module is called; the Vim mixer reads its children's weights
-    (in_proj, conv1d, x_proj, dt_proj, out_proj) without calling them. Eager DeepSpeed notices such a read when it
-    happens and gathers then; a compiled graph reads the partitioned placeholder instead, so declare them."""
+    """ZeRO-3 gathers a module's parameters when the module is called; Vim's modules read some of their children's
+    weights without calling them: the mixer its projections' and convs' (in_proj, conv1d, x_proj, dt_proj,
+    out_proj), a block its norm's and the model its final norm's (the residual add and the norm are one op). Eager
+    DeepSpeed notices such a read when it happens and gathers then; a compiled graph reads the partitioned
+    placeholder instead, so declare them."""
     # DeepSpeed here, not at the top (start-up): as in build
     from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
     for module in model.modules():
-        if isinstance(module, BiMambaMixer):
-            for child in module.children():
-                for param in child.parameters():
-                    register_external_parameter(module, param)
+        read = (list(module.children()) if isinstance(module, BiMambaMixer)
+                else [module.norm] if isinstance(module, Block)
+                else [module.norm_f] if isinstance(module, VisionMamba) else [])
+        for child in read:
+            for param in child.parameters():
+                register_external_parameter(module, param)
 
 
 def compile_engine(engine, ds, backend: str) -> str:

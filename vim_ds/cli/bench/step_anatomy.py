@@ -46,7 +46,8 @@ BRANCH_KIND = "Vim's branch kernels (scan, conv)"
 OPTIMIZER_KIND = "optimizer (AdamW)"
 KINDS = ("matrix products", BRANCH_KIND, "norms", "elementwise", "reductions", "casts and copies", OPTIMIZER_KIND)
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward", "_convolution"}
-NORMS = {"_fused_rms_norm", "_fused_rms_norm_backward", "native_layer_norm", "native_layer_norm_backward"}
+NORMS = {"_fused_rms_norm", "_fused_rms_norm_backward", "native_layer_norm", "native_layer_norm_backward",
+         "add_rms_norm_fwd", "add_rms_norm_bwd"}  # (the last two: Vim's blocks' residual add and RMSNorm, fused)
 REDUCTIONS = {"sum", "mean", "amax", "max", "_log_softmax", "_softmax", "_log_softmax_backward_data",
               "_softmax_backward_data"}
 COPIES = {"_to_copy", "copy_", "clone", "cat", "slice_backward", "select_backward", "contiguous", "constant_pad_nd",
@@ -107,11 +108,11 @@ def _matmul_rate(gpu, dtype: torch.dtype) -> float:
 
 def classify(name: str) -> str | None:
     """The kind of an operator, traced (`aten.add.Tensor`) or profiled (`aten::add`), or None for one that moves
-    no bytes; Vim's ops (`vim_ds::...`) are the branch's kernels."""
+    no bytes; Vim's ops (`vim_ds::...`) are the branch's kernels, but for its norms."""
     namespace, _, rest = name.replace("::", ".", 1).partition(".")
-    if namespace == "vim_ds":
-        return BRANCH_KIND
     base = rest.split(".")[0]
+    if namespace == "vim_ds":
+        return "norms" if base in NORMS else BRANCH_KIND
     if base in NO_TRAFFIC:
         return None
     for kind, names in (("matrix products", MATMULS), ("norms", NORMS), ("reductions", REDUCTIONS),
