@@ -105,13 +105,16 @@ void* current_stream() { return static_cast<void*>(c10::cuda::getCurrentCUDAStre
 std::vector<at::Tensor> fwd(const at::Tensor& u, const at::Tensor& delta, const at::Tensor& A, const at::Tensor& B,
                             const at::Tensor& C, const OptTensor& D, const OptTensor& z,
                             const OptTensor& delta_bias, bool delta_softplus, bool reverse,
-                            bool return_last_state, const OptTensor& h0) {
+                            bool return_last_state, const OptTensor& h0, const OptTensor& add_to) {
   ScanArgs args = check_inputs(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse);
   check_optional(h0, "h0", u.device(), A.scalar_type(), {args.batch, args.dim, args.dstate});
   args.h0 = present(h0) ? h0->data_ptr() : nullptr;
+  check_optional(add_to, "add_to", u.device(), u.scalar_type(), u.sizes());
   const c10::cuda::CUDAGuard device_guard(u.device());
 
-  at::Tensor out = at::empty_like(u);
+  // add_to: the output goes into it, added to what it holds (the kernel reads and writes each element once)
+  at::Tensor out = present(add_to) ? *add_to : at::empty_like(u);
+  args.accumulate = present(add_to);
   const int64_t n_ckpt = vim_ds_scan::scan_num_checkpoints(args.seqlen, args.dstate, args.dtype);
   at::Tensor saved =
       at::empty({args.batch, args.dim, n_ckpt, args.dstate}, u.options().dtype(acc_dtype(u.scalar_type())));
@@ -249,12 +252,15 @@ at::Tensor conv_fwd(const at::Tensor& x, const at::Tensor& weight, const OptTens
 }
 
 std::vector<at::Tensor> conv_bwd(const at::Tensor& x, const at::Tensor& weight, const OptTensor& bias,
-                                 const at::Tensor& dout, bool reverse, bool silu) {
+                                 const at::Tensor& dout, bool reverse, bool silu, const OptTensor& dx_add_to) {
   vim_ds_scan::ConvArgs a = check_conv(x, weight, bias, reverse);
   a.silu = silu;
   check_tensor(dout, "dout", x.device(), x.scalar_type(), {a.batch, a.dim, a.seqlen});
+  check_optional(dx_add_to, "dx_add_to", x.device(), x.scalar_type(), x.sizes());
   const c10::cuda::CUDAGuard device_guard(x.device());
-  at::Tensor dx = at::empty(x.sizes(), x.options());  // contiguous
+  // contiguous; dx_add_to: dx goes into it, added to what it holds
+  at::Tensor dx = present(dx_add_to) ? *dx_add_to : at::empty(x.sizes(), x.options());
+  a.accumulate = present(dx_add_to);
   // zeroed: with an empty batch or sequence the kernels leave them as they are (sums over nothing)
   at::Tensor dw = at::zeros_like(weight);
   at::Tensor db = present(bias) ? at::zeros_like(*bias) : at::Tensor();
@@ -276,7 +282,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "selective scan forward (from h0 if given) -> [out, saved, last_state or None]", py::arg("u"),
         py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
         py::arg("delta_bias"), py::arg("delta_softplus"), py::arg("reverse") = false,
-        py::arg("return_last_state") = false, py::arg("h0") = py::none());
+        py::arg("return_last_state") = false, py::arg("h0") = py::none(), py::arg("add_to") = py::none());
   m.def("bwd", &bwd,
         "selective scan backward -> [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias] (+ [dh0] when h0 is given)",
         py::arg("u"), py::arg("delta"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("z"),
@@ -291,7 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_bwd", &conv_bwd,
         "depthwise causal conv1d backward -> [dx, dweight, dbias] (silu: dout is the gradient of silu(conv))",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("dout"), py::arg("reverse") = false,
-        py::arg("silu") = false);
+        py::arg("silu") = false, py::arg("dx_add_to") = py::none());
   m.def(
       "set_tuning",
       [](int64_t chunk, int64_t tiles, int64_t target_blocks, int64_t partials) {

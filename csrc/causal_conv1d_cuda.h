@@ -20,6 +20,7 @@ struct ConvArgs {
   ScanDType dtype = ScanDType::kFloat32;
   bool reverse = false;  // the conv of the time-reversed sequence, in the original order (anti-causal)
   bool silu = false;     // SiLU fused: the forward writes silu(c), the backward's dout is the gradient of silu(c)
+  bool accumulate = false;  // backward: dx += this conv's input gradient (a bidirectional mixer's second direction)
   const void* x = nullptr;
   const void* w = nullptr;
   const void* bias = nullptr;

@@ -48,6 +48,7 @@ struct ConvParams {
   int n_tiles;  // tiles a row: ceil(seqlen / tile)
   bool reverse;
   bool silu;               // fused SiLU: forward out = silu(c); backward dout is d silu(c) (see above)
+  bool accumulate;         // backward: dx += the input gradient (each element read and written once)
   int64_t x_batch_stride;  // elements between batch rows of x (x may be a channel slice of a wider tensor)
   const void* x;           // (batch, dim, seqlen) rows contiguous, input type
   const void* w;           // (dim, width), accumulation type
@@ -169,6 +170,7 @@ __global__ void SS_LAUNCH_BOUNDS conv_bwd_kernel(const ConvParams p) {
 #pragma unroll
     for (int k = 0; k < kMaxWidth; ++k)
       if (k < K) g += w[k] * gs[i + K - 1 - k];
+    if (p.accumulate) g += acc_t(load_acc(dx + p.time(t.s0 + i)));
     store_from_acc(dx + p.time(t.s0 + i), g);
     const acc_t go = gs[i];
 #pragma unroll

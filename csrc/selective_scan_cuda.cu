@@ -114,6 +114,7 @@ KernelParams make_params(const ScanArgs& a, const Layout& lay, bool backward) {
             ssk::bwd_chains(lay.npl, acc_size(a.dtype));
   p.softplus = a.delta_softplus;
   p.reverse = a.reverse;
+  p.accumulate = a.accumulate;
   p.u = a.u;
   p.delta = a.delta;
   p.A = a.A;
@@ -345,6 +346,7 @@ ssk::ConvParams conv_params(const ConvArgs& a) {
   p.tile = int((per_tile + 31) / 32 * 32);
   p.reverse = a.reverse;
   p.silu = a.silu;
+  p.accumulate = a.accumulate;
   p.x_batch_stride = a.x_batch_stride;
   p.x = a.x;
   p.w = a.w;

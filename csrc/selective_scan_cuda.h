@@ -31,6 +31,8 @@ struct ScanArgs {
   ScanDType dtype = ScanDType::kFloat32;
   bool delta_softplus = false;
   bool reverse = false;  // scan from t = seqlen-1 down to 0 (as if every time-indexed tensor were flipped)
+  bool accumulate = false;  // forward: add the output into what out holds instead of overwriting it (the second
+                            // direction of a bidirectional mixer sums its output into the first's)
 
   const void* u = nullptr;
   const void* delta = nullptr;

@@ -472,6 +472,7 @@ struct KernelParams {
   int pass;            // which pass of a multi-pass launch (set by the launcher, see each kernel)
   bool softplus;
   bool reverse;        // scan t = L-1 .. 0: step s of the scan is time L-1-s (see time())
+  bool accumulate;     // forward: out += this scan's output, each element read and written once
   bool chain;          // backward, several blocks of channels a batch row: pass 1 sums dB, dC in place, block after
                        // block (see "Determinism"); else per-block partials that scan_reduce_kernel adds
 
@@ -1146,6 +1147,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
           const acc_t zv = load_acc(z + blk_at(p, rows0, cl, at.ts));
           y *= zv * sigmoid(zv);
         }
+        if (p.accumulate) y += acc_t(load_acc(out + blk_at(p, rows0, cl, at.ts)));
         store_from_acc(out + blk_at(p, rows0, cl, at.ts), y);
       }
     }

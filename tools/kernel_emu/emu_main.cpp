@@ -61,6 +61,9 @@ extern "C" {
 
 // The scan direction of the next emu_run calls (ScanArgs::reverse).
 bool g_reverse = false;
+// Whether the next emu_run / emu_conv calls add into their output (the scan's forward out, the conv's backward dx)
+// instead of overwriting it (ScanArgs::accumulate, ConvArgs::accumulate): it then starts as the caller's array.
+bool g_accumulate = false;
 
 void emu_config(int order_mode, unsigned seed, int guard_front) {
 #if defined(__HIP_PLATFORM_AMD__)
@@ -73,6 +76,7 @@ void emu_config(int order_mode, unsigned seed, int guard_front) {
 }
 
 void emu_set_reverse(int reverse) { g_reverse = reverse != 0; }
+void emu_set_accumulate(int accumulate) { g_accumulate = accumulate != 0; }
 int emu_warp_size() { return emu::config().warp; }
 
 long long emu_num_checkpoints(long long L, long long N, int dtype) {
@@ -125,6 +129,8 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
   std::vector<Buf> bufs;
   bufs.reserve(32);
   ScanArgs a = vim_ds_scan::scan_args(batch, dim, L, N, dt, softplus != 0, g_reverse);
+  a.accumulate = g_accumulate;  // (the backward does not add: its outputs start as NaN either way)
+  const int added = g_accumulate ? -1 : 0xff;  // the forward's out, added into, starts as the caller's array
   a.u = put(bufs, u, x * is, false, -1);
   a.delta = put(bufs, delta, x * is, false, -1);
   a.A = put(bufs, A, size_t(dim * N) * as, false, -1);
@@ -146,7 +152,7 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
     return err;
   }
   if (!backward) {
-    a.out = put(bufs, out, x * is, true, 0xff);
+    a.out = put(bufs, out, x * is, true, added);
     a.saved = sv ? put(bufs, saved, sv * as, true, 0xff) : nullptr;
     a.last_state = put(bufs, last_state, state_bytes, true, 0xff);  // null: not asked for
   } else {
@@ -171,8 +177,9 @@ const char* emu_run(int backward, int dtype_i, long long batch, long long dim, l
 }
 
 // The depthwise causal conv1d (causal_conv1d_cuda.h): backward 0 the forward (writes out), 1 the backward (writes
-// dx, dw, dbias); silu 1: the SiLU fused (ConvArgs::silu). x has x_batch_stride elements between batch rows; bias/dbias may be null. Outputs start as NaN
-// bytes, the workspace too. Returns nullptr or the launcher's error.
+// dx, dw, dbias); silu 1: the SiLU fused (ConvArgs::silu). x has x_batch_stride elements between batch rows;
+// bias/dbias may be null. Outputs start as NaN bytes (dx as the caller's under emu_set_accumulate), the workspace
+// too. Returns nullptr or the launcher's error.
 const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, long long L, long long K,
                      int reverse, int silu, long long x_batch_stride, const void* x, const void* w, const void* bias,
                      const void* dout, void* out, void* dx, void* dw, void* dbias) {
@@ -185,6 +192,7 @@ const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, 
   bufs.reserve(8);
   vim_ds_scan::ConvArgs a = vim_ds_scan::conv_args(batch, dim, L, K, x_batch_stride, dt, reverse != 0);
   a.silu = silu != 0;
+  a.accumulate = g_accumulate;
   a.x = put(bufs, x, x_elems * is, false, -1);
   a.w = put(bufs, w, size_t(dim * K) * as, false, -1);
   a.bias = put(bufs, bias, size_t(dim) * as, false, -1);
@@ -192,7 +200,7 @@ const char* emu_conv(int backward, int dtype_i, long long batch, long long dim, 
     a.out = put(bufs, out, rows * is, true, 0xff);
   } else {
     a.dout = put(bufs, dout, rows * is, false, -1);
-    a.dx = put(bufs, dx, rows * is, true, 0xff);
+    a.dx = put(bufs, dx, rows * is, true, g_accumulate ? -1 : 0xff);
     a.dw = put(bufs, dw, size_t(dim * K) * as, true, 0xff);
     a.dbias = put(bufs, dbias, size_t(dim) * as, true, 0xff);
   }

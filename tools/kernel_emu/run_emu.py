@@ -51,6 +51,7 @@ lib.emu_set_tuning.restype = ctypes.c_char_p
 lib.emu_set_tuning.argtypes = [ctypes.c_longlong] * 4
 lib.emu_layout.argtypes = [ctypes.c_longlong] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong)]
 
+lib.emu_set_accumulate.argtypes = [ctypes.c_int]
 lib.emu_conv.restype = ctypes.c_char_p
 lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 \
     + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [ctypes.c_void_p] * 8
@@ -62,17 +63,22 @@ def ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True, h0=None):
+def emu_fwd(u, delta, A, B, C, D, z, bias, sp, last_state=True, h0=None, add_to=None):
     """-> (out, saved, last_state or None): last_state (batch, dim, N) in A's dtype, the kernel's native one; the
-    scan starts from h0 (batch, dim, N) in A's dtype when given."""
+    scan starts from h0 (batch, dim, N) in A's dtype when given; with add_to, out is add_to plus the scan's output
+    (ScanArgs::accumulate; add_to is left as it is)."""
     batch, dim, L = u.shape
     N = A.shape[1]
     dt = DT[u.dtype]
-    out = torch.empty_like(u)
+    out = torch.empty_like(u) if add_to is None else add_to.clone()
     saved = torch.empty(batch, dim, lib.emu_num_checkpoints(L, N, dt), N, dtype=A.dtype)
     last = torch.empty(batch, dim, N, dtype=A.dtype) if last_state else None
-    err = lib.emu_run(0, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D), ptr(z),
-                      ptr(bias), ptr(out), ptr(saved), *([None] * 9), ptr(last), ptr(h0), None, None)
+    lib.emu_set_accumulate(int(add_to is not None))
+    try:
+        err = lib.emu_run(0, dt, batch, dim, L, N, int(sp), ptr(u), ptr(delta), ptr(A), ptr(B), ptr(C), ptr(D),
+                          ptr(z), ptr(bias), ptr(out), ptr(saved), *([None] * 9), ptr(last), ptr(h0), None, None)
+    finally:
+        lib.emu_set_accumulate(0)
     assert err is None, err
     return out, saved, last
 
@@ -223,6 +229,74 @@ def case(dtype, batch, dim, L, N, has_D, has_z, has_bias, sp, seed, order=0, gua
     for name, mine, ref in zip(NAMES, grads, refs):
         cmp(name, mine, ref)
     return out, grads, res
+
+
+def added(dtype, batch, dim, L, N, seed, order=0, reverse=False):
+    """A bidirectional mixer's second direction adds its scan's output into the first's (ScanArgs::accumulate) and
+    its conv's dx into the first's (ConvArgs::accumulate): every other output has the bits it has without, and the
+    added ones the bits of the sum in float32 and float64 (one rounding either way), in bfloat16 the sum within its
+    one rounding (the kernel adds before rounding). Overwriting (or adding twice: a pass that stored its output
+    twice) fails the comparison. The backward scan does not add (set, the flag leaves its outputs as they were)."""
+    lib.emu_config(order, seed, 0)
+    lib.emu_set_reverse(int(reverse))
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    u, delta, z, dout, prev = (r(batch, dim, L) for _ in range(5))
+    B, C = r(batch, N, L), r(batch, N, L)
+    A = (-torch.exp(0.5 * torch.randn(dim, N, generator=g, dtype=torch.float64))).to(acc)
+    D, bias = torch.randn(dim, generator=g, dtype=torch.float64).to(acc), 0.3 * torch.randn(dim, generator=g).to(acc)
+    args = (u, delta, A, B, C, D, z, bias)
+
+    def same_sum(got, a, b, what):
+        if dtype in (torch.float32, torch.float64):
+            assert torch.equal(got, a + b), f"{what}: not the bits of the sum ({dtype}, L={L}, dim={dim})"
+        else:
+            bound = 2 ** -7 * (a.double().abs() + b.double().abs()) + 1e-30
+            assert ((got.double() - a.double() - b.double()).abs() <= bound).all(), f"{what}: off the sum ({dtype})"
+
+    out, saved, _ = emu_fwd(*args, True, last_state=False)
+    out_added, saved_added, _ = emu_fwd(*args, True, last_state=False, add_to=prev)
+    assert torch.equal(saved_added, saved), "saved states differ when the output is added"
+    same_sum(out_added, prev, out, "out")
+    grads = emu_bwd(*args, dout, saved, True)
+    lib.emu_set_accumulate(1)
+    try:
+        grads_set = emu_bwd(*args, dout, saved, True)
+    finally:
+        lib.emu_set_accumulate(0)
+    for name, a, b in zip(NAMES, grads, grads_set):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{name}: the backward added"
+    # the conv's dx (SiLU fused, as the branch runs it)
+    K = 4
+    w = (0.5 * torch.randn(dim, K, generator=g, dtype=torch.float64)).to(acc)
+    dx, dx_added = torch.empty_like(u), prev.clone()
+    dws = [torch.empty_like(w), torch.empty_like(w)]
+    dbs = [torch.empty_like(bias), torch.empty_like(bias)]
+    common = (DT[dtype], batch, dim, L, K, int(reverse), 1, dim * L, ptr(u), ptr(w), ptr(bias))
+    for i, target in enumerate((dx, dx_added)):
+        lib.emu_set_accumulate(i)
+        try:
+            err = lib.emu_conv(1, *common, ptr(dout), None, ptr(target), ptr(dws[i]), ptr(dbs[i]))
+        finally:
+            lib.emu_set_accumulate(0)
+        assert err is None, err
+    assert torch.equal(dws[0], dws[1]) and torch.equal(dbs[0], dbs[1]), "conv dw, dbias differ when dx is added"
+    same_sum(dx_added, prev, dx, "conv dx")
+
+
+def added_cases():
+    """added() in every dtype the model trains in, both directions, with segments along the sequence and several
+    blocks of channels (dim 20) and without (dim 5)."""
+    n = 0
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for dim, L in ((5, 70), (20, 197)):
+            added(dtype, 1, dim, L, 16, seed=7000 + n, order=n % 3, reverse=n % 2 == 1)
+            n += 1
+    return n
 
 
 def conv_ref(x, w, bias, reverse):
@@ -386,10 +460,12 @@ def layouts():
                     worst[(dtype, k)] = max(worst.get((dtype, k), 0), v)
             check_deterministic(torch.float32, 2, 40, 197, 16, True, True, True, True, seed=400 + j,
                                 reverse=j % 2 == 0, state=True)
+            added(torch.float32, 2, 40, 197, 16, seed=500 + j, order=j % 3, reverse=j % 2 == 1)
             print(f"  warp {WARP} caps chunk={caps[0]} tiles={caps[1]} blocks={caps[2]} partials={caps[3]}: chunk "
                   f"{got[0]}, {got[1]} tile(s) of {got[2] // got[1]} channels, {got[3]} blocks of channels, "
                   f"{got[4]} segments, {'partials' if got[5] else 'chain' if got[3] > 1 else 'direct'}: "
-                  f"worst rel err {max(res.values()):.2e}, same bits in another order ({time.time() - t_start:.0f}s)",
+                  f"worst rel err {max(res.values()):.2e}, same bits in another order, out and the conv's dx "
+                  f"added into ({time.time() - t_start:.0f}s)",
                   flush=True)
         assert lib.emu_set_tuning(3, 0, 0, 0) is not None and lib.emu_set_tuning(0, 5, 0, 0) is not None
         assert lib.emu_set_tuning(0, 0, 0, 2) is not None
@@ -463,7 +539,10 @@ def main():
     n_conv, worst_conv = conv_cases(quick)
     worst.update(worst_conv)
     n += n_conv
-    print(f"warp {WARP}: emulated {n} fwd+bwd cases (of which {n_conv} of the conv) in {time.time() - t_start:.0f}s; "
+    n_added = added_cases()
+    n += n_added
+    print(f"warp {WARP}: emulated {n} fwd+bwd cases (of which {n_conv} of the conv, {n_added} adding into out and "
+          f"the conv's dx the bits of the sum) in {time.time() - t_start:.0f}s; "
           f"worst relative errors (negative controls, each off by at least: "
           f"{', '.join(f'{k} {v:.2e}' for k, v in CONTROL.items())}):")
     for (dtype, k), v in sorted(worst.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
