@@ -488,8 +488,9 @@ def test_gpu_kernels_emulated_on_the_cpu_match_the_reference(request):
     for warp in (32, 64):
         assert f"warp {warp}: emulated" in log, log[-4000:]
         # the depthwise causal conv's kernels too (conv_cases: every dtype, both directions, tile boundaries)
-        assert re.search(rf"warp {warp}: emulated \d+ fwd\+bwd cases \(of which [1-9]\d* of the conv\)", log), \
-            log[-4000:]
+        # and the second direction of a bidirectional mixer adding into the first's out and dx (added_cases)
+        assert re.search(rf"warp {warp}: emulated \d+ fwd\+bwd cases \(of which [1-9]\d* of the conv, 6 adding into "
+                         rf"out and the conv's dx the bits of the sum\)", log), log[-4000:]
 
 
 def test_setup_defaults_build_the_targets_the_compile_check_compiles():

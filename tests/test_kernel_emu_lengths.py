@@ -42,6 +42,9 @@ def test_emulated_kernels_short_lengths_both_directions(emu_lib, warp):
     assert "1 tile(s) of 8 channels, 5 blocks of channels, 7 segments, chain" in res.stdout, res.stdout
     assert "1 tile(s) of 8 channels, 5 blocks of channels, 7 segments, partials" in res.stdout, res.stdout
     assert "2 tile(s) of 8 channels, 3 blocks of channels, 1 segments, chain" in res.stdout, res.stdout
+    # under each layout a bidirectional mixer's second direction adds its scan's out and its conv's dx into the
+    # first's (ScanArgs/ConvArgs::accumulate): the bits of the sum, each element added once, the rest unchanged
+    assert res.stdout.count("out and the conv's dx added into") == 5, res.stdout
     assert res.stdout.count("reverse=True") == 5 and res.stdout.count(f"warp {warp} L=") == 10, res.stdout
     assert f"warp {warp} deterministic" in res.stdout, res.stdout
     # every length checked the kernel's last state, L = 65 and 197 with several segments along the sequence (how

@@ -228,6 +228,74 @@ def test_op_backend_follows_vim_ds_scan(monkeypatch):
         library.resolve("cuda", torch.device("cpu"))
 
 
+def bimamba_args(dtype, with_bias, backend, device="cpu", **kw):
+    """x, z, the forward direction's weights, the backward direction's (other values), backend."""
+    forward = branch_args(dtype, with_bias, False, backend, device=device, **kw)[:9]
+    g = torch.Generator().manual_seed(3)
+    backward = [None if t is None else (t.detach() * (1 + 0.5 * torch.rand(t.shape, generator=g, dtype=torch.float64)
+                                                      ).to(t.dtype).to(device)).requires_grad_(True)
+                for t in forward[2:]]
+    return (*forward, *backward, backend)
+
+
+@pytest.mark.parametrize("dtype, with_bias, backend", [(torch.float32, True, "auto"), (torch.float64, False, "auto"),
+                                                       (torch.float64, True, "ref")])
+def test_opcheck_bimamba_branch(dtype, with_bias, backend):
+    args = bimamba_args(dtype, with_bias, backend)
+    torch.library.opcheck(OPS.bimamba_branch_fwd, args)
+    plain = _detached(args)
+    out, saved, saved_b = OPS.bimamba_branch_fwd(*plain)
+    torch.library.opcheck(OPS.bimamba_branch_bwd, (torch.randn_like(out), *plain[:16], saved, saved_b, backend))
+
+
+def _both_directions(args, fused: bool):
+    """The output and every input's gradient of a Vim mixer's two directions: in one op (bimamba_branch_fn), or as
+    two branch ops whose outputs autograd sums (and whose x and z gradients it sums)."""
+    from vim_ds.ops.ssm_branch import bimamba_branch_fn, ssm_branch_fn
+
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in args[:16]]
+    x, z, forward, backward = leaves[0], leaves[1], leaves[2:9], leaves[9:16]
+    if fused:
+        out = bimamba_branch_fn(x, z, forward, backward)
+    else:
+        out = ssm_branch_fn(x, z, *forward) + ssm_branch_fn(x, z, *backward, reverse=True)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(out)
+    present = [t for t in leaves if t is not None]
+    return [out.detach(), *torch.autograd.grad(out, present, dout)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_both_directions_in_one_op_are_the_two_branches_summed(dtype, backend, monkeypatch):
+    """Where the kernels do not add into an output (CPU, ref), the op adds after them, in autograd's order: the
+    same bits as the two branch ops summed, output and every gradient (x's and z's summed over the directions).
+    Negative control: the directions' weights swapped differ."""
+    if backend == "ref":
+        monkeypatch.setenv("VIM_DS_SCAN", "ref")
+    args = bimamba_args(dtype, True, "auto", d_inner=8, seqlen=11)
+    got, want = _both_directions(args, True), _both_directions(args, False)
+    assert len(got) == len(want) == 17
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    swapped = (*args[:2], *args[9:16], *args[2:9], args[16])
+    assert not torch.equal(_both_directions(swapped, True)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_directions_on_the_gpu_add_in_the_kernels_stores(dtype):
+    """On the GPU the second direction's scan adds into the first's out, its conv into dx (ScanArgs/ConvArgs::
+    accumulate), dz is one add: in float32 the bits of the two branch ops summed (one rounding either way), in
+    bfloat16 out and dx within the sum's rounding (the kernel rounds once, after adding)."""
+    args = bimamba_args(dtype, True, "auto", device="cuda", d_inner=64, seqlen=300, d_state=16)
+    got, want = _both_directions(args, True), _both_directions(args, False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        if dtype == torch.float32 or i > 2:  # and the weights' gradients: the same kernels' in both
+            assert torch.equal(a, b), i
+        else:  # out, dx (and dz) in bfloat16: rounded once after the add here, the two terms and the sum there
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7 * b.abs().max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["auto", "ref"])
 @pytest.mark.parametrize("reverse", [False, True])

@@ -47,10 +47,16 @@ def test_every_operator_beside_its_roofline_from_the_shapes(ops):
     assert head[0].bytes == (10 + BATCH * 32 + 32 * 10 + BATCH * 10) * 4
     assert head[0].flops == 2 * BATCH * 32 * 10
     assert head[0].seconds == pytest.approx(max(head[0].bytes / 4.8e12, head[0].flops / 67e12))
-    # the mixer's two directions summed forward, and their gradients of x and z summed backward: each add reads two
-    # (batch, d_inner, L) fp32 tensors and writes one, three per block
-    adds = _named(ops, "aten.add.Tensor", (BATCH, D_INNER, TOKENS))
-    assert len(adds) == 3 * SMALL["depth"] and all(o.bytes == 3 * BATCH * D_INNER * TOKENS * 4 for o in adds)
+    # the mixer's two directions summed forward, and their gradients of x and z summed backward, inside the op: the
+    # second direction's scan reads the first's out back in its store, its conv the first's dx; dz is one add (two
+    # (batch, d_inner, L) fp32 tensors read, one written); no add of the model's own is left
+    assert not _named(ops, "aten.add.Tensor", (BATCH, D_INNER, TOKENS))
+    bdl_bytes = BATCH * D_INNER * TOKENS * 4
+    for name, nbytes in (("vim_ds.bimamba_branch_fwd: the directions' sum (out read back)", bdl_bytes),
+                         ("vim_ds.bimamba_branch_bwd: the directions' sum (the conv's dx read back)", bdl_bytes),
+                         ("vim_ds.bimamba_branch_bwd: the directions' dz summed", 3 * bdl_bytes)):
+        summed = _named(ops, name)
+        assert len(summed) == SMALL["depth"] and all(o.bytes == nbytes for o in summed), name
     # the optimizer: 28 bytes a parameter
     n_params = sum(p.numel() for p in timm.create_model("vim_tiny", img_size=SIZE, **SMALL).parameters())
     adam = _named(ops, "AdamW step (fused, analytic)")
@@ -59,23 +65,23 @@ def test_every_operator_beside_its_roofline_from_the_shapes(ops):
 
 def test_the_branch_ops_are_their_parts_and_the_norms_one_kernel_each_way(ops):
     blocks = 2 * SMALL["depth"]  # two directions a block
-    fwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_fwd")]
-    bwd = [o for o in ops if o.name.startswith("vim_ds.ssm_branch_bwd")]
+    fwd = [o for o in ops if o.name.startswith("vim_ds.bimamba_branch_fwd") and "directions" not in o.name]
+    bwd = [o for o in ops if o.name.startswith("vim_ds.bimamba_branch_bwd") and "directions" not in o.name]
     assert len(fwd) == 5 * blocks and len(bwd) == 9 * blocks
     # a GPU profile gives the projections' and copies' kernels to the bmm and copy inside the op: so does the trace
     assert {o.name.split(": ")[1]: o.kind for o in fwd} == {
         "conv + SiLU": step_anatomy.BRANCH_KIND, "x_proj": "matrix products", "dt_proj": "matrix products",
         "B, C copies": "casts and copies", "scan": step_anatomy.BRANCH_KIND}
-    scan = _named(ops, "vim_ds.ssm_branch_fwd: scan")
+    scan = _named(ops, "vim_ds.bimamba_branch_fwd: scan")
     cost = scan_model.forward_cost(BATCH, D_INNER, TOKENS, 16, "float32")
     assert len(scan) == blocks and scan[0].bytes == cost.bytes
     assert scan[0].seconds == pytest.approx(cost.bound(H200)["seconds"])
     # the conv reads x and writes u: two (batch, d_inner, L) tensors; backward x and du in, dx out
     bdl = BATCH * D_INNER * TOKENS
-    assert _named(ops, "vim_ds.ssm_branch_fwd: conv + SiLU")[0].bytes == 2 * bdl * 4
-    assert _named(ops, "vim_ds.ssm_branch_bwd: conv + SiLU backward")[0].bytes == 3 * bdl * 4
+    assert _named(ops, "vim_ds.bimamba_branch_fwd: conv + SiLU")[0].bytes == 2 * bdl * 4
+    assert _named(ops, "vim_ds.bimamba_branch_bwd: conv + SiLU backward")[0].bytes == 3 * bdl * 4
     # x_proj: u in, x_dbl (dt_rank 2 + 2 x 16 rows) out, 2 x rows FLOPs a (b, d, t)
-    x_proj = _named(ops, "vim_ds.ssm_branch_fwd: x_proj")[0]
+    x_proj = _named(ops, "vim_ds.bimamba_branch_fwd: x_proj")[0]
     assert x_proj.bytes == (bdl + BATCH * 34 * TOKENS) * 4 and x_proj.flops == 2 * bdl * 34
     rows, dim = BATCH * TOKENS, 32
     if rms_norm_triton.available():  # each block's add and norm and the final ones: one kernel forward, one backward

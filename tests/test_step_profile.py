@@ -43,14 +43,15 @@ def test_a_profiled_run_writes_its_trace_and_top_kernels(config_run, capsys, tmp
     with gzip.open(os.path.join(folder, "trace.json.gz"), "rt") as f:
         trace = json.load(f)
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert "vim_ds::ssm_branch_fwd" in names and "vim_ds::ssm_branch_bwd" in names
+    assert "vim_ds::bimamba_branch_fwd" in names and "vim_ds::bimamba_branch_bwd" in names
     with open(os.path.join(folder, "summary.json")) as f:
         summary = json.load(f)
     assert summary["steps"] == [2, 3] and summary["profiled_steps"] == 2 and summary["device"] == "cpu"
     assert summary["precision"] == "fp32" and summary["wall_ms_per_step"] > 0
-    # two optimizer steps of 2 micro steps: each of the 2 blocks' 2 branches runs once per micro step
-    branch = [op for op in summary["ops"] if op["name"] == "vim_ds::ssm_branch_fwd"]
-    assert sum(op["calls"] for op in branch) == 2 * 2 * 2 * 2
+    # two optimizer steps of 2 micro steps: each of the 2 blocks' mixers (both directions in one op) runs once per
+    # micro step
+    branch = [op for op in summary["ops"] if op["name"] == "vim_ds::bimamba_branch_fwd"]
+    assert sum(op["calls"] for op in branch) == 2 * 2 * 2
     assert branch[0]["shapes"][0] == [8, 64, 65]  # (micro batch, d_inner, patches + class token)
     shares = [k["share"] for k in summary["kernels"]]
     assert summary["kernels"] and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
@@ -65,10 +66,10 @@ def test_a_profiled_run_writes_its_trace_and_top_kernels(config_run, capsys, tmp
                               "num_classes": summary["run"]["num_classes"], "input_size": summary["run"]["input_size"],
                               "micro_batch": 8, "micro_steps": 2}
     names = {op["name"] for op in summary["op_times"]}
-    assert {"vim_ds::ssm_branch_fwd", "vim_ds::ssm_branch_bwd", "aten::bmm"} <= names and summary[
+    assert {"vim_ds::bimamba_branch_fwd", "vim_ds::bimamba_branch_bwd", "aten::bmm"} <= names and summary[
         "device_ms_per_step"] is None
     assert "| Vim's branch kernels (scan, conv) | " in out and "| total | " in out
-    assert "| `vim_ds::ssm_branch_fwd` | 8x64x65" in out
+    assert "| `vim_ds::bimamba_branch_fwd` | 8x64x65" in out
     assert json.loads((tmp_path / "p.json").read_text())["summary"]["steps"] == [2, 3]
 
 
@@ -170,7 +171,14 @@ def test_rooflines_on_an_h200_from_the_datasheets():
     assert bmm["ratio"] == pytest.approx(48.0 / (48 * per_call))
     # the branch: its scan's forward bound at (64, 768, 785, N = 16), bf16, on the H200 (scan_model)
     bound = scan_model.predict(64, 768, 785, 16, "bfloat16")["bounds"]["H200 SXM"]["fwd_ms"]
-    assert branch["roofline_ms_per_step"] == pytest.approx(48 * bound) and "scan" in branch["bound_by"]
+    assert branch["roofline_ms_per_step"] == pytest.approx(48 * bound) and branch["bound_by"] == \
+        "scan model (the scan alone)"
+    # both directions in one op (the model's): two scans' bounds
+    both = dict(_h200_summary("bf16"))
+    both["ops"] = [dict(both["ops"][1], name="vim_ds::bimamba_branch_fwd", calls=48)]
+    row = step_profile.report(both)[1][0]
+    assert row["roofline_ms_per_step"] == pytest.approx(2 * 24 * bound) and row["bound_by"] == \
+        "scan model (the scans alone)"
     # the conv forward moves x and out: 2 x 64*768*785 x 2 bytes at 4.8 TB/s
     assert conv["roofline_ms_per_step"] == pytest.approx(48 * 2 * 64 * 768 * 785 * 2 / 4.8e12 * 1e3)
     assert "roofline_ms_per_step" not in add and "| `aten::add` | 64x785x384 64x785x384 | 24 | 2.400 | — | — |" in text

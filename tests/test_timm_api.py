@@ -269,7 +269,7 @@ def test_fx_feature_extraction_timm_and_torchvision():
     # the residual stream after block i is the stream output of the next block's fused add and norm, the final
     # one's after the last block (listed in docs/models.md)
     blocks = ["layers.1.getitem_1", "layers.2.getitem_1", "getitem_4"]
-    assert all(b in nodes for b in blocks) and "layers.0" not in nodes and "layers.0.mixer.ssm_branch_fn" in nodes
+    assert all(b in nodes for b in blocks) and "layers.0" not in nodes and "layers.0.mixer.bimamba_branch_fn" in nodes
     for create_extractor in (create_feature_extractor, tv.create_feature_extractor):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -309,7 +309,7 @@ print("ok")
 
 
 def test_torch_jit_trace_saves_and_loads_in_a_fresh_process(tmp_path):
-    """torch.jit.trace records the registered custom ops (vim_ds::ssm_branch_fwd, ...) as graph nodes, so the
+    """torch.jit.trace records the registered custom ops (vim_ds::bimamba_branch_fwd, ...) as graph nodes, so the
     traced module saves, and loads in a new process that imported vim_ds, with the eager logits (bit-exact, same
     CPU kernel) and for another batch size."""
     torch.manual_seed(0)

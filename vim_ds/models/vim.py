@@ -19,15 +19,14 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 # what timm's own models use (not re-exported)
 from timm.models._features import feature_take_indices
 
-from ..ops import ssm_branch_fn
 from ..ops.rms_norm import add_rms_norm, at_least_fp32, rms_norm
-from ..ops.ssm_branch import in_projection, out_projection
+from ..ops.ssm_branch import bimamba_branch_fn, in_projection, out_projection
 
 # torch.fx records calls to these names in this module as single graph nodes instead of tracing into them, for
-# every fx tracer (timm's and torchvision's create_feature_extractor alike): the fused SSM branch and the fused add
+# every fx tracer (timm's and torchvision's create_feature_extractor alike): the fused SSM branches and the fused add
 # and norm are ops whose Python dispatch cannot run on fx proxies, the projections autograd Functions (their
 # backward is their own), and the image-size check must run on real shapes when the graph runs.
-torch.fx.wrap("ssm_branch_fn")
+torch.fx.wrap("bimamba_branch_fn")
 torch.fx.wrap("add_rms_norm")
 torch.fx.wrap("in_projection")
 torch.fx.wrap("out_projection")
@@ -181,17 +180,18 @@ class BiMambaMixer(nn.Module):
         if self.in_proj.bias is not None:
             b_x, b_z = self.in_proj.bias.chunk(2)
             x, z = x + b_x[:, None], z + b_z[:, None]
-        out_f = ssm_branch_fn(x, z, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
-                              -torch.exp(at_least_fp32(self.A_log)), self.D, self.dt_proj.bias)
-        # The backward direction runs on the same x and z, scanned back to front in place (no flipped copies).
-        out_b = ssm_branch_fn(x, z, self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight,
-                              self.dt_proj_b.weight, -torch.exp(at_least_fp32(self.A_b_log)), self.D_b,
-                              self.dt_proj_b.bias, reverse=True)
+        # The backward direction runs on the same x and z, scanned back to front in place (no flipped copies); the
+        # two directions' outputs are summed inside the op (on GPUs, in the second scan's store).
+        y = bimamba_branch_fn(
+            x, z, (self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight,
+                   -torch.exp(at_least_fp32(self.A_log)), self.D, self.dt_proj.bias),
+            (self.conv1d_b.weight, self.conv1d_b.bias, self.x_proj_b.weight, self.dt_proj_b.weight,
+             -torch.exp(at_least_fp32(self.A_b_log)), self.D_b, self.dt_proj_b.bias))
         # "Divide out" halves the sum; applied to out_proj's (d_model, d_inner) weight instead of the (batch,
         # d_inner, L) activation, it saves a full pass over y in forward and one in backward. Exact: scaling by a
         # power of two commutes with rounding, so the result is bitwise that of halving y.
         w_out = self.out_proj.weight * 0.5 if self.divide_out else self.out_proj.weight
-        out = out_projection(out_f + out_b, w_out)  # (batch, L, d_model), rows contiguous
+        out = out_projection(y, w_out)  # (batch, L, d_model), rows contiguous
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 

@@ -123,10 +123,18 @@ class ExtensionBackend:
         self.name = name
         self.module = module
 
-    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False):
+    @property
+    def adds_into(self) -> bool:
+        """Whether the kernels add into an output they are given (the GPU kernel's scan forward `add_to` and conv
+        backward `dx_add_to`: ScanArgs::accumulate, ConvArgs::accumulate) instead of writing a new one."""
+        return self.name == "cuda"
+
+    def fwd(self, u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse=False, return_last_state=False,
+            add_to=None):
         # Both kernels write the final state from their registers (the GPU kernel: its last segment's pass).
+        into = {} if add_to is None else {"add_to": add_to}  # (adds_into backends only)
         out, saved, last = self.module.fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, reverse,
-                                           return_last_state)
+                                           return_last_state, **into)
         return out, saved, last
 
     def bwd(self, u, delta, A, B, C, D, z, delta_bias, dout, saved, delta_softplus, reverse=False):

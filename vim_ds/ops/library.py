@@ -12,6 +12,9 @@ compiler sees one opaque node per kernel call instead of a graph break.
 ``causal_conv1d_bwd``         its gradients ``(dx, dweight, dbias)``
 ``ssm_branch_fwd``            the fused Mamba branch (conv1d + SiLU, x_proj, dt_proj, scan, gate) -> ``(out, saved)``
 ``ssm_branch_bwd``            its gradients; recomputes the conv and projections instead of keeping them
+``bimamba_branch_fwd``        both directions of a Vim mixer (the second reversed) -> ``(out summed, saved,
+                              saved_b)``; the second adds into the first's output in the scan's store on GPUs
+``bimamba_branch_bwd``        their gradients (dx, dz summed; 14 weight gradients); dx added in the conv's store
 ============================  =====================================================================
 
 Every op takes a ``backend`` string: ``"auto"`` picks by device as ``backends.get_backend`` does (the compiled
@@ -210,12 +213,17 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], reverse: boo
     return F.conv1d(x, w, b, padding=k - 1, groups=x.shape[1])[..., :x.shape[-1]]
 
 
+def _adds_into(backend_obj) -> bool:
+    return getattr(backend_obj, "adds_into", False)
+
+
 def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tensor, reverse: bool, backend_obj,
-                  silu: bool = False, pre: Optional[Tensor] = None):
+                  silu: bool = False, pre: Optional[Tensor] = None, dx_add_to: Optional[Tensor] = None):
     """(dx, dweight, dbias or None) of conv_forward, dweight and dbias in the weights' dtypes. With ``silu`` dout is
     the gradient of the SiLU's output: on GPUs the kernel recomputes the conv's output for silu' and never stores
     it; elsewhere the SiLU's gradient takes the conv's output ``pre`` (conv_forward without silu), or runs the
-    conv again without it."""
+    conv again without it. ``dx_add_to`` (contiguous, x's shape and dtype): dx is added into it and it is returned
+    as dx (the GPU kernel adds in its store; elsewhere one add after)."""
     k = weight.shape[-1]
     fused = silu and _conv_fuses_silu(backend_obj, x, k)
     if silu and not fused:
@@ -223,8 +231,11 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tenso
             pre = conv_forward(x, weight, bias, reverse, backend_obj)
         dout = torch.ops.aten.silu_backward(dout.to(x.dtype), pre)
     if _conv_uses_kernel(backend_obj, x, k):
+        options = {"silu": True} if fused else {}
+        if dx_add_to is not None and _adds_into(backend_obj):
+            options["dx_add_to"], dx_add_to = dx_add_to, None
         dx, dw, db = backend_obj.module.conv_bwd(*_conv_kernel_args(x, weight, bias), dout.to(x.dtype).contiguous(),
-                                                 reverse, **({"silu": True} if fused else {}))
+                                                 reverse, **options)
     else:
         w = weight.to(x.dtype)
         # the output is the full convolution's last L steps, computed with the flipped taps
@@ -239,7 +250,8 @@ def conv_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], dout: Tenso
             dw = dw.flip(-1)
     dw = dw.reshape(weight.shape).to(weight.dtype)
     db = None if bias is None else db.to(bias.dtype)
-    return dx.contiguous(), dw.contiguous(), db
+    dx = dx.contiguous() if dx_add_to is None else dx_add_to.add_(dx)
+    return dx, dw.contiguous(), db
 
 
 @custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
@@ -334,10 +346,11 @@ def branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, 
 
 
 def branch_inputs_bwd(x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                      reverse, backend_obj, halo=None, pre=None):
+                      reverse, backend_obj, halo=None, pre=None, dx_add_to=None):
     """The scan's input gradients chained back through dt_proj, x_proj, SiLU and the conv: (dx, dhalo or None,
     dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight), from what ``branch_inputs_fwd`` gave
-    (``pre``: its conv output before the SiLU, or None). ``du`` is added into (it holds the skip term's share)."""
+    (``pre``: its conv output before the SiLU, or None). ``du`` is added into (it holds the skip term's share);
+    so is ``dx_add_to`` (without a halo), returned as dx."""
     dt_rank = dt_proj_weight.shape[1]
     ddt_proj_w = _weight_grad(ddelta, x_dbl[:, :dt_rank])
     dx_dbl = torch.cat((project(dt_proj_weight.to(u.dtype).t(), ddelta), dB, dC), dim=1)
@@ -350,11 +363,45 @@ def branch_inputs_bwd(x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x
         du = F.pad(du, (0, h) if reverse else (h, 0))
     # through the SiLU and the conv (one kernel on GPUs, which recomputes the conv's output for silu')
     dx, dconv_w, dconv_b = conv_backward(_with_halo(x, halo, reverse), conv_weight, conv_bias, du, reverse,
-                                         backend_obj, silu=True, pre=pre)
+                                         backend_obj, silu=True, pre=pre, dx_add_to=dx_add_to)
     if halo is not None:
         length = x.shape[-1]
         dx, dhalo = (dx[..., :length], dx[..., length:]) if reverse else (dx[..., h:], dx[..., :h])
     return dx, dhalo, dconv_w, dconv_b, dx_proj_w.to(x_proj_weight.dtype), ddt_proj_w.to(dt_proj_weight.dtype)
+
+
+def _direction_forward(x, z, weights, reverse, impl, add_to=None):
+    """One direction of the fused branch: (out, saved); ``add_to``: out is added into it (the kernel adds in its
+    store where it can, else one add after) and it is returned as out. weights: conv_weight, conv_bias,
+    x_proj_weight, dt_proj_weight, A, D, delta_bias."""
+    conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias = weights
+    u, _, delta, B, C, _ = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.shape[1],
+                                             reverse, impl)
+    into = {"add_to": add_to} if add_to is not None and _adds_into(impl) else {}
+    out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse, **into)
+    if add_to is not None and not into:
+        out = add_to.add_(out)
+    return out.contiguous(), _absent(u) if saved is None else saved
+
+
+def _direction_backward(dout, x, z, weights, saved, reverse, impl, dx_add_to=None, dz_add_to=None):
+    """One direction's gradients: (dx, dz, dconv_weight, dconv_bias or None, dx_proj_weight, ddt_proj_weight, dA,
+    dD, ddelta_bias); dx and dz added into ``dx_add_to``, ``dz_add_to`` when given (and returned as them): dx in the
+    GPU conv's store, dz after the scan (its store is in the backward's finish, whose registers and loads the
+    reverse recurrence shares: adding there cost sm_90's reverse step 3 instructions of 55.5)."""
+    conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias = weights
+    # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
+    u, x_dbl, delta, B, C, pre = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
+                                                   A.shape[1], reverse, impl)
+    du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
+                                                           dout.to(u.dtype).contiguous(), saved, True, reverse)
+    if dz_add_to is not None:
+        dz = dz_add_to.add_(dz)
+    dx, _, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
+        x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl,
+        pre=pre, dx_add_to=dx_add_to)
+    return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, dconv_b, dx_proj_w, ddt_proj_w, dA.to(A.dtype), dD.to(D.dtype),
+            ddelta_bias.to(delta_bias.dtype))
 
 
 @custom_op(f"{NAMESPACE}::ssm_branch_fwd", mutates_args=())
@@ -363,10 +410,8 @@ def ssm_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optiona
                    backend: str) -> tuple[Tensor, Tensor]:
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
-        u, _, delta, B, C, _ = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                 A.shape[1], reverse, impl)
-        out, saved, _ = impl.fwd(u, delta, A, B, C, D, z, delta_bias, True, reverse)
-    return out.contiguous(), _absent(u) if saved is None else saved
+        return _direction_forward(x, z, (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias),
+                               reverse, impl)
 
 
 @ssm_branch_fwd.register_fake
@@ -382,16 +427,9 @@ def ssm_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv
     """(dx, dz, dconv_weight, dconv_bias, dx_proj_weight, ddt_proj_weight, dA, dD, ddelta_bias)."""
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
-        # Recompute the cheap intermediates (several times the size of x) rather than keep them from forward.
-        u, x_dbl, delta, B, C, pre = branch_inputs_fwd(x, conv_weight, conv_bias, x_proj_weight, dt_proj_weight,
-                                                       A.shape[1], reverse, impl)
-        du, ddelta, dA, dB, dC, dD, dz, ddelta_bias = impl.bwd(u, delta, A, B, C, D, z, delta_bias,
-                                                               dout.to(u.dtype).contiguous(), saved, True, reverse)
-        dx, _, dconv_w, dconv_b, dx_proj_w, ddt_proj_w = branch_inputs_bwd(
-            x, u, x_dbl, du, ddelta, dB, dC, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, reverse, impl,
-            pre=pre)
-    return (dx.to(x.dtype), dz.to(z.dtype), dconv_w, _absent(x) if dconv_b is None else dconv_b, dx_proj_w,
-            ddt_proj_w, dA.to(A.dtype), dD.to(D.dtype), ddelta_bias.to(delta_bias.dtype))
+        grads = _direction_backward(dout, x, z, (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D,
+                                              delta_bias), saved, reverse, impl)
+    return (*grads[:3], _absent(x) if grads[3] is None else grads[3], *grads[4:])
 
 
 @ssm_branch_bwd.register_fake
@@ -417,3 +455,75 @@ def _branch_backward(ctx, dout, _dsaved):
 
 
 ssm_branch_fwd.register_autograd(_branch_backward, setup_context=_branch_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Both directions of a bidirectional (Vim) mixer
+# ---------------------------------------------------------------------------------------------------------------
+
+@custom_op(f"{NAMESPACE}::bimamba_branch_fwd", mutates_args=())
+def bimamba_branch_fwd(x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], x_proj_weight: Tensor,
+                       dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor, conv_weight_b: Tensor,
+                       conv_bias_b: Optional[Tensor], x_proj_weight_b: Tensor, dt_proj_weight_b: Tensor, A_b: Tensor,
+                       D_b: Tensor, delta_bias_b: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (the two directions' outputs summed, each direction's saved state): the backward direction (``_b``
+    weights) scans the same x and z back to front and adds its output into the forward's, in the scan's store on
+    GPUs (no separate pass over the sum)."""
+    impl = resolve(backend, x.device)
+    with _no_autocast(x.device):
+        out, saved = _direction_forward(x, z, (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D,
+                                               delta_bias), False, impl)
+        out, saved_b = _direction_forward(x, z, (conv_weight_b, conv_bias_b, x_proj_weight_b, dt_proj_weight_b, A_b,
+                                                 D_b, delta_bias_b), True, impl, add_to=out)
+    return out, saved, saved_b
+
+
+@bimamba_branch_fwd.register_fake
+def _(x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, conv_weight_b, conv_bias_b,
+      x_proj_weight_b, dt_proj_weight_b, A_b, D_b, delta_bias_b, backend):
+    impl = resolve(backend, x.device)
+    return x.new_empty(x.shape), _saved_like(impl, x, A), _saved_like(impl, x, A_b)
+
+
+@custom_op(f"{NAMESPACE}::bimamba_branch_bwd", mutates_args=())
+def bimamba_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor],
+                       x_proj_weight: Tensor, dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor,
+                       conv_weight_b: Tensor, conv_bias_b: Optional[Tensor], x_proj_weight_b: Tensor,
+                       dt_proj_weight_b: Tensor, A_b: Tensor, D_b: Tensor, delta_bias_b: Tensor, saved: Tensor,
+                       saved_b: Tensor, backend: str) -> list[Tensor]:
+    """(dx, dz, then the forward direction's 7 weight gradients, then the backward direction's): the second
+    direction's dx and dz are added into the first's (dx in the conv's store on GPUs)."""
+    impl = resolve(backend, x.device)
+    with _no_autocast(x.device):
+        grads_b = _direction_backward(dout, x, z, (conv_weight_b, conv_bias_b, x_proj_weight_b, dt_proj_weight_b, A_b,
+                                                   D_b, delta_bias_b), saved_b, True, impl)
+        dx, dz = grads_b[0].contiguous(), grads_b[1].contiguous()
+        grads_f = _direction_backward(dout, x, z, (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D,
+                                                   delta_bias), saved, False, impl, dx_add_to=dx, dz_add_to=dz)
+    weights = [g if g is not None else _absent(x) for g in (*grads_f[2:], *grads_b[2:])]
+    return [grads_f[0], grads_f[1], *weights]
+
+
+@bimamba_branch_bwd.register_fake
+def _(dout, x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, conv_weight_b,
+      conv_bias_b, x_proj_weight_b, dt_proj_weight_b, A_b, D_b, delta_bias_b, saved, saved_b, backend):
+    like = (x, z, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias, conv_weight_b, conv_bias_b,
+            x_proj_weight_b, dt_proj_weight_b, A_b, D_b, delta_bias_b)
+    return [_absent(x) if t is None else t.new_empty(t.shape) for t in like]
+
+
+def _bimamba_setup_context(ctx, inputs, output):
+    *tensors, backend = inputs
+    ctx.backend = backend
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(*tensors, output[1], output[2])
+
+
+def _bimamba_backward(ctx, dout, _dsaved, _dsaved_b):
+    *tensors, saved, saved_b = ctx.saved_tensors
+    grads = bimamba_branch_bwd(dout.contiguous(), *tensors, saved, saved_b, ctx.backend)
+    # a conv without bias has no gradient (index 3: the forward direction's conv bias, 10: the backward's)
+    return (*[None if t is None else g for g, t in zip(grads, tensors)], None)
+
+
+bimamba_branch_fwd.register_autograd(_bimamba_backward, setup_context=_bimamba_setup_context)

@@ -12,9 +12,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .library import _weight_grad, causal_conv1d, project, ssm_branch_fwd
+from .library import _weight_grad, bimamba_branch_fwd, causal_conv1d, project, ssm_branch_fwd
 
-__all__ = ["branch_inputs", "conv1d_silu", "in_projection", "out_projection", "project", "ssm_branch_fn"]
+__all__ = ["bimamba_branch_fn", "branch_inputs", "conv1d_silu", "in_projection", "out_projection", "project",
+           "ssm_branch_fn"]
 
 
 def _backend_name(backend) -> str:
@@ -155,4 +156,23 @@ def ssm_branch_fn(
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     out, _ = ssm_branch_fwd(x, z.contiguous(), conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.to(wide),
                             D.to(wide), delta_bias.to(wide), bool(reverse), "auto")
+    return out
+
+
+def bimamba_branch_fn(x: torch.Tensor, z: torch.Tensor, forward_weights, backward_weights) -> torch.Tensor:
+    """ssm_branch_fn(x, z, *forward_weights) + ssm_branch_fn(x, z, *backward_weights, reverse=True), as one op
+    (``torch.ops.vim_ds.bimamba_branch_fwd``): a Vim mixer's two directions. On GPUs the second direction's scan
+    adds its output into the first's in its store, and backward its conv's dx into the first's: two of the three
+    (batch, d_inner, L) sums need no passes of their own (dz's is one add). Each weights tuple: (conv_weight,
+    conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias), as ssm_branch_fn takes them."""
+    if x.dim() != 3 or z.shape != x.shape:
+        raise ValueError(f"bimamba_branch_fn: x and z must both be (batch, d_inner, seqlen), got shapes "
+                         f"{tuple(x.shape)} and {tuple(z.shape)}")
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def prepared(weights):
+        conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias = weights
+        return conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.to(wide), D.to(wide), delta_bias.to(wide)
+
+    out, _, _ = bimamba_branch_fwd(x, z.contiguous(), *prepared(forward_weights), *prepared(backward_weights), "auto")
     return out

@@ -9,9 +9,9 @@ model calls it only where torch has them). Per operator:
 - its bytes: every tensor it reads and writes, as an unfused kernel moves them (views move nothing);
 - its FLOPs: matrix products (``torch.utils.flop_counter``'s formulas) at the dtype's dense matrix peak
   (``scan_model.BF16_MATMUL_FLOPS``; FP32 otherwise);
-- Vim's own ops (``vim_ds::ssm_branch_fwd`` / ``_bwd``): what ``ops/library.py`` runs inside them on a GPU, each
-  part as its own kernel: the scan at the performance model's bound (``scan_model``), the conv, the projections
-  and the copies by their bytes and FLOPs (``branch_parts``);
+- Vim's own ops (``vim_ds::bimamba_branch_fwd`` / ``_bwd``, ``ssm_branch_*``): what ``ops/library.py`` runs
+  inside them on a GPU, each part as its own kernel: the scan at the performance model's bound (``scan_model``),
+  the conv, the projections and the copies by their bytes and FLOPs (``branch_parts``);
 - the optimizer step: AdamW over the parameters, fp32 master weights, moments and the gradient (DeepSpeed's fused
   Adam moves 28 bytes a parameter: bf16 gradient, fp32 master, m, v read and written, bf16 weight written).
 
@@ -58,7 +58,9 @@ NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "t", "expand", "permute", "sp
               "new_empty", "new_empty_strided", "empty_like", "promote_types", "lift_fresh", "is_same_size",
               "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
               "resolve_conj", "resolve_neg"}
-BRANCH_OPS = {"vim_ds.ssm_branch_fwd.default": False, "vim_ds.ssm_branch_bwd.default": True}
+# the fused branch ops -> (backward, directions)
+BRANCH_OPS = {"vim_ds.ssm_branch_fwd.default": (False, 1), "vim_ds.ssm_branch_bwd.default": (True, 1),
+              "vim_ds.bimamba_branch_fwd.default": (False, 2), "vim_ds.bimamba_branch_bwd.default": (True, 2)}
 ADAM_BYTES_PER_PARAM = 28
 
 
@@ -201,13 +203,21 @@ class _FusedRmsNorm(torch.autograd.Function):
 
 def _branch_ops(name: str, args, scan_dtype: str, gpu) -> list[Op]:
     """One fused branch op's parts (branch_parts) as ops: ssm_branch_fwd(x, z, conv_w, conv_b, x_proj_w, dt_proj_w,
-    A, ...) and ssm_branch_bwd(dout, x, ...)."""
-    backward = BRANCH_OPS[name]
+    A, ...) and ssm_branch_bwd(dout, x, ...); bimamba_branch_fwd / _bwd the same for each of the two directions,
+    and the second direction's adds into the first's out (forward) and dx (backward), a read of each in the store
+    that writes it, and into dz (backward), an add of its own."""
+    backward, directions = BRANCH_OPS[name]
     x, dt_proj_w, A = args[backward], args[backward + 5], args[backward + 6]
     batch, dim, seqlen = x.shape
+    parts = branch_parts(batch, dim, seqlen, A.shape[1], dt_proj_w.shape[1], scan_dtype, backward) * directions
+    if directions == 2:
+        bdl_bytes = batch * dim * seqlen * scan_model.ELEM_BYTES[scan_dtype]
+        summed = "the conv's dx" if backward else "out"
+        parts.append((f"the directions' sum ({summed} read back)", BRANCH_KIND, bdl_bytes, 0, None))
+        if backward:
+            parts.append(("the directions' dz summed", "elementwise", 3 * bdl_bytes, 0, None))
     ops = []
-    for part, kind, nbytes, flops, scan in branch_parts(batch, dim, seqlen, A.shape[1], dt_proj_w.shape[1],
-                                                        scan_dtype, backward):
+    for part, kind, nbytes, flops, scan in parts:
         if scan is not None:
             nbytes, seconds = scan.bytes, scan.bound(gpu)["seconds"]
         else:

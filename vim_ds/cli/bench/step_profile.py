@@ -7,9 +7,9 @@ Rooflines (the least time the hardware allows, per step):
   weight expanded over the batch, as the mixer's projections pass it, counts once per batch row: an upper bound);
   the rate is bf16's dense tensor-core peak for a bf16 or autocast run, the FP32 peak otherwise (PyTorch leaves
   TF32 off for matmuls);
-- the selective scan (vim_ds::selective_scan_fwd/_bwd, and the fused branch vim_ds::ssm_branch_fwd/_bwd, whose
-  bound is its scan's): the performance model's bound at the op's shapes (scan_model), the backward's as the
-  forward + backward bound less the forward's;
+- the selective scan (vim_ds::selective_scan_fwd/_bwd, and the fused branches vim_ds::ssm_branch_fwd/_bwd and
+  vim_ds::bimamba_branch_fwd/_bwd, whose bound is their scans' (two in the latter)): the performance model's bound
+  at the op's shapes (scan_model), the backward's as the forward + backward bound less the forward's;
 - the depthwise conv (vim_ds::causal_conv1d/_bwd): its bytes (x and out forward; x, dout and dx backward) / HBM
   bandwidth.
 Everything else (elementwise ops, norms, copies, the optimizer) has no roofline in that table ("—"); a second table
@@ -26,8 +26,10 @@ import os
 from . import scan_model, step_anatomy
 
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "aten::matmul")
-SCAN_OPS = {"vim_ds::selective_scan_fwd": (0, 2, "fwd"), "vim_ds::selective_scan_bwd": (0, 2, "bwd"),
-            "vim_ds::ssm_branch_fwd": (0, 6, "fwd"), "vim_ds::ssm_branch_bwd": (1, 7, "bwd")}  # (x or u, A) index
+# name -> (index of x or u, index of A, direction, scans the op runs)
+SCAN_OPS = {"vim_ds::selective_scan_fwd": (0, 2, "fwd", 1), "vim_ds::selective_scan_bwd": (0, 2, "bwd", 1),
+            "vim_ds::ssm_branch_fwd": (0, 6, "fwd", 1), "vim_ds::ssm_branch_bwd": (1, 7, "bwd", 1),
+            "vim_ds::bimamba_branch_fwd": (0, 6, "fwd", 2), "vim_ds::bimamba_branch_bwd": (1, 7, "bwd", 2)}
 CONV_OPS = {"vim_ds::causal_conv1d": 2, "vim_ds::causal_conv1d_bwd": 3}  # (batch, dim, L) tensors it moves
 
 
@@ -71,13 +73,14 @@ def roofline_ms(op: dict, gpu, dtype: str):
         compute, memory = flops / rate * 1e3, moved / gpu.hbm_bytes_per_s * 1e3
         return (compute, "matrix rate") if compute >= memory else (memory, "bytes")
     if name in SCAN_OPS:
-        xi, ai, kind = SCAN_OPS[name]
+        xi, ai, kind, scans = SCAN_OPS[name]
         if len(shapes) <= ai or len(shapes[xi]) != 3 or len(shapes[ai]) != 2:
             return None, "shapes not recorded"
         (batch, dim, seqlen), d_state = shapes[xi], shapes[ai][1]
         b = scan_model.predict(batch, dim, seqlen, d_state, dtype)["bounds"][gpu.name]
-        ms = b["fwd_ms"] if kind == "fwd" else b["fwd_bwd_ms"] - b["fwd_ms"]
-        return ms, "scan model" + (" (the scan alone)" if "branch" in name else "")
+        ms = scans * (b["fwd_ms"] if kind == "fwd" else b["fwd_bwd_ms"] - b["fwd_ms"])
+        alone = " (the scans alone)" if scans > 1 else " (the scan alone)" if "branch" in name else ""
+        return ms, "scan model" + alone
     if name in CONV_OPS:
         if not shapes or len(shapes[0]) != 3:
             return None, "shapes not recorded"
