@@ -23,12 +23,25 @@ else:
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 EPS = 1e-5
-# (leading shape, dim, hidden dtype, residual dtype or None, weight dtype): DeepSpeed's bf16 (bf16 hidden and weight,
-# fp32 stream), fp32, fp64, the first block (no residual), fp16 autocast with fp32 weights, a row exactly a block
-CASES = [((2, 7), 48, BF16, F32, BF16), ((3, 5), 40, F32, F32, F32), ((2, 9), 24, F64, F64, F64),
-         ((1, 13), 32, BF16, None, BF16), ((4, 3), 100, F16, F32, F32), ((6,), 64, F32, F32, F32)]
+# (leading shape, dim, hidden dtype, residual dtype or None, weight dtype, stochastic depth's per-sample scale):
+# DeepSpeed's bf16 (bf16 hidden and weight, fp32 stream), fp32, fp64, the first block (no residual), fp16 autocast
+# with fp32 weights, a row exactly a block, and the blocks' stochastic depth (a sample dropped, the others kept and
+# scaled by 1 / keep) in bf16 and fp64
+CASES = [((2, 7), 48, BF16, F32, BF16, False), ((3, 5), 40, F32, F32, F32, False), ((2, 9), 24, F64, F64, F64, False),
+         ((1, 13), 32, BF16, None, BF16, False), ((4, 3), 100, F16, F32, F32, False), ((6,), 64, F32, F32, F32, False),
+         ((3, 5), 48, BF16, F32, BF16, True), ((3, 4), 24, F64, F64, F64, True)]
 # the relative error a result in each dtype may have beside the float64 reference (its rounding, plus fp32 sums)
 REL = {BF16: 2 ** -7, F16: 2 ** -10, F32: 2e-6, F64: 1e-13}
+
+
+def sample_scale(shape, dtype, scaled):
+    """None, or stochastic depth's per-sample scale (mask / keep, keep 0.8) with the last sample dropped (in hidden's
+    dtype, as timm's DropPath makes it; sample 0 holds the rows where eps matters)."""
+    if not scaled:
+        return None
+    scale = torch.full((shape[0],), 1 / 0.8, dtype=F64)
+    scale[-1] = 0
+    return scale.to(dtype).to(DEVICE)
 
 
 def inputs(shape, dim, hidden_dtype, residual_dtype, weight_dtype, seed):
@@ -47,9 +60,12 @@ def inputs(shape, dim, hidden_dtype, residual_dtype, weight_dtype, seed):
             weight.to(weight_dtype).to(DEVICE))
 
 
-def reference(hidden, residual, weight, eps=EPS, *, eps_outside=False):
-    """float64, from the formula: stream = residual + hidden; normed = stream / sqrt(mean(stream^2) + eps) * weight.
-    ``eps_outside``: the bug of adding eps after the root (the negative control)."""
+def reference(hidden, residual, weight, eps=EPS, *, eps_outside=False, scale=None):
+    """float64, from the formula: stream = residual + hidden * scale (each sample's); normed = stream /
+    sqrt(mean(stream^2) + eps) * weight. ``eps_outside``: the bug of adding eps after the root (the negative
+    control)."""
+    if scale is not None:
+        hidden = hidden.double() * scale.double().cpu().view((-1,) + (1,) * (hidden.dim() - 1)).to(hidden.device)
     stream = hidden.double() + (0 if residual is None else residual.double())
     ms = stream.pow(2).mean(-1, keepdim=True)
     y = stream / (ms.sqrt() + eps) if eps_outside else stream / torch.sqrt(ms + eps)
@@ -68,39 +84,45 @@ def stream_dtype(hidden, residual):
     return torch.promote_types(t, F32)
 
 
-@pytest.mark.parametrize("shape, dim, hd, rd, wd", CASES)
-def test_forward(shape, dim, hd, rd, wd):
+@pytest.mark.parametrize("shape, dim, hd, rd, wd, scaled", CASES)
+def test_forward(shape, dim, hd, rd, wd, scaled):
     hidden, residual, weight = inputs(shape, dim, hd, rd, wd, seed=dim)
-    normed, stream, rstd = add_rms_norm_fwd(hidden, residual, weight, EPS)
-    want_normed, want_stream = reference(hidden, residual, weight)
+    scale = sample_scale(shape, hd, scaled)
+    normed, stream, rstd = add_rms_norm_fwd(hidden, residual, weight, EPS, scale)
+    want_normed, want_stream = reference(hidden, residual, weight, scale=scale)
     assert normed.dtype == wd and stream.dtype == stream_dtype(hidden, residual) and normed.shape == hidden.shape
-    # the stream is the same one rounding as torch's own add
-    torch_stream = hidden.to(stream.dtype) if residual is None else (residual + hidden).to(stream.dtype)
-    assert torch.equal(stream, torch_stream)
+    if scaled:  # the product in the stream's precision, then the add: at most the sum's one rounding off
+        assert close(stream, want_stream, stream.dtype)
+        assert not close(stream, reference(hidden, residual, weight)[1], stream.dtype)  # control: no scale
+    else:  # the stream is the same one rounding as torch's own add
+        torch_stream = hidden.to(stream.dtype) if residual is None else (residual + hidden).to(stream.dtype)
+        assert torch.equal(stream, torch_stream)
     assert close(normed, want_normed, wd)
     ms = want_stream.pow(2).mean(-1).flatten()
     assert close(rstd, torch.rsqrt(ms + EPS), stream.dtype)
     assert rstd[0].item() == pytest.approx(EPS ** -0.5, rel=1e-6)  # the zero row: eps alone
     # negative control: eps after the root changes the rows where eps matters beyond the tolerance
-    assert not close(normed, reference(hidden, residual, weight, eps_outside=True)[0], wd)
+    assert not close(normed, reference(hidden, residual, weight, eps_outside=True, scale=scale)[0], wd)
 
 
-@pytest.mark.parametrize("shape, dim, hd, rd, wd", CASES)
+@pytest.mark.parametrize("shape, dim, hd, rd, wd, scaled", CASES)
 @pytest.mark.parametrize("downstream", [True, False])
-def test_backward(shape, dim, hd, rd, wd, downstream):
+def test_backward(shape, dim, hd, rd, wd, scaled, downstream):
     """Every gradient through the registered autograd, against float64 autograd of the reference at the same
     (rounded) inputs and output gradients; the stream's gradient from downstream added in, or absent (None)."""
     hidden, residual, weight = inputs(shape, dim, hd, rd, wd, seed=dim + 1)
+    scale = sample_scale(shape, hd, scaled)
     g = torch.Generator().manual_seed(dim + 2)
     dnormed = torch.randn(*shape, dim, generator=g, dtype=F64).to(wd).to(DEVICE)
     dstream = torch.randn(*shape, dim, generator=g, dtype=F64).to(stream_dtype(hidden, residual)).to(DEVICE)
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight) + ((residual,) if rd else ())]
-    normed, stream = add_rms_norm(leaves[0], leaves[2] if rd else None, leaves[1], EPS, backend="triton")
+    normed, stream = add_rms_norm(leaves[0], leaves[2] if rd else None, leaves[1], EPS, backend="triton",
+                                  scale=scale)
     outs, grads = ((normed, stream), (dnormed, dstream)) if downstream else ((normed,), (dnormed,))
     got = torch.autograd.grad(outs, leaves, grads)
 
     leaves64 = [t.detach().double().cpu().requires_grad_() for t in leaves]
-    normed64, stream64 = reference(leaves64[0], leaves64[2] if rd else None, leaves64[1])
+    normed64, stream64 = reference(leaves64[0], leaves64[2] if rd else None, leaves64[1], scale=scale)
     loss = (normed64 * dnormed.double().cpu()).sum() + ((stream64 * dstream.double().cpu()).sum() if downstream else 0)
     want = torch.autograd.grad(loss, leaves64)
     assert [t.dtype for t in got] == [t.dtype for t in leaves]
@@ -109,7 +131,9 @@ def test_backward(shape, dim, hd, rd, wd, downstream):
     dnormed64, dstream64 = dnormed.double().cpu(), dstream.double().cpu()
     stream64 = stream64.detach()
     rstd64 = 1 / stream64.pow(2).mean(-1, keepdim=True).add(EPS).sqrt()
-    row_scale = want[0].abs().amax(-1, keepdim=True).expand_as(want[0])
+    # (d hidden is the stream's gradient times the sample's scale: judged on the stream gradient's rows)
+    dstream_want = want[2] if rd else want[0]
+    row_scale = dstream_want.abs().amax(-1, keepdim=True).expand_as(want[0])
     dw_scale = (dnormed64 * stream64 * rstd64).abs().reshape(-1, dim).sum(0)
     assert close(got[0], want[0], hd, row_scale)
     if rd:
@@ -118,6 +142,8 @@ def test_backward(shape, dim, hd, rd, wd, downstream):
     # negative control: without the norm's projection term (- xhat * mean(xhat * w * dy)) the input gradients
     # leave the tolerance
     wrong = dnormed64 * leaves64[1].detach() * rstd64 + (dstream64 if downstream else 0)
+    if scale is not None:
+        wrong = wrong * scale.double().cpu().view((-1,) + (1,) * (wrong.dim() - 1))
     assert not close(got[0], wrong, hd, row_scale)
 
 

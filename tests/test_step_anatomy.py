@@ -89,12 +89,16 @@ def test_the_branch_ops_are_their_parts_and_the_norms_one_kernel_each_way(ops):
         backward = _named(ops, "vim_ds.add_rms_norm_bwd.default")
         assert len(forward) == SMALL["depth"] + 1 == len(backward)
         assert {o.kind for o in forward + backward} == {"norms"}
-        # the first block's has no residual: x, weight in; y, the stream, rstd out; the others read the residual too
+        # the first block's has no residual: x, weight in; y, the stream, rstd out; the others read the residual too,
+        # and the final one (the last block's output joins through the model's stochastic depth, 0.1) each sample's
+        # scale (mask / keep: no separate multiply)
         assert forward[0].bytes == (3 * rows * dim + dim + rows) * 4
-        assert forward[1].bytes == forward[2].bytes == (4 * rows * dim + dim + rows) * 4
+        assert forward[1].bytes == (4 * rows * dim + dim + rows) * 4
+        assert forward[2].bytes == (4 * rows * dim + dim + rows + BATCH) * 4
         # backward (in reverse order): the final norm's stream has no gradient from downstream; the blocks' do
-        assert backward[0].bytes == (4 * rows * dim + 2 * dim + rows) * 4
+        assert backward[0].bytes == (4 * rows * dim + 2 * dim + rows + BATCH) * 4
         assert backward[1].bytes == (5 * rows * dim + 2 * dim + rows) * 4
+        assert not _named(ops, "aten.mul.Tensor", (BATCH, TOKENS, dim))
         # no separate add, norm or cast over the (batch, tokens, dim) stream is left but the embedding's position
         # add (forward: the mixers' outputs join the stream inside the op; backward: the stream's gradients too)
         stream_ops = [o.name for o in ops if o.shape == (BATCH, TOKENS, dim) and (

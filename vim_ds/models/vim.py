@@ -19,7 +19,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 # what timm's own models use (not re-exported)
 from timm.models._features import feature_take_indices
 
-from ..ops.rms_norm import add_rms_norm, at_least_fp32, rms_norm
+from ..ops.rms_norm import add_rms_norm, at_least_fp32, rms_norm, scaled_by_sample
 from ..ops.ssm_branch import bimamba_branch_fn, in_projection, out_projection
 
 # torch.fx records calls to these names in this module as single graph nodes instead of tracing into them, for
@@ -195,6 +195,21 @@ class BiMambaMixer(nn.Module):
         return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
+def _join_scale(drop_path: nn.Module, hidden: torch.Tensor):
+    """(hidden, scale) for add_rms_norm from a mixer output that joins the stream through `drop_path`: timm's DropPath
+    in training gives its mask over the keep probability as a per-sample scale, drawn as it draws it (its call on a
+    (batch, 1, ...) tensor of ones: the same shape of draw, the mask itself), which the fused kernel applies as it
+    adds; the composition multiplies as DropPath does, so on CPU the bits are DropPath's. Anything else is applied
+    to hidden as it is."""
+    if isinstance(drop_path, nn.Identity):
+        return hidden, None
+    if isinstance(drop_path, DropPath):
+        if not drop_path.training or drop_path.drop_prob == 0:
+            return hidden, None
+        return hidden, drop_path(hidden.new_ones((hidden.shape[0],) + (1,) * (hidden.dim() - 1)))
+    return drop_path(hidden), None
+
+
 class Block(nn.Module):
     """Add -> RMSNorm -> mixer, returning (mixer output, residual): the published block. The residual stream is kept
     in fp32; the add and the norm are one kernel forward and one backward on GPUs (``ops.add_rms_norm``)."""
@@ -209,9 +224,10 @@ class Block(nn.Module):
     def forward(self, hidden, residual: Optional[torch.Tensor] = None):
         """hidden: the previous block's mixer output (the embedded tokens for the first block, with residual None);
         residual: the stream before it. Returns (this block's mixer output, the stream it normalised)."""
+        scale = None
         if residual is not None:
-            hidden = self.drop_path(hidden)
-        normed, residual = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+            hidden, scale = _join_scale(self.drop_path, hidden)
+        normed, residual = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, scale=scale)
         return self.mixer(normed), residual
 
 
@@ -360,10 +376,13 @@ class VisionMamba(nn.Module):
         """(norm_f of the stream or None, the stream after block `last`, fp32 or wider), from that block's pair:
         its mixer output joins through the next block's stochastic depth (``self.drop_path`` after the last
         block), as the next block would add it; with ``norm``, the add and norm_f in one kernel on GPUs."""
+        scale = None
         if residual is not None:
-            hidden = (self.layers[last + 1].drop_path if last + 1 < len(self.layers) else self.drop_path)(hidden)
+            join = self.layers[last + 1].drop_path if last + 1 < len(self.layers) else self.drop_path
+            hidden, scale = _join_scale(join, hidden)
         if norm and isinstance(self.norm_f, RMSNorm):
-            return add_rms_norm(hidden, residual, self.norm_f.weight, self.norm_f.eps)
+            return add_rms_norm(hidden, residual, self.norm_f.weight, self.norm_f.eps, scale=scale)
+        hidden = scaled_by_sample(hidden, scale)
         stream = at_least_fp32(hidden if residual is None else residual + hidden)
         return (self.norm_f(stream) if norm else None), stream
 

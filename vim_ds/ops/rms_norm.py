@@ -1,7 +1,8 @@
 """RMSNorm, and a Vim block's residual add fused with it: ``add_rms_norm`` (issue 51, item 5).
 
-A block starts with ``stream = residual + hidden`` (the fp32 residual stream plus the previous block's mixer output)
-and normalises the stream for its mixer. ``add_rms_norm`` returns both, ``(normed, stream)``:
+A block starts with ``stream = residual + hidden`` (the fp32 residual stream plus the previous block's mixer output,
+through the block's stochastic depth: a per-sample scale) and normalises the stream for its mixer. ``add_rms_norm``
+returns both, ``(normed, stream)``:
 
 - on GPUs (CUDA and ROCm) with Triton, one kernel forward and one backward, registered as
   ``torch.ops.vim_ds.add_rms_norm_fwd`` / ``_bwd`` (``rms_norm_triton.py``): half the traffic of the composition;
@@ -50,8 +51,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return y.to(weight.dtype)
 
 
-def add_rms_norm_ref(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float):
-    """(rms_norm(stream), stream), stream = residual + hidden in fp32 or wider (hidden alone without a residual)."""
+def scaled_by_sample(hidden: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """hidden times each sample's scale, as timm's DropPath multiplies by its mask (a (batch, 1, ...) tensor)."""
+    return hidden if scale is None else hidden * scale.view((-1,) + (1,) * (hidden.dim() - 1))
+
+
+def add_rms_norm_ref(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                     scale: Optional[Tensor] = None):
+    """(rms_norm(stream), stream), stream = residual + hidden * scale in fp32 or wider (hidden alone without a
+    residual; scale (batch,) or None)."""
+    hidden = scaled_by_sample(hidden, scale)
     stream = at_least_fp32(hidden if residual is None else residual + hidden)
     return rms_norm(stream, weight, eps), stream
 
@@ -102,13 +111,16 @@ def _kernel_runs(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, bac
     return True
 
 
-def add_rms_norm(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, backend: str = "auto"):
-    """(normed, stream): stream = residual + hidden (hidden alone when residual is None) in fp32 or wider, normed =
-    rms_norm(stream) * weight in the weight's dtype; differentiable in hidden, residual and weight. ``backend``:
-    "auto" (the kernel on GPUs, unless VIM_DS_NORM says otherwise), "ref" or "triton"."""
+def add_rms_norm(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float, backend: str = "auto",
+                 scale: Optional[Tensor] = None):
+    """(normed, stream): stream = residual + hidden * scale (hidden alone when residual is None; scale (batch,), a
+    sample's stochastic-depth mask over the keep probability, or None) in fp32 or wider, normed = rms_norm(stream) *
+    weight in the weight's dtype; differentiable in hidden, residual and weight. ``backend``: "auto" (the kernel on
+    GPUs, unless VIM_DS_NORM says otherwise), "ref" or "triton"."""
     if not _kernel_runs(hidden, residual, weight, backend):
-        return add_rms_norm_ref(hidden, residual, weight, eps)
-    normed, stream, _ = add_rms_norm_fwd(hidden, residual, weight, float(eps))
+        return add_rms_norm_ref(hidden, residual, weight, eps, scale)
+    normed, stream, _ = add_rms_norm_fwd(hidden, residual, weight, float(eps),
+                                         None if scale is None else scale.reshape(-1))
     return normed, stream
 
 
@@ -118,14 +130,15 @@ def _stream_dtype(hidden: Tensor, residual: Optional[Tensor]) -> torch.dtype:
 
 
 @custom_op(f"{NAMESPACE}::add_rms_norm_fwd", mutates_args=())
-def add_rms_norm_fwd(hidden: Tensor, residual: Optional[Tensor], weight: Tensor,
-                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (normed, stream, rstd): rstd (rows,) the stream's 1 / sqrt(mean(stream^2) + eps), for the backward."""
-    return rms_norm_triton.forward(hidden, residual, weight, eps, _stream_dtype(hidden, residual))
+def add_rms_norm_fwd(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                     scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (normed, stream, rstd): rstd (rows,) the stream's 1 / sqrt(mean(stream^2) + eps), for the backward;
+    scale (batch,): each sample's hidden rows times it before the add."""
+    return rms_norm_triton.forward(hidden, residual, weight, eps, _stream_dtype(hidden, residual), scale)
 
 
 @add_rms_norm_fwd.register_fake
-def _(hidden, residual, weight, eps):
+def _(hidden, residual, weight, eps, scale=None):
     stream_dtype = _stream_dtype(hidden, residual)
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     return (hidden.new_empty(hidden.shape, dtype=weight.dtype), hidden.new_empty(hidden.shape, dtype=stream_dtype),
@@ -134,34 +147,34 @@ def _(hidden, residual, weight, eps):
 
 @custom_op(f"{NAMESPACE}::add_rms_norm_bwd", mutates_args=())
 def add_rms_norm_bwd(dnormed: Tensor, dstream: Optional[Tensor], stream: Tensor, weight: Tensor, rstd: Tensor,
-                     hidden_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (the stream's gradient (the residual's), the hidden states' (in hidden_dtype), the weight's).
-    ``dstream``: the gradient the stream gets from downstream, added in (None: none)."""
-    return rms_norm_triton.backward(dnormed, dstream, stream, weight, rstd, hidden_dtype)
+                     hidden_dtype: torch.dtype, scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (the stream's gradient (the residual's), the hidden states' (in hidden_dtype, times the sample's scale),
+    the weight's). ``dstream``: the gradient the stream gets from downstream, added in (None: none)."""
+    return rms_norm_triton.backward(dnormed, dstream, stream, weight, rstd, hidden_dtype, scale)
 
 
 @add_rms_norm_bwd.register_fake
-def _(dnormed, dstream, stream, weight, rstd, hidden_dtype):
+def _(dnormed, dstream, stream, weight, rstd, hidden_dtype, scale=None):
     return (stream.new_empty(stream.shape), stream.new_empty(stream.shape, dtype=hidden_dtype),
             weight.new_empty(weight.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, residual, weight, _eps = inputs
+    hidden, residual, weight, _eps, scale = inputs
     ctx.has_residual = residual is not None
     ctx.hidden_dtype = hidden.dtype
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)  # an unused output's gradient is None, not a tensor of zeros to read
-    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.save_for_backward(output[1], weight, output[2], scale)
 
 
 def _backward(ctx, dnormed, dstream, _drstd):
-    stream, weight, rstd = ctx.saved_tensors
+    stream, weight, rstd, scale = ctx.saved_tensors
     if dnormed is None:
         dnormed = torch.zeros_like(stream, dtype=weight.dtype)
     d_stream, d_hidden, d_weight = add_rms_norm_bwd(dnormed.contiguous(), dstream, stream, weight, rstd,
-                                                    ctx.hidden_dtype)
-    return d_hidden, d_stream if ctx.has_residual else None, d_weight, None
+                                                    ctx.hidden_dtype, scale)
+    return d_hidden, d_stream if ctx.has_residual else None, d_weight, None, None
 
 
 add_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -2,19 +2,21 @@
 
 Forward, one program a row of the (rows, dim) stream:
 
-    stream = residual + hidden            (in the accumulation type: fp32, fp64 for fp64)
+    stream = residual + hidden * scale    (in the accumulation type: fp32, fp64 for fp64; scale: the sample's
+                                           stochastic-depth mask / keep probability, when given)
     rstd   = 1 / sqrt(mean(stream^2) + eps)
     normed = stream * rstd * weight       (stored in normed's dtype: the weight's)
 
 Backward, each program a run of consecutive rows, for dnormed (and the stream's own gradient from downstream):
 
     xhat = stream * rstd,  g = weight * dnormed,  c = sum(xhat * g) / dim
-    dstream = (g - xhat * c) * rstd + dstream_downstream     -> d residual (wide) and d hidden (hidden's dtype)
+    dstream = (g - xhat * c) * rstd + dstream_downstream     -> d residual (wide); d hidden = dstream * scale
+                                                                (hidden's dtype)
     dweight = sum over rows of dnormed * xhat                -> one partial row a program, summed after in order
 
 What PyTorch runs for the same (the add, the fused RMSNorm, the cast to the weight's dtype; backward the cast's, the
-norm's and the gradients' sum and cast) moves 24 bytes an element forward and 36 backward in a bf16 step with an fp32
-stream; these kernels move 12 and 16. No atomics: every run gives the same bits on the same GPU (the backward's
+norm's and the gradients' sum and cast; the mask's multiply each way) moves 24 bytes an element forward and 36
+backward in a bf16 step with an fp32 stream, 4 more each way with stochastic depth; these kernels move 12 and 16. No atomics: every run gives the same bits on the same GPU (the backward's
 program count follows its multiprocessor count).
 
 Under TRITON_INTERPRET=1 the same functions run on CPU tensors in Triton's interpreter, which is how the tests check
@@ -41,12 +43,15 @@ def available() -> bool:
 
 
 if triton is not None:
-    def _fwd(HIDDEN, RESIDUAL, WEIGHT, NORMED, STREAM, RSTD, dim, eps, s_hidden, s_residual, s_normed, s_stream,
-             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    def _fwd(HIDDEN, RESIDUAL, SCALE, WEIGHT, NORMED, STREAM, RSTD, dim, eps, rows_a_sample, s_hidden, s_residual,
+             s_normed, s_stream, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+             ACC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < dim
         x = tl.load(HIDDEN + row * s_hidden + cols, mask=inside, other=0.0).to(ACC)
+        if HAS_SCALE:  # stochastic depth: the sample's mask / keep probability
+            x = x * tl.load(SCALE + row // rows_a_sample).to(ACC)
         if HAS_RESIDUAL:
             x = tl.load(RESIDUAL + row * s_residual + cols, mask=inside, other=0.0).to(ACC) + x
         tl.store(STREAM + row * s_stream + cols, x, mask=inside)
@@ -55,9 +60,9 @@ if triton is not None:
         w = tl.load(WEIGHT + cols, mask=inside, other=0.0).to(ACC)
         tl.store(NORMED + row * s_normed + cols, (x * rstd * w).to(NORMED.dtype.element_ty), mask=inside)
 
-    def _bwd(DNORMED, DSTREAM_IN, STREAM, WEIGHT, RSTD, DSTREAM, DHIDDEN, DWEIGHT_PART, rows, dim, rows_each,
-             s_dnormed, s_dstream_in, s_stream, s_dstream, s_dhidden,
-             HAS_DSTREAM_IN: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    def _bwd(DNORMED, DSTREAM_IN, STREAM, WEIGHT, RSTD, SCALE, DSTREAM, DHIDDEN, DWEIGHT_PART, rows, dim, rows_each,
+             rows_a_sample, s_dnormed, s_dstream_in, s_stream, s_dstream, s_dhidden,
+             HAS_DSTREAM_IN: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < dim
@@ -76,6 +81,8 @@ if triton is not None:
             if HAS_DSTREAM_IN:
                 dx += tl.load(DSTREAM_IN + row * s_dstream_in + cols, mask=inside, other=0.0).to(ACC)
             tl.store(DSTREAM + row * s_dstream + cols, dx, mask=inside)
+            if HAS_SCALE:
+                dx = dx * tl.load(SCALE + row // rows_a_sample).to(ACC)
             tl.store(DHIDDEN + row * s_dhidden + cols, dx.to(DHIDDEN.dtype.element_ty), mask=inside)
             dw += dy * xhat
         tl.store(DWEIGHT_PART + program.to(tl.int64) * dim + cols, dw, mask=inside)
@@ -113,8 +120,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype):
-    """(normed in the weight's dtype, stream in stream_dtype, rstd (rows,) in stream_dtype), shaped like hidden."""
+def _rows_a_sample(t: torch.Tensor) -> int:
+    return max(t.numel() // max(t.shape[0] * t.shape[-1], 1), 1) if t.dim() > 1 else 1
+
+
+def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype,
+            scale=None):
+    """(normed in the weight's dtype, stream in stream_dtype, rstd (rows,) in stream_dtype), shaped like hidden;
+    ``scale`` (batch,): hidden's rows of sample b multiplied by scale[b] before the add (stochastic depth)."""
     shape, dim = hidden.shape, hidden.shape[-1]
     h = _rows(hidden)
     r = h if residual is None else _rows(residual)
@@ -125,8 +138,10 @@ def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, st
     if rows:
         fwd, _ = _kernels()
         block = _block(dim)
-        fwd[(rows,)](h, r, weight.contiguous(), normed, stream, rstd, dim, eps, h.stride(0), r.stride(0), dim, dim,
-                     HAS_RESIDUAL=residual is not None, BLOCK=block, ACC=_acc(stream_dtype), num_warps=_warps(block))
+        sc = weight if scale is None else scale.contiguous()
+        fwd[(rows,)](h, r, sc, weight.contiguous(), normed, stream, rstd, dim, eps, _rows_a_sample(hidden),
+                     h.stride(0), r.stride(0), dim, dim, HAS_RESIDUAL=residual is not None,
+                     HAS_SCALE=scale is not None, BLOCK=block, ACC=_acc(stream_dtype), num_warps=_warps(block))
     return normed, stream, rstd
 
 
@@ -137,8 +152,9 @@ def _programs(rows: int, device: torch.device) -> int:
 
 
 def backward(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-             hidden_dtype):
-    """(dstream in the stream's dtype, dhidden in hidden_dtype, dweight in the weight's dtype)."""
+             hidden_dtype, scale=None):
+    """(dstream in the stream's dtype, dhidden in hidden_dtype (times the sample's scale), dweight in the weight's
+    dtype)."""
     shape, dim = stream.shape, stream.shape[-1]
     x, dy = _rows(stream), _rows(dnormed)
     dsi = dy if dstream_in is None else _rows(dstream_in)
@@ -152,8 +168,9 @@ def backward(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: to
     if rows:
         _, bwd = _kernels()
         block = _block(dim)
-        bwd[(programs,)](dy, dsi, x, weight.contiguous(), rstd, dstream, dhidden,
-                         parts, rows, dim, rows_each, dy.stride(0), dsi.stride(0), x.stride(0), dim, dim,
-                         HAS_DSTREAM_IN=dstream_in is not None, BLOCK=block,
+        sc = weight if scale is None else scale.contiguous()
+        bwd[(programs,)](dy, dsi, x, weight.contiguous(), rstd, sc, dstream, dhidden, parts, rows, dim, rows_each,
+                         _rows_a_sample(stream), dy.stride(0), dsi.stride(0), x.stride(0), dim, dim,
+                         HAS_DSTREAM_IN=dstream_in is not None, HAS_SCALE=scale is not None, BLOCK=block,
                          ACC=_acc(stream.dtype), num_warps=_warps(block))
     return dstream, dhidden, parts.sum(0).to(weight.dtype)
