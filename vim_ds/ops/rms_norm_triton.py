@@ -16,8 +16,9 @@ Backward, each program a run of consecutive rows, for dnormed (and the stream's 
 
 What PyTorch runs for the same (the add, the fused RMSNorm, the cast to the weight's dtype; backward the cast's, the
 norm's and the gradients' sum and cast; the mask's multiply each way) moves 24 bytes an element forward and 36
-backward in a bf16 step with an fp32 stream, 4 more each way with stochastic depth; these kernels move 12 and 16. No atomics: every run gives the same bits on the same GPU (the backward's
-program count follows its multiprocessor count).
+backward in a bf16 step with an fp32 stream, 4 more each way with stochastic depth; these kernels move 12 and 16.
+No atomics: every run gives the same bits on the same GPU (the backward's program count follows its multiprocessor
+count).
 
 Under TRITON_INTERPRET=1 the same functions run on CPU tensors in Triton's interpreter, which is how the tests check
 them against the float64 reference without a GPU (tests/test_rms_norm.py).
