@@ -15,16 +15,25 @@ import torch
 from torch import Tensor
 
 import vim_ds  # noqa: F401  (registers the ops)
-from vim_ds.ops import library, scan_state
+from vim_ds.ops import library, rms_norm, scan_state
 
-OP_MODULES = (library, scan_state)
+OP_MODULES = (library, rms_norm, scan_state)
 
 
 def _registered_ops():
     ops = [value for module in OP_MODULES for value in vars(module).values()
            if isinstance(value, torch._library.custom_ops.CustomOpDef)]
-    assert len(ops) == 8, [op._name for op in ops]  # every torch.ops.vim_ds op
+    assert len(ops) == 12, [op._name for op in ops]  # every torch.ops.vim_ds op
     return ops
+
+
+def test_the_schemas_use_only_what_torch_24_infers():
+    """torch 2.4's schema inference takes typing.List[Tensor], not list[Tensor], as a return (and a dtype as
+    ScalarType): the schemas as torch 2.4 builds them."""
+    schemas = {op._name: str(getattr(torch.ops.vim_ds, op._name).default._schema) for op in _registered_ops()}
+    assert schemas["bimamba_branch_bwd"].endswith("str backend) -> Tensor[]")
+    assert schemas["add_rms_norm_bwd"].endswith("ScalarType hidden_dtype, Tensor? scale=None) -> (Tensor, Tensor, "
+                                                "Tensor)")
 
 
 def _string_annotations(fn) -> list[str]:

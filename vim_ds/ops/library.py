@@ -490,9 +490,10 @@ def bimamba_branch_bwd(dout: Tensor, x: Tensor, z: Tensor, conv_weight: Tensor, 
                        x_proj_weight: Tensor, dt_proj_weight: Tensor, A: Tensor, D: Tensor, delta_bias: Tensor,
                        conv_weight_b: Tensor, conv_bias_b: Optional[Tensor], x_proj_weight_b: Tensor,
                        dt_proj_weight_b: Tensor, A_b: Tensor, D_b: Tensor, delta_bias_b: Tensor, saved: Tensor,
-                       saved_b: Tensor, backend: str) -> list[Tensor]:
+                       saved_b: Tensor, backend: str) -> typing.List[Tensor]:
     """(dx, dz, then the forward direction's 7 weight gradients, then the backward direction's): the second
-    direction's dx and dz are added into the first's (dx in the conv's store on GPUs)."""
+    direction's dx and dz are added into the first's (dx in the conv's store on GPUs). (typing.List: torch 2.4's
+    schema inference knows no list[Tensor].)"""
     impl = resolve(backend, x.device)
     with _no_autocast(x.device):
         grads_b = _direction_backward(dout, x, z, (conv_weight_b, conv_bias_b, x_proj_weight_b, dt_proj_weight_b, A_b,
