@@ -235,3 +235,15 @@ def test_the_model_with_the_kernels_is_the_model_without(monkeypatch):
     torch.manual_seed(2)
     other = model(x).logsumexp(-1).sum()
     assert abs(other.item() - with_kernels[0].logsumexp(-1).sum().item()) > 1e-6
+
+
+def test_the_bench_times_the_kernel_beside_pytorchs_composition():
+    """`vim-ds bench scan`'s row for the blocks' add and norm (on a GPU; here through the interpreter, a tiny shape):
+    both backends timed forward and forward+backward, and their normalised rows agree to bf16's rounding."""
+    from vim_ds.cli.bench import scan
+
+    (row,) = scan.run_norm((2, 9, 32), 1, DEVICE)
+    assert row["op"] == "add_rms_norm" and row["shape"] == "B=2 L=9 D=32" and row["dtype"] == "bfloat16"
+    assert all(row[k] > 0 for k in ("kernel_fwd_ms", "kernel_fwd_bwd_ms", "ref_fwd_ms", "ref_fwd_bwd_ms"))
+    assert row["speedup_fwd"] == pytest.approx(row["ref_fwd_ms"] / row["kernel_fwd_ms"])
+    assert 0 <= row["max_abs_diff"] <= 2 ** -7 * 8  # (normed rows of magnitude up to ~4 in bf16)

@@ -70,10 +70,13 @@ def _gpu_run(tmp_path, with_mamba):
     conv = dict(op="causal_conv1d", device="cuda", shape="B=64 D=768 L=785 K=4", dtype="bfloat16",
                 kernel_fwd_ms=0.031, kernel_fwd_bwd_ms=0.125, ref_fwd_ms=0.25, ref_fwd_bwd_ms=1.5, speedup_fwd=8.06,
                 speedup_fwd_bwd=12.0)
+    norm = dict(op="add_rms_norm", device="cuda", shape="B=64 L=785 D=384", dtype="bfloat16", kernel_fwd_ms=0.05,
+                kernel_fwd_bwd_ms=0.2, ref_fwd_ms=0.125, ref_fwd_bwd_ms=0.5, speedup_fwd=2.5, speedup_fwd_bwd=2.5,
+                max_abs_diff=0.0078125)
     (tmp_path / "bench_scan.json").write_text(json.dumps(
         {"device": "NVIDIA H100 80GB HBM3", "modelled_gpu": gpu.name, "rows": rows,
          "predictions": scan_model.predictions(), "gpus": scan_model.gpus_used()}).replace(
-        '"rows": [', '"rows": [' + json.dumps(conv) + ", ", 1))
+        '"rows": [', '"rows": [' + json.dumps(conv) + ", " + json.dumps(norm) + ", ", 1))
     # the profile step's: the H200 summary of tests/test_step_profile.py, through `vim-ds bench profile`
     from test_step_profile import _h200_summary
 
@@ -115,6 +118,9 @@ def test_report_of_a_gpu_run_has_every_number_and_the_ratio(tmp_path, with_mamba
     # the conv's row in a table of its own (the scan's table has none of it), ours beside F.conv1d
     assert "| B=64 D=768 L=785 K=4 | bfloat16 | 0.031 | 0.125 | 0.250 | 1.500 | 8.1x, 12.0x |" in report
     assert report.count("B=64 D=768 L=785 K=4") == 1
+    # the blocks' add and norm in a table of their own, our Triton kernel beside PyTorch's composition
+    assert "| B=64 L=785 D=384 | 0.050 | 0.200 | 0.125 | 0.500 | 2.5x, 2.5x | 0.0078 |" in report
+    assert report.count("B=64 L=785 D=384") == 1
     # the profile's tables, the ops beside their rooflines on the H200
     assert "Operators beside their rooflines (roofline GPU: H200 SXM; bfloat16)" in report
     assert "| `selective_scan_bwd` | 96 | 400.000 | 60.0 % |" in report and "| `aten::bmm` | 64x768x384 " in report

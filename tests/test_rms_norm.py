@@ -27,6 +27,7 @@ def _run_checks(env_extra: dict, *select: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # (about 40 s: the interpreter runs each program's rows in numpy)
 @needs_triton
 def test_the_kernels_against_the_float64_reference_in_tritons_interpreter():
     """Forward and every gradient against the formula in float64, gradcheck, opcheck, compile, the model with and

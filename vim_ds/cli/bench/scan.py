@@ -1,6 +1,7 @@
 """`vim-ds bench scan`: the selective scan at a Vim layer shape, compiled kernel vs the pure-PyTorch reference,
 forward and forward+backward, on CPU and (when present) GPU (also the mixer's causal conv beside PyTorch's depthwise
-F.conv1d, on the CPU each instruction-set variant); on a GPU also at the performance model's shapes
+F.conv1d, on the CPU each instruction-set variant, and on a GPU the blocks' fused residual add and RMSNorm beside
+PyTorch's); on a GPU also at the performance model's shapes
 (``scan_model.BENCH_SHAPES``), beside mamba_ssm's kernel when it is installed, and with ``--predict`` against the
 model's lower bound (measured / bound), and the GPU kernels counted in the CPU emulator (``scan_counts``) beside
 the model's minimum."""
@@ -10,7 +11,8 @@ import os
 
 import torch
 
-from vim_ds.ops import backends
+from vim_ds.ops import backends, rms_norm_triton
+from vim_ds.ops.rms_norm import add_rms_norm
 from vim_ds.ops.selective_scan import scan_with_backend
 
 from . import scan_counts, scan_layouts, scan_model
@@ -88,6 +90,48 @@ def run_conv(shape, repeat, module, isas, dtype, device_name="cpu"):
               f"{row['speedup_fwd']:.1f}x, fwd+bwd {row['speedup_fwd_bwd']:.1f}x", flush=True)
         rows.append(row)
     return rows
+
+
+def bench_norm(backend, hidden, residual, weight, scale, repeat):
+    """(forward seconds, forward+backward seconds) of a block's residual add, stochastic depth and RMSNorm on one
+    backend: "triton" (our kernel each way) or "ref" (PyTorch's mask multiply, add, fused RMSNorm and cast: what
+    the model runs without it)."""
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, residual, weight)]
+    grads = (torch.randn_like(hidden, dtype=weight.dtype), torch.randn_like(residual))
+
+    def fwd():
+        with torch.no_grad():
+            add_rms_norm(hidden, residual, weight, 1e-5, backend, scale)
+
+    def fwd_bwd():
+        torch.autograd.backward(add_rms_norm(leaves[0], leaves[1], leaves[2], 1e-5, backend, scale), grads)
+
+    return timeit(fwd, hidden.device, repeat=repeat), timeit(fwd_bwd, hidden.device, repeat=repeat)
+
+
+def run_norm(shape, repeat, device_name):
+    """A row for the blocks' fused residual add, stochastic depth and RMSNorm (Triton) beside PyTorch's
+    composition at (batch, tokens, d_model), as DeepSpeed's bf16 runs it (bf16 hidden states and weight, fp32
+    stream, a sample dropped), with the largest difference of the normalised rows between the two."""
+    batch, tokens, d_model = shape
+    device = torch.device(device_name)
+    hidden = torch.randn(batch, tokens, d_model, device=device).to(torch.bfloat16)
+    residual = 3 * torch.randn(batch, tokens, d_model, device=device)
+    weight = (1 + 0.1 * torch.randn(d_model, device=device)).to(torch.bfloat16)
+    scale = torch.full((batch,), 1 / 0.9, device=device).to(torch.bfloat16)
+    scale[0] = 0
+    normed = {b: add_rms_norm(hidden, residual, weight, 1e-5, b, scale)[0].float() for b in ("triton", "ref")}
+    k_f, k_fb = bench_norm("triton", hidden, residual, weight, scale, repeat)
+    ref_f, ref_fb = bench_norm("ref", hidden, residual, weight, scale, repeat)
+    row = dict(op="add_rms_norm", device=device_name, shape=f"B={batch} L={tokens} D={d_model}", dtype="bfloat16",
+               kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3, ref_fwd_ms=ref_f * 1e3,
+               ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f, speedup_fwd_bwd=ref_fb / k_fb,
+               max_abs_diff=float((normed["triton"] - normed["ref"]).abs().max()))
+    print(f"[{device_name}] add + RMSNorm {row['shape']} bf16: kernel fwd {row['kernel_fwd_ms']:.3f} ms, fwd+bwd "
+          f"{row['kernel_fwd_bwd_ms']:.3f} ms | PyTorch fwd {row['ref_fwd_ms']:.3f} ms, fwd+bwd "
+          f"{row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd {row['speedup_fwd']:.1f}x, fwd+bwd "
+          f"{row['speedup_fwd_bwd']:.1f}x | largest difference {row['max_abs_diff']:.2g}", flush=True)
+    return [row]
 
 
 def _mamba(args, have_gpu):
@@ -185,6 +229,11 @@ def run_scan(args):
         for conv_shape in conv_shapes:
             for dtype in (torch.float32, torch.bfloat16):
                 results += run_conv(conv_shape, args.repeat, kernel.backend.module, isas, dtype, device_name)
+        # the blocks' residual add and norm (a Triton kernel on GPUs only) at the same shapes' (batch, tokens,
+        # d_model): d_inner is twice d_model
+        if device_name == "cuda" and rms_norm_triton.available():
+            for batch, dim, seqlen, _ in conv_shapes:
+                results += run_norm((batch, seqlen, dim // 2), args.repeat, device_name)
     if not predict:
         return results
     preds = scan_model.predictions()
