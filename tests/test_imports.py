@@ -18,7 +18,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Imported only behind an option, with a one-line message naming the package when it is missing.
-OPTIONAL = {"tensorboard": "vim-ds train --tensorboard (extra: pip install 'vim_ds[tensorboard]')"}
+OPTIONAL = {"tensorboard": "vim-ds train --tensorboard (extra: pip install 'vim_ds[tensorboard]')",
+            # torch's CUDA wheels bring it and its ROCm wheels pytorch-triton-rocm (a requirement of ours would
+            # pull the CUDA package onto ROCm): the blocks' fused add and norm on GPUs, else PyTorch's composition
+            "triton": "the blocks' fused add and RMSNorm on GPUs (pip install triton, or torch's GPU wheels)"}
 
 IMPORT_ALL = textwrap.dedent("""
     import importlib, json, pkgutil, sys, traceback

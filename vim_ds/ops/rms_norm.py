@@ -65,6 +65,13 @@ def add_rms_norm_ref(hidden: Tensor, residual: Optional[Tensor], weight: Tensor,
     return rms_norm(stream, weight, eps), stream
 
 
+@torch.compiler.assume_constant_result
+def _forced_when_traced() -> Optional[str]:
+    """VIM_DS_NORM, read where torch.compile or torch.export traces the model as a constant of the graph (torch
+    2.4's dynamo cannot trace os.environ.get of an unset variable; a graph keeps the value it was traced with)."""
+    return forced_backend()
+
+
 def forced_backend(value: Optional[str] = None) -> Optional[str]:
     """The backend VIM_DS_NORM (or `value`) names (None when unset), or a one-line ValueError saying what it
     accepts."""
@@ -84,7 +91,7 @@ def describe() -> str:
     if forced == "ref":
         return f"PyTorch's add and RMSNorm ({ENV_NORM}=ref)"
     if not rms_norm_triton.available():
-        return "PyTorch's add and RMSNorm (triton is not installed)"
+        return "PyTorch's add and RMSNorm (triton is not installed: pip install triton, or torch's GPU wheels)"
     return f"one triton {rms_norm_triton.triton.__version__} kernel each way on GPUs (PyTorch's on CPU)"
 
 
@@ -93,7 +100,7 @@ def _kernel_runs(hidden: Tensor, residual: Optional[Tensor], weight: Tensor, bac
     what a GPU runs: `vim-ds bench anatomy`), or where asked ("triton": on CPU tensors only in a process under
     TRITON_INTERPRET=1)."""
     if backend == "auto":
-        backend = forced_backend() or "auto"
+        backend = _forced_when_traced() or "auto"
     if backend == "ref":
         return False
     if backend not in ("auto", "triton"):

@@ -33,7 +33,8 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # a torch without triton (CPU-only wheels): the reference composition runs instead
+except ImportError:  # a torch without it (CPU-only wheels; torch's CUDA wheels bring it, its ROCm wheels
+    # pytorch-triton-rocm, else pip install triton): PyTorch's composition runs instead
     triton = tl = None
 
 MAX_DIM = 16384  # a row is one block of registers
