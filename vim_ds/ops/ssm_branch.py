@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .library import _weight_grad, bimamba_branch_fwd, causal_conv1d, project, ssm_branch_fwd
+from .library import _weight_grad, _wide, bimamba_branch_fwd, causal_conv1d, project, ssm_branch_fwd
 
 __all__ = ["bimamba_branch_fn", "branch_inputs", "conv1d_silu", "in_projection", "out_projection", "project",
            "ssm_branch_fn"]
@@ -129,6 +129,17 @@ def in_projection(hidden: torch.Tensor, w_x: torch.Tensor, w_z: torch.Tensor):
     return _InProjection.apply(hidden, w_x, w_z)
 
 
+def _branch_weights(fn: str, x, z, weights):
+    """The weights (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias) as the branch ops take
+    them, A, D and delta_bias in fp32 (fp64 for fp64 input), after checking x and z (one line naming `fn`)."""
+    if x.dim() != 3 or z.shape != x.shape:
+        raise ValueError(f"{fn}: x and z must both be (batch, d_inner, seqlen), got shapes "
+                         f"{tuple(x.shape)} and {tuple(z.shape)}")
+    wide = _wide(x.dtype)
+    *rest, A, D, delta_bias = weights
+    return (*rest, A.to(wide), D.to(wide), delta_bias.to(wide))
+
+
 def ssm_branch_fn(
     x: torch.Tensor,
     z: torch.Tensor,
@@ -150,12 +161,9 @@ def ssm_branch_fn(
     ``reverse=True`` runs the whole branch back to front (anti-causal conv, reversed scan): the result of flipping x
     and z along time and the output back, without the copies. Vim's backward direction uses it.
     """
-    if x.dim() != 3 or z.shape != x.shape:
-        raise ValueError(f"ssm_branch_fn: x and z must both be (batch, d_inner, seqlen), got shapes "
-                         f"{tuple(x.shape)} and {tuple(z.shape)}")
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out, _ = ssm_branch_fwd(x, z.contiguous(), conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.to(wide),
-                            D.to(wide), delta_bias.to(wide), bool(reverse), "auto")
+    weights = _branch_weights("ssm_branch_fn", x, z, (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D,
+                                                      delta_bias))
+    out, _ = ssm_branch_fwd(x, z.contiguous(), *weights, bool(reverse), "auto")
     return out
 
 
@@ -165,14 +173,7 @@ def bimamba_branch_fn(x: torch.Tensor, z: torch.Tensor, forward_weights, backwar
     adds its output into the first's in its store, and backward its conv's dx into the first's: two of the three
     (batch, d_inner, L) sums need no passes of their own (dz's is one add). Each weights tuple: (conv_weight,
     conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias), as ssm_branch_fn takes them."""
-    if x.dim() != 3 or z.shape != x.shape:
-        raise ValueError(f"bimamba_branch_fn: x and z must both be (batch, d_inner, seqlen), got shapes "
-                         f"{tuple(x.shape)} and {tuple(z.shape)}")
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-
-    def prepared(weights):
-        conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, delta_bias = weights
-        return conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A.to(wide), D.to(wide), delta_bias.to(wide)
-
-    out, _, _ = bimamba_branch_fwd(x, z.contiguous(), *prepared(forward_weights), *prepared(backward_weights), "auto")
+    forward = _branch_weights("bimamba_branch_fn", x, z, forward_weights)
+    backward = _branch_weights("bimamba_branch_fn", x, z, backward_weights)
+    out, _, _ = bimamba_branch_fwd(x, z.contiguous(), *forward, *backward, "auto")
     return out
