@@ -91,3 +91,35 @@ def test_the_choice_of_kernel_and_its_refusals(monkeypatch):
             add_rms_norm(x, None, w, 1e-5, backend="triton")
     with pytest.raises(ValueError, match="needs triton, rows of at most"):
         add_rms_norm(x.long(), None, w, 1e-5, backend="triton")
+
+
+def test_a_block_joins_through_timms_droppath_bit_for_bit():
+    """A block adds the previous mixer's output through stochastic depth as a per-sample scale (what the fused
+    kernel takes): on CPU the stream and the normalised rows are the bits of timm's DropPath(hidden) added and
+    normalised, with the same draw of the mask. Negative control: another seed, another mask, other bits."""
+    import timm
+    from timm.layers import DropPath
+
+    from vim_ds.models.vim import Block
+
+    model = timm.create_model("vim_tiny", depth=3, embed_dim=32, patch_size=8, stride=8, img_size=32,
+                              drop_path_rate=0.9).train()
+    block = model.layers[2]  # (block i joins through the rate the published schedule gives block i-1: 0.45 here)
+    assert isinstance(block, Block) and isinstance(block.drop_path, DropPath)
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(8, 17, 32, generator=g).to(torch.bfloat16)
+    residual = torch.randn(8, 17, 32, generator=g)
+    seen = {}
+    block.mixer.register_forward_pre_hook(lambda module, args: seen.update(normed=args[0]))
+
+    def run(seed):
+        torch.manual_seed(seed)
+        _, stream = block(hidden, residual)
+        return stream, seen["normed"]
+
+    torch.manual_seed(3)
+    want_stream = (residual + block.drop_path(hidden)).float()
+    want_normed = block.norm(want_stream)
+    stream, normed = run(3)
+    assert torch.equal(stream, want_stream) and torch.equal(normed, want_normed)
+    assert not torch.equal(run(4)[0], want_stream)
