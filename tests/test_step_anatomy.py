@@ -57,6 +57,17 @@ def test_every_operator_beside_its_roofline_from_the_shapes(ops):
                          ("vim_ds.bimamba_branch_bwd: the directions' dz summed", 3 * bdl_bytes)):
         summed = _named(ops, name)
         assert len(summed) == SMALL["depth"] and all(o.bytes == nbytes for o in summed), name
+    # in_proj's halves: a bmm of the weight expanded over the batch (stride 0) reads the weight once, not once a
+    # sample (what the expanded tensor's numel would say: 4 x 8 kB more here, 2.7 GB a Vim-small-s8 step)
+    in_proj = _named(ops, "aten.bmm.default", (BATCH, D_INNER, TOKENS))
+    assert len(in_proj) == 3 * SMALL["depth"]  # x, z forward; out_proj's input gradient backward
+    assert in_proj[0].bytes == (D_INNER * 32 + BATCH * TOKENS * 32 + BATCH * D_INNER * TOKENS) * 4
+    assert step_anatomy.footprint(torch.empty(D_INNER, 32, device="meta").expand(BATCH, -1, -1)) == D_INNER * 32 * 4
+    # stochastic depth's mask: new_ones reads nothing of the tensor it takes its dtype from (the (batch, L, dim)
+    # hidden states), and bernoulli_ only writes
+    for name in ("aten.new_ones.default", "aten.bernoulli_.float"):
+        drawn = _named(ops, name)
+        assert drawn and all(o.bytes == BATCH * 4 for o in drawn), name
     # the optimizer: 28 bytes a parameter
     n_params = sum(p.numel() for p in timm.create_model("vim_tiny", img_size=SIZE, **SMALL).parameters())
     adam = _named(ops, "AdamW step (fused, analytic)")

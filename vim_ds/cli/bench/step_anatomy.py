@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,9 @@ NO_TRAFFIC = {"view", "_unsafe_view", "transpose", "t", "expand", "permute", "sp
               "new_empty", "new_empty_strided", "empty_like", "promote_types", "lift_fresh", "is_same_size",
               "_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
               "resolve_conj", "resolve_neg"}
+# Operators that read none of their tensor arguments, only their shape or dtype: they write their output alone.
+WRITE_ONLY = {"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "fill_", "zero_",
+              "zeros", "ones", "full", "rand_like", "randn_like", "bernoulli_", "uniform_", "normal_"}
 # the fused branch ops -> (backward, directions)
 BRANCH_OPS = {"vim_ds.ssm_branch_fwd.default": (False, 1), "vim_ds.ssm_branch_bwd.default": (True, 1),
               "vim_ds.bimamba_branch_fwd.default": (False, 2), "vim_ds.bimamba_branch_bwd.default": (True, 2)}
@@ -77,6 +81,12 @@ class Op:
 def _tensors(x) -> list:
     """The tensors among an op's arguments or results, however nested."""
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def footprint(t: torch.Tensor) -> int:
+    """The bytes of the distinct elements a tensor holds: an expanded one (stride 0: a weight broadcast over the
+    batch of a bmm) is read from memory once, not once a batch entry."""
+    return t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0) if t.numel() else 0
 
 
 def branch_parts(batch, dim, seqlen, d_state, dt_rank, dtype, backward):
@@ -139,7 +149,9 @@ def trace(model: torch.nn.Module, batch: int, image_size: int, precision: str, g
     ops: list[Op] = []
 
     def record(name, kind, ins, outs, flops=0.0):
-        nbytes = sum(t.nbytes for t in ins + outs)
+        if name.split(".")[1] in WRITE_ONLY:
+            ins = []
+        nbytes = sum(footprint(t) for t in ins + outs)
         if nbytes == 0:  # (an empty tensor's fill)
             return
         rate = _matmul_rate(gpu, ins[0].dtype if ins else dtype)
