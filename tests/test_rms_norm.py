@@ -3,8 +3,10 @@ their own (tests/rms_norm_kernels.py: Triton's interpreter on CPU, the GPU where
 against the model without, and how the op chooses between kernel and composition."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -123,3 +125,49 @@ def test_a_block_joins_through_timms_droppath_bit_for_bit():
     stream, normed = run(3)
     assert torch.equal(stream, want_stream) and torch.equal(normed, want_normed)
     assert not torch.equal(run(4)[0], want_stream)
+
+
+def _triton_report():
+    spec = importlib.util.spec_from_file_location("triton_report", ROOT / "tools" / "triton_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if rms_norm_triton.available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _plus_eps_argument(X, eps, ACC: tl.constexpr):  # the negative control: eps as a run-time argument
+        x = tl.load(X).to(ACC)
+        tl.store(X, x + eps)
+
+
+@needs_triton
+def test_compiled_float64_kernels_add_eps_in_float64():
+    """Compiled for a GPU (sm_90, without one: tools/triton_report.py), the float64 forward adds eps as a float64
+    constant and holds no float32 value at all. Triton's interpreter cannot show it: it keeps a Python float argument
+    at double precision, where a compiled kernel takes it as an fp32 scalar (eps rounded, 2.5e-8 off, beyond the
+    float64 checks' 1e-13 in rows where eps dominates). Negative control: eps as an argument is caught."""
+    from triton.compiler import ASTSource
+
+    tr = _triton_report()
+    launches = dict(tr.variants())
+    llir = tr.compile_launch(launches["add_rms_norm_fwd<fp64,d384,residual,scale>"], "sm_90").asm["llir"]
+    assert tr.float32_in_float64(llir) == []
+    assert re.search(r"fadd double %\w+, 1\.000000e-05", llir), "eps not added as the float64 constant 1e-5"
+    control = triton.compile(ASTSource(_plus_eps_argument, {"X": "*fp64", "eps": "fp32", "ACC": "constexpr"},
+                                       {"ACC": tl.float64}), target=tr.gpu_target("sm_90"))
+    assert any("fpext float" in line for line in tr.float32_in_float64(control.asm["llir"]))
+
+
+@needs_triton
+def test_the_resource_report_sees_a_spill():
+    """tools/triton_report.py's spill count, from the cubin: the float64 backward kept under 24 registers spills
+    (the negative control of compile_check's 0 spills), at its own count it does not."""
+    tr = _triton_report()
+    launch = dict(tr.variants())["add_rms_norm_bwd<fp64,d768,downstream,scale>"]
+    assert tr.resources("sm_90", tr.compile_launch(launch, "sm_90"))["spills"] == 0
+    squeezed = tr.resources("sm_90", tr.compile_launch(launch, "sm_90", maxnreg=24))
+    assert squeezed["regs"] <= 24 and squeezed["spills"] > 0

@@ -22,7 +22,10 @@
 #   5. tools/sass_loops.py: the instructions of the scan kernels' inner loops in sm_90's SASS (disassembled with
 #      nvdisasm: CUDA's, or the copy in triton's wheel), by class, and per step of the recurrences, for the
 #      instances Vim trains with; the same as JSON beside the report (sass_loops.json).
-#   6. (only with --emulate) run the real kernels on the CPU through tools/kernel_emu and compare with the
+#   6. tools/triton_report.py: the Triton kernels (vim_ds/ops/rms_norm_triton.py) compiled by Triton's own
+#      compilers for sm_80, sm_90, sm_100, gfx90a, gfx942 and gfx950, every variant the models launch: registers
+#      and spills per variant, and no float32 arithmetic in the float64 ones (triton_kernels.json beside the report).
+#   7. (only with --emulate) run the real kernels on the CPU through tools/kernel_emu and compare with the
 #      PyTorch reference (needs g++ and torch; takes a few minutes).
 #
 # A step whose compiler (or torch) is missing prints "SKIP: ..." and does not fail; a target that no installed
@@ -56,7 +59,7 @@ while [ $# -gt 0 ]; do
       ;;
     --report=*) report_json=${arg#--report=} ;;
     -h | --help)
-      sed -n '2,37p' "${BASH_SOURCE[0]}"
+      sed -n '2,40p' "${BASH_SOURCE[0]}"
       exit 0
       ;;
     *)
@@ -447,8 +450,19 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
+echo "== 6. the Triton kernels for each target (tools/triton_report.py)"
+triton_status=0
+"$python" "$repo/tools/triton_report.py" --json "$(dirname "$report_json")/triton_kernels.json" || triton_status=$?
+if [ "$triton_status" = 3 ]; then  # its one line said why: no triton
+  :
+else
+  ran=$((ran + 1))
+  [ "$triton_status" = 0 ] || fail "tools/triton_report.py (a Triton kernel that does not compile, spills, or rounds fp64)"
+fi
+
+# ---------------------------------------------------------------------------------------------------------------
 if [ "$emulate" = 1 ]; then
-  echo "== 6. CPU emulation of the kernels (tools/kernel_emu)"
+  echo "== 7. CPU emulation of the kernels (tools/kernel_emu)"
   if [ -z "$cxx" ]; then
     echo "SKIP: no C++ compiler found"
   elif ! have_torch; then

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -45,9 +46,9 @@ def available() -> bool:
 
 
 if triton is not None:
-    def _fwd(HIDDEN, RESIDUAL, SCALE, WEIGHT, NORMED, STREAM, RSTD, dim, eps, rows_a_sample, s_hidden, s_residual,
-             s_normed, s_stream, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-             ACC: tl.constexpr):
+    def _fwd(HIDDEN, RESIDUAL, SCALE, WEIGHT, NORMED, STREAM, RSTD, dim, rows_a_sample, s_hidden, s_residual,
+             s_normed, s_stream, EPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+             BLOCK: tl.constexpr, ACC: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < dim
@@ -57,7 +58,7 @@ if triton is not None:
         if HAS_RESIDUAL:
             x = tl.load(RESIDUAL + row * s_residual + cols, mask=inside, other=0.0).to(ACC) + x
         tl.store(STREAM + row * s_stream + cols, x, mask=inside)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + EPS)
         tl.store(RSTD + row, rstd)
         w = tl.load(WEIGHT + cols, mask=inside, other=0.0).to(ACC)
         tl.store(NORMED + row * s_normed + cols, (x * rstd * w).to(NORMED.dtype.element_ty), mask=inside)
@@ -126,10 +127,23 @@ def _rows_a_sample(t: torch.Tensor) -> int:
     return max(t.numel() // max(t.shape[0] * t.shape[-1], 1), 1) if t.dim() > 1 else 1
 
 
-def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype,
-            scale=None):
-    """(normed in the weight's dtype, stream in stream_dtype, rstd (rows,) in stream_dtype), shaped like hidden;
-    ``scale`` (batch,): hidden's rows of sample b multiplied by scale[b] before the add (stochastic depth)."""
+class Launch(NamedTuple):
+    """One kernel launch: ``kernel`` 0 (forward) or 1 (backward) of ``_kernels()``, its grid, its arguments in
+    order, its compile-time constants and warps (tools/triton_report.py compiles the same for each GPU target)."""
+    kernel: int
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    num_warps: int
+
+
+def _run(launch: Launch) -> None:
+    _kernels()[launch.kernel][launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
+
+
+def forward_launch(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype,
+                   scale=None):
+    """((normed, stream, rstd) allocated, the Launch that fills them, or None where there are no rows)."""
     shape, dim = hidden.shape, hidden.shape[-1]
     h = _rows(hidden)
     r = h if residual is None else _rows(residual)
@@ -137,26 +151,37 @@ def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, st
     normed = torch.empty(shape, dtype=weight.dtype, device=hidden.device)
     stream = torch.empty(shape, dtype=stream_dtype, device=hidden.device)
     rstd = torch.empty(rows, dtype=stream_dtype, device=hidden.device)
-    if rows:
-        fwd, _ = _kernels()
-        block = _block(dim)
-        sc = weight if scale is None else scale.contiguous()
-        fwd[(rows,)](h, r, sc, weight.contiguous(), normed, stream, rstd, dim, eps, _rows_a_sample(hidden),
-                     h.stride(0), r.stride(0), dim, dim, HAS_RESIDUAL=residual is not None,
-                     HAS_SCALE=scale is not None, BLOCK=block, ACC=_acc(stream_dtype), num_warps=_warps(block))
-    return normed, stream, rstd
+    if not rows:
+        return (normed, stream, rstd), None
+    block = _block(dim)
+    sc = weight if scale is None else scale.contiguous()
+    # eps is a compile-time constant: an argument would be an fp32 scalar, rounded before an fp64 sum met it
+    return (normed, stream, rstd), Launch(
+        0, (rows,), (h, r, sc, weight.contiguous(), normed, stream, rstd, dim, _rows_a_sample(hidden), h.stride(0),
+                     r.stride(0), dim, dim),
+        dict(EPS=float(eps), HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None, BLOCK=block,
+             ACC=_acc(stream_dtype)), _warps(block))
+
+
+def forward(hidden: torch.Tensor, residual, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype,
+            scale=None):
+    """(normed in the weight's dtype, stream in stream_dtype, rstd (rows,) in stream_dtype), shaped like hidden;
+    ``scale`` (batch,): hidden's rows of sample b multiplied by scale[b] before the add (stochastic depth)."""
+    outputs, launch = forward_launch(hidden, residual, weight, eps, stream_dtype, scale)
+    if launch is not None:
+        _run(launch)
+    return outputs
 
 
 def _programs(rows: int, device: torch.device) -> int:
-    if device.type == "cpu":  # the interpreter: few programs, each a run of rows
-        return min(rows, 4)
+    if device.type != "cuda":  # (ROCm's GPUs are "cuda" too) the interpreter, or the meta tensors that
+        return min(rows, 4)    # tools/triton_report.py compiles for: few programs, each a run of rows
     return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * 8)
 
 
-def backward(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-             hidden_dtype, scale=None):
-    """(dstream in the stream's dtype, dhidden in hidden_dtype (times the sample's scale), dweight in the weight's
-    dtype)."""
+def backward_launch(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: torch.Tensor,
+                    rstd: torch.Tensor, hidden_dtype, scale=None):
+    """((dstream, dhidden, the weight's partials (programs, dim)) allocated, the Launch that fills them, or None)."""
     shape, dim = stream.shape, stream.shape[-1]
     x, dy = _rows(stream), _rows(dnormed)
     dsi = dy if dstream_in is None else _rows(dstream_in)
@@ -167,12 +192,22 @@ def backward(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: to
     rows_each = -(-rows // programs)
     programs = -(-rows // rows_each) if rows else 1
     parts = torch.zeros((programs, dim), dtype=stream.dtype, device=stream.device)
-    if rows:
-        _, bwd = _kernels()
-        block = _block(dim)
-        sc = weight if scale is None else scale.contiguous()
-        bwd[(programs,)](dy, dsi, x, weight.contiguous(), rstd, sc, dstream, dhidden, parts, rows, dim, rows_each,
-                         _rows_a_sample(stream), dy.stride(0), dsi.stride(0), x.stride(0), dim, dim,
-                         HAS_DSTREAM_IN=dstream_in is not None, HAS_SCALE=scale is not None, BLOCK=block,
-                         ACC=_acc(stream.dtype), num_warps=_warps(block))
+    if not rows:
+        return (dstream, dhidden, parts), None
+    block = _block(dim)
+    sc = weight if scale is None else scale.contiguous()
+    return (dstream, dhidden, parts), Launch(
+        1, (programs,), (dy, dsi, x, weight.contiguous(), rstd, sc, dstream, dhidden, parts, rows, dim, rows_each,
+                         _rows_a_sample(stream), dy.stride(0), dsi.stride(0), x.stride(0), dim, dim),
+        dict(HAS_DSTREAM_IN=dstream_in is not None, HAS_SCALE=scale is not None, BLOCK=block,
+             ACC=_acc(stream.dtype)), _warps(block))
+
+
+def backward(dnormed: torch.Tensor, dstream_in, stream: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+             hidden_dtype, scale=None):
+    """(dstream in the stream's dtype, dhidden in hidden_dtype (times the sample's scale), dweight in the weight's
+    dtype)."""
+    (dstream, dhidden, parts), launch = backward_launch(dnormed, dstream_in, stream, weight, rstd, hidden_dtype, scale)
+    if launch is not None:
+        _run(launch)
     return dstream, dhidden, parts.sum(0).to(weight.dtype)
