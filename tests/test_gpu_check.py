@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -51,6 +53,51 @@ def test_steps_limits_what_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
     assert steps == ["scan"]
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+    *"torch.cuda.is_available()"*) echo 1; exit 0 ;;
+    *"get_device_name"*) echo "a stand-in GPU"; exit 0 ;;
+    *"torch.__version__"*) echo "torch (a stand-in)"; exit 0 ;;
+    *"-m vim_ds.bench.gpu_report"*) exec {real} "$@" ;;
+    *"-m vim_ds"* | *"-m pip"* | *"-m pytest"*) exec sleep 300 ;;
+esac
+exec {real} "$@"
+"""
+
+
+@pytest.mark.slow  # (about 30 s: the cut step runs until the deadline)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real thing (minutes)")
+def test_the_deadline_cuts_the_step_that_runs_long_and_the_report_is_still_written(tmp_path):
+    """A GPU step that runs past what is left of the check's DEADLINE is cut there, the steps after it are not
+    started, and the report (which the device call must bring back) is written within the deadline. The GPU is
+    mocked, as it cannot exist here: a stand-in python says CUDA is available and turns each GPU step's command
+    into a long sleep (the report's generator runs for real)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(real=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), STEPS="layouts train split", DEADLINE="45",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.monotonic()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # a step ran out of time
+    steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert [s[0] for s in steps] == ["layouts", "train", "split"]
+    # the first step got what was left of the 45 s less the report's 20 (less the script's start-up)
+    cut = int(steps[0][1].removeprefix("timed out after ").split(" ")[0])
+    assert 15 <= cut <= 25 and steps[0][1].endswith("s, the 45-s deadline"), steps[0]
+    assert steps[1][1] == steps[2][1] == "not run: the 45-s deadline came first"
+    report = (out / "report.md").read_text()
+    assert "| train | not run: the 45-s deadline came first |" in report
+    assert f"| layouts | timed out after {cut} s, the 45-s deadline |" in report
+    # within the deadline, with room for a loaded machine's slow report; without the deadline the layouts step alone
+    # would have run its own 150 s (the negative control: the limit the deadline cut)
+    assert elapsed < 90, elapsed
+    assert "run_step layouts 150 " in (pathlib.Path(ROOT) / "tools" / "gpu_check.sh").read_text()
 
 
 def _gpu_run(tmp_path, with_mamba):

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The first thing to run on a machine with an NVIDIA (or AMD) GPU: build the GPU kernel, run the GPU tests, time the
 # scan against the performance model's lower bounds (and mamba_ssm's kernel side by side when it is installed), the
-# model and the trainer, profile a few training steps (top kernels, each large op beside its roofline), and write one markdown report, $OUT/report.md, to paste into the README or
-# docs/performance.md (device, versions, every number, measured / predicted). Logs and JSON results go to $OUT
-# (default gpu_results/) too. Each step has its own time limit so that one slow step cannot eat the others. The
-# steps run in the order of what they are for (the kernel, then the trainer, then the model against DeiT), and the
-# whole check fits one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on 2026-11-27; the
-# model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The
-# split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28, not yet run on a GPU)
-# and the profile step (8 steps, 3 profiled; added 2026-11-29, not yet run on a GPU) should take about a minute each,
-# the layouts step (our scan under 8 work layouts at 3 shapes, 2 dtypes, among them the backward's dB/dC partials
-# against its chain; added 2026-11-29, not yet run on a GPU) well under one; with them the whole check may pass 10 minutes: give the model step a call of its own (STEPS="build tests
-# scan layouts train profile split", then STEPS=model).
+# model and the trainer, profile a few training steps (top kernels, each large op beside its roofline), and write one
+# markdown report, $OUT/report.md, to paste into the README or docs/performance.md (device, versions, every number,
+# measured / predicted). Logs and JSON results go to $OUT (default gpu_results/) too. Each step has its own time
+# limit so that one slow step cannot eat the others. The steps run in the order of what they are for (the kernel,
+# then the trainer: where a step's time goes first, then its speed under each ZeRO stage; then the model against
+# DeiT), and the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
+# 2026-11-27; the model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2
+# for two). The split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28) and
+# the profile step (8 steps, 3 profiled; added 2026-11-29) should take about a minute each, the layouts step (our
+# scan under 8 work layouts at 3 shapes, 2 dtypes, among them the backward's dB/dC partials against its chain; added
+# 2026-11-29) well under one, none of them run on a GPU yet. With them the whole check may pass 10 minutes, so it
+# keeps a deadline (DEADLINE, 570 s by default): each step's limit is cut to what is left of it, the steps that find
+# none left are reported "not run", and the report is always written within the call. Run what was not run in a
+# call of its own (e.g. STEPS="split model"); where the device has less time left than 10 minutes, set DEADLINE to
+# the call's limit less 30 s.
 #
 # Without a GPU every GPU step says "no GPU" and is skipped, the scan step prints the model's predictions only, and
 # the report says so (exit 0). With a GPU the exit status is 1 when a step failed or ran out of time.
@@ -27,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan layouts train profile split model"}
+STEPS=${STEPS:-"build tests scan layouts profile train split model"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -48,16 +52,30 @@ fi
 
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/steps.tsv"; }
-# run_step NAME LIMIT LOG CMD...: CMD under a time limit, its output in $OUT/LOG (the last lines shown), the outcome
-# recorded in $OUT/steps.tsv for the report.
+# The whole check ends by DEADLINE seconds after it starts (default 570: a 10-minute device call, less its start-up
+# and the transfers), report included: each step's limit is cut to what is left before the report's REPORT_S, and a
+# step with under 15 s left is not started ("not run"), so the report is written whatever ran long.
+DEADLINE=${DEADLINE:-570}
+REPORT_S=20
+# left_s: the seconds a step may still take.
+left_s() { echo $((DEADLINE - REPORT_S - SECONDS)); }
+# run_step NAME LIMIT LOG CMD...: CMD under a time limit (LIMIT, or what is left before the deadline), its output in
+# $OUT/LOG (the last lines shown), the outcome recorded in $OUT/steps.tsv for the report.
 run_step() {
-    local name=$1 limit=$2 log=$3 start=$SECONDS rc status=ok
+    local name=$1 limit=$2 log=$3 start=$SECONDS rc status=ok left cut=""
     shift 3
+    left=$(left_s)
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: not run, the check's ${DEADLINE}-s deadline is near"
+        record "$name" "not run: the ${DEADLINE}-s deadline came first" 0 ""
+        return 0
+    fi
+    if [ "$left" -lt "$limit" ]; then limit=$left cut=", the ${DEADLINE}-s deadline"; fi
     echo "== $name"
     timeout "$limit" "$@" > "$OUT/$log" 2>&1
     rc=$?
     tail -30 "$OUT/$log"
-    if [ "$rc" -eq 124 ]; then status="timed out after $limit s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
+    if [ "$rc" -eq 124 ]; then status="timed out after $limit s$cut"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
     record "$name" "$status" "$((SECONDS - start))" "$log"
 }
 no_gpu() { echo "== $1: no GPU, skipped"; record "$1" "skipped (no GPU)" 0 ""; }
@@ -79,7 +97,9 @@ if { step tests || step scan; } && [ "$HAVE_GPU" = 1 ] && [ -f .mamba_ssm/src/VI
     && ! "$PYTHON" -c "import selective_scan_cuda" 2>/dev/null; then
     echo "== mamba: building mamba_ssm's selective_scan_cuda in the background ($OUT/mamba_build.log)"
     mamba_start=$SECONDS
-    MAX_JOBS=${MAMBA_MAX_JOBS:-12} PYTHON=$PYTHON timeout 480 bash tools/build_mamba_ssm.sh build > "$OUT/mamba_build.log" 2>&1 &
+    mamba_limit=$(left_s)
+    [ "$mamba_limit" -lt 480 ] || mamba_limit=480
+    MAX_JOBS=${MAMBA_MAX_JOBS:-12} PYTHON=$PYTHON timeout "$mamba_limit" bash tools/build_mamba_ssm.sh build > "$OUT/mamba_build.log" 2>&1 &
     mamba_pid=$!
 fi
 join_mamba() {
@@ -90,7 +110,7 @@ join_mamba() {
     mamba_pid=""
     echo "== mamba"
     tail -5 "$OUT/mamba_build.log"
-    if [ "$rc" -eq 124 ]; then status="timed out after 480 s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
+    if [ "$rc" -eq 124 ]; then status="timed out after $mamba_limit s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
     record mamba "$status" "$((SECONDS - mamba_start))" mamba_build.log
     [ "$rc" -eq 0 ] && export PYTHONPATH=$PWD/.mamba_ssm/build${PYTHONPATH:+:$PYTHONPATH}
     return 0
@@ -100,7 +120,7 @@ if step build; then
     if [ "$HAVE_GPU" = 1 ]; then
         run_step build 420 build.log bash -c "VIM_DS_BUILD_GPU=1 MAX_JOBS=${MAX_JOBS:-16} '$PYTHON' -m pip install -q \
             --no-build-isolation --use-pep517 --no-deps -e . 2>&1 | tail -20; exit \${PIPESTATUS[0]}"
-        "$PYTHON" -m vim_ds.env 2>&1 | tee -a "$OUT/build.log"
+        timeout 30 "$PYTHON" -m vim_ds.env 2>&1 | tee -a "$OUT/build.log"
     else
         no_gpu build
     fi
@@ -140,17 +160,6 @@ if step layouts; then
         no_gpu layouts
     fi
 fi
-if step train; then
-    # Vim-small stride 8 in bf16 on one GPU, as the issue's goal asks; the ZeRO stages side by side.
-    if [ "$HAVE_GPU" = 1 ]; then
-        read -ra configs <<< "${TRAIN_CONFIGS:-zero0 zero2 zero3}"  # a space-separated list of ds_configs names
-        run_step train 420 bench_train.log "$PYTHON" -m vim_ds.bench train --model vim_small_s8 --precision bf16 \
-            --nproc 1 --batch-size 64 --steps "${TRAIN_STEPS:-30}" --warmup-steps "${TRAIN_WARMUP:-10}" \
-            --configs "${configs[@]}" --json "$OUT/bench_train.json"
-    else
-        no_gpu train
-    fi
-fi
 if step profile; then
     # Where a step's time goes: Vim-small stride 8, bf16, ZeRO-2, batch 64, steps 6-8 under torch.profiler
     # (`vim-ds train --profile-steps`); the Chrome trace and the top kernels land in $OUT/profile, and `vim-ds bench
@@ -166,6 +175,17 @@ if step profile; then
             && "$0" -m vim_ds.bench profile "$1/profile" --json "$1/bench_profile.json"' "$PYTHON" "$OUT"
     else
         no_gpu profile
+    fi
+fi
+if step train; then
+    # Vim-small stride 8 in bf16 on one GPU, as the issue's goal asks; the ZeRO stages side by side.
+    if [ "$HAVE_GPU" = 1 ]; then
+        read -ra configs <<< "${TRAIN_CONFIGS:-zero0 zero2 zero3}"  # a space-separated list of ds_configs names
+        run_step train 420 bench_train.log "$PYTHON" -m vim_ds.bench train --model vim_small_s8 --precision bf16 \
+            --nproc 1 --batch-size 64 --steps "${TRAIN_STEPS:-30}" --warmup-steps "${TRAIN_WARMUP:-10}" \
+            --configs "${configs[@]}" --json "$OUT/bench_train.json"
+    else
+        no_gpu train
     fi
 fi
 if step split; then
@@ -188,5 +208,5 @@ fi
 
 "$PYTHON" -m vim_ds.bench.gpu_report "$OUT" || exit 1
 echo "report: $OUT/report.md"
-if grep -qP '\t(failed|timed out)' "$OUT/steps.tsv"; then exit 1; fi
+if grep -qP '\t(failed|timed out|not run)' "$OUT/steps.tsv"; then exit 1; fi
 exit 0
