@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -53,6 +54,29 @@ def test_steps_limits_what_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
     assert steps == ["scan"]
+
+
+# a test marked for the GPU: decorated, a parameter's marks, or a module's pytestmark
+GPU_MARK = re.compile(r"^\s*@pytest\.mark\.gpu\b|marks=[^\n]*pytest\.mark\.gpu\b"
+                      r"|^pytestmark\b[^\n]*pytest\.mark\.gpu\b", re.M)
+
+
+def test_the_tests_step_runs_every_file_with_gpu_tests():
+    """gpu_check's tests step names each test file that has GPU tests (`pytest.mark.gpu`), but the one it leaves to a
+    call of its own (test_ds_config.py: a real engine from each shipped config), and no file without them: a GPU
+    test in a file left out would never run on the GPU sessions' one command."""
+    script = (pathlib.Path(ROOT) / "tools" / "gpu_check.sh").read_text()
+    step = script[script.index("run_step tests "):]
+    step = step[:step.index("\n    else")]
+    listed = set(re.findall(r"tests/((?:\w+/)?test_\w+\.py)", step))
+    tests = pathlib.Path(ROOT) / "tests"
+    with_gpu_tests = {p.relative_to(tests).as_posix() for p in tests.rglob("test_*.py")
+                      if GPU_MARK.search(p.read_text())}
+    assert {"test_rms_norm.py", "faults/test_bad_steps.py"} <= with_gpu_tests  # (the parse finds them)
+    mark = "pytest.mark." + "gpu"  # (split: this file has no GPU test)
+    assert GPU_MARK.search(f'    pytest.param("cuda", marks={mark})') and GPU_MARK.search(
+        f"pytestmark = [{mark}]") and not GPU_MARK.search(f"(`{mark}`)")
+    assert listed == with_gpu_tests - {"test_ds_config.py"}, (sorted(listed), sorted(with_gpu_tests))
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash

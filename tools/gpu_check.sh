@@ -127,11 +127,14 @@ if step build; then
 fi
 join_mamba
 if step tests; then
+    # Every test file with GPU tests but tests/test_ds_config.py, whose GPU tests train a real engine from each
+    # shipped config (minutes: a device call of their own, `pytest -m gpu tests/test_ds_config.py`);
+    # tests/test_gpu_check.py holds this list to the files that have them.
     if [ "$HAVE_GPU" = 1 ]; then
         run_step tests 420 gpu_tests.log "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/test_selective_scan.py \
-            tests/test_ssm_branch.py tests/test_model.py tests/test_model_reference.py tests/test_mamba_backend.py \
-            tests/test_mamba_contract.py tests/test_scan_reverse.py tests/test_ops_library.py tests/test_scan_state.py \
-            tests/test_sequence_parallel.py tests/test_rms_norm.py
+            tests/test_ssm_branch.py tests/test_mamba_backend.py tests/test_mamba_contract.py tests/test_scan_reverse.py \
+            tests/test_ops_library.py tests/test_scan_state.py tests/test_sequence_parallel.py tests/test_rms_norm.py \
+            tests/faults/test_bad_steps.py
     else
         no_gpu tests
     fi
