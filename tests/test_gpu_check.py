@@ -285,3 +285,28 @@ def test_build_mamba_ssm_keeps_only_the_kernel_and_refuses_in_one_line(tmp_path)
     refused = _mamba_script(["fetch", str(bad)], env)
     assert refused.returncode == 2 and "source package does not unpack" in refused.stderr, refused.stderr
     assert (where / "src" / "VIM_DS_SOURCE").exists()  # what was fetched before is kept
+
+
+def test_gpu_wheels_takes_this_environments_versions_for_the_gpu_machines_python(tmp_path):
+    """tools/gpu_wheels.sh --dry-run: DeepSpeed built into a wheel and DeepSpeed's pydantic and hjson downloaded as
+    binaries for CPython 3.12 (the lent image's), each at the version installed here; a package missing here is one
+    line and exit 2. (The fetch itself needs a package index: run by hand, `bash tools/gpu_wheels.sh`.)"""
+    from importlib.metadata import version
+
+    script = os.path.join(ROOT, "tools", "gpu_wheels.sh")
+    proc = subprocess.run(["bash", script, "--dry-run"], env=dict(os.environ, PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    build, download = proc.stdout.strip().splitlines()
+    assert build.startswith("DS_BUILD_OPS=0 ") and " -m pip wheel " in build
+    assert build.endswith(f" deepspeed=={version('deepspeed')}")
+    assert " --only-binary=:all: --python-version 3.12 --implementation cp " in download
+    for name in ("pydantic", "pydantic_core", "annotated-types", "typing-inspection", "hjson"):
+        assert f" {name}=={version(name)}" in download, name
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\nexit 1\n")
+    fake.chmod(0o755)
+    missing = subprocess.run(["bash", script, "--dry-run"], env=dict(os.environ, PYTHON=str(fake)),
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"gpu_wheels.sh: error: deepspeed is not installed in {fake}; install the project (pip install -e .) first"]

@@ -41,7 +41,8 @@ export PYTHONUNBUFFERED=1
 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}
 
-# Packages a bare GPU image may lack (DeepSpeed, pydantic, hjson) can travel in .whl/: wheels, plus pure-Python
+# Packages a bare GPU image may lack (DeepSpeed, pydantic, hjson) can travel in .whl/: wheels (`bash
+# tools/gpu_wheels.sh` makes them here, at this environment's versions, for the image's Python), plus pure-Python
 # package folders under .whl/site/.
 if [ -d .whl ]; then
     mkdir -p /tmp/site
