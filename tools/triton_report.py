@@ -106,8 +106,9 @@ def _nvidia_tool(name: str) -> str | None:
 
 
 def resources(target: str, compiled) -> dict:
-    """{regs, spills}: NVIDIA from cuobjdump's resource usage of the cubin (spills: local memory bytes / 4), AMD
-    from the code object's metadata in the assembly (VGPR count; VGPR + SGPR spills, or scratch bytes / 4)."""
+    """{regs, spills}: NVIDIA from cuobjdump's resource usage of the cubin (spills: its local memory and stack frame
+    bytes / 4), AMD from the code object's metadata in the assembly (VGPR count; VGPR + SGPR spills, or scratch bytes
+    / 4)."""
     if target.startswith("sm_"):
         tool = _nvidia_tool("cuobjdump")
         if tool is None:
@@ -117,9 +118,10 @@ def resources(target: str, compiled) -> dict:
             cubin.write_bytes(compiled.asm["cubin"])
             usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                    check=True).stdout
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        local = int(re.search(r"LOCAL:(\d+)", usage).group(1)) + int(re.search(r"STACK:(\d+)", usage).group(1))
-        return {"regs": regs, "spills": local // 4}
+        fields = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage)}
+        if len(fields) != 3:
+            raise RuntimeError(f"no REG, STACK and LOCAL in cuobjdump's resource usage: {usage.strip()[:200]!r}")
+        return {"regs": fields["REG"], "spills": (fields["LOCAL"] + fields["STACK"]) // 4}
     asm = compiled.asm["amdgcn"]
 
     def field(pattern):
@@ -166,10 +168,14 @@ def report(targets=TARGETS) -> tuple[dict, list[str]]:
         for name, launch in todo:
             try:
                 kernel = compile_launch(launch, target)
-                row = resources(target, kernel)
             except Exception as exc:
                 problems.append(f"{target} {name}: does not compile ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:300]})")
+                continue
+            try:
+                row = resources(target, kernel)
+            except Exception as exc:
+                problems.append(f"{target} {name}: compiled, but its resources could not be read ({exc})")
                 continue
             compiled[name] = row
             print(f"{target} {name} regs={row['regs']} spills={row['spills']}")
