@@ -85,7 +85,9 @@ case "$*" in
     *"get_device_name"*) echo "a stand-in GPU"; exit 0 ;;
     *"torch.__version__"*) echo "torch (a stand-in)"; exit 0 ;;
     *"-m vim_ds.bench.gpu_report"*) exec {real} "$@" ;;
-    *"-m vim_ds"* | *"-m pip"* | *"-m pytest"*) exec sleep 300 ;;
+    *"import selective_scan_cuda"*) exit 0 ;;
+    *"--target /tmp/site"*) exit 0 ;;
+    *"-m vim_ds"* | *"-m pip"* | *"-m pytest"*) {gpu_step} ;;
 esac
 exec {real} "$@"
 """
@@ -99,7 +101,7 @@ def test_the_deadline_cuts_the_step_that_runs_long_and_the_report_is_still_writt
     mocked, as it cannot exist here: a stand-in python says CUDA is available and turns each GPU step's command
     into a long sleep (the report's generator runs for real)."""
     fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(real=sys.executable))
+    fake.write_text(FAKE_PYTHON.format(real=sys.executable, gpu_step="exec sleep 300"))
     fake.chmod(0o755)
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=str(fake), STEPS="layouts train split", DEADLINE="45",
@@ -122,6 +124,27 @@ def test_the_deadline_cuts_the_step_that_runs_long_and_the_report_is_still_writt
     # would have run its own 150 s (the negative control: the limit the deadline cut)
     assert elapsed < 90, elapsed
     assert "run_step layouts 150 " in (pathlib.Path(ROOT) / "tools" / "gpu_check.sh").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real thing (minutes)")
+def test_the_steps_run_in_the_order_issue_51_needs_them(tmp_path):
+    """With a GPU (mocked, as it cannot exist here: a stand-in python says CUDA is available and mamba_ssm's
+    extension imports, and ends each GPU step's command at once), every step runs, in the order that puts first
+    what a single device call must bring back (the kernels' correctness and speed beside mamba_ssm's, then where a
+    training step's time goes) and last what can wait for another call; the report is written."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(real=sys.executable, gpu_step="exit 0"))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("STEPS", None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
+    assert steps == ["build", "tests", "scan", "profile", "layouts", "train", "split", "model"], (
+        steps, proc.stdout[-2000:])
+    assert "| scan | ok |" in (out / "report.md").read_text()
 
 
 def _gpu_run(tmp_path, with_mamba):

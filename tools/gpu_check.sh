@@ -4,9 +4,10 @@
 # model and the trainer, profile a few training steps (top kernels, each large op beside its roofline), and write one
 # markdown report, $OUT/report.md, to paste into the README or docs/performance.md (device, versions, every number,
 # measured / predicted). Logs and JSON results go to $OUT (default gpu_results/) too. Each step has its own time
-# limit so that one slow step cannot eat the others. The steps run in the order of what they are for (the kernel,
-# then the trainer: where a step's time goes first, then its speed under each ZeRO stage; then the model against
-# DeiT), and the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
+# limit so that one slow step cannot eat the others. The steps run in the order of what issue 51 needs first: the
+# kernel's correctness (tests) and speed beside mamba_ssm's (scan), where a training step's time goes (profile),
+# then our kernel under other work layouts, the trainer under each ZeRO stage, the split's memory and the model
+# against DeiT; the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
 # 2026-11-27; the model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2
 # for two). The split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28) and
 # the profile step (8 steps, 3 profiled; added 2026-11-29) should take about a minute each, the layouts step (our
@@ -31,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan layouts profile train split model"}
+STEPS=${STEPS:-"build tests scan profile layouts train split model"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -40,16 +41,6 @@ export PYTHONUNBUFFERED=1
 # suffix ("invalid literal for int() with base 10: '0a'" when it JIT-builds FusedAdam), so strip it.
 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST//a/}
-
-# Packages a bare GPU image may lack (DeepSpeed, pydantic, hjson) can travel in .whl/: wheels (`bash
-# tools/gpu_wheels.sh` makes them here, at this environment's versions, for the image's Python), plus pure-Python
-# package folders under .whl/site/.
-if [ -d .whl ]; then
-    mkdir -p /tmp/site
-    ls .whl/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/steps.tsv"; }
@@ -82,6 +73,16 @@ run_step() {
 no_gpu() { echo "== $1: no GPU, skipped"; record "$1" "skipped (no GPU)" 0 ""; }
 
 HAVE_GPU=$("$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+
+# Packages a bare GPU image may lack (DeepSpeed, pydantic, hjson) can travel in .whl/: wheels (`bash
+# tools/gpu_wheels.sh` makes them here, at this environment's versions, for the image's Python), plus pure-Python
+# package folders under .whl/site/. Only where there is a GPU: elsewhere they are not for this machine.
+if [ "$HAVE_GPU" = 1 ] && [ -d .whl ]; then
+    mkdir -p /tmp/site
+    ls .whl/*.whl >/dev/null 2>&1 && "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    [ -d .whl/site ] && cp -r .whl/site/. /tmp/site/
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 {
     if [ "$HAVE_GPU" = 1 ]; then
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
@@ -154,16 +155,6 @@ if step scan; then
             bench_scan.log
     fi
 fi
-if step layouts; then
-    # Our kernel under other work layouts than the launcher's own (chunk length, channel tiles, segments, dB/dC
-    # partials or chain): which of the kernel's design choices, all made without a GPU, matter on this one. Seconds
-    # of GPU time.
-    if [ "$HAVE_GPU" = 1 ]; then
-        run_step layouts 150 bench_layouts.log "$PYTHON" -m vim_ds.bench scan --layouts --json "$OUT/bench_layouts.json"
-    else
-        no_gpu layouts
-    fi
-fi
 if step profile; then
     # Where a step's time goes: Vim-small stride 8, bf16, ZeRO-2, batch 64, steps 6-8 under torch.profiler
     # (`vim-ds train --profile-steps`); the Chrome trace and the top kernels land in $OUT/profile, and `vim-ds bench
@@ -179,6 +170,16 @@ if step profile; then
             && "$0" -m vim_ds.bench profile "$1/profile" --json "$1/bench_profile.json"' "$PYTHON" "$OUT"
     else
         no_gpu profile
+    fi
+fi
+if step layouts; then
+    # Our kernel under other work layouts than the launcher's own (chunk length, channel tiles, segments, dB/dC
+    # partials or chain): which of the kernel's design choices, all made without a GPU, matter on this one. Seconds
+    # of GPU time.
+    if [ "$HAVE_GPU" = 1 ]; then
+        run_step layouts 150 bench_layouts.log "$PYTHON" -m vim_ds.bench scan --layouts --json "$OUT/bench_layouts.json"
+    else
+        no_gpu layouts
     fi
 fi
 if step train; then
