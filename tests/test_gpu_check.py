@@ -333,3 +333,40 @@ def test_gpu_wheels_takes_this_environments_versions_for_the_gpu_machines_python
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
         f"gpu_wheels.sh: error: deepspeed is not installed in {fake}; install the project (pip install -e .) first"]
+
+
+STAND_IN_PIP = """#!/usr/bin/env bash
+# importlib.metadata's version query: 1.0 for each package; pip wheel / download: an empty wheel per NAME==VERSION
+case "$*" in
+    *importlib.metadata*) echo 1.0; exit 0 ;;
+esac
+dir=""; names=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        -w | -d) dir=$2; shift ;;
+        *==*) names+=("$1") ;;
+    esac
+    shift
+done
+for n in "${names[@]}"; do n=${n//-/_}; : > "$dir/${n%%==*}-${n##*==}-py3-none-any.whl"; done
+"""
+
+
+def test_gpu_wheels_replaces_its_own_packages_wheels_and_no_others(tmp_path):
+    """A fetch into a folder that already holds an older wheel of one of its packages and a wheel of the user's own:
+    the older one is replaced (two versions of a package stop gpu_check's install), the user's is left as it was.
+    pip is a stand-in (no package index here): it writes an empty wheel per package asked for."""
+    fake = tmp_path / "python"
+    fake.write_text(STAND_IN_PIP)
+    fake.chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "hjson-0.9-py3-none-any.whl").write_text("old")
+    (wheels / "mine-2.0-py3-none-any.whl").write_text("the user's")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_wheels.sh")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=str(fake), WHEEL_DIR=str(wheels)), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in wheels.iterdir()) == sorted(
+        ["mine-2.0-py3-none-any.whl"] + [f"{n}-1.0-py3-none-any.whl" for n in (
+            "deepspeed", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "hjson")])
+    assert (wheels / "mine-2.0-py3-none-any.whl").read_text() == "the user's"

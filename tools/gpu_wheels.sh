@@ -10,7 +10,7 @@
 # hjson (DeepSpeed's). Each at the version this environment has (so the GPU runs what the CPU tests passed with),
 # for CPython 3.12 on manylinux x86_64 (the image's python3), about 5 MB in all.
 #
-#   bash tools/gpu_wheels.sh             # fetch into .whl/ (replaces its wheels)
+#   bash tools/gpu_wheels.sh             # fetch into .whl/ (replaces these packages' wheels, no others)
 #   bash tools/gpu_wheels.sh --dry-run   # print the pip commands only
 #
 # Environment: PYTHON (default python3: the interpreter whose package versions are taken), GPU_PYTHON_VERSION
@@ -59,14 +59,22 @@ if [ "$dry" = 1 ]; then
     echo "${download_cmd[*]}"
     exit 0
 fi
+# The wheels of these packages in $dir, any version (a wheel's name spells the package with "_" for "-"); only
+# these are replaced: two versions of one stop gpu_check's install, and any other wheel in $dir is someone's own.
+ours() {
+    local name
+    for name in "${BUILT[@]}" "${DOWNLOADED[@]}"; do
+        find "$dir" -maxdepth 1 -type f -name "${name//-/_}-*.whl"
+    done
+}
 mkdir -p "$dir"
-rm -f "$dir"/*.whl
+ours | while IFS= read -r old; do rm -f "$old"; done
 DS_BUILD_OPS=0 "${build_cmd[@]}"
 "${download_cmd[@]}"
-count=$(find "$dir" -maxdepth 1 -type f -name '*.whl' | wc -l)
+count=$(ours | wc -l)
 expected=$((${#BUILT[@]} + ${#DOWNLOADED[@]}))
 if [ "$count" -ne "$expected" ]; then
-    echo "gpu_wheels.sh: error: $count wheels in $dir, expected $expected" >&2
+    echo "gpu_wheels.sh: error: $count of these packages' wheels in $dir, expected $expected" >&2
     exit 1
 fi
 echo "gpu_wheels.sh: $count wheels in $dir ($(du -sh "$dir" | cut -f1)): name $dir in the device call's carry"
