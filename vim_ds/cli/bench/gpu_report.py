@@ -81,6 +81,13 @@ def _gpu_tests(out_dir, ran):
     return "`pytest -m gpu`: " + (summary[-1].strip("= ").strip() if summary else "no summary line (see gpu_tests.log)")
 
 
+def _op_times(r) -> str:
+    """The cells of an op's row (`scan._op_row`): ours and PyTorch's medians, forward and forward+backward, and the
+    speed-ups."""
+    return (f"{_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | {_ms(r['ref_fwd_ms'])} | "
+            f"{_ms(r['ref_fwd_bwd_ms'])} | {_x(r['speedup_fwd'])}, {_x(r['speedup_fwd_bwd'])}")
+
+
 def _scan_section(data) -> list:
     lines = ["## Selective scan: measured against the performance model", ""]
     if data is None:
@@ -117,9 +124,7 @@ def _scan_section(data) -> list:
                   "| shape | dtype | ours fwd | ours fwd+bwd | F.conv1d fwd | F.conv1d fwd+bwd | "
                   "speed-up fwd, fwd+bwd |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['dtype']} | {_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | "
-                  f"{_ms(r['ref_fwd_ms'])} | {_ms(r['ref_fwd_bwd_ms'])} | {_x(r['speedup_fwd'])}, "
-                  f"{_x(r['speedup_fwd_bwd'])} |" for r in conv_rows]
+        lines += [f"| {r['shape']} | {r['dtype']} | {_op_times(r)} |" for r in conv_rows]
         lines.append("")
     if norm_rows:
         lines += ["The blocks' residual add, stochastic depth and RMSNorm, our Triton kernel beside PyTorch's "
@@ -127,9 +132,7 @@ def _scan_section(data) -> list:
                   "with autograd; medians in ms, and the largest difference of the normalised rows:", "",
                   "| shape | ours fwd | ours fwd+bwd | PyTorch fwd | PyTorch fwd+bwd | speed-up fwd, fwd+bwd | "
                   "largest difference |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {_ms(r['kernel_fwd_ms'])} | {_ms(r['kernel_fwd_bwd_ms'])} | "
-                  f"{_ms(r['ref_fwd_ms'])} | {_ms(r['ref_fwd_bwd_ms'])} | {_x(r['speedup_fwd'])}, "
-                  f"{_x(r['speedup_fwd_bwd'])} | {r['max_abs_diff']:.2g} |" for r in norm_rows]
+        lines += [f"| {r['shape']} | {_op_times(r)} | {r['max_abs_diff']:.2g} |" for r in norm_rows]
         lines.append("")
     cpu_rows = [r for r in rows if r.get("device") == "cpu"]
     if cpu_rows:

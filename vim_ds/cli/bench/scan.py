@@ -61,6 +61,22 @@ def bench_conv(backend, x, weight, bias, repeat):
     return timeit(fwd, x.device, repeat=repeat), timeit(fwd_bwd, x.device, repeat=repeat)
 
 
+def _op_row(op, device_name, shape, dtype, kernel, ref, **extra) -> dict:
+    """A row of one of the branch's or block's ops, our kernel beside PyTorch's way: ``kernel`` and ``ref`` each
+    (forward seconds, forward+backward seconds)."""
+    (k_f, k_fb), (ref_f, ref_fb) = kernel, ref
+    return dict(op=op, device=device_name, shape=shape, dtype=dtype, kernel_fwd_ms=k_f * 1e3,
+                kernel_fwd_bwd_ms=k_fb * 1e3, ref_fwd_ms=ref_f * 1e3, ref_fwd_bwd_ms=ref_fb * 1e3,
+                speedup_fwd=ref_f / k_f, speedup_fwd_bwd=ref_fb / k_fb, **extra)
+
+
+def _print_op_row(label, ref_name, row, tail=""):
+    print(f"{label} {row['shape']} {row['dtype']}: kernel fwd {row['kernel_fwd_ms']:.3f} ms, fwd+bwd "
+          f"{row['kernel_fwd_bwd_ms']:.3f} ms | {ref_name} fwd {row['ref_fwd_ms']:.3f} ms, fwd+bwd "
+          f"{row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd {row['speedup_fwd']:.1f}x, fwd+bwd "
+          f"{row['speedup_fwd_bwd']:.1f}x{tail}", flush=True)
+
+
 def run_conv(shape, repeat, module, isas, dtype, device_name="cpu"):
     """Rows for the compiled conv kernel (on the CPU each instruction-set variant) beside F.conv1d, at a scan shape's
     (batch, dim, seqlen) with Vim's 4 taps."""
@@ -78,16 +94,11 @@ def run_conv(shape, repeat, module, isas, dtype, device_name="cpu"):
         finally:
             if before:
                 module.set_isa(before)
-        row = dict(op="causal_conv1d", device=device_name, shape=f"B={batch} D={dim} L={seqlen} K=4",
-                   dtype=str(dtype).replace("torch.", ""), kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3,
-                   ref_fwd_ms=ref_f * 1e3, ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f,
-                   speedup_fwd_bwd=ref_fb / k_fb)
+        row = _op_row("causal_conv1d", device_name, f"B={batch} D={dim} L={seqlen} K=4",
+                      str(dtype).replace("torch.", ""), (k_f, k_fb), (ref_f, ref_fb))
         if isa:
             row["isa"] = isa
-        print(f"[{device_name}{' ' + isa if isa else ''}] conv {row['shape']} {row['dtype']}: kernel fwd "
-              f"{row['kernel_fwd_ms']:.3f} ms, fwd+bwd {row['kernel_fwd_bwd_ms']:.3f} ms | F.conv1d fwd "
-              f"{row['ref_fwd_ms']:.3f} ms, fwd+bwd {row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd "
-              f"{row['speedup_fwd']:.1f}x, fwd+bwd {row['speedup_fwd_bwd']:.1f}x", flush=True)
+        _print_op_row(f"[{device_name}{' ' + isa if isa else ''}] conv", "F.conv1d", row)
         rows.append(row)
     return rows
 
@@ -123,14 +134,10 @@ def run_norm(shape, repeat, device_name):
     normed = {b: add_rms_norm(hidden, residual, weight, 1e-5, b, scale)[0].float() for b in ("triton", "ref")}
     k_f, k_fb = bench_norm("triton", hidden, residual, weight, scale, repeat)
     ref_f, ref_fb = bench_norm("ref", hidden, residual, weight, scale, repeat)
-    row = dict(op="add_rms_norm", device=device_name, shape=f"B={batch} L={tokens} D={d_model}", dtype="bfloat16",
-               kernel_fwd_ms=k_f * 1e3, kernel_fwd_bwd_ms=k_fb * 1e3, ref_fwd_ms=ref_f * 1e3,
-               ref_fwd_bwd_ms=ref_fb * 1e3, speedup_fwd=ref_f / k_f, speedup_fwd_bwd=ref_fb / k_fb,
-               max_abs_diff=float((normed["triton"] - normed["ref"]).abs().max()))
-    print(f"[{device_name}] add + RMSNorm {row['shape']} bf16: kernel fwd {row['kernel_fwd_ms']:.3f} ms, fwd+bwd "
-          f"{row['kernel_fwd_bwd_ms']:.3f} ms | PyTorch fwd {row['ref_fwd_ms']:.3f} ms, fwd+bwd "
-          f"{row['ref_fwd_bwd_ms']:.3f} ms | speedup fwd {row['speedup_fwd']:.1f}x, fwd+bwd "
-          f"{row['speedup_fwd_bwd']:.1f}x | largest difference {row['max_abs_diff']:.2g}", flush=True)
+    row = _op_row("add_rms_norm", device_name, f"B={batch} L={tokens} D={d_model}", "bfloat16", (k_f, k_fb),
+                  (ref_f, ref_fb), max_abs_diff=float((normed["triton"] - normed["ref"]).abs().max()))
+    _print_op_row(f"[{device_name}] add + RMSNorm", "PyTorch", row,
+                  f" | largest difference {row['max_abs_diff']:.2g}")
     return [row]
 
 
