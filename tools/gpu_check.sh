@@ -49,12 +49,22 @@ record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT/steps.tsv"; }
 # step with under 15 s left is not started ("not run"), so the report is written whatever ran long.
 DEADLINE=${DEADLINE:-570}
 REPORT_S=20
+# outcome RC LIMIT [NOTE]: a step's outcome for the report from its exit status under `timeout LIMIT`.
+outcome() {
+    if [ "$1" -eq 124 ]; then
+        echo "timed out after $2 s${3:-}"
+    elif [ "$1" -ne 0 ]; then
+        echo "failed (exit $1)"
+    else
+        echo ok
+    fi
+}
 # left_s: the seconds a step may still take.
 left_s() { echo $((DEADLINE - REPORT_S - SECONDS)); }
 # run_step NAME LIMIT LOG CMD...: CMD under a time limit (LIMIT, or what is left before the deadline), its output in
 # $OUT/LOG (the last lines shown), the outcome recorded in $OUT/steps.tsv for the report.
 run_step() {
-    local name=$1 limit=$2 log=$3 start=$SECONDS rc status=ok left cut=""
+    local name=$1 limit=$2 log=$3 start=$SECONDS rc left cut=""
     shift 3
     left=$(left_s)
     if [ "$left" -lt 15 ]; then
@@ -67,8 +77,7 @@ run_step() {
     timeout "$limit" "$@" > "$OUT/$log" 2>&1
     rc=$?
     tail -30 "$OUT/$log"
-    if [ "$rc" -eq 124 ]; then status="timed out after $limit s$cut"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
-    record "$name" "$status" "$((SECONDS - start))" "$log"
+    record "$name" "$(outcome "$rc" "$limit" "$cut")" "$((SECONDS - start))" "$log"
 }
 no_gpu() { echo "== $1: no GPU, skipped"; record "$1" "skipped (no GPU)" 0 ""; }
 
@@ -106,14 +115,13 @@ if { step tests || step scan; } && [ "$HAVE_GPU" = 1 ] && [ -f .mamba_ssm/src/VI
 fi
 join_mamba() {
     [ -n "$mamba_pid" ] || return 0
-    local rc status=ok
+    local rc
     wait "$mamba_pid"
     rc=$?
     mamba_pid=""
     echo "== mamba"
     tail -5 "$OUT/mamba_build.log"
-    if [ "$rc" -eq 124 ]; then status="timed out after $mamba_limit s"; elif [ "$rc" -ne 0 ]; then status="failed (exit $rc)"; fi
-    record mamba "$status" "$((SECONDS - mamba_start))" mamba_build.log
+    record mamba "$(outcome "$rc" "$mamba_limit")" "$((SECONDS - mamba_start))" mamba_build.log
     [ "$rc" -eq 0 ] && export PYTHONPATH=$PWD/.mamba_ssm/build${PYTHONPATH:+:$PYTHONPATH}
     return 0
 }
