@@ -3,7 +3,6 @@ their own (tests/rms_norm_kernels.py: Triton's interpreter on CPU, the GPU where
 against the model without, and how the op chooses between kernel and composition."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import re
@@ -128,10 +127,9 @@ def test_a_block_joins_through_timms_droppath_bit_for_bit():
 
 
 def _triton_report():
-    spec = importlib.util.spec_from_file_location("triton_report", ROOT / "tools" / "triton_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from test_compile_check import _load_tool
+
+    return _load_tool("triton_report")
 
 
 if rms_norm_triton.available():
