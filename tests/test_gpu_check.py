@@ -310,6 +310,50 @@ def test_build_mamba_ssm_keeps_only_the_kernel_and_refuses_in_one_line(tmp_path)
     assert (where / "src" / "VIM_DS_SOURCE").exists()  # what was fetched before is kept
 
 
+def test_build_mamba_ssm_cubin_compiles_the_four_kernel_files_with_its_flags(tmp_path):
+    """`build_mamba_ssm.sh cubin` (mamba_ssm's kernels for tools/sass_loops.py --mamba, no GPU needed) with a
+    stand-in nvcc that records its arguments (the real compile takes minutes; the figures it gave are in
+    docs/performance.md): the forward and backward files of bf16 and fp32 (real weights), each to a cubin for the
+    asked architecture in MAMBA_CUBIN_DIR (not in .mamba_ssm, which travels to the GPU), with mamba_ssm's nvcc flags
+    and torch's headers; one line and exit 2 without a source, for a malformed ARCH and when nvcc fails."""
+    kernels = [f"selective_scan_fwd_{t}.cu" for t in ("fp32", "bf16")] + [
+        f"selective_scan_bwd_{t}_real.cu" for t in ("fp32", "bf16")]
+    sdist = tmp_path / "pkg" / "mamba_ssm-9.9.9.tar.gz"
+    sdist.parent.mkdir()
+    _fake_sdist(sdist, kernels)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$NVCC_LOG"\n'
+                    'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n[ -z "$NVCC_FAIL" ]\n')
+    nvcc.chmod(0o755)
+    out = tmp_path / "cubins"
+    env = {"MAMBA_SSM_DIR": str(tmp_path / "m"), "MAMBA_CUBIN_DIR": str(out), "NVCC": str(nvcc),
+           "NVCC_LOG": str(tmp_path / "nvcc.log")}
+    none = _mamba_script(["cubin"], env)
+    assert none.returncode == 2 and "holds no mamba-ssm source" in none.stderr.strip().splitlines()[-1], none.stderr
+    assert _mamba_script(["fetch", str(sdist)], env).returncode == 0
+
+    done = _mamba_script(["cubin", "100"], env)
+    assert done.returncode == 0, done.stderr
+    names = ["bwd_bf16_real", "bwd_fp32_real", "fwd_bf16", "fwd_fp32"]
+    assert sorted(os.listdir(out)) == sorted([f"{n}_sm_100.cubin" for n in names] + [f"{n}_sm_100.log" for n in names])
+    assert done.stdout.split() == [str(out / f"{n}_sm_100.cubin") for n in names]
+    calls = (tmp_path / "nvcc.log").read_text().splitlines()
+    assert len(calls) == 4
+    include = f"-I{os.path.dirname(torch.__file__)}{os.sep}include"
+    for call in calls:
+        words = call.split()
+        assert words[:2] == ["-cubin", "-arch=sm_100"] and "--use_fast_math" in words and "-O3" in words
+        assert "-U__CUDA_NO_BFLOAT16_CONVERSIONS__" in words and include in words, call
+    assert not (tmp_path / "m" / "cubin").exists()
+
+    bad = _mamba_script(["cubin", "9.0"], env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "build_mamba_ssm.sh: error: cubin: ARCH is a compute capability without the dot, such as 90, not '9.0'")
+    failed = _mamba_script(["cubin"], {**env, "NVCC_FAIL": "1"})
+    assert failed.returncode == 2 and failed.stderr.strip().splitlines()[-1] == (
+        f"build_mamba_ssm.sh: error: cubin: nvcc failed; see {out}/*_sm_90.log"), failed.stderr
+
+
 def test_gpu_wheels_takes_this_environments_versions_for_the_gpu_machines_python(tmp_path):
     """tools/gpu_wheels.sh --dry-run: DeepSpeed built into a wheel and DeepSpeed's pydantic and hjson downloaded as
     binaries for CPython 3.12 (the lent image's), each at the version installed here; a package missing here is one

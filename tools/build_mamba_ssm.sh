@@ -14,9 +14,15 @@
 #       for this GPU's architecture only (torch.cuda.get_device_capability(), or TORCH_CUDA_ARCH_LIST), with this
 #       machine's nvcc against its torch, MAX_JOBS parallel compiles (default: every core), into .mamba_ssm/build
 #       with a dist-info that carries mamba_ssm's version. Prints the folder to put on PYTHONPATH.
+#   bash tools/build_mamba_ssm.sh cubin [ARCH]
+#       anywhere with nvcc, no GPU needed: its forward and backward kernel files (bf16 and fp32, real weights) compiled
+#       for sm_ARCH (default 90) with the same flags into cubins in .mamba_cubin (ignored by git, and not in
+#       .mamba_ssm, which travels to the GPU: the four are about 75 MB), against this python's torch headers, for
+#       `tools/sass_loops.py --mamba` to read the instructions its loops issue beside ours'.
 #
 # tools/gpu_check.sh runs `build` by itself when .mamba_ssm/src is there, beside the build of our own kernel.
-# Environment: PYTHON (default python3), MAMBA_SSM_DIR (default .mamba_ssm in the repository).
+# Environment: PYTHON (default python3), MAMBA_SSM_DIR (default .mamba_ssm in the repository), MAMBA_CUBIN_DIR
+# (`cubin`'s folder, default .mamba_cubin), NVCC (`cubin`'s compiler, default CUDA_HOME's or PATH's nvcc).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dir=${MAMBA_SSM_DIR:-$repo/.mamba_ssm}
@@ -26,6 +32,11 @@ fail() {
     echo "build_mamba_ssm.sh: error: $*" >&2
     exit 2
 }
+
+# mamba_ssm's own nvcc flags (its setup.py), less the -gencode list that each mode sets
+nvcc_flags=(-O3 -std=c++17 -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__
+    -U__CUDA_NO_BFLOAT16_OPERATORS__ -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -U__CUDA_NO_BFLOAT162_OPERATORS__
+    -U__CUDA_NO_BFLOAT162_CONVERSIONS__ --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math -lineinfo)
 
 fetch() {
     mkdir -p "$dir"
@@ -96,7 +107,7 @@ PY
 
 build() {
     [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' where there is network, then carry .mamba_ssm"
-    "$python" - "$dir" <<'PY'
+    "$python" - "$dir" "${nvcc_flags[@]}" <<'PY'
 import glob, os, shutil, sys, time
 
 
@@ -105,7 +116,7 @@ def die(message):
     sys.exit(2)
 
 
-folder = sys.argv[1]
+folder, nvcc = sys.argv[1], sys.argv[2:]
 src, out = os.path.join(folder, "src"), os.path.join(folder, "build")
 version = open(os.path.join(src, "VIM_DS_SOURCE")).read().split()[0]
 if os.path.exists(out) and not os.path.exists(os.path.join(out, "VIM_DS_BUILD")):
@@ -131,11 +142,6 @@ if len(sources) != 10:
 shutil.rmtree(out, ignore_errors=True)  # an earlier build of this script (checked above)
 os.makedirs(out)
 open(os.path.join(out, "VIM_DS_BUILD"), "w").close()
-# mamba_ssm's own nvcc flags (its setup.py), less the -gencode list that TORCH_CUDA_ARCH_LIST replaces here
-nvcc = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT162_OPERATORS__",
-        "-U__CUDA_NO_BFLOAT162_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
-        "--use_fast_math", "-lineinfo"]
 start = time.time()
 cpp_extension.load(name="selective_scan_cuda", sources=sources, extra_cflags=["-O3", "-std=c++17"],
                    extra_cuda_cflags=nvcc, extra_include_paths=[csrc], build_directory=out, verbose=False)
@@ -149,9 +155,35 @@ print(f"PYTHONPATH={out}")
 PY
 }
 
+# The kernel files `sass_loops.py --mamba` reads, compiled side by side (each about 30-50 s of one core).
+cubin() {
+    local arch=${1:-90} nvcc csrc out includes name pids=() failed=0
+    [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' first"
+    [[ $arch =~ ^[0-9]+a?$ ]] || fail "cubin: ARCH is a compute capability without the dot, such as 90, not '$arch'"
+    nvcc=${NVCC:-${CUDA_HOME:-/usr/local/cuda}/bin/nvcc}
+    [ -x "$nvcc" ] || nvcc=$(command -v nvcc) || fail "cubin: no nvcc (set NVCC or CUDA_HOME)"
+    # torch's include folders and Python's: the kernel files include ATen and c10 headers
+    includes=$("$python" -c 'import sysconfig; from torch.utils import cpp_extension as c
+print(" ".join("-I" + p for p in [*c.include_paths(), sysconfig.get_paths()["include"]]))') \
+        || fail "cubin: $python has no torch to take the headers from"
+    csrc=$dir/src/csrc/selective_scan
+    out=${MAMBA_CUBIN_DIR:-$repo/.mamba_cubin}
+    mkdir -p "$out"
+    for name in fwd_bf16 fwd_fp32 bwd_bf16_real bwd_fp32_real; do
+        # shellcheck disable=SC2086  # $includes: one -I word per folder
+        "$nvcc" -cubin -arch="sm_$arch" "${nvcc_flags[@]}" -I"$csrc" $includes "$csrc/selective_scan_$name.cu" \
+            -o "$out/${name}_sm_$arch.cubin" > "$out/${name}_sm_$arch.log" 2>&1 &
+        pids+=($!)
+    done
+    for name in "${pids[@]}"; do wait "$name" || failed=1; done
+    [ "$failed" = 0 ] || fail "cubin: nvcc failed; see $out/*_sm_$arch.log"
+    ls "$out"/*_sm_"$arch".cubin
+}
+
 case ${1:-} in
     fetch) fetch "${2:-}" ;;
     build) build ;;
-    -h | --help) sed -n '2,20p' "${BASH_SOURCE[0]}" ;;
-    *) fail "usage: build_mamba_ssm.sh fetch [VERSION | FILE.tar.gz] | build" ;;
+    cubin) cubin "${2:-}" ;;
+    -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}" ;;
+    *) fail "usage: build_mamba_ssm.sh fetch [VERSION | FILE.tar.gz] | build | cubin [ARCH]" ;;
 esac
