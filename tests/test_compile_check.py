@@ -298,6 +298,11 @@ def test_the_scan_loops_issue_at_most_their_budget_of_instructions_a_step(compil
         for loop in found:
             assert sum(loop["classes"].values()) == loop["instructions"], loop
     assert sl.check(sass) == [], sl.check(sass)
+    # the whole kernels (our_estimate: every loop at its passes a chunk, at Vim's layout) within KERNEL_BUDGETS
+    for kernel, found in sass.items():
+        e = sl.our_estimate(kernel, found)
+        assert 0 < e["recurrences"] < e["lower"] < e["upper"], (kernel, e)
+    assert sl.check_kernels(sass) == [], sl.check_kernels(sass)
 
 
 def _listing(*functions):
@@ -347,6 +352,68 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
     assert len(missing) == 1 and "no loop of section /^recompute/" in missing[0], missing
     assert sl.check(result, {("scan_fwd_kernel", "^reverse"): 1.0}, {}) == []  # another kernel's budget
 
+
+
+def test_our_estimate_counts_each_loop_at_its_passes_and_the_budget_catches_a_larger_kernel():
+    """tools/sass_loops.py's whole-kernel estimate on hand-made loops shaped like the backward's (a chunk loop with the
+    B, C staging, a tile loop of 5 loops, the chain's wait and the dB, dC store): each loop's body times its passes a
+    chunk at Vim's layout (chunks of 32, 4 tiles of 8 channels, d_state 16, 128 threads), the tile loop's once a
+    tile, pass 0 not at all (one segment); the upper bound adds the chunk and tile loops' own code once a pass. The
+    kernel budget flags an estimate over it (the negative control), and a loop it cannot count is one error."""
+    def loop(first, last, n, section, exp=0, per_step=None, nested=0, depth=2):
+        return {"first": first, "last": last, "instructions": n, "section": section, "exp": exp,
+                "per_step": per_step, "nested": nested, "depth": depth}
+    found = [loop(0, 100, 300, "?", nested=8, depth=0), loop(5, 10, 20, "stage the chunk's B and C", depth=1),
+             loop(15, 90, 150, "?", nested=5, depth=1), loop(20, 25, 30, "stage the tile's channels", exp=2),
+             loop(30, 40, 16, "recompute the tile's states", 16, 1.0), loop(45, 55, 10, "reverse recurrence", 2, 5.0),
+             loop(60, 65, 12, "finish the tile's gradients"), loop(70, 75, 8, "pass 0: the adjoint", 4, 2.0),
+             loop(92, 93, 4, "the chunk's dB, dC: each", depth=1),
+             loop(94, 99, 20, "the chunk's dB, dC: each", depth=1)]
+    kernel = "scan_bwd_kernel<float, 1, 16>"
+    e = sl.our_estimate(kernel, found)
+    # passes: B, C 2; a tile: channels 1, recompute 32 / 16, reverse 32 / 2, finish 1, pass 0 none; the wait 1,
+    # the store 16 x 32 / 128; a warp's share of a block's chunk: 32 channels x 16 states x 32 steps / 4 warps
+    lower = 20 * 2 + 4 * (30 * 1 + 16 * 2 + 10 * 16 + 12 * 1) + 4 * 1 + 20 * 4
+    straight = (300 - 20 - 150 - 4 - 20) + 4 * (150 - 30 - 16 - 10 - 12 - 8)
+    assert e == {"lower": round(lower / 4096, 3), "upper": round((lower + straight) / 4096, 3),
+                 "recurrences": round(4 * (16 * 2 + 10 * 16) / 4096, 3)}
+    result = {kernel: found}
+    assert sl.check_kernels(result, {"scan_bwd_kernel": 0.36}) == []
+    over = sl.check_kernels(result, {"scan_bwd_kernel": 0.35})
+    assert over == [f"{kernel}: the whole kernel issues 0.357 warp instructions a (state, step), over its budget of "
+                    "0.35"], over
+    with pytest.raises(ValueError, match="no pass count for the scan_bwd_kernel loop 'warm-up'"):
+        sl.our_estimate(kernel, found + [loop(76, 77, 3, "warm-up")])
+
+def test_mamba_estimate_takes_the_state_loop_not_the_shuffles_slow_path_and_counts_a_warps_kernel():
+    """tools/sass_loops.py --mamba's reading of one of mamba_ssm's instances, on a hand-written listing shaped like
+    its SASS: a chunk loop around a loop over the states (two exps, a thread's two items), and an out-of-line slow
+    path of a shuffle (nvcc's WARPSYNC.COLLECTIVE code) that branches back into the state loop's body, so a region
+    with more exps than the state loop which no loop contains (the negative control: taken by its exps alone it
+    would be the state loop). What a warp issues: a pass of the chunk loop per chunk with the state loop's body
+    d_state times, and the rest once; its instance names follow mamba_ssm's launcher."""
+    body = [(0x00, "S2R R0, SR_TID.X", 5), (0x10, ".L_x_1:", 0), (0x10, "LDG.E R1, desc[UR4][R2.64]", 10),
+            (0x20, ".L_x_2:", 0), (0x20, "FMUL.FTZ R3, R1, 1.44", 20), (0x30, "MUFU.EX2 R4, R3", 20),
+            (0x40, ".L_x_4:", 0), (0x40, "MUFU.EX2 R5, R3", 20), (0x50, "@P2 BRA `(.L_x_9)", 21),
+            (0x60, "SHFL.UP P0, R6, R5, 0x1, RZ", 21), (0x70, "@P1 BRA `(.L_x_2)", 22),
+            (0x80, "STG.E desc[UR4][R2.64], R6", 30), (0x90, "@P0 BRA `(.L_x_1)", 31), (0xa0, "EXIT", 32),
+            (0xb0, ".L_x_9:", 0), (0xb0, "MUFU.EX2 R7, R3", 21), (0xc0, "MUFU.EX2 R8, R3", 21),
+            (0xd0, "BRA `(.L_x_4)", 21)]
+    functions, labels = sl.parse(_listing(("_Z25selective_scan_fwd_kernel", body)))
+    (instructions,) = functions.values()
+    found = sl.loops(instructions, labels, [])
+    slow = next(loop for loop in found if loop["first"] == 0x40)
+    assert (slow["exp"], slow["depth"], slow["nested"]) == (3, 0, 0)  # more exps than the state loop's 2
+    e = sl.mamba_estimate(found, len(instructions), seqlen=100, d_state=4)
+    assert (e["threads"], e["items"], e["chunks"]) == (32, 4, 1)  # L <= 128: 32 threads x 4 items
+    assert (e["state_loop"], e["state_loop_exp"], e["chunk_loop"], e["total"]) == (6, 2, 9, 14)
+    assert e["per_state_step"] == 3.0 and e["per_warp"] == 1 * (9 - 6 + 4 * 6) + 14 - 9 == 32
+    assert e["per_element"] == 32 / (100 * 4) and e["lower"] == 4 * 6 / (100 * 4)  # the state loop's alone
+    assert sl.mamba_launch(785) == (64, 16) and sl.mamba_launch(4097) == (128, 16) and sl.mamba_launch(512) == (32, 16)
+    assert sl.mamba_instance("bwd", 2048, "bf16") == ("selective_scan_bwd_kernel<Selective_Scan_bwd_kernel_traits<128, "
+                                                      "16, true, true, true, true, true, c10::BFloat16, float> >")
+    assert sl.mamba_instance("fwd", 197, "fp32") == (
+        "selective_scan_fwd_kernel<Selective_Scan_fwd_kernel_traits<32, 8, 1, false, true, true, true, float, float> >")
 
 def test_loads_in_flight_are_the_loads_a_wait_finds_and_the_floor_catches_an_item_at_a_time():
     """tools/sass_loops.py's load_waits on hand-written loop bodies: the global loads issued before the first

@@ -21,7 +21,8 @@
 #      The occupancy formulas and the sources of each architecture's limits are in tools/kernel_report.py.
 #   5. tools/sass_loops.py: the instructions of the scan kernels' inner loops in sm_90's SASS (disassembled with
 #      nvdisasm: CUDA's, or the copy in triton's wheel), by class, and per step of the recurrences, for the
-#      instances Vim trains with; the same as JSON beside the report (sass_loops.json).
+#      instances Vim trains with, and what each whole kernel issues a (state, step) at Vim's layout; fails above a
+#      loop's or a kernel's budget; the loops as JSON beside the report (sass_loops.json).
 #   6. tools/triton_report.py: the Triton kernels (vim_ds/ops/rms_norm_triton.py) compiled by Triton's own
 #      compilers for sm_80, sm_90, sm_100, gfx90a, gfx942 and gfx950, every variant the models launch: registers
 #      and spills per variant, and no float32 arithmetic in the float64 ones (triton_kernels.json beside the report).

@@ -10,11 +10,17 @@ and for each scan kernel instance asked for lists its loops (a backward branch: 
 after the section of selective_scan_kernel.cuh their source lines lie in ("// ---- 3. reverse recurrence ..."),
 with the instructions of one pass through the body by class. A loop of the recurrence computes one exp per state
 slot and step (MUFU.EX2 under --use_fast_math), so for the kNPL = 1 instances its instructions per step are its
-instructions / its MUFU.EX2 count.
+instructions / its MUFU.EX2 count. For the whole kernel, each loop's body times the passes it makes over a chunk at
+the layout Vim trains with gives what a warp issues a (state, step) (our_estimate); mamba_ssm's kernels, compiled
+the same way, are read the same way for comparison (--mamba, mamba_estimate).
 
 usage: sass_loops.py CUBIN [--kernel NAME ...] [--json PATH]   (exit 1: a step over its budget; 3: no nvdisasm)
   NAME: a demangled instance such as 'scan_bwd_kernel<__nv_bfloat16, 1, 16>' (default: the forward and backward
   for float and bfloat16 with one state a lane in groups of 16, the instances Vim's d_state 16 trains with).
+       sass_loops.py CUBIN --mamba SEQLEN [--mamba SEQLEN ...]
+  mamba_ssm's kernels instead (a cubin of `tools/build_mamba_ssm.sh cubin`): for each sequence length, the instances
+  its launcher runs for Vim's call (B and C per step, z, softplus), their loop over the states and what a warp
+  issues for the whole kernel per (state, step) (mamba_estimate).
 """
 import argparse
 import collections
@@ -157,9 +163,10 @@ def section_of(line: int, marks: list[tuple[int, str]]) -> str:
     return title
 
 
-def parse(listing: str) -> tuple[dict[str, list[tuple[int, str, list[int]]]], dict[str, int]]:
+def parse(listing: str, source: str = re.escape(KERNEL_SOURCE)
+          ) -> tuple[dict[str, list[tuple[int, str, list[int]]]], dict[str, int]]:
     """Per function (mangled name): (offset, instruction, the kernel source's lines it comes from); and the offset
-    of each label (branch targets are labels)."""
+    of each label (branch targets are labels). `source`: a pattern of the kernel source's file name."""
     functions: dict[str, list] = {}
     labels: dict[str, int] = {}
     current = None
@@ -175,10 +182,10 @@ def parse(listing: str) -> tuple[dict[str, list[tuple[int, str, list[int]]]], di
         if m:
             waiting.append(m.group(1))
             continue
-        m = re.match(r'\s*//## File ".*?' + re.escape(KERNEL_SOURCE) + r'", line (\d+)', line)
+        m = re.match(r'\s*//## File ".*?' + source + r'", line (\d+)', line)
         if m:
             # innermost first: "line A inlined at ..., line B": keep every line of the kernel source it names
-            pending = [int(x) for x in re.findall(re.escape(KERNEL_SOURCE) + r'", line (\d+)', line)]
+            pending = [int(x) for x in re.findall(source + r'", line (\d+)', line)]
             continue
         if line.lstrip().startswith("//## File"):
             pending = []
@@ -267,9 +274,12 @@ def loops(instructions, labels, marks) -> list[dict]:
     return out
 
 
+def disassemble(cubin: str, nvdisasm: str) -> str:
+    return subprocess.run([nvdisasm, "-c", "-gi", cubin], capture_output=True, text=True, check=True).stdout
+
+
 def report(cubin: str, kernels: list[str], nvdisasm: str) -> dict:
-    listing = subprocess.run([nvdisasm, "-c", "-gi", cubin], capture_output=True, text=True, check=True).stdout
-    functions, labels = parse(listing)
+    functions, labels = parse(disassemble(cubin, nvdisasm))
     names = demangle(list(functions))
     with open(os.path.join(ROOT, "csrc", KERNEL_SOURCE)) as f:
         marks = sections(f.read().splitlines())
@@ -281,6 +291,196 @@ def report(cubin: str, kernels: list[str], nvdisasm: str) -> dict:
     if missing:
         raise SystemExit(f"sass_loops.py: {', '.join(missing)} not in {cubin}")
     return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a whole kernel issues, not only its recurrences: each loop's body times the passes it makes over a chunk, for
+# the instances Vim trains with (one state a lane in groups of 16) in the layout the launcher takes at batch 64 (one
+# segment: pass 0 and the combine do not run), over the (state, step)s of a block's chunk. csrc's kThreads, and
+# the launcher's layout at B=64 D=768 L=197 and 785, N=16 (tests/test_kernel_counts.py holds these to the
+# emulator's launcher): chunks of 32 steps; the forward's blocks 8 channels, the backward's 4 tiles of 8.
+KTHREADS = 128
+VIM_LAYOUT = {"chunk": 32, "fwd_rows": 8, "bwd_tiles": 4, "bwd_rows": 8, "d_state": 16, "group": 16}
+# (channel, step) and (state, step) items a thread stages a round (the kernel's StageItems for these instances)
+STAGE_ROUND = {"scan_fwd_kernel": (1, 2), "scan_bwd_kernel": (2, 2)}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def our_passes(kind: str, loop: dict, layout: dict = VIM_LAYOUT) -> int:
+    """The passes `loop` (of kernel kind scan_fwd_kernel / scan_bwd_kernel) makes a chunk (the backward's tile loops:
+    a tile): a recurrence a step a lane per exp; the staging loops and the backward's finish their items over
+    StageItems' rounds of kThreads; the forward's epilogue an item per exp (z's sigmoid) as nvcc unrolls it; the
+    dB, dC store a (state, step) a thread, the chain's wait once; pass 0 none (one segment)."""
+    T, N = layout["chunk"], max(layout["d_state"], layout["group"])
+    rows = layout["fwd_rows"] if kind == "scan_fwd_kernel" else layout["bwd_rows"]
+    channel, state = STAGE_ROUND[kind]
+    section = loop["section"]
+    if section.startswith("pass 0"):
+        return 0
+    if loop["per_step"]:
+        return T // loop["exp"]
+    if section.startswith("stage the chunk's B and C"):
+        return _ceil(N * T, state * KTHREADS)
+    if section.startswith("stage the chunk"):  # the forward's: channels and states in one loop
+        return max(_ceil(rows * T, channel * KTHREADS), _ceil(N * T, state * KTHREADS))
+    if section.startswith(("stage the tile", "finish")):
+        return _ceil(rows * T, channel * KTHREADS)
+    if section.startswith("epilogue"):
+        return _ceil(_ceil(rows * T, KTHREADS), max(loop["exp"], 1))
+    if section.startswith("the chunk's dB, dC"):
+        return _ceil(layout["d_state"] * T, KTHREADS) if loop["instructions"] > 8 else 1
+    raise ValueError(f"our_passes: no pass count for the {kind} loop '{section}'")
+
+
+def our_estimate(kernel: str, found: list[dict], layout: dict = VIM_LAYOUT) -> dict:
+    """Warp instructions a (state, step) of one of our instances (`found`: its loops()), from the loops inside its
+    chunk loop at their passes (our_passes; the backward's tile loop once a tile): `lower` the loops alone, `upper`
+    with the straight code of the chunk and tile loops once a pass (both sides of its branches, the partial chunk's
+    code included); the code before and after the chunks (once a segment) is left out. `recurrences` the
+    recurrence loops alone."""
+    kind = kernel.split("<")[0]
+    inner = [loop for loop in found if loop["nested"] == 0 and loop["depth"] >= 1]
+    recurrence = next(loop for loop in inner if loop["per_step"])
+    around = sorted((loop for loop in found if loop is not recurrence and loop["first"] <= recurrence["first"]
+                     and recurrence["last"] <= loop["last"]), key=lambda loop: loop["last"] - loop["first"])
+    tiles = layout["bwd_tiles"] if kind == "scan_bwd_kernel" else 1
+    chunk_loop, tile_loop = around[-1], (around[0] if len(around) > 1 else None)
+
+    def within(loop, outer):
+        return outer is not None and outer["first"] <= loop["first"] and loop["last"] <= outer["last"]
+
+    lower = recurrences = 0.0
+    straight_chunk, straight_tile = chunk_loop["instructions"], tile_loop["instructions"] if tile_loop else 0
+    for loop in inner:
+        if not within(loop, chunk_loop):
+            continue
+        times = our_passes(kind, loop, layout) * (tiles if within(loop, tile_loop) else 1)
+        lower += loop["instructions"] * times
+        recurrences += loop["instructions"] * times if loop["per_step"] else 0
+        if within(loop, tile_loop):
+            straight_tile -= loop["instructions"]
+        else:
+            straight_chunk -= loop["instructions"]
+    if tile_loop is not None:
+        straight_chunk -= tile_loop["instructions"]
+    upper = lower + straight_chunk + tiles * straight_tile
+    rows = layout["fwd_rows"] if kind == "scan_fwd_kernel" else layout["bwd_rows"] * tiles
+    elements = rows * layout["d_state"] * layout["chunk"] / (KTHREADS // 32)  # a warp's share of a block's chunk
+    return {"lower": round(lower / elements, 3), "upper": round(upper / elements, 3),
+            "recurrences": round(recurrences / elements, 3)}
+
+
+# What the whole kernels may issue at most (our_estimate's upper bound, warp instructions a (state, step)), on sm_90
+# for the instances listed by default: the counts of 2026-11-30 (session 28), 1.25-1.26 forward and 3.08-3.09
+# backward, with room for rounding; tools/compile_check.sh fails above them, as above a loop's budget.
+KERNEL_BUDGETS = {"scan_fwd_kernel": 1.30, "scan_bwd_kernel": 3.15}
+
+
+def check_kernels(result: dict, budgets=None) -> list[str]:
+    """One line per instance whose whole kernel (our_estimate's upper bound) issues more than its budget."""
+    budgets = KERNEL_BUDGETS if budgets is None else budgets
+    problems = []
+    for kernel, found in result.items():
+        most = budgets.get(kernel.split("<")[0])
+        upper = our_estimate(kernel, found)["upper"]
+        if most is not None and upper > most:
+            problems.append(f"{kernel}: the whole kernel issues {upper} warp instructions a (state, step), over its "
+                            f"budget of {most}")
+    return problems
+
+
+def estimate_text(result: dict) -> str:
+    return "\n".join(f"{kernel}: the whole kernel {e['lower']:.2f}-{e['upper']:.2f} warp instructions a (state, step) "
+                     f"(recurrences {e['recurrences']:.2f}), at Vim's layout (VIM_LAYOUT)"
+                     for kernel, e in ((k, our_estimate(k, found)) for k, found in result.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mamba_ssm's kernels (mamba-ssm's csrc/selective_scan), read for comparison: a block per (batch, channel), its
+# threads each holding `items` consecutive steps of a chunk of threads x items steps; per chunk a loop over the states
+# runs, for each state, the items' exps, a block-wide scan of (decay, input) pairs and their sums over the state
+# (the backward both scans, and dB, dC per step added to global memory with atomics).
+MAMBA_SOURCES = r"selective_scan_(?:fwd|bwd)_kernel\.cuh"
+MAMBA_DTYPES = {"bf16": "c10::BFloat16", "fp32": "float"}
+
+
+def mamba_launch(seqlen: int) -> tuple[int, int]:
+    """(threads, items a thread) mamba_ssm's launcher takes for a sequence on NVIDIA, forward and backward alike
+    (its selective_scan_fwd_cuda / selective_scan_bwd_cuda)."""
+    for longest, threads, items in ((128, 32, 4), (256, 32, 8), (512, 32, 16), (1024, 64, 16)):
+        if seqlen <= longest:
+            return threads, items
+    return 128, 16
+
+
+def mamba_instance(kind: str, seqlen: int, dtype: str) -> str:
+    """The demangled instance of Vim's call (B and C per step, z, softplus; real A) at a sequence length."""
+    threads, items = mamba_launch(seqlen)
+    even = str(seqlen % (threads * items) == 0).lower()
+    t = MAMBA_DTYPES[dtype]
+    if kind == "fwd":  # <threads, items, rows, even, variable B, variable C, z, input, weight>
+        return (f"selective_scan_fwd_kernel<Selective_Scan_fwd_kernel_traits<{threads}, {items}, 1, {even}, "
+                f"true, true, true, {t}, float> >")
+    # <threads, items, even, variable B, variable C, softplus, z, input, weight>
+    return (f"selective_scan_bwd_kernel<Selective_Scan_bwd_kernel_traits<{threads}, {items}, {even}, true, true, "
+            f"true, true, {t}, float> >")
+
+
+def mamba_estimate(found: list[dict], total: int, seqlen: int, d_state: int) -> dict:
+    """What one of mamba_ssm's instances issues, from its loops (loops()) and its instruction count `total`: the
+    state loop (the innermost loop with exps, one a thread's item; the loops nvcc makes of the shuffles' out-of-line
+    slow paths start inside it and are not it), the chunk loop around it, and per warp a pass of the chunk loop for
+    each chunk, with the state loop's body d_state times, and the code outside once; per (state, step) of the
+    sequence: the block's warps' instructions over seqlen x d_state (`per_element`; `lower`: the state loop's alone,
+    as our_estimate's lower bound). Static counts: both sides of a branch count, as in the loops' listings above."""
+    candidates = [loop for loop in found if loop["exp"] and loop["nested"] == 0 and loop["depth"] >= 1]
+    if not candidates:
+        raise ValueError("no loop over the states (an innermost loop with exps inside another loop)")
+    state = max(candidates, key=lambda loop: (loop["exp"], loop["instructions"]))
+    chunk = min((loop for loop in found if loop is not state and loop["first"] <= state["first"]
+                 and state["last"] <= loop["last"]), key=lambda loop: loop["last"] - loop["first"])
+    threads, items = mamba_launch(seqlen)
+    chunks = _ceil(seqlen, threads * items)
+    per_warp = (chunks * (chunk["instructions"] - state["instructions"] + d_state * state["instructions"])
+                + total - chunk["instructions"])
+    lower = threads // 32 * chunks * d_state * state["instructions"] / (seqlen * d_state)
+    return {"threads": threads, "items": items, "chunks": chunks, "state_loop": state["instructions"],
+            "state_loop_exp": state["exp"], "per_state_step": round(state["instructions"] / state["exp"], 2),
+            "chunk_loop": chunk["instructions"], "total": total, "per_warp": per_warp,
+            "lower": round(lower, 3), "per_element": round(threads // 32 * per_warp / (seqlen * d_state), 3)}
+
+
+def mamba_report(cubin: str, seqlens: list[int], nvdisasm: str, d_state: int = 16) -> dict:
+    """mamba_estimate for each instance of Vim's call that the cubin holds ({"fwd bf16 L=785": estimate, ..})."""
+    functions, labels = parse(disassemble(cubin, nvdisasm), MAMBA_SOURCES)
+    names = {pretty: mangled for mangled, pretty in demangle(list(functions)).items()}
+    result = {}
+    for seqlen in seqlens:
+        for kind in ("fwd", "bwd"):
+            for dtype in MAMBA_DTYPES:
+                name = mamba_instance(kind, seqlen, dtype)
+                if name not in names:
+                    continue
+                instructions = functions[names[name]]
+                estimate = mamba_estimate(loops(instructions, labels, []), len(instructions), seqlen, d_state)
+                # (keyed by the length: L = 4097 and 6085 run the same instance)
+                result[f"{kind} {dtype} L={seqlen}"] = {"kind": kind, "dtype": dtype, "seqlen": seqlen,
+                                                        "instance": name, **estimate}
+    if not result:
+        raise SystemExit(f"sass_loops.py: {cubin} holds none of mamba_ssm's instances for Vim's call at "
+                         f"L = {', '.join(map(str, seqlens))} (a cubin of tools/build_mamba_ssm.sh cubin?)")
+    return result
+
+
+def mamba_text(result: dict) -> str:
+    return "\n".join(
+        f"mamba_ssm {e['kind']} {e['dtype']} L={e['seqlen']} ({e['threads']} threads x {e['items']} items, "
+        f"{e['chunks']} chunk(s)): state loop {e['state_loop']} instructions, {e['per_state_step']:.1f} a (state, "
+        f"step); the kernel {e['lower']:.2f}-{e['per_element']:.2f} warp instructions a (state, step) of the sequence"
+        for e in result.values())
 
 
 def text(result: dict) -> str:
@@ -306,17 +506,28 @@ def main(argv=None) -> int:
     ap.add_argument("cubin")
     ap.add_argument("--kernel", action="append", help="a demangled instance (repeatable)")
     ap.add_argument("--json", help="write the loops as JSON here")
+    ap.add_argument("--mamba", type=int, action="append", metavar="SEQLEN",
+                    help="read mamba_ssm's kernels at this sequence length instead (repeatable)")
     args = ap.parse_args(argv)
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         print("sass_loops.py: no nvdisasm (CUDA's bin/, or triton's wheel); set NVDISASM", file=sys.stderr)
         return NO_NVDISASM
+    if args.mamba:
+        result = mamba_report(args.cubin, args.mamba, nvdisasm)
+        print(mamba_text(result))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     result = report(args.cubin, args.kernel or DEFAULT_KERNELS, nvdisasm)
     print(text(result))
+    if not args.kernel:
+        print(estimate_text(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    problems = check(result)
+    problems = check(result) + (check_kernels(result) if not args.kernel else [])
     for problem in problems:
         print(f"PROBLEM: {problem}")
     print(f"sass: {len(result)} instance(s), {len(problems)} problem(s) against the budgets a step and the loads "
