@@ -358,32 +358,37 @@ def test_our_estimate_counts_each_loop_at_its_passes_and_the_budget_catches_a_la
     """tools/sass_loops.py's whole-kernel estimate on hand-made loops shaped like the backward's (a chunk loop with the
     B, C staging, a tile loop of 5 loops, the chain's wait and the dB, dC store): each loop's body times its passes a
     chunk at Vim's layout (chunks of 32, 4 tiles of 8 channels, d_state 16, 128 threads), the tile loop's once a
-    tile, pass 0 not at all (one segment); the upper bound adds the chunk and tile loops' own code once a pass. The
-    kernel budget flags an estimate over it (the negative control), and a loop it cannot count is one error."""
-    def loop(first, last, n, section, exp=0, per_step=None, nested=0, depth=2):
+    tile, pass 0 not at all (one segment), a loop that nvcc unrolled over two rounds (twice a round's global
+    accesses) half as often; the upper bound adds the chunk and tile loops' own code once a pass. The kernel budget
+    flags an estimate over it (the negative control), and a loop it cannot count is one error."""
+    def loop(first, last, n, section, exp=0, per_step=None, nested=0, depth=2, accesses=0):
         return {"first": first, "last": last, "instructions": n, "section": section, "exp": exp,
-                "per_step": per_step, "nested": nested, "depth": depth}
-    found = [loop(0, 100, 300, "?", nested=8, depth=0), loop(5, 10, 20, "stage the chunk's B and C", depth=1),
-             loop(15, 90, 150, "?", nested=5, depth=1), loop(20, 25, 30, "stage the tile's channels", exp=2),
+                "per_step": per_step, "nested": nested, "depth": depth, "classes": {"global": accesses}}
+    found = [loop(0, 100, 300, "?", nested=8, depth=0),
+             loop(5, 10, 20, "stage the chunk's B and C", depth=1, accesses=8),  # two rounds a pass
+             loop(15, 90, 150, "?", nested=5, depth=1), loop(20, 25, 30, "stage the tile's channels", 2, accesses=10),
              loop(30, 40, 16, "recompute the tile's states", 16, 1.0), loop(45, 55, 10, "reverse recurrence", 2, 5.0),
-             loop(60, 65, 12, "finish the tile's gradients"), loop(70, 75, 8, "pass 0: the adjoint", 4, 2.0),
-             loop(92, 93, 4, "the chunk's dB, dC: each", depth=1),
-             loop(94, 99, 20, "the chunk's dB, dC: each", depth=1)]
+             loop(60, 65, 12, "finish the tile's gradients", accesses=8),
+             loop(70, 75, 8, "pass 0: the adjoint", 4, 2.0),
+             loop(92, 93, 4, "the chunk's dB, dC: each", depth=1, accesses=1),
+             loop(94, 99, 20, "the chunk's dB, dC: each", depth=1, accesses=8)]
     kernel = "scan_bwd_kernel<float, 1, 16>"
     e = sl.our_estimate(kernel, found)
-    # passes: B, C 2; a tile: channels 1, recompute 32 / 16, reverse 32 / 2, finish 1, pass 0 none; the wait 1,
-    # the store 16 x 32 / 128; a warp's share of a block's chunk: 32 channels x 16 states x 32 steps / 4 warps
-    lower = 20 * 2 + 4 * (30 * 1 + 16 * 2 + 10 * 16 + 12 * 1) + 4 * 1 + 20 * 4
+    # passes: B, C 16 x 32 / (128 threads x 2 states x 2 rounds) = 1; a tile: channels 8 x 32 / (128 x 2) = 1,
+    # recompute 32 / 16, reverse 32 / 2, finish 1, pass 0 none; the wait 1, the store 16 x 32 / (128 x 2 rounds);
+    # a warp's share of a block's chunk: 32 channels x 16 states x 32 steps / 4 warps
+    lower = 20 * 1 + 4 * (30 * 1 + 16 * 2 + 10 * 16 + 12 * 1) + 4 * 1 + 20 * 2
     straight = (300 - 20 - 150 - 4 - 20) + 4 * (150 - 30 - 16 - 10 - 12 - 8)
     assert e == {"lower": round(lower / 4096, 3), "upper": round((lower + straight) / 4096, 3),
                  "recurrences": round(4 * (16 * 2 + 10 * 16) / 4096, 3)}
     result = {kernel: found}
-    assert sl.check_kernels(result, {"scan_bwd_kernel": 0.36}) == []
-    over = sl.check_kernels(result, {"scan_bwd_kernel": 0.35})
-    assert over == [f"{kernel}: the whole kernel issues 0.357 warp instructions a (state, step), over its budget of "
-                    "0.35"], over
+    assert sl.check_kernels(result, {"scan_bwd_kernel": 0.35}) == []
+    over = sl.check_kernels(result, {"scan_bwd_kernel": 0.34})
+    assert over == [f"{kernel}: the whole kernel issues 0.342 warp instructions a (state, step), over its budget of "
+                    "0.34"], over
     with pytest.raises(ValueError, match="no pass count for the scan_bwd_kernel loop 'warm-up'"):
         sl.our_estimate(kernel, found + [loop(76, 77, 3, "warm-up")])
+
 
 def test_mamba_estimate_takes_the_state_loop_not_the_shuffles_slow_path_and_counts_a_warps_kernel():
     """tools/sass_loops.py --mamba's reading of one of mamba_ssm's instances, on a hand-written listing shaped like

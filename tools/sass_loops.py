@@ -301,8 +301,16 @@ def report(cubin: str, kernels: list[str], nvdisasm: str) -> dict:
 # emulator's launcher): chunks of 32 steps; the forward's blocks 8 channels, the backward's 4 tiles of 8.
 KTHREADS = 128
 VIM_LAYOUT = {"chunk": 32, "fwd_rows": 8, "bwd_tiles": 4, "bwd_rows": 8, "d_state": 16, "group": 16}
-# (channel, step) and (state, step) items a thread stages a round (the kernel's StageItems for these instances)
-STAGE_ROUND = {"scan_fwd_kernel": (1, 2), "scan_bwd_kernel": (2, 2)}
+# The loops that walk a chunk's items, by (kernel kind, section): the (channel, step) and (state, step) items a
+# thread takes a round (the staging loops and the finish: the kernel's StageItems for these instances) and the global
+# accesses a round makes. nvcc unrolls some of these loops over several rounds a pass (the backward's B, C staging
+# and its dB, dC store: two), which their global accesses a pass show.
+ROUNDS = {("scan_fwd_kernel", "stage the chunk"): ((1, 2), 7),  # u, delta, delta_bias; B and C of two states
+          ("scan_fwd_kernel", "epilogue"): ((1, 0), 3),  # z, out (and out read where the second direction adds)
+          ("scan_bwd_kernel", "stage the chunk's B and C"): ((0, 2), 4),
+          ("scan_bwd_kernel", "stage the tile"): ((2, 0), 10),  # u, delta, dout, z, delta_bias
+          ("scan_bwd_kernel", "finish"): ((2, 0), 8),  # D; du, ddelta, dz
+          ("scan_bwd_kernel", "the chunk's dB, dC"): ((0, 1), 4)}  # the chain's dB, dC read; dB, dC stored
 
 
 def _ceil(a: int, b: int) -> int:
@@ -311,27 +319,26 @@ def _ceil(a: int, b: int) -> int:
 
 def our_passes(kind: str, loop: dict, layout: dict = VIM_LAYOUT) -> int:
     """The passes `loop` (of kernel kind scan_fwd_kernel / scan_bwd_kernel) makes a chunk (the backward's tile loops:
-    a tile): a recurrence a step a lane per exp; the staging loops and the backward's finish their items over
-    StageItems' rounds of kThreads; the forward's epilogue an item per exp (z's sigmoid) as nvcc unrolls it; the
-    dB, dC store a (state, step) a thread, the chain's wait once; pass 0 none (one segment)."""
+    a tile): a recurrence a step a lane per exp; a loop over the chunk's items (ROUNDS) its channels' and states'
+    items over the rounds a pass takes, kThreads threads a round; the chain's wait (fewer accesses than a round)
+    once; pass 0 none (one segment)."""
     T, N = layout["chunk"], max(layout["d_state"], layout["group"])
     rows = layout["fwd_rows"] if kind == "scan_fwd_kernel" else layout["bwd_rows"]
-    channel, state = STAGE_ROUND[kind]
     section = loop["section"]
     if section.startswith("pass 0"):
         return 0
     if loop["per_step"]:
         return T // loop["exp"]
-    if section.startswith("stage the chunk's B and C"):
-        return _ceil(N * T, state * KTHREADS)
-    if section.startswith("stage the chunk"):  # the forward's: channels and states in one loop
-        return max(_ceil(rows * T, channel * KTHREADS), _ceil(N * T, state * KTHREADS))
-    if section.startswith(("stage the tile", "finish")):
-        return _ceil(rows * T, channel * KTHREADS)
-    if section.startswith("epilogue"):
-        return _ceil(_ceil(rows * T, KTHREADS), max(loop["exp"], 1))
-    if section.startswith("the chunk's dB, dC"):
-        return _ceil(layout["d_state"] * T, KTHREADS) if loop["instructions"] > 8 else 1
+    for (k, start), ((channels, states), accesses) in ROUNDS.items():
+        if k != kind or not section.startswith(start):
+            continue
+        rounds = loop["classes"].get("global", 0) // accesses
+        if rounds == 0:
+            return 1  # the chain's wait: one look at its flag when the turn has come
+        # (the dB, dC store walks the d_state rows; the staging the rows of B and C, N of them)
+        state_rows = layout["d_state"] if start.startswith("the chunk's dB") else N
+        return max(_ceil(rows * T, channels * KTHREADS * rounds) if channels else 0,
+                   _ceil(state_rows * T, states * KTHREADS * rounds) if states else 0)
     raise ValueError(f"our_passes: no pass count for the {kind} loop '{section}'")
 
 
@@ -374,9 +381,9 @@ def our_estimate(kernel: str, found: list[dict], layout: dict = VIM_LAYOUT) -> d
 
 
 # What the whole kernels may issue at most (our_estimate's upper bound, warp instructions a (state, step)), on sm_90
-# for the instances listed by default: the counts of 2026-11-30 (session 28), 1.25-1.26 forward and 3.08-3.09
+# for the instances listed by default: the counts of 2026-11-30 (session 28), 1.25-1.26 forward and 2.99-3.00
 # backward, with room for rounding; tools/compile_check.sh fails above them, as above a loop's budget.
-KERNEL_BUDGETS = {"scan_fwd_kernel": 1.30, "scan_bwd_kernel": 3.15}
+KERNEL_BUDGETS = {"scan_fwd_kernel": 1.30, "scan_bwd_kernel": 3.05}
 
 
 def check_kernels(result: dict, budgets=None) -> list[str]:
