@@ -1624,7 +1624,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
     // ---- 5. the chunk's dB, dC: each (b, n, time) belongs to one segment, so to exactly one block of this row,
     // or in a chain to the row's blocks of channels in turn, each adding its sums to what the ones before stored
     const bool adds = turn > 0;  // (uniform over the block)
-    if (adds) chain_wait(flag_row + c, turn);
+    if (adds) chain_wait(flag_row + c, unsigned(turn));  // (turn > 0 here: the conversion keeps its value)
     for (int i = tid; i < N * T; i += kThreads) {
       const int n = i >> p.chunk_log2, t = i & (T - 1);
       if (t < len) {
