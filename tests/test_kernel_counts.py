@@ -269,7 +269,6 @@ def test_counts_that_cannot_be_made_say_why(monkeypatch, capsys, tmp_path):
     assert "counts" not in capsys.readouterr().out.split("no GPU: measured n/a")[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --layouts times the kernel instead of counting")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_sass_estimates_layout_is_the_launchers_at_vims_shapes(build, dtype):
     """tools/sass_loops.py's whole-kernel estimate (our_estimate) counts the loops' passes at VIM_LAYOUT: the
@@ -282,12 +281,13 @@ def test_the_sass_estimates_layout_is_the_launchers_at_vims_shapes(build, dtype)
     for seqlen in (197, 785):
         shape = (64, 768, seqlen, vim["d_state"])
         # (chunk, tiles, channels a block, blocks of channels a batch row, segments, partials)
-        assert scan_counts.layout(lib, *shape, dtype, backward=False)[:3] + (
-            scan_counts.layout(lib, *shape, dtype, backward=False)[4],) == (vim["chunk"], 1, vim["fwd_rows"], 1)
-        assert scan_counts.layout(lib, *shape, dtype)[:3] + (scan_counts.layout(lib, *shape, dtype)[4],) == (
-            vim["chunk"], vim["bwd_tiles"], vim["bwd_tiles"] * vim["bwd_rows"], 1)
+        chunk, tiles, rows, _, segments, _ = scan_counts.layout(lib, *shape, dtype, backward=False)
+        assert (chunk, tiles, rows, segments) == (vim["chunk"], 1, vim["fwd_rows"], 1)
+        chunk, tiles, rows, _, segments, _ = scan_counts.layout(lib, *shape, dtype)
+        assert (chunk, tiles, rows, segments) == (vim["chunk"], vim["bwd_tiles"], vim["bwd_tiles"] * vim["bwd_rows"], 1)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU --layouts times the kernel instead of counting")
 def test_the_layout_bench_refuses_in_one_line_what_it_cannot_do(monkeypatch, capsys, tmp_path):
     """`vim-ds bench scan --layouts` with nothing to count on (no GPU, no emulator library) or with an option it
     would ignore: one line, exit 2, nothing timed or written."""

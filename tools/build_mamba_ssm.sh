@@ -157,7 +157,7 @@ PY
 
 # The kernel files `sass_loops.py --mamba` reads, compiled side by side (each about 30-50 s of one core).
 cubin() {
-    local arch=${1:-90} nvcc csrc out includes name pids=() failed=0
+    local arch=${1:-90} nvcc csrc out includes name pid pids=() failed=0
     [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' first"
     [[ $arch =~ ^[0-9]+a?$ ]] || fail "cubin: ARCH is a compute capability without the dot, such as 90, not '$arch'"
     nvcc=${NVCC:-${CUDA_HOME:-/usr/local/cuda}/bin/nvcc}
@@ -175,7 +175,7 @@ print(" ".join("-I" + p for p in [*c.include_paths(), sysconfig.get_paths()["inc
             -o "$out/${name}_sm_$arch.cubin" > "$out/${name}_sm_$arch.log" 2>&1 &
         pids+=($!)
     done
-    for name in "${pids[@]}"; do wait "$name" || failed=1; done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
     [ "$failed" = 0 ] || fail "cubin: nvcc failed; see $out/*_sm_$arch.log"
     ls "$out"/*_sm_"$arch".cubin
 }
