@@ -315,7 +315,8 @@ def test_build_mamba_ssm_cubin_compiles_the_four_kernel_files_with_its_flags(tmp
     stand-in nvcc that records its arguments (the real compile takes minutes; the figures it gave are in
     docs/performance.md): the forward and backward files of bf16 and fp32 (real weights), each to a cubin for the
     asked architecture in MAMBA_CUBIN_DIR (not in .mamba_ssm, which travels to the GPU), with mamba_ssm's nvcc flags
-    and torch's headers; one line and exit 2 without a source, for a malformed ARCH and when nvcc fails."""
+    and torch's headers; one line and exit 2 without a source, for a malformed ARCH, when nvcc fails and for a
+    folder of the user's (not written into)."""
     kernels = [f"selective_scan_fwd_{t}.cu" for t in ("fp32", "bf16")] + [
         f"selective_scan_bwd_{t}_real.cu" for t in ("fp32", "bf16")]
     sdist = tmp_path / "pkg" / "mamba_ssm-9.9.9.tar.gz"
@@ -335,7 +336,8 @@ def test_build_mamba_ssm_cubin_compiles_the_four_kernel_files_with_its_flags(tmp
     done = _mamba_script(["cubin", "100"], env)
     assert done.returncode == 0, done.stderr
     names = ["bwd_bf16_real", "bwd_fp32_real", "fwd_bf16", "fwd_fp32"]
-    assert sorted(os.listdir(out)) == sorted([f"{n}_sm_100.cubin" for n in names] + [f"{n}_sm_100.log" for n in names])
+    assert sorted(os.listdir(out)) == sorted([f"{n}_sm_100.cubin" for n in names] + [f"{n}_sm_100.log" for n in names]
+                                             + ["VIM_DS_CUBIN"])
     assert done.stdout.split() == [str(out / f"{n}_sm_100.cubin") for n in names]
     calls = (tmp_path / "nvcc.log").read_text().splitlines()
     assert len(calls) == 4
@@ -352,6 +354,14 @@ def test_build_mamba_ssm_cubin_compiles_the_four_kernel_files_with_its_flags(tmp
     failed = _mamba_script(["cubin"], {**env, "NVCC_FAIL": "1"})
     assert failed.returncode == 2 and failed.stderr.strip().splitlines()[-1] == (
         f"build_mamba_ssm.sh: error: cubin: nvcc failed; see {out}/*_sm_90.log"), failed.stderr
+
+    # a folder of the user's, not made by this script, is not written into: its files stay as they are
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "fwd_bf16_sm_90.cubin").write_text("mine\n")
+    kept = _mamba_script(["cubin"], {**env, "MAMBA_CUBIN_DIR": str(theirs)})
+    assert kept.returncode == 2 and "is not a folder of this script" in kept.stderr, kept.stderr
+    assert os.listdir(theirs) == ["fwd_bf16_sm_90.cubin"] and (theirs / "fwd_bf16_sm_90.cubin").read_text() == "mine\n"
 
 
 def test_gpu_wheels_takes_this_environments_versions_for_the_gpu_machines_python(tmp_path):

@@ -168,7 +168,12 @@ print(" ".join("-I" + p for p in [*c.include_paths(), sysconfig.get_paths()["inc
         || fail "cubin: $python has no torch to take the headers from"
     csrc=$dir/src/csrc/selective_scan
     out=${MAMBA_CUBIN_DIR:-$repo/.mamba_cubin}
-    mkdir -p "$out"
+    # a folder of someone else's is not written into (its files could share the cubins' names): only an empty or
+    # new one, which gets the marker, or one that has it
+    if [ -n "$(ls -A "$out" 2>/dev/null)" ] && [ ! -f "$out/VIM_DS_CUBIN" ]; then
+        fail "cubin: $out holds files and is not a folder of this script (no VIM_DS_CUBIN in it): nothing is written there; set MAMBA_CUBIN_DIR to another folder"
+    fi
+    mkdir -p "$out" && : > "$out/VIM_DS_CUBIN"
     for name in fwd_bf16 fwd_fp32 bwd_bf16_real bwd_fp32_real; do
         # shellcheck disable=SC2086  # $includes: one -I word per folder
         "$nvcc" -cubin -arch="sm_$arch" "${nvcc_flags[@]}" -I"$csrc" $includes "$csrc/selective_scan_$name.cu" \
