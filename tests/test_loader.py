@@ -167,3 +167,58 @@ def test_workers_and_fork_server_end_when_the_owning_rank_is_killed(case, tmp_pa
         assert leaked == [], f"pids {leaked} outlived their killed rank"
     else:
         assert worker in leaked, "the control did not leak: the test no longer shows what the owner watch fixes"
+
+
+SIGTERM_TO_THE_GROUP = """
+import os, signal, sys, time
+from multiprocessing import forkserver
+from vim_ds.data import build_dataset
+from vim_ds.data.loader import LoaderConfig, build_loader
+from vim_ds.config.components import dataset_config
+from vim_ds.config.run_config import RunConfig
+from vim_ds.cli.run_options import build_parser
+
+args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "24", "--input-size", "16",
+                                  "--nb-classes", "10", "--seed", "3"])
+dataset, _ = build_dataset(dataset_config(RunConfig.from_dict(vars(args))), is_train=True)
+assert len(dataset) == 24, len(dataset)
+received = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))  # a rank records it (signals.py)
+if sys.argv[1] == "control":  # the bug put back: a fork server started with SIGTERM neither blocked nor ignored
+    forkserver.ensure_running()
+loader = build_loader(dataset, [[i] for i in range(24)], LoaderConfig(num_workers=1, data_timeout=0), "train",
+                      persistent=True, leave_signals_to_owner=True)
+iterator = iter(loader)
+next(iterator)
+server = forkserver._forkserver._forkserver_pid
+os.killpg(0, signal.SIGTERM)  # as SLURM and the launchers send it: this process, its fork server, its worker
+time.sleep(1)
+with open(f"/proc/{server}/stat") as f:
+    state = f.read().split(")")[-1].split()[0]
+print(f"received {received}, fork server state {state}", flush=True)
+print(f"delivered {1 + sum(1 for _ in iterator)} of 24 batches", flush=True)
+loader.shutdown()  # the workers ignore SIGTERM: stopped as the trainer stops them (Trainer.close)
+"""
+
+
+@pytest.mark.parametrize("case", ["vim_ds", "control"])
+def test_a_sigterm_to_the_whole_job_leaves_the_workers_delivering(case, tmp_path):
+    """SIGTERM to every process of the job (SLURM, a launcher's tree kill) while a loader's workers run: the rank
+    decides what to do, so its fork server and workers must survive and deliver every batch that is asked for. The
+    fork server died of it when the resource tracker, started in the same call, unblocked SIGTERM before the
+    server was spawned (data/loader.py `_worker_context`); its worker then exits between samples (torch's worker
+    watches its parent) and the rank fails with "DataLoader worker ... exited unexpectedly". The control starts
+    the server unprotected, as multiprocessing itself does: the test must see that failure. The batches are read
+    after the signal, so the failure does not depend on how many were prefetched."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as o, open(err, "w") as e:  # files: a leaked worker would hold a pipe open
+        code = subprocess.run([sys.executable, "-c", SIGTERM_TO_THE_GROUP, case], stdout=o, stderr=e, timeout=300,
+                              cwd=ROOT, start_new_session=True).returncode
+    said, errors = out.read_text(), err.read_text()
+    assert "received [15]" in said, said + errors[-2000:]
+    if case == "vim_ds":
+        assert code == 0 and "fork server state S" in said and "delivered 24 of 24 batches" in said, \
+            said + errors[-2000:]
+    else:
+        # the rank fails: "exited unexpectedly", or a connection reset when the worker goes during a handover
+        assert code != 0 and "fork server state Z" in said and "delivered" not in said, said + errors[-2000:]

@@ -28,7 +28,9 @@ def resume_and_compare(digits, out, reference, resumed_at: int, *extra) -> str:
 
 def test_a_rank_killed_mid_run_stops_the_job_within_60_s_and_the_run_resumes_exactly(digits, tmp_path, reference):
     out = tmp_path / "run"
-    proc = start_train(fault_args(digits, out, "--max-steps", 1000))
+    # rank 1 stops at the start of step 9 (hang@9:1), so the kill finds the run before the reference's last
+    # checkpoint (step 12) on a fast machine too, where it would leave nothing to compare
+    proc = start_train(fault_args(digits, out, "--max-steps", 1000), env={"VIM_DS_INJECT": "hang@9:1"})
     wait_for_step(proc, out, 5)  # the step-4 checkpoint is complete
     os.kill(rank_pid(proc, 1), signal.SIGKILL)
     waited, _, stderr = finish(proc, timeout=90)
@@ -49,16 +51,20 @@ def test_sigterm_saves_a_checkpoint_and_every_rank_stops_cleanly(digits, tmp_pat
     """SIGTERM to every process of the job, as SLURM sends it before a time limit or preemption (`#SBATCH
     --signal=TERM@120`; slurmstepd signals every process of the step): the launchers, the ranks and their data-loader
     workers. The ranks finish the step in flight, save together and exit; the workers ignore the signal, so they do
-    not die under a rank that is still saving."""
+    not die under a rank that is still saving (that workers go on delivering batches after the signal:
+    tests/test_loader.py). The ranks wait for the signal at the start of step 7 (`wait_for_signal@7`): signalled on
+    their own schedule, they had reached the reference's last step before stopping on a fast machine, which left
+    nothing to compare (seen)."""
     out = tmp_path / "run"
-    proc = start_train(fault_args(digits, out, "--max-steps", 1000))
-    wait_for_step(proc, out, 5)
+    proc = start_train(fault_args(digits, out, "--max-steps", 1000), env={"VIM_DS_INJECT": "wait_for_signal@7"})
+    wait_for_step(proc, out, 6)
     os.killpg(proc.pid, signal.SIGTERM)
     waited, stdout, stderr = finish(proc, timeout=90)
     assert waited < 30, f"took {waited:.0f} s: the launcher SIGKILLs ranks 30 s after SIGTERM"
     assert "Traceback" not in stderr and "error" not in stderr.lower(), stderr[-3000:]
     line = next(line for line in stdout.splitlines() if line.startswith("stopping on SIGTERM after step"))
     stopped_at = int(line.split("after step ")[1].split()[0])
+    assert stopped_at == 7, line
     assert complete_tags(out)[-1] == f"global_step{stopped_at}"
     assert steps_logged(out) == stopped_at
     resume_and_compare(digits, out, reference, stopped_at)

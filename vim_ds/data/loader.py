@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -125,9 +125,16 @@ def _worker_context():
     whose server died look dead to the DataLoader. Blocking rather than ignoring keeps a SIGTERM that arrives
     meanwhile pending for this process instead of losing it. SIGINT (Ctrl-C) the standard library's server ignores
     itself. The server exits when this process does.
+
+    The resource tracker is started first, apart: `forkserver.ensure_running` starts it when it is not running yet,
+    and its start unblocks SIGTERM and SIGINT in the calling thread when done (`resource_tracker.ensure_running`
+    blocks them around its own spawn, then unblocks rather than restoring the mask). Started in the same call, the
+    server came up with SIGTERM unblocked and died of the job's SIGTERM; its workers then exit (torch's worker
+    watches its parent) and a rank still waiting for data failed with "DataLoader worker ... exited unexpectedly".
     """
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(_PRELOAD)
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         forkserver.ensure_running()
