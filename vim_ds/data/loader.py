@@ -33,6 +33,8 @@ from torch.utils.data import DataLoader, Dataset
 
 DEFAULT_WORKERS = 10  # the published Vim/DeiT default, per rank
 START_METHOD = "forkserver"
+# blocked in the fork server (see `_worker_context`), unblocked again in each worker (`_worker_init`)
+_SERVER_BLOCKS = {signal.SIGTERM, signal.SIGINT}
 # imported once by the fork server; every worker forked from it has them (vim_ds.data: torch, torchvision, timm
 # transforms, PIL, the datasets)
 _PRELOAD = ["vim_ds.data.loader"]
@@ -59,7 +61,7 @@ def _worker_init(leave_signals_to_owner: bool, owner_pid: int, _worker_id: int):
     """SIGTERM and SIGINT in a worker. A trainer's workers ignore both: the rank decides (it saves and stops, see
     `vim_ds/runtime/signals.py`, and shuts them down itself), and a signal to the whole process group (SLURM, Ctrl-C,
     a launcher's tree kill) must not kill them under a rank that is still saving. Other workers die of SIGTERM and
-    leave SIGINT to torch's worker loop. Either way SIGTERM is unblocked (see `_worker_context`).
+    leave SIGINT to torch's worker loop. Either way both are unblocked (see `_worker_context`).
 
     A worker also exits when the process that owns its loader (`owner_pid`) is gone, e.g. a rank killed with
     SIGKILL. torch's own check does not see that: it watches the worker's parent, which is the fork server, and the
@@ -69,7 +71,7 @@ def _worker_init(leave_signals_to_owner: bool, owner_pid: int, _worker_id: int):
     signal.signal(signal.SIGTERM, signal.SIG_IGN if leave_signals_to_owner else signal.SIG_DFL)
     if leave_signals_to_owner:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SERVER_BLOCKS)
     threading.Thread(target=_exit_with, args=(owner_pid,), name="vim_ds-owner-watch", daemon=True).start()
 
 
@@ -120,11 +122,13 @@ def _exit_with(pid: int) -> None:
 def _worker_context():
     """The fork-server context, its server started now (so it imports `_PRELOAD` while the caller builds the model).
 
-    The server is started with SIGTERM blocked, as the standard library starts its resource tracker: it is in the
-    rank's process group, and a SIGTERM to the whole job (SLURM, the launcher) must not kill it, because workers
-    whose server died look dead to the DataLoader. Blocking rather than ignoring keeps a SIGTERM that arrives
-    meanwhile pending for this process instead of losing it. SIGINT (Ctrl-C) the standard library's server ignores
-    itself. The server exits when this process does.
+    The server is started with SIGTERM and SIGINT blocked, as the standard library starts its resource tracker: it
+    is in the rank's process group, and a SIGTERM to the whole job (SLURM, the launcher) or a Ctrl-C must not kill
+    it, because workers whose server died look dead to the DataLoader. The standard library's server ignores SIGINT
+    itself, but only once it has imported `_PRELOAD` (seconds): a Ctrl-C in a run's first seconds killed it there,
+    with a KeyboardInterrupt traceback. Blocking rather than ignoring keeps a signal that arrives meanwhile pending
+    for this process instead of losing it; workers unblock both (`_worker_init`). The server exits when this
+    process does.
 
     The resource tracker is started first, apart: `forkserver.ensure_running` starts it when it is not running yet,
     and its start unblocks SIGTERM and SIGINT in the calling thread when done (`resource_tracker.ensure_running`
@@ -135,7 +139,7 @@ def _worker_context():
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(_PRELOAD)
     resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SERVER_BLOCKS)
     try:
         forkserver.ensure_running()
     finally:
