@@ -33,6 +33,11 @@ fail() {
     exit 2
 }
 
+# `build` and `cubin` start from the source `fetch` keeps; $1: when to fetch it, for the one line that says so
+need_source() {
+    [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' $1"
+}
+
 # mamba_ssm's own nvcc flags (its setup.py), less the -gencode list that each mode sets
 nvcc_flags=(-O3 -std=c++17 -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__
     -U__CUDA_NO_BFLOAT16_OPERATORS__ -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -U__CUDA_NO_BFLOAT162_OPERATORS__
@@ -106,7 +111,7 @@ PY
 }
 
 build() {
-    [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' where there is network, then carry .mamba_ssm"
+    need_source "where there is network, then carry .mamba_ssm"
     "$python" - "$dir" "${nvcc_flags[@]}" <<'PY'
 import glob, os, shutil, sys, time
 
@@ -158,7 +163,7 @@ PY
 # The kernel files `sass_loops.py --mamba` reads, compiled side by side (each about 30-50 s of one core).
 cubin() {
     local arch=${1:-90} nvcc csrc out includes name pid pids=() failed=0
-    [ -f "$dir/src/VIM_DS_SOURCE" ] || fail "$dir/src holds no mamba-ssm source: run 'bash tools/build_mamba_ssm.sh fetch' first"
+    need_source "first"
     [[ $arch =~ ^[0-9]+a?$ ]] || fail "cubin: ARCH is a compute capability without the dot, such as 90, not '$arch'"
     nvcc=${NVCC:-${CUDA_HOME:-/usr/local/cuda}/bin/nvcc}
     [ -x "$nvcc" ] || nvcc=$(command -v nvcc) || fail "cubin: no nvcc (set NVCC or CUDA_HOME)"
