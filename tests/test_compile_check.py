@@ -353,7 +353,6 @@ def test_sass_loop_reader_counts_a_known_listing_and_the_budget_catches_a_larger
     assert sl.check(result, {("scan_fwd_kernel", "^reverse"): 1.0}, {}) == []  # another kernel's budget
 
 
-
 def test_our_estimate_counts_each_loop_at_its_passes_and_the_budget_catches_a_larger_kernel():
     """tools/sass_loops.py's whole-kernel estimate on hand-made loops shaped like the backward's (a chunk loop with the
     B, C staging, a tile loop of 5 loops, the chain's wait and the dB, dC store): each loop's body times its passes a
@@ -419,6 +418,7 @@ def test_mamba_estimate_takes_the_state_loop_not_the_shuffles_slow_path_and_coun
                                                       "16, true, true, true, true, true, c10::BFloat16, float> >")
     assert sl.mamba_instance("fwd", 197, "fp32") == (
         "selective_scan_fwd_kernel<Selective_Scan_fwd_kernel_traits<32, 8, 1, false, true, true, true, float, float> >")
+
 
 def test_loads_in_flight_are_the_loads_a_wait_finds_and_the_floor_catches_an_item_at_a_time():
     """tools/sass_loops.py's load_waits on hand-written loop bodies: the global loads issued before the first

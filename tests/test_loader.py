@@ -112,26 +112,31 @@ def test_workers_start_while_other_threads_hold_locks():
     fixed = stress("vim_ds", loaders=6)
     assert fixed.returncode == 0 and "0 hangs of 6 loaders" in fixed.stdout, fixed.stdout + fixed.stderr[-3000:]
 
-
-
-KILLED_OWNER = """
-import os, signal, sys
+# The start of the programs below, each run in a process of its own: a synthetic dataset as a run builds it.
+CHILD_PRELUDE = """
+import os, signal, sys, time
+from multiprocessing import forkserver
 from vim_ds.data import build_dataset
 from vim_ds.data.loader import LoaderConfig, build_loader
 from vim_ds.config.components import dataset_config
 from vim_ds.config.run_config import RunConfig
 from vim_ds.cli.run_options import build_parser
 
-args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "8", "--input-size", "16",
-                                  "--nb-classes", "10", "--seed", "3"])
-dataset, _ = build_dataset(dataset_config(RunConfig.from_dict(vars(args))), is_train=False)
+
+def synthetic(size, is_train):
+    args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", str(size), "--input-size",
+                                      "16", "--nb-classes", "10", "--seed", "3"])
+    return build_dataset(dataset_config(RunConfig.from_dict(vars(args))), is_train=is_train)[0]
+"""
+
+KILLED_OWNER = CHILD_PRELUDE + """
+dataset = synthetic(8, is_train=False)
 # control: the worker watches a living process (the test) instead of this one, as torch's own check watches the server
 owner = int(sys.argv[2]) if sys.argv[1] == "control" else None
 loader = build_loader(dataset, [[0], [1], [2], [3]], LoaderConfig(num_workers=1, data_timeout=60), "val",
                       persistent=True, owner_pid=owner)
 iterator = iter(loader)
 next(iterator)
-from multiprocessing import forkserver
 print(loader._iterator._workers[0].pid, forkserver._forkserver._forkserver_pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -169,19 +174,9 @@ def test_workers_and_fork_server_end_when_the_owning_rank_is_killed(case, tmp_pa
         assert worker in leaked, "the control did not leak: the test no longer shows what the owner watch fixes"
 
 
-SIGNALS_TO_THE_GROUP = """
-import os, signal, sys, time
-from multiprocessing import forkserver
-from vim_ds.data import build_dataset
-from vim_ds.data.loader import LoaderConfig, build_loader
-from vim_ds.config.components import dataset_config
-from vim_ds.config.run_config import RunConfig
-from vim_ds.cli.run_options import build_parser
-
+SIGNALS_TO_THE_GROUP = CHILD_PRELUDE + """
 protection, stages = sys.argv[1], sys.argv[2].split(",")
-args = build_parser().parse_args(["--data-set", "synthetic", "--synthetic-size", "24", "--input-size", "16",
-                                  "--nb-classes", "10", "--seed", "3"])
-dataset, _ = build_dataset(dataset_config(RunConfig.from_dict(vars(args))), is_train=True)
+dataset = synthetic(24, is_train=True)
 assert len(dataset) == 24, len(dataset)
 received = []
 for signum in (signal.SIGINT, signal.SIGTERM):  # a rank records them (runtime/signals.py)
