@@ -1548,8 +1548,10 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
                 acc_t* e = dBC_lane + 2 * (t * RN + k * G);
                 acc_t dbc[2] = {dB_v, dC_v};
                 if (kTiles > 1 && g > 0) {
+                  // With every lane reading, the other groups' lanes read e while the first group's store it: they
+                  // discard what they read (only k < lead stores), so the race is harmless and saves a branch.
                   acc_t before[2];
-                  smem_load(e, before);
+                  smem_load(e, before);  // benign race within a warp (above)
                   dbc[0] = before[0] + dB_v;
                   dbc[1] = before[1] + dC_v;
                 }

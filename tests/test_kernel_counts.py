@@ -41,10 +41,12 @@ def counted(build, dtype, shape=SHAPE):
     return scan_counts.compare(*shape, dtype, lib_path=os.path.join(build, scan_counts.LIB_NAME))
 
 
-def test_the_counting_build_computes_what_the_checking_build_does(build):
-    # 40 channels: a block of channels partly empty; L = 70: a chunk partly past the end, two segments
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_counting_build_computes_what_the_checking_build_does(build, dtype):
+    # 40 channels: a block of channels partly empty; L = 70: a chunk partly past the end, two segments. (float64:
+    # emulate once handed the kernels float32 A, D and delta_bias, which they read as float64, past their ends.)
     shape = (2, 40, 70, 16)
-    runs = [scan_counts.emulate(scan_counts.load(os.path.join(build, name)), *shape, "float32")
+    runs = [scan_counts.emulate(scan_counts.load(os.path.join(build, name)), *shape, dtype)
             for name in ("libscan_emu.so", scan_counts.LIB_NAME)]
     plain, counting = runs
     assert torch.equal(plain["out"], counting["out"]) and torch.equal(plain["saved"], counting["saved"])

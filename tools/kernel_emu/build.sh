@@ -51,7 +51,9 @@ flags=(-std=c++17 -O1 -g -fPIC -Wall -Wno-unknown-pragmas -I"$here/shim" -I"$gen
 build_count() {
   "$cxx" "${flags[@]}" -DEMU_COUNT -fsanitize=thread -x c++ -c "$here/emu_main.cpp" -o "$gen/emu_main_count.o" &&
     "$cxx" "${flags[@]}" -DEMU_COUNT -c "$here/emu_count.cpp" -o "$gen/emu_count.o" &&
-    "$cxx" -shared "$gen/emu_main_count.o" "$gen/emu_count.o" -o "$out/libscan_emu_count.so" -ldl -Wl,-z,defs
+    "$cxx" "${flags[@]}" -DEMU_COUNT -c "$here/emu_race.cpp" -o "$gen/emu_race.o" &&
+    "$cxx" -shared "$gen/emu_main_count.o" "$gen/emu_count.o" "$gen/emu_race.o" -o "$out/libscan_emu_count.so" \
+      -ldl -Wl,-z,defs
 }
 # independent single-threaded compiles, two at a time (a failed one fails the script)
 pids=()

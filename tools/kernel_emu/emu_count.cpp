@@ -169,6 +169,7 @@ void access(const void* p, size_t size, bool write, const void* site) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   const bool shared = a >= C().smem_begin && a < C().smem_end;
   if (!shared && !is_global(a)) return;
+  race_access(a, size, write, shared, C().lane, site);
   Lane& l = lane();
   const int visit = l.visits[reinterpret_cast<uintptr_t>(site)]++;
   const AccessKey key{C().lane / C().warp, reinterpret_cast<uintptr_t>(site), visit, write};
@@ -259,6 +260,7 @@ void count_launch_begin(const void* kernel, int pass, unsigned blocks, unsigned 
   n.pass = pass;
   n.blocks = blocks;
   n.threads = (long long)blocks * threads;
+  race_launch(n.name.c_str(), warp, C().smem_begin, C().globals);
   C().launches.push_back(n);
   C().in_launch = true;
   C().shadow.clear();  // values loaded by this launch start their chains here
@@ -277,6 +279,7 @@ void count_launch_end() {
 }
 
 void count_round_end() {
+  race_round_end();
   for (auto& kv : C().round) {
     std::vector<uint64_t>& s = kv.second;
     std::sort(s.begin(), s.end());
@@ -304,7 +307,12 @@ void count_round_end() {
   }
 }
 
-void count_barrier() { ++cur().barriers; }
+void count_barrier() {
+  ++cur().barriers;
+  race_epoch_end();
+}
+void count_block_begin(unsigned block) { race_block(block); }
+void count_block_end() { race_epoch_end(); }
 void count_shuffle(int warps) { cur().shuffles += warps; }
 void count_shuffle_pair(int dst_tid, int src_tid) {
   auto& lanes = C().lanes;

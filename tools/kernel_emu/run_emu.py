@@ -7,7 +7,7 @@ memory is read before it is written in the same block (it starts as NaN); no buf
 (else the emulator aborts with "divergent synchronisation"); and the results do not depend on the order in which
 threads and blocks run, and are the same bits run after run (no float atomics: every sum has a fixed order).
 
-usage: run_emu.py [--quick | --full | [--lengths] [--layouts]] [--warp 32|64]
+usage: run_emu.py [--quick | --full | [--lengths] [--layouts] | --races] [--warp 32|64]
   --lengths: the Vim lengths L = 1, 7, 65, 197, 785, 1025, 4097, 6085 (65: just past the first chunk boundary),
              forward and all gradients, reverse off and on (batch 1, 5 channels: one block of channels, the
              sequence split into segments); then 20 channels (several blocks of channels, so dB/dC partials)
@@ -17,6 +17,13 @@ usage: run_emu.py [--quick | --full | [--lengths] [--layouts]] [--warp 32|64]
              tiles a backward block walks, blocks aimed at, so segments along the sequence), each layout checked to
              be the one asked for, forward and all gradients against the reference, and the same bits under
              another thread/block order.
+  --races:   the quick cases and the layouts on the counting build (libscan_emu_count.so), which also logs every
+             access a block makes to shared memory and to the launch's buffers: after each launch, every pair of
+             accesses to the same bytes by two threads with no __syncthreads between them, one a write, is a
+             failure (between warps; or within a warp, between the same two switch points or with only a shuffle
+             between), but for a pair within a warp whose site in the kernel source says
+             "benign race within a warp" and why (emu_race.cpp; the emulator's own scheduling orders more than
+             a GPU does, so these are not seen in the results).
   --warp 64: the wave64 build (libscan_emu64.so: the device code through its HIP branch, 64-lane wavefronts).
 (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so, or libscan_emu64.so next to it for --warp 64)"""
 import ctypes
@@ -34,8 +41,13 @@ sys.path.insert(0, ROOT)
 from vim_ds.ops.selective_scan_ref import selective_scan_ref  # noqa: E402
 
 WARP = int(sys.argv[sys.argv.index("--warp") + 1]) if "--warp" in sys.argv else 32
+RACES = "--races" in sys.argv
 _lib32 = os.environ.get("SCAN_EMU_LIB", os.path.join(HERE, "build", "libscan_emu.so"))
-lib = ctypes.CDLL(_lib32 if WARP == 32 else os.path.join(os.path.dirname(_lib32), "libscan_emu64.so"))
+LIB_PATH = os.path.join(os.path.dirname(_lib32), "libscan_emu_count.so" if RACES else
+                        "libscan_emu.so" if WARP == 32 else "libscan_emu64.so")
+if RACES and WARP != 32:
+    sys.exit("run_emu.py: --races runs on the counting build, which has 32-lane warps only")
+lib = ctypes.CDLL(LIB_PATH)
 lib.emu_set_reverse.argtypes = [ctypes.c_int]
 lib.emu_warp_size.restype = ctypes.c_int
 lib.emu_run.restype = ctypes.c_char_p
@@ -57,6 +69,69 @@ lib.emu_conv.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_longlong] * 4 \
     + [ctypes.c_int, ctypes.c_int, ctypes.c_longlong] + [ctypes.c_void_p] * 8
 
 DT = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+
+# The race check (--races): the pairs of racing accesses found, by (kind, kernel-source lines), those allowed by a
+# mark in the kernel source, and what was checked.
+BENIGN = "benign race within a warp"
+RACE_LOG = {"launches": 0, "accesses": 0, "allowed": {}, "found": {}, "kernels": set()}
+
+
+def _source_lines(site):
+    """The kernel-source lines (file name, line number, text) of a call site "+0xOFFSET" in the library (a return
+    address: the call is the byte before it), inlined frames included (addr2line -i), innermost first: those in the
+    build's copies of the csrc/ files (gen/, line for line the sources it was built from)."""
+    import subprocess
+    call = hex(int(site[1:], 16) - 1)
+    res = subprocess.run(["addr2line", "-i", "-e", LIB_PATH, call], capture_output=True, text=True, check=True)
+    lines = []
+    for frame in res.stdout.split():
+        path, _, number = frame.rpartition(":")
+        if os.path.basename(os.path.dirname(path)) == "gen" and os.path.isfile(path) and number.isdigit():
+            lines.append((os.path.basename(path), int(number), open(path).read().splitlines()[int(number) - 1]))
+    return lines
+
+
+def check_races(what):
+    """After a launch on the counting build: note each pair of racing accesses it found (in RACE_LOG), apart the
+    pairs within a warp whose source line is marked BENIGN."""
+    import re
+    RACE_LOG["launches"] += 1
+    RACE_LOG["accesses"] += lib.emu_race_accesses()
+    for i in range(lib.emu_count_launches()):  # the kernel instances that ran
+        name = ctypes.create_string_buffer(512)
+        lib.emu_count_launch(i, (ctypes.c_longlong * 15)(), name, len(name))
+        RACE_LOG["kernels"].add(name.value.decode())
+    lib.emu_count_reset()
+    for i in range(lib.emu_race_pairs()):
+        times, text = ctypes.c_longlong(), ctypes.create_string_buffer(2048)
+        kind = lib.emu_race_kind(lib.emu_race_pair(i, ctypes.byref(times), text, len(text))).decode()
+        text = text.value.decode()
+        # each site's innermost line in the kernel sources (the functions the kernel inlines included)
+        frames = [_source_lines(site)[:1] for site in re.findall(r"\+0x[0-9a-f]+", text)]
+        frames = [f[0] for f in frames if f]
+        where = "; ".join(f"{name}:{number}" for name, number, _ in frames)
+        allowed = "within a warp" in kind and any(BENIGN in line for *_, line in frames)
+        log = RACE_LOG["allowed" if allowed else "found"]
+        first, n = log.get((kind, where), (f"{text} (in {what})", 0))
+        log[(kind, where)] = (first, n + times.value)
+    lib.emu_race_reset()
+
+
+if RACES:  # every launch of the kernels through emu_run / emu_conv is checked after it (their callers as they are)
+    lib.emu_race_kind.restype = ctypes.c_char_p
+    lib.emu_race_accesses.restype = ctypes.c_longlong
+    lib.emu_race_pair.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p, ctypes.c_int]
+    lib.emu_count_launch.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_char_p, ctypes.c_int]
+
+    def _checked(run, what):
+        def call(*args):
+            err = run(*args)
+            check_races(f"{what} {'backward' if args[0] else 'forward'}, dtype {args[1]}, shape {args[2:6]}")
+            return err
+        return call
+
+    lib.emu_run = _checked(lib.emu_run, "scan")
+    lib.emu_conv = _checked(lib.emu_conv, "conv")
 
 
 def ptr(t):
@@ -476,14 +551,61 @@ def layouts():
                                              for (d, k), v in sorted(worst.items(), key=str)))
 
 
+def races():
+    """Each kernel instance and path Vim's shapes reach, every launch checked for racing accesses (check_races):
+    one state a lane with groups of 8, 16 and 32 lanes (d_state 1, 16, 24: lanes without a state), several states a
+    lane (33), each dtype, both directions, from an initial state (and the initial state's gradient alone), chunks
+    partly past the end, segments along the sequence, several blocks of channels (their dB, dC sums in a chain, as
+    partials, one tile a block), the outputs added into, and the conv with and without its SiLU. The numbers are
+    checked as in the other modes, so a race reported here is one the results did not show."""
+    t_start = time.time()
+    n = 0
+    for dtype, N in itertools.product((torch.float32, torch.bfloat16), (1, 16, 24, 33)):
+        case(dtype, 2, 19, 70, N, True, True, True, True, seed=n, order=n % 3, reverse=n % 2 == 1, state=n % 3 == 0)
+        n += 1
+    for dtype in (torch.float64, torch.float16):
+        case(dtype, 2, 11, 70, 16, n % 2 == 0, True, n % 2 == 1, True, seed=n, reverse=n % 2 == 0, state=True)
+        n += 1
+    for caps in ((0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0)):  # the chain, partials, one tile a block
+        with_caps = lib.emu_set_tuning(*caps)
+        assert with_caps is None, with_caps
+        try:
+            case(torch.float32, 2, 40, 197, 16, True, True, True, True, seed=n, reverse=n % 2 == 1, state=True)
+        finally:
+            lib.emu_set_tuning(0, 0, 0, 0)
+        n += 1
+    added(torch.float32, 2, 40, 197, 16, seed=n, reverse=True)
+    added(torch.bfloat16, 1, 5, 70, 16, seed=n + 1)
+    for j, (dtype, L, K) in enumerate(((torch.float32, 513, 4), (torch.bfloat16, 197, 3), (torch.float64, 33, 4))):
+        for silu in (False, True):
+            conv_case(dtype, 2, 3, L, K, j != 1, j % 2 == 1, seed=3000 + 2 * j + silu, sliced=j == 0, silu=silu)
+    allowed = ", ".join(f"{where} ({n} pairs of accesses)" for (_, where), (_, n) in RACE_LOG["allowed"].items())
+    print(f"warp {WARP} races: {RACE_LOG['launches']} launches of {len(RACE_LOG['kernels'])} kernel instances, "
+          f"{RACE_LOG['accesses']} accesses to shared and global memory checked, the results right "
+          f"({time.time() - t_start:.0f}s); allowed as marked \"{BENIGN}\": {allowed or 'none'}")
+    print("  instances: " + "; ".join(sorted(k.replace("void ssk::", "") for k in RACE_LOG["kernels"])))
+    if RACE_LOG["found"]:
+        print(f"warp {WARP} races: FAILED, accesses a GPU does not order ({len(RACE_LOG['found'])} pairs of sites):")
+        for (kind, where), (first, n) in RACE_LOG["found"].items():
+            print(f"  {kind} [{where}], {n} pairs of accesses; the first: {first}")
+        sys.exit(1)
+    print(f"warp {WARP} races: none")
+
+
 def main():
+    if RACES:
+        races()
+        return
     if "--lengths" in sys.argv or "--layouts" in sys.argv:  # either or both, in this order
         if "--lengths" in sys.argv:
             lengths()
         if "--layouts" in sys.argv:
             layouts()
         return
-    quick = "--quick" in sys.argv
+    quick_cases("--quick" in sys.argv)
+
+
+def quick_cases(quick=True):
     t_start = time.time()
     n = 0
     worst = {}

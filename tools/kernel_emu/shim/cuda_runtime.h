@@ -303,7 +303,9 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, con
     std::memset(sm.ptr, 0xff, smem);  // NaN for float and double: reading shared memory never written shows
     *s.smem_slot = static_cast<double*>(sm.ptr);
     s.block_idx = dim3(b);
+    EMU_COUNT_HOOK(count_block_begin(b));
     run_block(int(block.x));
+    EMU_COUNT_HOOK(count_block_end());
   }
   EMU_COUNT_HOOK(count_launch_end());
 }

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #define EMU_INLINE inline __attribute__((always_inline))
 
@@ -34,6 +36,18 @@ void count_round_end();  // every thread of the block is at a switch point (or d
 void count_barrier();
 void count_shuffle(int warps);
 void count_shuffle_pair(int dst_tid, int src_tid);  // lane dst receives lane src's value
+void count_block_begin(unsigned block);  // a block starts (blocks run one after another)
+void count_block_end();
+
+// The race check (emu_race.cpp): pairs of accesses to the same bytes, one a write, by two threads of a block with no
+// barrier between them, in these kinds (emu_race_kind names them; each counted once per pair of call sites).
+constexpr int kRaceKinds = 6;
+void race_launch(const char* kernel, int warp, uintptr_t smem_begin,
+                 const std::vector<std::pair<uintptr_t, uintptr_t>>& globals);
+void race_block(unsigned block);
+void race_access(uintptr_t addr, size_t size, bool write, bool shared, int tid, const void* site);
+void race_round_end();  // every thread at a switch point (a barrier or a shuffle)
+void race_epoch_end();  // a barrier, or the block's end: the accesses before it are checked
 
 // The shadow of an accumulation value (at its address): what made it.
 void acc_fresh(const void* self);                 // from outside: a constant, a conversion, a global load

@@ -157,6 +157,8 @@ def _emulate(lib, batch, dim, seqlen, d_state, dtype, seed) -> dict:
         torch.manual_seed(seed)
         x = scan_model.scan_inputs(batch, dim, seqlen, d_state, getattr(torch, dtype), torch.device("cpu"))
         dout = torch.randn_like(x["u"])
+    if dtype == "float64":  # A, D and delta_bias in the kernel's accumulation type (float32 for the others)
+        x.update({k: x[k].double() for k in ("A", "D", "delta_bias")})
     code = DTYPE_CODE[dtype]
     inputs = [x[k].data_ptr() for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
     acc = x["A"].dtype
