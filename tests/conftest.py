@@ -135,8 +135,8 @@ def _cpu_model() -> str:
 # the stalled loaders, the exact resumes) in two lanes of their own beside the two workers instead.
 LONG_FILES = ["test_slurm.py", "test_launch.py", "faults/test_dead_ranks.py", "test_resume_exact.py", "test_train.py",
               "test_convert.py", "faults/test_signals.py", "test_loader.py", "test_configs.py", "test_zero_compare.py",
-              "test_compile_check.py", "faults/test_data_faults.py", "test_state_bytes.py", "test_compile.py",
-              "test_autocast.py", "test_imports.py"]
+              "test_compile_check.py", "test_kernel_races.py", "faults/test_data_faults.py", "test_state_bytes.py",
+              "test_compile.py", "test_autocast.py", "test_imports.py"]
 
 
 def _long_first(item) -> int:

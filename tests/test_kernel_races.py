@@ -1,20 +1,25 @@
 """Races in the GPU kernels, found without a GPU: the kernel emulator's counting build logs every access each block
 makes to shared memory and to the launch's buffers, by thread and by round of its scheduler, and reports each pair
-of accesses to the same bytes by two threads that no __syncthreads orders, one of them a write
+of accesses to the same bytes by two threads that nothing orders on a GPU, one of them a write
 (tools/kernel_emu/emu_race.cpp, `run_emu.py --races`).
 
-The emulator's results cannot show these: it runs a block's threads one after another between switch points, and
-it makes a shuffle a switch point of the whole block, where a GPU's shuffle waits for one warp's lanes only. So a
-write another warp reads without a barrier between them, or one lane's write another lane of its warp reads before
-a barrier, gives the right numbers there in a given order, and on a GPU whatever the race gives.
+The emulator's results cannot show these: it runs a block's threads one after another between switch points, it
+makes a shuffle a switch point of the whole block, where a GPU's shuffle waits for one warp's lanes only, and it
+runs blocks one after another. So a write another warp reads without a barrier between them, one lane's write
+another lane of its warp reads before a barrier, or a block's store the next block reads before the flag says it is
+there, gives the right numbers there in a given order, and on a GPU whatever the race gives.
 
 - The kernels as they are: no such pair over every instance Vim's shapes reach, but the one pair marked in the
   kernel source as a benign race within a warp (the backward's dB, dC sums, which the lanes of the other groups of a
   warp read and discard while the first group stores them).
-- The negative control: the same kernels with two barriers taken out (the backward's block ticket, which thread 0
-  writes to shared memory and every thread reads; the last level of the conv backward's tree sum, which threads
-  1..K read from thread 0) and the mark taken off. Their results are still right (threads in ascending order), and
-  the check reports the three pairs, each at its lines: between warps, and within a warp twice.
+- Between blocks: the backward's blocks of channels add their dB, dC sums in a chain, ordered by a flag each block
+  sets (a release) and the next reads (an acquire); a read of another block's write that no such pair orders is a
+  race.
+- The negative control: the same kernels with three barriers taken out (the backward's block ticket, which thread 0
+  writes to shared memory and every thread reads; the chain's, before thread 0 sets the flag; the last level of the
+  conv backward's tree sum, which threads 1..K read from thread 0) and the mark taken off. Their results are still
+  right (threads in ascending order, blocks one after another), and the check reports each pair at its lines:
+  between warps, between blocks (the next block's reads of the sums) and within a warp twice.
 """
 from __future__ import annotations
 
@@ -102,8 +107,10 @@ def test_barriers_taken_out_are_races_though_the_numbers_stay_right(build, tmp_p
     scan, conv = csrc / "selective_scan_kernel.cuh", csrc / "causal_conv1d_kernel.cuh"
     text = scan.read_text()
     ticket = "  if (threadIdx.x == 0) *slot = atomicAdd(counter, 1u);\n  __syncthreads();\n"
-    assert text.count(ticket) == 1 and text.count(BENIGN) == 1
+    release = "  __syncthreads();\n  if (threadIdx.x == 0) atomicExch(flag, next);\n"
+    assert text.count(ticket) == 1 and text.count(release) == 1 and text.count(BENIGN) == 1
     scan.write_text(text.replace(ticket, ticket.replace("__syncthreads();", "(void)0;"))
+                    .replace(release, release.replace("__syncthreads();", "(void)0;"))
                     .replace(BENIGN, "read while the first group stores"))
     text = conv.read_text()
     tree = "    if (int(threadIdx.x) < half)\n"
@@ -126,3 +133,12 @@ def test_barriers_taken_out_are_races_though_the_numbers_stay_right(build, tmp_p
         f"{s}:{line_of(scan, 'read while the first group stores')}]",
     }
     assert want <= found, f"missing: {want - found}; found: {found}"
+    # the chain's release before the block's sums are all stored: the next block reads them, and stores its own over
+    # them, unordered
+    lines = scan.read_text().splitlines()
+    chain = [pair for pair in found if pair.startswith("between blocks (global)")]
+    pairs = [[lines[int(n) - 1] for n in re.findall(rf"{s}:(\d+)", pair)] for pair in chain]
+    stores = re.compile(r"d[BC]\[off\] = before_")
+    assert any("load_fresh(d" in later for _, later in pairs), chain
+    assert all(stores.search(earlier) and ("load_fresh(d" in later or stores.search(later))
+               for earlier, later in pairs), chain

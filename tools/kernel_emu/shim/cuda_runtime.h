@@ -341,14 +341,19 @@ inline emu::Acc<T> __shfl_xor_sync(unsigned mask, emu::Acc<T> v, int lanemask, i
 
 // One OS thread runs everything, so plain read-modify-write is atomic here, and every store is seen at once. (The
 // kernels use integer atomics only: the backward's chain, see csrc/selective_scan_kernel.cuh.)
+// (The counting build's race check is told which accesses are an atomic's, and that an exchange is a release.)
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  EMU_COUNT_HOOK(emu::race_atomic(1, emu::sched().cur->tid));
   const unsigned o = *p;
   *p = o + v;
+  EMU_COUNT_HOOK(emu::race_atomic(0, 0));
   return o;
 }
 inline unsigned atomicExch(unsigned* p, unsigned v) {
+  EMU_COUNT_HOOK(emu::race_atomic(2, emu::sched().cur->tid));
   const unsigned o = *p;
   *p = v;
+  EMU_COUNT_HOOK(emu::race_atomic(0, 0));
   return o;
 }
 inline void __threadfence() {}

@@ -41,11 +41,12 @@ void count_block_end();
 
 // The race check (emu_race.cpp): pairs of accesses to the same bytes, one a write, by two threads of a block with no
 // barrier between them, in these kinds (emu_race_kind names them; each counted once per pair of call sites).
-constexpr int kRaceKinds = 6;
+constexpr int kRaceKinds = 7;
 void race_launch(const char* kernel, int warp, uintptr_t smem_begin,
                  const std::vector<std::pair<uintptr_t, uintptr_t>>& globals);
 void race_block(unsigned block);
 void race_access(uintptr_t addr, size_t size, bool write, bool shared, int tid, const void* site);
+void race_atomic(int kind, int tid);  // the accesses from now on: 0 plain, 1 an atomic, 2 an atomicExch (a release)
 void race_round_end();  // every thread at a switch point (a barrier or a shuffle)
 void race_epoch_end();  // a barrier, or the block's end: the accesses before it are checked
 
