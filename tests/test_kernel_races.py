@@ -9,9 +9,9 @@ runs blocks one after another. So a write another warp reads without a barrier b
 another lane of its warp reads before a barrier, or a block's store the next block reads before the flag says it is
 there, gives the right numbers there in a given order, and on a GPU whatever the race gives.
 
-- The kernels as they are: no such pair over every instance Vim's shapes reach, but the one pair marked in the
-  kernel source as a benign race within a warp (the backward's dB, dC sums, which the lanes of the other groups of a
-  warp read and discard while the first group stores them).
+- The kernels as they are: no such pair over every instance Vim's shapes reach, as 32-lane warps and as 64-lane
+  wavefronts, but the one pair marked in the kernel source as a benign race within a warp (the backward's dB, dC
+  sums, which the lanes of the other groups of a warp read and discard while the first group stores them).
 - Between blocks: the backward's blocks of channels add their dB, dC sums in a chain, ordered by a flag each block
   sets (a release) and the next reads (an acquire); a read of another block's write that no such pair orders is a
   race.
@@ -62,18 +62,20 @@ def run_races(lib_dir: str, args=(), program: str | None = None) -> subprocess.C
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
 
 
-def test_no_two_threads_race_in_any_instance_vims_shapes_reach(build):
-    res = run_races(build)
+@pytest.mark.parametrize("warp", [32, 64])
+def test_no_two_threads_race_in_any_instance_vims_shapes_reach(build, warp):
+    """32-lane warps (CUDA) and 64-lane wavefronts (the HIP branch of the same source, which takes other paths)."""
+    res = run_races(build, ("--warp", str(warp)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    assert out.strip().splitlines()[-1] == "warp 32 races: none"
+    assert out.strip().splitlines()[-1] == f"warp {warp} races: none"
     # every instance family ran: one state a lane with groups of 8, 16 and 32, two states a lane, each dtype, the
     # combine and reduce passes, the conv both ways with its reduction
     instances = re.search(r"instances: (.*)", out).group(1)
-    for name in ("scan_fwd_kernel<float, 1, 8>", "scan_bwd_kernel<float, 1, 16>",
-                 "scan_bwd_kernel<__nv_bfloat16, 1, 32>", "scan_bwd_kernel<float, 2, 0>",
-                 "scan_bwd_kernel<double, 1, 16>", "scan_fwd_kernel<__half, 1, 16>", "scan_combine_kernel",
-                 "scan_reduce_kernel", "conv_fwd_kernel<__nv_bfloat16>", "conv_bwd_kernel<double>",
+    bf16 = "__nv_bfloat16" if warp == 32 else "hip_bfloat16"
+    for name in ("scan_fwd_kernel<float, 1, 8>", "scan_bwd_kernel<float, 1, 16>", f"scan_bwd_kernel<{bf16}, 1, 32>",
+                 "scan_bwd_kernel<float, 2, 0>", "scan_bwd_kernel<double, 1, 16>", "scan_fwd_kernel<__half, 1, 16>",
+                 "scan_combine_kernel", "scan_reduce_kernel", f"conv_fwd_kernel<{bf16}>", "conv_bwd_kernel<double>",
                  "conv_reduce_kernel"):
         assert name in instances, name
     # the one pair allowed is the marked one: the first group's store of the dB, dC sums, the others' read

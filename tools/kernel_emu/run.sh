@@ -2,8 +2,8 @@
 # Build the CPU emulation of the GPU kernels and compare them with the PyTorch reference (no GPU needed).
 # usage: run.sh [--full | --lengths | --layouts | --races] [--keep]   (default: a quick subset; --full: every case,
 #        several minutes; --lengths: Vim lengths up to 6085, reverse off/on; --layouts: the launcher's layout capped
-#        as `vim-ds bench scan --layouts` caps it). Each runs with 32-lane warps and 64-lane wavefronts. --races: the
-#        race check on the counting build (32-lane warps only; README.md, "Races"; about a minute).
+#        as `vim-ds bench scan --layouts` caps it; --races: the race check on the counting builds, README.md,
+#        "Races", about a minute). Each runs with 32-lane warps and 64-lane wavefronts.
 #        SCAN_EMU_BUILD=DIR: use the libraries build.sh already wrote to DIR instead of building them again.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,13 +28,9 @@ if [ "$keep" = 0 ]; then
   trap 'rm -rf "$out"' EXIT
 fi
 lib_dir=${SCAN_EMU_BUILD:-$out}
-if [ "$mode" = --races ]; then
-  [ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" --count "$out" > /dev/null
-  status=0
-  SCAN_EMU_LIB=$lib_dir/libscan_emu.so "$python" "$here/run_emu.py" --races || status=1
-  exit "$status"
-fi
-[ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" --check "$out" > /dev/null
+libs=--check
+[ "$mode" != --races ] || libs=--races  # the counting builds
+[ -n "${SCAN_EMU_BUILD:-}" ] || "$here/build.sh" "$libs" "$out" > /dev/null
 # the two runs go side by side (one core each on a 2-core CI box); their logs are printed in order
 pids=()
 for warp in 32 64; do

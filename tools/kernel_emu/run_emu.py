@@ -17,13 +17,13 @@ usage: run_emu.py [--quick | --full | [--lengths] [--layouts] | --races] [--warp
              tiles a backward block walks, blocks aimed at, so segments along the sequence), each layout checked to
              be the one asked for, forward and all gradients against the reference, and the same bits under
              another thread/block order.
-  --races:   the quick cases and the layouts on the counting build (libscan_emu_count.so), which also logs every
-             access a block makes to shared memory and to the launch's buffers: after each launch, every pair of
-             accesses to the same bytes by two threads with no __syncthreads between them, one a write, is a
-             failure (between warps; or within a warp, between the same two switch points or with only a shuffle
-             between), but for a pair within a warp whose site in the kernel source says
-             "benign race within a warp" and why (emu_race.cpp; the emulator's own scheduling orders more than
-             a GPU does, so these are not seen in the results).
+  --races:   each kernel instance and path Vim's shapes reach (races()), on the counting build
+             (libscan_emu_count.so, libscan_emu_count64.so for --warp 64), which also logs every access a block
+             makes to shared memory and to the launch's buffers: every pair of accesses to the same bytes by two
+             threads that a GPU does not order, one a write, is a failure (between warps or blocks; within a warp,
+             between the same two switch points or with only a shuffle between), but for a pair within a warp
+             whose line in the kernel source says "benign race within a warp" and why (emu_race.cpp; the
+             emulator's own scheduling orders more than a GPU does, so these are not seen in the results).
   --warp 64: the wave64 build (libscan_emu64.so: the device code through its HIP branch, 64-lane wavefronts).
 (library: $SCAN_EMU_LIB, default ./build/libscan_emu.so, or libscan_emu64.so next to it for --warp 64)"""
 import ctypes
@@ -43,10 +43,8 @@ from vim_ds.ops.selective_scan_ref import selective_scan_ref  # noqa: E402
 WARP = int(sys.argv[sys.argv.index("--warp") + 1]) if "--warp" in sys.argv else 32
 RACES = "--races" in sys.argv
 _lib32 = os.environ.get("SCAN_EMU_LIB", os.path.join(HERE, "build", "libscan_emu.so"))
-LIB_PATH = os.path.join(os.path.dirname(_lib32), "libscan_emu_count.so" if RACES else
-                        "libscan_emu.so" if WARP == 32 else "libscan_emu64.so")
-if RACES and WARP != 32:
-    sys.exit("run_emu.py: --races runs on the counting build, which has 32-lane warps only")
+LIB_PATH = os.path.join(os.path.dirname(_lib32), ("libscan_emu_count" if RACES else "libscan_emu")
+                        + ("" if WARP == 32 else "64") + ".so")
 lib = ctypes.CDLL(LIB_PATH)
 lib.emu_set_reverse.argtypes = [ctypes.c_int]
 lib.emu_warp_size.restype = ctypes.c_int
