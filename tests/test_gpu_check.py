@@ -30,7 +30,7 @@ def test_gpu_check_on_a_cpu_reports_no_gpu_and_the_predictions(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
     report = (out / "report.md").read_text()
     assert "**Device:** no GPU on this machine" in report
-    for step in ("build", "tests", "layouts", "model", "train", "profile", "split"):
+    for step in ("build", "tests", "layouts", "model", "train", "profile", "split", "sanitize"):
         assert f"| {step} | skipped (no GPU) |" in report
     assert "## Where a training step's time goes" in report
     assert "| scan | no GPU: predictions only, measured n/a |" in report
@@ -136,15 +136,50 @@ def test_the_steps_run_in_the_order_issue_51_needs_them(tmp_path):
     fake.write_text(FAKE_PYTHON.format(real=sys.executable, gpu_step="exit 0"))
     fake.chmod(0o755)
     out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=str(fake),
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), SANITIZER="/nowhere/compute-sanitizer",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("STEPS", None)
     proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, capture_output=True,
                           text=True, timeout=120)
     steps = [line.split("\t")[0] for line in (out / "steps.tsv").read_text().splitlines()]
-    assert steps == ["build", "tests", "scan", "profile", "layouts", "train", "split", "model"], (
+    assert steps == ["build", "tests", "scan", "profile", "layouts", "train", "split", "model", "sanitize"], (
         steps, proc.stdout[-2000:])
-    assert "| scan | ok |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| scan | ok |" in report
+    assert "| sanitize | skipped (no compute-sanitizer at /nowhere/compute-sanitizer) |" in report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs the real thing (minutes)")
+def test_the_sanitize_step_runs_each_tool_over_the_kernels_program(tmp_path):
+    """compute-sanitizer's racecheck, synccheck and memcheck each run tools/gpu_sanitize.py, each its own step and
+    log; a tool's errors (its --error-exitcode) fail that step. The GPU and the sanitizer are stand-ins, as neither
+    can exist here: the sanitizer records its arguments and runs the program on the CPU's kernels (the program's
+    --device cpu), failing as racecheck would find a hazard when asked to."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(real=sys.executable, gpu_step="exit 0"))
+    fake.chmod(0o755)
+    sanitizer = tmp_path / "compute-sanitizer"
+    sanitizer.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {tmp_path}/calls
+[ "$2" != racecheck ] || [ -z "${{HAZARD:-}}" ] || {{ echo "========= ERROR SUMMARY: 1 error"; exit 3; }}
+shift 4
+exec {sys.executable} "$2" --device cpu
+""")
+    sanitizer.chmod(0o755)
+    for hazard, outcomes in (("", ["ok", "ok", "ok"]), ("1", ["failed (exit 3)", "ok", "ok"])):
+        out = tmp_path / f"out{hazard}"
+        env = dict(os.environ, OUT=str(out), PYTHON=str(fake), STEPS="sanitize", SANITIZER=str(sanitizer),
+                   HAZARD=hazard, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == (1 if hazard else 0), proc.stdout[-2000:]
+        steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+        assert [s[0] for s in steps] == ["sanitize-racecheck", "sanitize-synccheck", "sanitize-memcheck"]
+        assert [s[1] for s in steps] == outcomes
+        ran = (out / "sanitize_memcheck.log").read_text()
+        assert "forward and backward calls ran on the CPU" in ran, ran
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == f"--tool racecheck --error-exitcode 3 {fake} tools/gpu_sanitize.py", calls
 
 
 def _gpu_run(tmp_path, with_mamba):

@@ -6,8 +6,8 @@
 # measured / predicted). Logs and JSON results go to $OUT (default gpu_results/) too. Each step has its own time
 # limit so that one slow step cannot eat the others. The steps run in the order of what issue 51 needs first: the
 # kernel's correctness (tests) and speed beside mamba_ssm's (scan), where a training step's time goes (profile),
-# then our kernel under other work layouts, the trainer under each ZeRO stage, the split's memory and the model
-# against DeiT; the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
+# then our kernel under other work layouts, the trainer under each ZeRO stage, the split's memory, the model
+# against DeiT and compute-sanitizer over the kernels (added 2026-12-01); the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
 # 2026-11-27; the model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2
 # for two). The split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28) and
 # the profile step (8 steps, 3 profiled; added 2026-11-29) should take about a minute each, the layouts step (our
@@ -32,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_results}
-STEPS=${STEPS:-"build tests scan profile layouts train split model"}
+STEPS=${STEPS:-"build tests scan profile layouts train split model sanitize"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 : > "$OUT/steps.tsv"
@@ -216,6 +216,25 @@ if step model; then
             --json "$OUT/bench_model.json"
     else
         no_gpu model
+    fi
+fi
+if step sanitize; then
+    # NVIDIA's compute-sanitizer over small launches of every kernel path (tools/gpu_sanitize.py): racecheck (shared
+    # memory hazards), synccheck (barriers) and memcheck (out-of-bounds accesses), the hardware's check of what the
+    # kernel emulator's race check found without a GPU (tools/kernel_emu/run.sh --races: nothing but the pair the
+    # kernel source marks "benign race within a warp", which racecheck may report; any other is a bug). Last: what a
+    # first device call leaves, a second can run (STEPS="build sanitize"). SANITIZER: the tool's path.
+    sanitizer=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
+    if [ "$HAVE_GPU" != 1 ]; then
+        no_gpu sanitize
+    elif [ ! -x "$sanitizer" ]; then
+        echo "== sanitize: no compute-sanitizer ($sanitizer), skipped"
+        record sanitize "skipped (no compute-sanitizer at $sanitizer)" 0 ""
+    else
+        for tool in racecheck synccheck memcheck; do
+            run_step "sanitize-$tool" 120 "sanitize_$tool.log" "$sanitizer" --tool "$tool" --error-exitcode 3 \
+                "$PYTHON" tools/gpu_sanitize.py
+        done
     fi
 fi
 
