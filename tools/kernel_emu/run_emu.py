@@ -90,8 +90,8 @@ def _source_lines(site):
 
 
 def check_races(what):
-    """After a launch on the counting build: note each pair of racing accesses it found (in RACE_LOG), apart the
-    pairs within a warp whose source line is marked BENIGN."""
+    """After a launch on the counting build: note each pair of racing accesses it found in RACE_LOG, the pairs
+    within a warp whose source line is marked BENIGN apart from the others."""
     import re
     RACE_LOG["launches"] += 1
     RACE_LOG["accesses"] += lib.emu_race_accesses()
