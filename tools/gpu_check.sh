@@ -7,9 +7,9 @@
 # limit so that one slow step cannot eat the others. The steps run in the order of what issue 51 needs first: the
 # kernel's correctness (tests) and speed beside mamba_ssm's (scan), where a training step's time goes (profile),
 # then our kernel under other work layouts, the trainer under each ZeRO stage, the split's memory, the model
-# against DeiT and compute-sanitizer over the kernels (added 2026-12-01); the check is meant for one 10-minute call on a lent H200: build 99 s, tests 46 s, scan 33 s there on
-# 2026-11-27; the model step with two rounds per pair took more than its 300 s, so it runs one round (MODEL_ROUNDS=2
-# for two). The split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28) and
+# against DeiT and compute-sanitizer over the kernels (added 2026-12-01); the check is meant for one 10-minute call
+# on a lent H200: build 99 s, tests 46 s, scan 33 s there on 2026-11-27; the model step with two rounds per pair
+# took more than its 300 s, so it runs one round (MODEL_ROUNDS=2 for two). The split step (the sequence split's memory per rank, every rank on the one GPU; added 2026-11-28) and
 # the profile step (8 steps, 3 profiled; added 2026-11-29) should take about a minute each, the layouts step (our
 # scan under 8 work layouts at 3 shapes, 2 dtypes, among them the backward's dB/dC partials against its chain; added
 # 2026-11-29) well under one, none of them run on a GPU yet. With them the whole check may pass 10 minutes, so it
@@ -224,7 +224,8 @@ if step sanitize; then
     # kernel emulator's race check found without a GPU (tools/kernel_emu/run.sh --races: nothing but the pair the
     # kernel source marks "benign race within a warp", which racecheck may report; any other is a bug). Last: what a
     # first device call leaves, a second can run (STEPS="build sanitize"). SANITIZER: the tool's path.
-    sanitizer=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
+    sanitizer=${SANITIZER:-$(command -v compute-sanitizer \
+        || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
     if [ "$HAVE_GPU" != 1 ]; then
         no_gpu sanitize
     elif [ ! -x "$sanitizer" ]; then

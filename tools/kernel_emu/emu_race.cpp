@@ -97,6 +97,8 @@ Race& R() {
   return r;
 }
 
+// A pair within a block is kind 2 x (0 between warps, 1 within a warp unordered, 2 after a shuffle only) + (1 for
+// global memory): check_epoch computes it so.
 const char* kKindNames[kRaceKinds] = {"between warps (shared)", "between warps (global)",
                                       "within a warp, unordered (shared)", "within a warp, unordered (global)",
                                       "within a warp, after a shuffle only (shared)",
@@ -205,11 +207,11 @@ void acquire(const Access& x, int r) {
 // An access of global memory against the launch's last write of it by another block.
 void between_blocks(const Access& x) {
   Race& r = R();
-  auto it = r.writes.find(x.unit);
   if (r.atomic) {  // an atomic is no race; its write is the unit's last (a release for an exchange)
     if (x.write) r.writes[x.unit] = LastWrite{x, true, r.atomic == 2 ? r.release : -1};
     return;
   }
+  const auto it = r.writes.find(x.unit);
   if (it != r.writes.end() && it->second.w.block != x.block) {
     const LastWrite& last = it->second;
     if (last.atomic) {

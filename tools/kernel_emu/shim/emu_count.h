@@ -39,8 +39,9 @@ void count_shuffle_pair(int dst_tid, int src_tid);  // lane dst receives lane sr
 void count_block_begin(unsigned block);  // a block starts (blocks run one after another)
 void count_block_end();
 
-// The race check (emu_race.cpp): pairs of accesses to the same bytes, one a write, by two threads of a block with no
-// barrier between them, in these kinds (emu_race_kind names them; each counted once per pair of call sites).
+// The race check (emu_race.cpp): pairs of accesses to the same bytes, one a write, by two threads that a GPU does not
+// order (of a block, with no barrier between them; of two blocks, with no release and acquire of the chain's flag
+// between them), in these kinds (emu_race_kind names them; each counted once per pair of call sites).
 constexpr int kRaceKinds = 7;
 void race_launch(const char* kernel, int warp, uintptr_t smem_begin,
                  const std::vector<std::pair<uintptr_t, uintptr_t>>& globals);
