@@ -387,6 +387,16 @@ __device__ __forceinline__ float ss_exp(float x) { return expf(x); }
 __device__ __forceinline__ double ss_exp(double x) { return exp(x); }
 __device__ __forceinline__ float ss_log1p(float x) { return log1pf(x); }
 __device__ __forceinline__ double ss_log1p(double x) { return log1p(x); }
+// The recurrences' decay exp(dl * A) is exp2(dl2 * A) with dl2 = dl * log2(e), made once per (channel, step) where
+// the chunk is staged: exp is exp2 of a scaled argument on both vendors (NVIDIA's MUFU.EX2, AMD's v_exp_f32), so
+// exp(dl * A) cost each (state, step) the multiply by log2(e) as well (sm_90: one instruction of the forward's 16.2
+// a step, of the recompute's 9.6 and of the reverse step's).
+__device__ __forceinline__ float ss_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double ss_exp2(double x) { return exp2(x); }
+template <typename T>
+__host__ __device__ constexpr T log2e() { return T(1.44269504088896340736); }
+template <typename T>
+__host__ __device__ constexpr T ln2() { return T(0.693147180559945309417); }
 
 // torch.nn.functional.softplus with its defaults (beta 1, threshold 20): x above 20 passes through unchanged,
 // and the derivative there is exactly 1.
@@ -594,9 +604,9 @@ __host__ __device__ inline int64_t fwd_smem_elems(int chunk, int dstate, int gro
 }
 __host__ __device__ inline int64_t bwd_smem_elems(int chunk, int dstate, int group, int npl) {
   const int cpb = kThreads / group;
-  // history of chunk+1 states per thread and state slot; 5 staged values per channel and step and the 3 arrays of
+  // history of chunk+1 states per thread and state slot; 6 staged values per channel and step and the 3 arrays of
   // sums over n; B, C per state and step; dB, dC per 32-lane segment, state and step
-  return int64_t(chunk + 1) * kThreads * npl + int64_t(5) * chunk * smem_row(cpb) +
+  return int64_t(chunk + 1) * kThreads * npl + int64_t(6) * chunk * smem_row(cpb) +
          int64_t(3) * sums_stride(chunk, cpb) + int64_t(2) * chunk * smem_row(bc_cols(dstate, group)) +
          int64_t(2 * (kThreads / kSeg)) * chunk * smem_row(dbc_cols(npl, dstate, group));
 }
@@ -751,13 +761,14 @@ struct StageRound {
   }
 };
 template <typename input_t> struct BCInputs { input_t B, C; };  // of a (state, step)
-// A (state, step)'s B and C into their pair of shared memory at dst (zeros outside), for StageRound's use().
-template <typename acc_t, typename input_t, typename Get>
+// A (state, step)'s B and C into their pair of shared memory at dst (zeros outside), for StageRound's use(); B
+// times ln 2 for the forward (kLn2B: see its recurrence).
+template <typename acc_t, typename input_t, bool kLn2B = false, typename Get>
 __device__ __forceinline__ void stage_bc(acc_t* dst, Get&& get, bool inside) {
   acc_t bc[2] = {acc_t(0), acc_t(0)};
   if (inside) {
     const BCInputs<input_t> v = get();
-    bc[0] = to_acc(v.B);
+    bc[0] = kLn2B ? to_acc(v.B) * ln2<acc_t>() : to_acc(v.B);
     bc[1] = to_acc(v.C);
   }
   smem_store(dst, bc);
@@ -962,11 +973,13 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
   // Shared memory: per-channel arrays are [t][channel] and per-state arrays [t][n], so that in the time loop
   // the lanes of a warp read consecutive addresses (no bank conflicts) or the same one (broadcast); rows of RC
   // and RB words (smem_row: odd, so that the staging loops and the epilogue have no conflicts either; RB: see
-  // bc_cols). A step's dl and u are a pair, as its B and C are (smem_load: one address and one load a step for
-  // each). The arrays' offsets go through in_vgpr, as in the backward.
+  // bc_cols). A step's dl2 and u are a pair, as its B and C are (smem_load: one address and one load a step for
+  // each). The arrays' offsets go through in_vgpr, as in the backward. The recurrences take dl2 = dl * log2(e)
+  // for their decay exp2(dl2 * A) (see ss_exp2) and B ln 2 for their input (dl2 u) (B ln 2) = dl u B: no multiply
+  // by log2(e) in a (state, step), and the states are the true ones.
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
-  acc_t* du_s = smem;                                  // [T][RC][2]: dl (delta after bias and softplus), u
-  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RB][2]: B, C
+  acc_t* du_s = smem;                                  // [T][RC][2]: dl2 (dl: delta after bias and softplus), u
+  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RB][2]: B ln 2, C
   acc_t* y_s = smem + in_vgpr(2 * T * RC + 2 * T * RB);  // [T][RC]  y before gating
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
@@ -1017,7 +1030,8 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 
     __syncthreads();  // everybody is done with the previous chunk (cheap: once per chunk)
 
-    // ---- 1. stage the chunk, in rounds (StageRound): each (channel, step)'s dl, u, each (state, step)'s B, C.
+    // ---- 1. stage the chunk, in rounds (StageRound): each (channel, step)'s dl2, u, each (state, step)'s B ln 2,
+    // C.
     // Consecutive threads take consecutive time steps: coalesced global loads.
     constexpr int kDU = StageItems<input_t, kNPL, kG>::fwd_channel, kBC = StageItems<input_t, kNPL, kG>::fwd_state;
     for (int i = tid, j = tid; i < cpb * T || j < NB * T; i += kDU * kThreads, j += kBC * kThreads) {
@@ -1048,11 +1062,11 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
           if (bias != nullptr) dv += v.bias;
           if (p.softplus) dv = softplus(dv);
         }
-        const acc_t pair[2] = {dv, uv};
+        const acc_t pair[2] = {dv * log2e<acc_t>(), uv};
         smem_store(du_s + 2 * (at.t * RC + cl), pair);
       });
       bc_r.use(bt.row, bt.R, NB, bc_in, bc_fetch, [&](int n, auto get, bool inside) {
-        stage_bc<acc_t, input_t>(BC_s + 2 * (bt.t * RB + n), get, inside);
+        stage_bc<acc_t, input_t, true>(BC_s + 2 * (bt.t * RB + n), get, inside);
       });
     }
     __syncthreads();
@@ -1064,14 +1078,14 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
       SS_NV_UNROLL(2)
       for (int t = 0; t < len; ++t) {
         vary(ok);
-        acc_t r[2];  // dl, u
+        acc_t r[2];  // dl2, u
         smem_load(du_s + 2 * (t * RC + m.c_local), r);
-        const acc_t dl = r[0];
-        const acc_t dlu = dl * r[1];
+        const acc_t dl2 = r[0];
+        const acc_t dlu = dl2 * r[1];
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
           if (computes<kNPL>(k, ok)) {
-            const acc_t a = ss_exp(dl * A[k]);
+            const acc_t a = ss_exp2(dl2 * A[k]);
             acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
             smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
             h[k] = a * h[k] + dlu * bc[0];
@@ -1087,17 +1101,17 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
     const auto step = [&](int t) {
       vary(ok);
       t = in_vgpr(t);  // AMD: the step's offsets per lane, not one set of scalar registers per unrolled step
-      acc_t r[2];  // dl, u
+      acc_t r[2];  // dl2, u
       smem_load(du_s + 2 * (t * RC + m.c_local), r);
-      const acc_t dl = r[0];
-      const acc_t dlu = dl * r[1];
+      const acc_t dl2 = r[0];
+      const acc_t dlu = dl2 * r[1];  // (times B ln 2: dl u B)
       acc_t y = acc_t(0);
 #pragma unroll
       for (int k = 0; k < kNPL; ++k) {
         if (computes<kNPL>(k, ok)) {
           acc_t bc[2];
           smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
-          h[k] = ss_exp(dl * A[k]) * h[k] + dlu * bc[0];
+          h[k] = ss_exp2(dl2 * A[k]) * h[k] + dlu * bc[0];
           y += h[k] * bc[1];
         }
       }
@@ -1175,7 +1189,7 @@ template <typename acc_t, int kNPL, int kTiles>
 struct BwdState {
   acc_t A[kTiles][kNPL];      // the channel's A[d, n] (kept: loading it per chunk held its pointer in SGPRs)
   acc_t carry[kTiles][kNPL];  // exp(dl_{t+1} A) * dh_{t+1}: the gradient reaching h_t through h_{t+1}
-  acc_t sum[kTiles][kNPL];    // pass 1: dA summed over the segment's steps; pass 0: the product of the decays
+  acc_t sum[kTiles][kNPL];    // pass 1: dA / ln 2 summed over the segment's steps; pass 0: the decays' product
   acc_t dD[kTiles], dbias[kTiles];  // pass 1; dD on lane_g == 0, dbias on the lanes that finish ddl (finish)
   __device__ __forceinline__ void rotate() {
 #pragma unroll
@@ -1251,7 +1265,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // left (see "Registers on AMD" at the top).
   constexpr int kSlots = kThreads * kNPL;  // state slots per block; slot of (thread, k) = k*kThreads + tid
   constexpr int kSegs = kThreads / kSeg;   // 32-lane segments per block
-  constexpr int kRec = 4;                  // values of a (time, channel) row: dl, u, dy, gz
+  constexpr int kRec = 4;                  // values of a (time, channel) row: dl2, dlu, u, dy
   // Row strides (smem_row; per lane on AMD, see in_vgpr: as uniform values they held scalar registers the kernel
   // lacks) and the stride of sums_o's three arrays (sums_stride).
   const int NB = bc_row_cols<kNPL>(N, G), RC = in_vgpr(smem_row(cpb)), RB = in_vgpr(smem_row(NB));
@@ -1262,9 +1276,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // Rows (smem_load / smem_store) start on their own size: o is a multiple of kThreads, 4 * TC of 4, 2 * TB and
   // 2 * TN of 2.
   acc_t* hist = smem;                                        // [T+1][kSlots]: hist[j] = state after step t0+j-1
-  acc_t* rec_s = smem + in_vgpr(o);                          // [T][RC][kRec]: dl (delta after bias and softplus),
-                                                             // u, dy = dL/dy = dout * silu(z), gz = dout * silu'(z)
-                                                             // (so dz = y * gz)
+  acc_t* rec_s = smem + in_vgpr(o);                          // [T][RC][kRec]: dl2 = dl * log2(e) (dl: delta after
+                                                             // bias and softplus; see ss_exp2), dlu = dl * u, u,
+                                                             // dy = dL/dy = dout * silu(z)
   acc_t* BC_s = smem + in_vgpr(o + kRec * TC);               // [T][RB][2]: B, C
   acc_t* dBC_s = smem + in_vgpr(o + kRec * TC + 2 * TB);     // [kSegs][T][RN][2]: each 32-lane segment's sums of dB,
                                                              // dC over its channels of every tile
@@ -1272,8 +1286,9 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   // (softplus' apart: the lanes that finish ddl read it, rows of two steps and two channels whose 16-byte rows
   // would share a bank: 4 * (RC - 1) words apart, a multiple of 32 for RC = 9 or 17)
   acc_t* dsp_s = smem + in_vgpr(o2);                         // [T][RC]  d dl / d(delta+bias)
-  acc_t* sums_o = smem + in_vgpr(o2 + TC);                   // [3][TS]  the sums over n of du, ddl, y, whose
-                                                             // outputs the tile's epilogue finishes
+  acc_t* gz_s = smem + in_vgpr(o2 + TC);                     // [T][RC]  dout * silu'(z) (so dz = (y + D u) * gz)
+  acc_t* sums_o = smem + in_vgpr(o2 + 2 * TC);               // [3][TS]  the sums over n of dh*B (du / dl), ddl,
+                                                             // y, whose outputs the tile's epilogue finishes
   const int wseg = tid / kSeg;
   acc_t* const dBC_lane = dBC_s + 2 * (wseg * T * RN + m.lane_g);  // this lane's column of its segment's dB, dC sums
   // Where the time loops read a step's row of rec_s (this thread's channel) and B, C of the lane's slot k: from
@@ -1283,7 +1298,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
   const acc_t* const rec_c = rec_s + kRec * m.c_local;
   const acc_t* const BC_lane = BC_s + 2 * m.lane_g;
   // Which total of the reverse recurrence's scatter sums this lane finishes (scatter_slot; a lane constant): sum
-  // `what` (0: du, 1: ddl, 2: y; 3: none) of the batch's step tb - i, which goes to sum[tb * RC] (and ddl's lanes
+  // `what` (0: du / dl, 1: ddl, 2: y; 3: none) of the batch's step tb - i, which goes to sum[tb * RC] (and ddl's lanes
   // read softplus' at dsp[tb * RC]).
   struct Fin {
     acc_t* sum;
@@ -1442,9 +1457,10 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               }
             }
             const int s = at.t * RC + cl;
-            const acc_t row[kRec] = {dl, uv, dy, gz};
+            const acc_t row[kRec] = {dl * log2e<acc_t>(), dl * uv, uv, dy};
             smem_store(rec_s + kRec * s, row);
             dsp_s[s] = dsp;
+            gz_s[s] = gz;
           });
         }
         __syncthreads();
@@ -1455,11 +1471,11 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             vary(ok);
             acc_t r[kRec];
             smem_load(rec_c + kRec * RC * t, r);
-            const acc_t dl = r[0], dy = r[2];
+            const acc_t dl2 = r[0], dy = r[3];
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               if (computes<kNPL>(k, ok)) {
-                const acc_t a = ss_exp(dl * st.A[0][k]);
+                const acc_t a = ss_exp2(dl2 * st.A[0][k]);
                 acc_t bc[2];  // (the pair, not C alone: with G = 32 a warp's C alone hit each bank twice)
                 smem_load(bc_at(t, k), bc);
                 st.carry[0][k] = a * (st.carry[0][k] + bc[1] * dy);
@@ -1486,16 +1502,15 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             SS_NV_UNROLL((kNPL == 1 ? 16 : 4))
             for (int t = 0; t < len; ++t) {
               vary(ok);
-              acc_t r[2];  // dl, u
+              acc_t r[2];  // dl2, dlu
               smem_load(rec_c + kRec * RC * t, r);
-              const acc_t dl = r[0];
-              const acc_t dlu = dl * r[1];
+              const acc_t dl2 = r[0], dlu = r[1];
 #pragma unroll
               for (int k = 0; k < kNPL; ++k) {
                 if (computes<kNPL>(k, ok)) {
                   acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
                   smem_load(bc_at(t, k), bc);
-                  h[k] = ss_exp(dl * st.A[0][k]) * h[k] + dlu * bc[0];
+                  h[k] = ss_exp2(dl2 * st.A[0][k]) * h[k] + dlu * bc[0];
                 }
                 hist[(t + 1) * kSlots + k * kThreads + tid] = h[k];
               }
@@ -1505,37 +1520,51 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           }
 
           // ---- 3. reverse recurrence over the chunk. One step at scan step t, giving this lane's parts of the
-          // sums over n of y, ddl and du.
+          // sums over n of y, ddl and dh*B (du / dl).
           struct Parts {
             acc_t y, ddl, du;
           };
-          const auto step = [&](int t) {
+          // With one state a lane, the rows of a batch's first step (t = tb) of rec_s and of B and C, walked back a
+          // batch at a time; a batch's steps lie at constant offsets from them (sm_90: the reverse step 51.5 ->
+          // 50.0 instructions; computed from tb, each address was a multiply-add and a shift-add a batch. The rows
+          // of the history and of the dB, dC sums walked as well: 49.5, but with G = 32 ptxas spilled a register;
+          // rec_s's walked with 8 states a lane, sm_80's float64 backward spilled two).
+          const acc_t* rec_b = rec_c + kRec * RC * (len - 1);
+          const acc_t* bc_b = bc_at(len - 1, 0);
+          // Step t, the batch's step i (t = tb - i).
+          const auto step = [&](int t, int i) {
             vary(ok);
             vary(lead);
             vary(lane_g);
             acc_t r[kRec];
-            smem_load(rec_c + kRec * RC * t, r);
-            const acc_t dl = r[0], uv = r[1], dy = r[2];
-            acc_t y_p = acc_t(0), ddl_p = acc_t(0), du_p = acc_t(0);  // this lane's part of the sums over n
+            smem_load(kNPL == 1 ? rec_b - i * kRec * RC : rec_c + kRec * RC * t, r);
+            const acc_t dl2 = r[0], dlu = r[1], uv = r[2], dy = r[3];
+            // This lane's part of the sums over n. The terms the step's gradients share are factored out of the
+            // sums (the multiplies of a (state, step) are the FMA pipe's work; sm_90: the reverse step 55.5 -> 51.5
+            // instructions with ss_exp2): du = dl * sum dh*B (dl applied in the finish), ddl = sum A*g + u * sum
+            // dh*B, dA = ln 2 * sum dl2*g (ln 2 applied in the store), with g = exp(dl A) * dh * h_{t-1}, of which
+            // the carry exp(dl A) * dh is made anyway.
+            acc_t y_p = acc_t(0), ddl_p = acc_t(0), sb_p = acc_t(0);
 #pragma unroll
             for (int k = 0; k < kNPL; ++k) {
               acc_t dB_v = acc_t(0), dC_v = acc_t(0);
               if (computes<kNPL>(k, ok)) {
                 acc_t bc[2];
-                smem_load(bc_at(t, k), bc);
+                smem_load(kNPL == 1 ? bc_b - 2 * i * RB : bc_at(t, k), bc);
                 const acc_t Bv = bc[0], Cv = bc[1];
                 const acc_t h_prev = hist[t * kSlots + k * kThreads + tid];
                 const acc_t h_cur = h_hi[k];  // the history's entry t + 1 (steps run t = len-1 .. 0)
                 h_hi[k] = h_prev;
-                const acc_t a = ss_exp(dl * st.A[0][k]);
+                const acc_t a = ss_exp2(dl2 * st.A[0][k]);
                 const acc_t dh = st.carry[0][k] + Cv * dy;  // total gradient of h_t
                 y_p += h_cur * Cv;
-                dB_v = dh * dl * uv;
+                dB_v = dh * dlu;
                 dC_v = h_cur * dy;
-                ddl_p += dh * (st.A[0][k] * a * h_prev + Bv * uv);
-                du_p += dh * dl * Bv;
-                st.sum[0][k] += dh * dl * a * h_prev;
                 st.carry[0][k] = a * dh;
+                const acc_t g_h = st.carry[0][k] * h_prev;
+                st.sum[0][k] += dl2 * g_h;
+                ddl_p += st.A[0][k] * g_h;
+                sb_p += dh * Bv;
               }
               // Sum dB, dC over the channels sharing this 32-lane segment (lanes with the same lane_g); the
               // segment's first group keeps them, adding tile after tile (one writer per entry, tiles in order;
@@ -1559,7 +1588,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               }
             }
             if (lane_g == 0) st.dD[0] += dy * uv;
-            return Parts{y_p, ddl_p, du_p};
+            return Parts{y_p, ddl_p + uv * sb_p, sb_p};
           };
           // The sums of kSteps steps at once, in one scatter sum: its lane of slot j finishes sum j % kBwdSlots of
           // step j / kBwdSlots of the batch, steps tb, tb - 1, ..; a batch of fewer steps (`steps`) leaves the
@@ -1573,7 +1602,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
             acc_t sums[kSums];
 #pragma unroll
             for (int i = 0; i < kSteps; ++i) {
-              const Parts r = i < steps ? step(tb - i) : Parts{acc_t(0), acc_t(0), acc_t(0)};
+              const Parts r = i < steps ? step(tb - i, i) : Parts{acc_t(0), acc_t(0), acc_t(0)};
               sums[i * kBwdSlots] = r.du;
               sums[i * kBwdSlots + 1] = r.ddl;
               sums[i * kBwdSlots + 2] = r.y;
@@ -1589,6 +1618,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               f.sum[tb * RC] = v;
               if (f.what == 1) st.dbias[0] += v * f.dsp[tb * RC];
             }
+            rec_b -= kSteps * kRec * RC;
+            bc_b -= kSteps * 2 * RB;
           };
           // Full batches without a guard around their steps (kSteps, a constant), then the chunk's first steps
           // that do not fill one (an odd chunk length: the last chunk of an odd sequence).
@@ -1598,7 +1629,8 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
           __syncthreads();  // the tile's outputs complete (and dBC_s after the last tile)
 
           // ---- 4. finish the tile's gradients for the chunk from the sums over n, and write them, coalesced:
-          // du = sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z); in rounds (StageRound: D)
+          // du = dl * sum + D dy, ddelta = sum * softplus', dz = (y + D u) * dout * silu'(z); in rounds
+          // (StageRound: D)
           for (int i = tid; i < cpb * T; i += kRows * kThreads) {
             const StageAt at(p, i, t0, len);
             const auto row_in = [&](int cl) { return cl < cpb && m.d0 + row0 + cl < p.dim && at.in_seq; };
@@ -1609,12 +1641,12 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
               if (!inside) return;
               const int64_t off = blk_at<kBases>(p, rows0, row0 + cl, at.ts);
               const int s = at.t * RC + cl;
-              acc_t r[kRec];  // dl, u, dy, gz
+              acc_t r[kRec];  // dl2, dlu, u, dy
               smem_load(rec_s + kRec * s, r);
               const acc_t D_d = get();
-              store_from_acc(du + off, sums_o[s] + D_d * r[2]);
+              store_from_acc(du + off, sums_o[s] * (r[0] * ln2<acc_t>()) + D_d * r[3]);
               store_from_acc(ddelta + off, sums_o[TS + s] * dsp_s[s]);
-              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * r[1]) * r[3]);  // dz: null iff z
+              if (z != nullptr) store_from_acc(dz + off, (sums_o[2 * TS + s] + D_d * r[2]) * gz_s[s]);  // null iff z
             });
           }
         }
@@ -1668,7 +1700,7 @@ __global__ void SS_LAUNCH_BOUNDS_BWD(input_t) scan_bwd_kernel(const KernelParams
 #pragma unroll
     for (int k = 0; k < kNPL; ++k) {
       if (k < slots) {
-        tail[g].a[k * G] = st.sum[g][k];
+        tail[g].a[k * G] = st.sum[g][k] * ln2<acc_t>();  // (summed as dA / ln 2: see the reverse step)
         if (tail[g].d != nullptr) tail[g].d[k * G] = st.carry[g][k];
       }
     }

@@ -279,7 +279,7 @@ def _mangle(name):
 def test_the_scan_loops_issue_at_most_their_budget_of_instructions_a_step(compile_check):
     """sm_90's SASS of the instances Vim trains with (tools/sass_loops.py, step 5 of the compile check): every loop
     of a recurrence is found, named after its section of the kernel source, and issues no more instructions a step
-    than tools/sass_loops.py's BUDGETS allow (the counts of 2026-11-30: a growth in addressing, branches or
+    than tools/sass_loops.py's BUDGETS allow (the counts of 2026-12-01: a growth in addressing, branches or
     conversions fails here as a spill fails the resource report); the loops that stage a chunk keep at least
     LOADS_IN_FLIGHT global loads in flight at each wait. Without nvcc or nvdisasm outside CI: skipped."""
     returncode, log, _, sass = compile_check

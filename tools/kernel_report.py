@@ -124,7 +124,7 @@ def fwd_smem_elems(c, chunk, dstate, group):
 def bwd_smem_elems(c, chunk, dstate, group, npl):
     cpb = c["kThreads"] // group
     segments = c["kThreads"] // c["kSeg"]
-    return ((chunk + 1) * c["kThreads"] * npl + 5 * chunk * smem_row(cpb) + 3 * sums_stride(chunk, cpb)
+    return ((chunk + 1) * c["kThreads"] * npl + 6 * chunk * smem_row(cpb) + 3 * sums_stride(chunk, cpb)
             + 2 * chunk * smem_row(bc_cols(dstate, group))
             + 2 * segments * chunk * smem_row(dbc_cols(npl, dstate, group)))
 

@@ -127,6 +127,12 @@ EMU_INLINE Acc<T> ss_exp(const Acc<T>& x) {
   return r;
 }
 template <typename T>
+EMU_INLINE Acc<T> ss_exp2(const Acc<T>& x) {
+  Acc<T> r(typename Acc<T>::Raw{}, std::exp2(x.v));
+  acc_sfu(&r, 'e', &x);
+  return r;
+}
+template <typename T>
 EMU_INLINE Acc<T> ss_log1p(const Acc<T>& x) {
   Acc<T> r(typename Acc<T>::Raw{}, std::log1p(x.v));
   acc_sfu(&r, 'l', &x);
