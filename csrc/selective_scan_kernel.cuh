@@ -94,15 +94,17 @@
 //
 // Backward: walks the chunks of its segment from last to first, and in each chunk its channel tiles in turn.
 //   For chunk c it stages B, C of the chunk in shared memory, and for each tile
-//   1. stages u, dl, softplus', dy = dout*silu(z), dout*silu'(z) of the tile's channels in shared memory (dl, u,
-//      dy and dout*silu'(z) in one 16-byte row a step and channel, as B and C and the dB, dC sums are pairs: one
-//      address and one load a step for each, see smem_load);
+//   1. stages dl2 = dl*log2(e) (see ss_exp2), dl*u, u, dy = dout*silu(z), softplus' and dout*silu'(z) of the
+//      tile's channels in shared memory (the first four in one 16-byte row a step and channel, as B and C and the
+//      dB, dC sums are pairs: one address and one load a step for each, see smem_load);
 //   2. recomputes the chunk's states from the stored state at its start (saved[b,d,c,:]), keeping every
 //      h_t of the chunk (and the start state) in a per-thread history in shared memory;
 //   3. runs the reverse recurrence t = end .. start, with dh_t = C_t*dy_t + exp(dl_{t+1}A)*dh_{t+1} (the
 //      second term is carried in registers, also across chunks):
-//         du_t     = sum_n dh*dl*B + D*dy            ddl_t = sum_n dh*(A*exp(dl*A)*h_{t-1} + B*u)
-//         dA[n]   += dh*dl*exp(dl*A)*h_{t-1}         dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
+//         du_t     = dl * sum_n dh*B + D*dy          ddl_t = sum_n A*g + u * sum_n dh*B
+//         dA[n]   += dl*g                            dB_t[n] += dh*dl*u     dC_t[n] += h_t*dy
+//      with g = exp(dl*A)*dh*h_{t-1} (the next step's carry times h_{t-1}): the factors the terms share taken out
+//      of the sums over n (dA summed as dA / ln 2, sum dl2*g);
 //         dz_t     = y_t * dout*silu'(z)             (y_t recomputed from the history)
 //         ddelta_t = ddl_t * softplus'(delta+bias)   dD += dy*u      ddelta_bias += ddelta_t
 //      The three sums over n of two steps go in one scatter sum (scatter_sum), whose lanes leave the totals in
@@ -397,6 +399,12 @@ template <typename T>
 __host__ __device__ constexpr T log2e() { return T(1.44269504088896340736); }
 template <typename T>
 __host__ __device__ constexpr T ln2() { return T(0.693147180559945309417); }
+// The decay of an argument staged for it: exp2 of dl2 * A (kExp2), or exp of dl * A.
+template <bool kExp2, typename T>
+__device__ __forceinline__ T decay(T x) {
+  if constexpr (kExp2) return ss_exp2(x);
+  else return ss_exp(x);
+}
 
 // torch.nn.functional.softplus with its defaults (beta 1, threshold 20): x above 20 passes through unchanged,
 // and the derivative there is exactly 1.
@@ -976,10 +984,13 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
   // bc_cols). A step's dl2 and u are a pair, as its B and C are (smem_load: one address and one load a step for
   // each). The arrays' offsets go through in_vgpr, as in the backward. The recurrences take dl2 = dl * log2(e)
   // for their decay exp2(dl2 * A) (see ss_exp2) and B ln 2 for their input (dl2 u) (B ln 2) = dl u B: no multiply
-  // by log2(e) in a (state, step), and the states are the true ones.
+  // by log2(e) in a (state, step), and the states are the true ones. With one state a lane only (kExp2): with
+  // several, ptxas took 8-23 more registers for the same loops on sm_80 and sm_100 (occupancy 56.25 -> 50 % at two
+  // states a lane, 37.5 -> 25 % at eight), so those stage dl and B and take exp(dl * A).
+  constexpr bool kExp2 = kNPL == 1;
   acc_t* smem = reinterpret_cast<acc_t*>(ss_smem_raw);
   acc_t* du_s = smem;                                  // [T][RC][2]: dl2 (dl: delta after bias and softplus), u
-  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RB][2]: B ln 2, C
+  acc_t* BC_s = smem + in_vgpr(2 * T * RC);            // [T][RB][2]: B ln 2, C (kExp2; else dl and B)
   acc_t* y_s = smem + in_vgpr(2 * T * RC + 2 * T * RB);  // [T][RC]  y before gating
 
   // Pass 0 (only when n_seg > 1): the segment's end state from a zero start and the product of its decays, into
@@ -1062,11 +1073,11 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
           if (bias != nullptr) dv += v.bias;
           if (p.softplus) dv = softplus(dv);
         }
-        const acc_t pair[2] = {dv * log2e<acc_t>(), uv};
+        const acc_t pair[2] = {kExp2 ? dv * log2e<acc_t>() : dv, uv};
         smem_store(du_s + 2 * (at.t * RC + cl), pair);
       });
       bc_r.use(bt.row, bt.R, NB, bc_in, bc_fetch, [&](int n, auto get, bool inside) {
-        stage_bc<acc_t, input_t, true>(BC_s + 2 * (bt.t * RB + n), get, inside);
+        stage_bc<acc_t, input_t, kExp2>(BC_s + 2 * (bt.t * RB + n), get, inside);
       });
     }
     __syncthreads();
@@ -1085,7 +1096,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
 #pragma unroll
         for (int k = 0; k < kNPL; ++k) {
           if (computes<kNPL>(k, ok)) {
-            const acc_t a = ss_exp2(dl2 * A[k]);
+            const acc_t a = decay<kExp2>(dl2 * A[k]);
             acc_t bc[2];  // (the pair, not B alone: with G = 32 a warp's B alone hit each bank twice)
             smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
             h[k] = a * h[k] + dlu * bc[0];
@@ -1111,7 +1122,7 @@ __global__ void SS_LAUNCH_BOUNDS_FWD(input_t, kNPL) scan_fwd_kernel(const Kernel
         if (computes<kNPL>(k, ok)) {
           acc_t bc[2];
           smem_load(BC_s + 2 * (t * RB + k * G + m.lane_g), bc);
-          h[k] = ss_exp2(dl2 * A[k]) * h[k] + dlu * bc[0];
+          h[k] = decay<kExp2>(dl2 * A[k]) * h[k] + dlu * bc[0];
           y += h[k] * bc[1];
         }
       }
