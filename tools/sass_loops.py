@@ -64,8 +64,9 @@ CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 # backward's reverse step 50.0, its recompute 7.6, its pass 0 10.0, the forward's step 15.2 and its pass 0 13.0;
 # 2026-11-30, once the scatter sums' swaps are selects (pick), the backward's lanes that finish them take their
 # addresses from lane constants made once a chunk (scatter_slot) and its dB, dC store is predicated instead of
-# branched around: 55.5, 9.6, 11.0, 16.2 and 14.0; before that, with the rows of shared memory a constant width (bc_cols, dbc_cols) and
-# the backward's steps read through pointers to the thread's columns, 62.5, 9.6, 11.0, 17.5-18.8 and 14.0; with the
+# branched around: 55.5, 9.6, 11.0, 16.2 and 14.0; before that, with the rows of shared memory a constant width
+# (bc_cols, dbc_cols) and the backward's steps read through pointers to the thread's columns, 62.5, 9.6, 11.0,
+# 17.5-18.8 and 14.0; with the
 # staging rounds, 67.0, 10.6-12.2, 11.8, 19.2-19.6 and 15.0; once the group was a template constant and the batches
 # of steps that share a scatter sum ran unguarded, 66.5, 10.6-12.2, 11.8, 19.6-19.9 and 15.0; with the group a
 # runtime value and every step guarded, that morning, 92.0, 11.4-12.5, 11.8, 29.1-29.2 and 16.0; before every lane
