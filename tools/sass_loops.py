@@ -66,13 +66,13 @@ CLASS_OF = {op: cls for cls, ops in CLASSES.items() for op in ops}
 # addresses from lane constants made once a chunk (scatter_slot) and its dB, dC store is predicated instead of
 # branched around: 55.5, 9.6, 11.0, 16.2 and 14.0; before that, with the rows of shared memory a constant width
 # (bc_cols, dbc_cols) and the backward's steps read through pointers to the thread's columns, 62.5, 9.6, 11.0,
-# 17.5-18.8 and 14.0; with the
-# staging rounds, 67.0, 10.6-12.2, 11.8, 19.2-19.6 and 15.0; once the group was a template constant and the batches
-# of steps that share a scatter sum ran unguarded, 66.5, 10.6-12.2, 11.8, 19.6-19.9 and 15.0; with the group a
-# runtime value and every step guarded, that morning, 92.0, 11.4-12.5, 11.8, 29.1-29.2 and 16.0; before every lane
-# ran the step without the `k < ok` branch 96.5 / 97.0, 18.2, 17.8, 32.9 and 20.8; before the rows of shared memory
-# 112.0 / 113.0, 18.7-19.2, 21.5, 35.0 / 38.4 and 18.2-21.8): a change that makes them issue more instructions
-# fails tools/compile_check.sh, as a spill does. (kernel kind, section pattern) -> instructions a step.
+# 17.5-18.8 and 14.0; with the staging rounds, 67.0, 10.6-12.2, 11.8, 19.2-19.6 and 15.0; once the group was a
+# template constant and the batches of steps that share a scatter sum ran unguarded, 66.5, 10.6-12.2, 11.8,
+# 19.6-19.9 and 15.0; with the group a runtime value and every step guarded, that morning, 92.0, 11.4-12.5, 11.8,
+# 29.1-29.2 and 16.0; before every lane ran the step without the `k < ok` branch 96.5 / 97.0, 18.2, 17.8, 32.9 and
+# 20.8; before the rows of shared memory 112.0 / 113.0, 18.7-19.2, 21.5, 35.0 / 38.4 and 18.2-21.8): a change that
+# makes them issue more instructions fails tools/compile_check.sh, as a spill does. (kernel kind, section pattern)
+# -> instructions a step.
 BUDGETS = {("scan_bwd_kernel", r"^reverse recurrence"): 50.0, ("scan_bwd_kernel", r"^recompute"): 8.0,
            ("scan_bwd_kernel", r"^pass 0"): 10.0, ("scan_fwd_kernel", r"^the recurrence"): 15.5,
            ("scan_fwd_kernel", r"^pass 0"): 13.0}
